@@ -1,0 +1,41 @@
+"""Build the Cython kernels in ext/ into hpcps.kernels.
+
+Options (environment variables, read at build time):
+
+HPCPS_MARCH_NATIVE=1   add -march=native. Only right when the machine that builds is the
+                       machine that runs (login nodes and compute nodes often differ), so it
+                       is off by default.
+HPCPS_NO_OPENMP=1      build without OpenMP (for compilers that lack it).
+"""
+import os
+
+import numpy as np
+from Cython.Build import cythonize
+from setuptools import Extension, setup
+
+compile_args = ["-O3"]
+link_args = []
+if os.environ.get("HPCPS_NO_OPENMP") != "1":
+    compile_args.append("-fopenmp")
+    link_args.append("-fopenmp")
+if os.environ.get("HPCPS_MARCH_NATIVE") == "1":
+    compile_args.append("-march=native")
+
+extensions = [
+    Extension(
+        "hpcps.kernels._adagrad",
+        ["ext/adagrad.pyx"],
+        include_dirs=[np.get_include()],
+        extra_compile_args=compile_args,
+        extra_link_args=link_args,
+        define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
+    ),
+]
+
+setup(
+    ext_modules=cythonize(
+        extensions,
+        language_level=3,
+        compiler_directives={"boundscheck": False, "wraparound": False, "cdivision": True},
+    ),
+)
