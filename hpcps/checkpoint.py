@@ -1,0 +1,707 @@
+"""Checkpoints: one self-describing HDF5 file per save, written atomically.
+
+A checkpoint holds the whole model (every layer, unpartitioned), the optimizer state, the step,
+the run's config, the identity of the dataset and the latest metrics. It does not record how
+many ranks wrote it, so a run can resume on a different number of servers, replicas or
+partitions. Whoever holds the full state (after a gather) calls :func:`save`; this module does
+no MPI. Plain ``h5py`` reads the file; ``python -m hpcps.inspect FILE`` prints a summary.
+
+File layout (``LAYOUT_VERSION = 1``)::
+
+    /                                 root attributes:
+    |   format          "hpcps-checkpoint"
+    |   layout_version  1
+    |   hpcps_version   version of hpcps that wrote the file
+    |   step            global step (mini-batches applied)
+    |   created         UTC time of the save, ISO 8601
+    |   layer_sizes     int64 array [n_0, n_1, ..., n_L], e.g. [784, 512, 512, 10]
+    |   description     one sentence saying what the file is and where it is explained
+    |   config_json     the config as JSON (what load() uses: types survive)
+    |   dataset_json    the dataset identity as JSON (what load() uses)
+    |   metrics_json    the metrics as JSON (what load() uses)
+    |   meta_sha256     SHA-256 of everything except the array data (see below)
+    |
+    +-- params/                       attr description
+    |   +-- layer0/
+    |   |   +-- W      float32 (n_0, n_1)   attr description: y = act(x @ W + b)
+    |   |   +-- b      float32 (n_1,)       attr description
+    |   +-- layer1/ ... layer{L-1}/
+    +-- optimizer/                    attrs name ("sgd", "adagrad", ...), description
+    |   +-- accum/layer0/W ...        one dataset per opt_state key, attr description
+    +-- config/                       one attr per config key, nested keys joined with "."
+    |                                 (lists as arrays, None as the string "none")
+    +-- dataset/                      one attr per dataset identity key (name, fingerprint,
+    |                                 n_train, n_test, n_features, n_classes)
+    +-- metrics/                      one attr per metric (train_loss, test_accuracy, ...)
+
+Integrity. Every dataset is chunked with the Fletcher-32 filter, so a flipped byte in the array
+data fails the read; no compression (gzip is ~50x slower than raw writes on incompressible
+weights). The file uses the HDF5 1.10 format (``libver=("v110", "latest")``), whose superblock,
+object headers and indexes carry checksums of their own. What neither covers (variable-length
+strings live in the unchecksummed global heap) is covered by ``meta_sha256``: a SHA-256 over the
+format, layout version, step, optimizer name, the names, shapes and dtypes of all datasets and
+the three JSON strings; load() recomputes it. The per-key attributes of ``/config``,
+``/dataset`` and ``/metrics`` are for people and for tools that read the file with h5py; load()
+reads the JSON copies.
+
+Atomicity. save() writes ``<name>.tmp-<pid>`` in the target's directory, flushes and fsyncs it,
+closes it, renames it onto the target with ``os.replace`` and fsyncs the directory. A crash or
+``kill -9`` during the write leaves the previous checkpoint untouched; the stale temporary file
+is harmless (load() of it fails cleanly), and the next save by a process with the same pid
+replaces it. Temporary files of other pids are left alone: they may belong to a live writer.
+
+Every problem with a file or with the state handed to save() raises
+:class:`hpcps.errors.CheckpointError` with the path and the reason.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import math
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import h5py
+import numpy as np
+
+from hpcps import __version__
+from hpcps.errors import CheckpointError
+
+FORMAT = "hpcps-checkpoint"
+LAYOUT_VERSION = 1
+
+DESCRIPTION = (
+    "hpcps training checkpoint: the network's weights under /params, optimizer state under "
+    "/optimizer, the run's config, dataset identity and metrics; the layout is explained in the "
+    "hpcps README (section 'Checkpoints') and in the docstring of hpcps/checkpoint.py, and "
+    "'python -m hpcps.inspect FILE' prints a summary."
+)
+
+_PARAM_NAME = re.compile(r"^layer(0|[1-9][0-9]*)/(W|b)$")
+_OPT_KEY_PART = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*$")
+
+# What a known optimizer-state kind means, for the description attribute of its datasets.
+_OPT_KINDS = {
+    "accum": "Adagrad accumulator (running sum of squared gradients)",
+    "momentum": "momentum buffer (velocity)",
+    "velocity": "momentum buffer (velocity)",
+}
+
+
+@dataclass
+class Checkpoint:
+    """Everything a run needs to resume.
+
+    Parameters
+    ----------
+    params : dict of str to ndarray
+        ``"layer{i}/W"`` float32 ``(fan_in, fan_out)`` and ``"layer{i}/b"`` float32
+        ``(fan_out,)`` for layers ``0..L-1``, shapes chaining from layer to layer.
+    optimizer : str
+        Name of the optimizer whose state this is, e.g. ``"sgd"`` or ``"adagrad"``.
+    opt_state : dict of str to ndarray
+        Optimizer state by key, e.g. ``"accum/layer0/W"``; empty for plain SGD.
+    step : int
+        Global step: mini-batches applied so far.
+    config : dict
+        The run's config as plain JSON-able values (tuples come back as lists).
+    dataset : dict
+        Dataset identity: name, fingerprint, n_train, n_test, n_features, n_classes.
+    metrics : dict
+        Latest metrics, e.g. ``{"train_loss": .., "test_accuracy": .., "elapsed_s": ..}``.
+    path : Path or None
+        The file this was loaded from (set by :func:`load`, used in messages; not compared).
+    """
+
+    params: dict[str, np.ndarray]
+    optimizer: str
+    opt_state: dict[str, np.ndarray]
+    step: int
+    config: dict
+    dataset: dict
+    metrics: dict = field(default_factory=dict)
+    path: Path | None = field(default=None, compare=False, repr=False)
+
+
+# ---------------------------------------------------------------------------------------------
+# validation (shared by save and load, so a hand-edited file is held to the same rules)
+
+
+def layer_sizes(params: dict[str, np.ndarray]) -> list[int]:
+    """Return ``[n_0, n_1, ..., n_L]`` of a params dict, checking names, dtypes and shapes.
+
+    Raises
+    ------
+    CheckpointError
+        If a name is not ``layer{i}/W`` or ``layer{i}/b``, a layer is missing or incomplete, an
+        array is not float32, or the shapes do not chain (W_i is (n_i, n_{i+1}), b_i (n_{i+1},)).
+    """
+    if not isinstance(params, dict) or not params:
+        raise CheckpointError("params must be a non-empty dict like {'layer0/W': .., 'layer0/b': ..}")
+    layers: dict[int, set[str]] = {}
+    for name, value in params.items():
+        m = _PARAM_NAME.match(name) if isinstance(name, str) else None
+        if m is None:
+            raise CheckpointError(f"param name {name!r} is not of the form 'layer{{i}}/W' or 'layer{{i}}/b'")
+        if not isinstance(value, np.ndarray) or value.dtype != np.float32:
+            kind = value.dtype if isinstance(value, np.ndarray) else type(value).__name__
+            raise CheckpointError(f"param {name} must be a float32 ndarray, got {kind}")
+        layers.setdefault(int(m.group(1)), set()).add(m.group(2))
+    n_layers = len(layers)
+    if sorted(layers) != list(range(n_layers)):
+        raise CheckpointError(f"layers must be numbered 0..{n_layers - 1} without gaps, got {sorted(layers)}")
+    sizes: list[int] = []
+    for i in range(n_layers):
+        for part in ("W", "b"):
+            if part not in layers[i]:
+                raise CheckpointError(f"param layer{i}/{part} is missing")
+        W, b = params[f"layer{i}/W"], params[f"layer{i}/b"]
+        if W.ndim != 2 or b.ndim != 1 or b.shape[0] != W.shape[1]:
+            raise CheckpointError(
+                f"layer{i}: W must be (fan_in, fan_out) and b (fan_out,), got W {W.shape} and b {b.shape}"
+            )
+        if i == 0:
+            sizes.append(int(W.shape[0]))
+        elif W.shape[0] != sizes[-1]:
+            raise CheckpointError(
+                f"layer{i}/W has fan_in {W.shape[0]} but layer{i - 1} has fan_out {sizes[-1]}: shapes do not chain"
+            )
+        sizes.append(int(W.shape[1]))
+    return sizes
+
+
+_sizes_of = layer_sizes  # check_compatible() has an argument of the same name
+
+
+def _check_opt_state(opt_state: dict[str, np.ndarray]) -> None:
+    if not isinstance(opt_state, dict):
+        raise CheckpointError(f"opt_state must be a dict of arrays, got {type(opt_state).__name__}")
+    for key, value in opt_state.items():
+        parts = key.split("/") if isinstance(key, str) else [""]
+        if not all(_OPT_KEY_PART.match(p) for p in parts):
+            raise CheckpointError(
+                f"opt_state key {key!r} must be '/'-separated names of letters, digits, '_', '.', '-'"
+            )
+        if not isinstance(value, np.ndarray) or value.dtype.kind not in "biuf":
+            kind = value.dtype if isinstance(value, np.ndarray) else type(value).__name__
+            raise CheckpointError(f"opt_state {key} must be a numeric ndarray, got {kind}")
+        if value.ndim == 0:
+            raise CheckpointError(f"opt_state {key} is a 0-d array; store it with shape (1,)")
+    keys = set(opt_state)
+    for key in keys:
+        parts = key.split("/")
+        for k in range(1, len(parts)):
+            if "/".join(parts[:k]) in keys:
+                raise CheckpointError(
+                    f"opt_state keys {'/'.join(parts[:k])!r} and {key!r} clash: one would be a group of the other"
+                )
+
+
+def _plain(value: Any, where: str) -> Any:
+    """Return ``value`` as plain JSON types (numpy scalars unwrapped), or raise naming ``where``."""
+    if value is None or isinstance(value, (bool, str)):
+        return value
+    if isinstance(value, np.generic):
+        return _plain(value.item(), where)
+    if isinstance(value, (int, float)):
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_plain(v, f"{where}[{i}]") for i, v in enumerate(value)]
+    if isinstance(value, dict):
+        out = {}
+        for k, v in value.items():
+            if not isinstance(k, str):
+                raise CheckpointError(f"{where}: key {k!r} is not a string (JSON keys are strings)")
+            out[k] = _plain(v, f"{where}.{k}")
+        return out
+    raise CheckpointError(f"{where} is a {type(value).__name__}, not a JSON value (str/int/float/bool/list/dict/None)")
+
+
+def _checked(ckpt: Checkpoint) -> tuple[list[int], dict, dict, dict]:
+    if not isinstance(ckpt, Checkpoint):
+        raise CheckpointError(f"save() needs a Checkpoint, got {type(ckpt).__name__}")
+    sizes = layer_sizes(ckpt.params)
+    if not isinstance(ckpt.optimizer, str) or not _OPT_KEY_PART.match(ckpt.optimizer):
+        raise CheckpointError(f"optimizer must be a name like 'sgd' or 'adagrad', got {ckpt.optimizer!r}")
+    _check_opt_state(ckpt.opt_state)
+    if isinstance(ckpt.step, bool) or not isinstance(ckpt.step, (int, np.integer)) or ckpt.step < 0:
+        raise CheckpointError(f"step must be a non-negative int, got {ckpt.step!r}")
+    plain = []
+    for name in ("config", "dataset", "metrics"):
+        value = getattr(ckpt, name)
+        if not isinstance(value, dict):
+            raise CheckpointError(f"{name} must be a dict, got {type(value).__name__}")
+        plain.append(_plain(value, name))
+    return sizes, plain[0], plain[1], plain[2]
+
+
+# ---------------------------------------------------------------------------------------------
+# writing
+
+
+def _meta_digest(step: int, optimizer: str, arrays: dict[str, tuple[tuple[int, ...], str]],
+                 config_json: str, dataset_json: str, metrics_json: str) -> str:
+    """SHA-256 over all content except array data; ``arrays`` maps HDF5 path to (shape, dtype)."""
+    canonical = json.dumps(
+        {
+            "format": FORMAT,
+            "layout_version": LAYOUT_VERSION,
+            "step": int(step),
+            "optimizer": optimizer,
+            "arrays": {k: [list(s), d] for k, (s, d) in sorted(arrays.items())},
+            "config_json": config_json,
+            "dataset_json": dataset_json,
+            "metrics_json": metrics_json,
+        },
+        sort_keys=True,
+    )
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def _human_attr(value: Any) -> Any:
+    """A value as an HDF5 attribute a person can read: lists as arrays, None as "none"."""
+    if value is None:
+        return "none"
+    if isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, list) and value:
+        if all(isinstance(v, str) for v in value):
+            return np.array(value, dtype=h5py.string_dtype())
+        if all(isinstance(v, bool) for v in value):
+            return np.array(value, dtype=bool)
+        if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
+            return np.array(value)
+    return json.dumps(value)  # empty or mixed lists: the JSON text says it best
+
+
+def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and v:
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def _write_attrs(group: h5py.Group, d: dict) -> None:
+    for k, v in _flatten(d).items():
+        group.attrs[k] = _human_attr(v)
+
+
+def _opt_description(optimizer: str, key: str, params: dict) -> str:
+    kind, _, rest = key.partition("/")
+    text = f"{optimizer} optimizer state {key!r}"
+    if kind in _OPT_KINDS:
+        text += f": {_OPT_KINDS[kind]}"
+    if rest in params:
+        text += f" for /params/{rest} (same shape)"
+    return text
+
+
+def _write(path: Path, ckpt: Checkpoint) -> None:
+    """Write ``ckpt`` to ``path`` (not atomically), flush and fsync it. save() wraps this."""
+    sizes, config, dataset, metrics = _checked(ckpt)
+    config_json = json.dumps(config)
+    dataset_json = json.dumps(dataset)
+    metrics_json = json.dumps(metrics)
+    arrays = {f"params/{k}": (v.shape, v.dtype.str) for k, v in ckpt.params.items()}
+    arrays.update({f"optimizer/{k}": (v.shape, v.dtype.str) for k, v in ckpt.opt_state.items()})
+    digest = _meta_digest(int(ckpt.step), ckpt.optimizer, arrays, config_json, dataset_json, metrics_json)
+
+    with h5py.File(path, "w", libver=("v110", "latest"), track_order=True) as f:
+        a = f.attrs
+        a["format"] = FORMAT
+        a["layout_version"] = LAYOUT_VERSION
+        a["hpcps_version"] = __version__
+        a["step"] = np.int64(ckpt.step)
+        a["created"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+        a["layer_sizes"] = np.array(sizes, dtype=np.int64)
+        a["description"] = DESCRIPTION
+        a["config_json"] = config_json
+        a["dataset_json"] = dataset_json
+        a["metrics_json"] = metrics_json
+        a["meta_sha256"] = digest
+
+        def put(name: str, data: np.ndarray, description: str) -> None:
+            dset = f.create_dataset(name, data=data, chunks=True, fletcher32=True)
+            dset.attrs["description"] = description
+
+        g = f.create_group("params")
+        g.attrs["description"] = (
+            f"the network's parameters, {len(sizes) - 1} fully connected layers of sizes "
+            f"{' -> '.join(map(str, sizes))}; layer i computes y = act(x @ W + b)"
+        )
+        for i in range(len(sizes) - 1):
+            W, b = ckpt.params[f"layer{i}/W"], ckpt.params[f"layer{i}/b"]
+            put(f"params/layer{i}/W", W,
+                f"weights of layer {i}, shape (fan_in, fan_out) = {W.shape}: y = act(x @ W + b)")
+            put(f"params/layer{i}/b", b,
+                f"biases of layer {i}, shape (fan_out,) = {b.shape}: y = act(x @ W + b)")
+
+        g = f.create_group("optimizer")
+        g.attrs["name"] = ckpt.optimizer
+        g.attrs["description"] = (
+            f"state of the {ckpt.optimizer} optimizer, one dataset per key"
+            + ("" if ckpt.opt_state else " (none: this optimizer keeps no state)")
+        )
+        for key, value in ckpt.opt_state.items():
+            put(f"optimizer/{key}", value, _opt_description(ckpt.optimizer, key, ckpt.params))
+
+        _write_attrs(f.create_group("config", track_order=True), config)
+        _write_attrs(f.create_group("dataset", track_order=True), dataset)
+        _write_attrs(f.create_group("metrics", track_order=True), metrics)
+
+        f.flush()
+        fd = f.id.get_vfd_handle()  # the sec2 driver's file descriptor
+        os.fsync(fd if isinstance(fd, int) else int(fd))
+
+
+def _fsync_dir(directory: Path) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
+        return  # cannot open directories (not POSIX): the rename is done, durability best effort
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some file systems refuse fsync on a directory (EINVAL); the rename still happened
+    finally:
+        os.close(fd)
+
+
+def save(path: str | os.PathLike, ckpt: Checkpoint) -> Path:
+    """Write ``ckpt`` to ``path`` atomically and return the path.
+
+    The state is checked first (nothing is written for bad input). The file is written as
+    ``<name>.tmp-<pid>`` in the same directory, flushed, fsynced and closed, then renamed onto
+    ``path`` and the directory fsynced: a reader sees the old file or the new one, never a
+    partial one, also if this process is killed during the write.
+
+    Parameters
+    ----------
+    path : str or PathLike
+        Target file, conventionally ``*.h5``. Its directory must exist.
+    ckpt : Checkpoint
+        The full state; see :class:`Checkpoint` for the rules it must follow.
+
+    Raises
+    ------
+    CheckpointError
+        If the state breaks the rules, or the file cannot be written (the reason is given).
+    """
+    path = Path(path)
+    _checked(ckpt)  # refuse bad input before touching the file system
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    try:
+        tmp.unlink(missing_ok=True)  # a stale temp of a crashed save by a process with our pid
+        _write(tmp, ckpt)
+        os.replace(tmp, path)
+    except BaseException as exc:
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:
+            pass
+        if isinstance(exc, OSError):
+            raise CheckpointError(f"cannot write checkpoint {path}: {exc}") from exc
+        raise
+    _fsync_dir(path.parent)
+    return path
+
+
+# ---------------------------------------------------------------------------------------------
+# reading
+
+
+def _attr_str(attrs: h5py.AttributeManager, name: str) -> str:
+    value = attrs[name]
+    if isinstance(value, (bytes, np.bytes_)):
+        value = value.decode("utf-8")
+    if not isinstance(value, str):
+        raise ValueError(f"attribute {name!r} is {type(value).__name__}, expected a string")
+    return value
+
+
+def _datasets(group: h5py.Group) -> dict[str, h5py.Dataset]:
+    found: dict[str, h5py.Dataset] = {}
+
+    def visit(name: str, obj: Any) -> None:
+        if isinstance(obj, h5py.Dataset):
+            found[name] = obj
+
+    group.visititems(visit)
+    return found
+
+
+def _read(path: str | os.PathLike) -> tuple[Checkpoint, dict[str, Any]]:
+    """Load ``path`` fully; return the checkpoint and header facts (created, hpcps_version)."""
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"checkpoint not found: {path}")
+    if path.is_dir():
+        raise CheckpointError(f"checkpoint {path} is a directory, not a file")
+
+    def missing(what: str) -> CheckpointError:
+        return CheckpointError(f"checkpoint {path} lacks {what}: not a complete hpcps checkpoint")
+
+    try:
+        with h5py.File(path, "r") as f:
+            a = f.attrs
+            if "format" not in a:
+                raise CheckpointError(
+                    f"{path} is an HDF5 file but not an hpcps checkpoint (no root attribute 'format')"
+                )
+            fmt = _attr_str(a, "format")
+            if fmt != FORMAT:
+                raise CheckpointError(f"{path} is not an hpcps checkpoint: format is {fmt!r}, expected {FORMAT!r}")
+            if "layout_version" not in a:
+                raise missing("the root attribute 'layout_version'")
+            version = a["layout_version"]
+            if not isinstance(version, (int, np.integer)) or int(version) != LAYOUT_VERSION:
+                raise CheckpointError(
+                    f"checkpoint {path} has layout_version {version!r}; this hpcps ({__version__}) "
+                    f"reads layout_version {LAYOUT_VERSION} only"
+                )
+            for name in ("step", "layer_sizes", "config_json", "dataset_json", "metrics_json", "meta_sha256"):
+                if name not in a:
+                    raise missing(f"the root attribute {name!r}")
+            for name in ("params", "optimizer", "config", "dataset", "metrics"):
+                if name not in f:
+                    raise missing(f"the group /{name}")
+            if "name" not in f["optimizer"].attrs:
+                raise missing("the attribute 'name' of /optimizer")
+
+            sizes = [int(n) for n in np.asarray(a["layer_sizes"]).ravel()]
+            for i in range(len(sizes) - 1):
+                for part in ("W", "b"):
+                    name = f"layer{i}/{part}"
+                    if name not in f["params"]:
+                        raise missing(f"the dataset /params/{name}")
+            params = {k: d[()] for k, d in _datasets(f["params"]).items()}
+            opt_state = {k: d[()] for k, d in _datasets(f["optimizer"]).items()}
+            step = a["step"]
+            optimizer = _attr_str(f["optimizer"].attrs, "name")
+            config_json = _attr_str(a, "config_json")
+            dataset_json = _attr_str(a, "dataset_json")
+            metrics_json = _attr_str(a, "metrics_json")
+            stored_digest = _attr_str(a, "meta_sha256")
+            header = {
+                "format": fmt,
+                "layout_version": int(version),
+                "hpcps_version": _attr_str(a, "hpcps_version") if "hpcps_version" in a else None,
+                "created": _attr_str(a, "created") if "created" in a else None,
+                "file_size": path.stat().st_size,
+            }
+    except CheckpointError:
+        raise
+    except Exception as exc:  # h5py raises OSError, KeyError, ValueError, ... for damaged files
+        raise CheckpointError(
+            f"checkpoint {path} is unreadable (truncated or corrupt): {type(exc).__name__}: {exc}"
+        ) from exc
+
+    arrays = {f"params/{k}": (v.shape, v.dtype.str) for k, v in params.items()}
+    arrays.update({f"optimizer/{k}": (v.shape, v.dtype.str) for k, v in opt_state.items()})
+    if not isinstance(step, (int, np.integer)):
+        raise CheckpointError(f"checkpoint {path} is unreadable (truncated or corrupt): step is {step!r}")
+    digest = _meta_digest(int(step), optimizer, arrays, config_json, dataset_json, metrics_json)
+    if digest != stored_digest:
+        raise CheckpointError(
+            f"checkpoint {path} is unreadable (truncated or corrupt): its metadata does not match "
+            f"meta_sha256 (names, shapes, step or JSON attributes were altered)"
+        )
+    try:
+        config, dataset, metrics = (json.loads(s) for s in (config_json, dataset_json, metrics_json))
+    except ValueError as exc:
+        raise CheckpointError(f"checkpoint {path} is unreadable (truncated or corrupt): {exc}") from exc
+    ckpt = Checkpoint(params=params, optimizer=optimizer, opt_state=opt_state, step=int(step),
+                      config=config, dataset=dataset, metrics=metrics, path=path)
+    try:
+        found = _checked(ckpt)[0]
+    except CheckpointError as exc:
+        raise CheckpointError(f"checkpoint {path} is inconsistent: {exc}") from exc
+    if found != sizes:
+        raise CheckpointError(
+            f"checkpoint {path} is inconsistent: layer_sizes says {sizes} but /params holds {found}"
+        )
+    return ckpt, header
+
+
+def load(path: str | os.PathLike) -> Checkpoint:
+    """Read a checkpoint fully into memory (the file is closed on return).
+
+    Raises
+    ------
+    CheckpointError
+        If the file is missing, not HDF5, truncated or corrupt (a failed checksum), not an hpcps
+        checkpoint, of a layout version this hpcps does not read, or lacks a piece (named).
+    """
+    return _read(path)[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# compatibility with the run that wants to resume
+
+
+def _where(ckpt: Checkpoint) -> str:
+    return f"checkpoint {ckpt.path}" if ckpt.path is not None else "the checkpoint"
+
+
+def check_compatible(ckpt: Checkpoint, layer_sizes: list[int], optimizer: str | None = None,
+                     dataset: dict | None = None) -> list[str]:
+    """Refuse to resume ``ckpt`` into a different model; return warnings for lesser mismatches.
+
+    Parameters
+    ----------
+    ckpt : Checkpoint
+        As returned by :func:`load`.
+    layer_sizes : list of int
+        The run's layer sizes ``[n_0, ..., n_L]``.
+    optimizer : str, optional
+        The run's optimizer; resuming with another one is refused (its state would not match).
+    dataset : dict, optional
+        The run's dataset identity. Different ``n_features`` or ``n_classes`` are refused; a
+        different ``name`` or ``fingerprint`` alone is allowed with a warning.
+
+    Returns
+    -------
+    list of str
+        Warnings for the caller to print (empty when everything matches).
+    """
+    where = _where(ckpt)
+    have = _sizes_of(ckpt.params)
+    want = [int(n) for n in layer_sizes]
+    if have != want:
+        raise CheckpointError(
+            f"{where} holds layers {','.join(map(str, have))} but this run asks for {','.join(map(str, want))}"
+        )
+    if optimizer is not None and optimizer != ckpt.optimizer:
+        raise CheckpointError(
+            f"{where} was written by optimizer {ckpt.optimizer!r} but this run asks for {optimizer!r}; "
+            f"resuming with another optimizer is refused because its state would not match "
+            f"(use optimizer {ckpt.optimizer!r}, or start a new run)"
+        )
+    warnings: list[str] = []
+    if dataset is not None:
+        for key in ("n_features", "n_classes"):
+            if key in dataset and key in ckpt.dataset and dataset[key] != ckpt.dataset[key]:
+                raise CheckpointError(
+                    f"{where} was trained on data with {key} = {ckpt.dataset[key]} but this run's "
+                    f"dataset has {key} = {dataset[key]}"
+                )
+        for key in ("name", "fingerprint"):
+            if key in dataset and key in ckpt.dataset and dataset[key] != ckpt.dataset[key]:
+                warnings.append(
+                    f"{where} was trained on dataset {key} {ckpt.dataset[key]!r} but this run uses "
+                    f"{dataset[key]!r}; resuming anyway (same n_features and n_classes)"
+                )
+    return warnings
+
+
+# ---------------------------------------------------------------------------------------------
+# inspection
+
+
+def _stats(a: np.ndarray) -> dict[str, Any]:
+    out: dict[str, Any] = {"shape": list(a.shape), "dtype": str(a.dtype)}
+    if a.size == 0:
+        return out
+    finite = np.isfinite(a)
+    n_bad = int(a.size - np.count_nonzero(finite))
+    good = a if n_bad == 0 else a[finite]
+    if good.size:
+        out.update(min=float(good.min()), max=float(good.max()),
+                   mean=float(good.mean(dtype=np.float64)), std=float(good.std(dtype=np.float64)))
+    if n_bad:
+        out["non_finite"] = n_bad
+    return out
+
+
+def summarize(path: str | os.PathLike) -> dict[str, Any]:
+    """The facts :func:`describe` prints, as a JSON-able dict (non-finite floats as strings)."""
+    ckpt, header = _read(path)
+    sizes = _sizes_of(ckpt.params)
+    n_params = sum(int(v.size) for v in ckpt.params.values())
+    facts = {
+        "path": str(path),
+        **header,
+        "step": ckpt.step,
+        "layer_sizes": sizes,
+        "n_params": n_params,
+        "params": {k: _stats(ckpt.params[k]) for k in sorted(ckpt.params, key=_param_order)},
+        "optimizer": ckpt.optimizer,
+        "opt_state": {k: _stats(v) for k, v in sorted(ckpt.opt_state.items())},
+        "config": ckpt.config,
+        "dataset": ckpt.dataset,
+        "metrics": ckpt.metrics,
+    }
+    return _json_safe(facts)
+
+
+def _param_order(name: str) -> tuple[int, str]:
+    m = _PARAM_NAME.match(name)
+    return (int(m.group(1)), m.group(2)) if m else (-1, name)
+
+
+def _json_safe(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)  # "nan", "inf": strict JSON has no such numbers
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_json_safe(v) for v in value]
+    return value
+
+
+def _fmt_num(x: Any) -> str:
+    return f"{x:.6g}" if isinstance(x, float) else str(x)
+
+
+def _fmt_stats(name: str, s: dict[str, Any], width: int) -> str:
+    shape = "(" + ", ".join(map(str, s["shape"])) + ("," if len(s["shape"]) == 1 else "") + ")"
+    line = f"  {name:<{width}}  {shape:<14} {s['dtype']:<8}"
+    if "min" in s:
+        line += "  " + "  ".join(f"{k} {s[k]:+.4e}" for k in ("min", "max", "mean", "std"))
+    if "non_finite" in s:
+        line += f"  NON-FINITE {s['non_finite']}"
+    return line.rstrip()
+
+
+def _fmt_size(n: int) -> str:
+    if n < 1000:
+        return f"{n} B"
+    exp = min(int(math.log10(n)) // 3, 3)
+    return f"{n / 1000 ** exp:.1f} {'KMG'[exp - 1]}B"
+
+
+def describe(path: str | os.PathLike) -> str:
+    """Return a multi-line, human-readable summary of the checkpoint at ``path``.
+
+    Raises
+    ------
+    CheckpointError
+        As :func:`load`.
+    """
+    s = summarize(path)
+    lines = [
+        f"hpcps checkpoint {s['path']}",
+        f"  format        {s['format']}, layout_version {s['layout_version']}",
+        f"  written by    hpcps {s['hpcps_version']} at {s['created']}",
+        f"  file size     {_fmt_size(s['file_size'])}",
+        f"  step          {s['step']}",
+        f"  layer sizes   {' -> '.join(map(str, s['layer_sizes']))}  ({s['n_params']:,} parameters)",
+        "params",
+    ]
+    width = max(len(k) for k in list(s["params"]) + list(s["opt_state"]))
+    lines += [_fmt_stats(k, v, width) for k, v in s["params"].items()]
+    lines.append(f"optimizer {s['optimizer']}" + ("" if s["opt_state"] else " (no state)"))
+    lines += [_fmt_stats(k, v, width) for k, v in s["opt_state"].items()]
+    for section in ("config", "dataset", "metrics"):
+        lines.append(section + ("" if s[section] else " (empty)"))
+        for k, v in _flatten(s[section]).items():
+            lines.append(f"  {k} = {json.dumps(v) if not isinstance(v, float) else _fmt_num(v)}")
+    return "\n".join(lines)

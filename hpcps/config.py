@@ -1,0 +1,271 @@
+"""The run's configuration: one typed, frozen object built from a TOML file and the command line.
+
+Every option of ``python -m hpcps.train`` is a field of :class:`Config`. A TOML file given with
+``--config FILE.toml`` may hold the same keys (``batch_size`` or ``batch-size``); the command
+line wins over the file, the file over the defaults. Unknown keys and options are refused, with
+the closest valid name suggested, so a typo never silently trains with a default.
+
+Options that belong to one strategy only (``--n-fetch`` for ``downpour``, say) are refused when
+given explicitly with another strategy: a flag that does nothing would mislead.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import math
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+from hpcps.errors import ConfigError
+
+STRATEGIES = ("downpour", "sync")
+ACTIVATIONS = ("relu", "tanh", "sigmoid")
+OPTIMIZERS = ("adagrad", "sgd")
+
+# Defaults that depend on the strategy: None in the dataclass means "not given".
+STRATEGY_DEFAULTS = {
+    "downpour": {"servers": 1, "optimizer": "adagrad", "lr": 0.01, "n_fetch": 1, "n_push": 1,
+                 "warmup_steps": 200},
+    "sync": {"servers": 0, "optimizer": "adagrad", "lr": 0.01, "n_fetch": None, "n_push": None,
+             "warmup_steps": None},
+}
+DOWNPOUR_ONLY = ("n_fetch", "n_push", "warmup_steps")
+
+
+@dataclass(frozen=True)
+class Config:
+    """Everything a run needs to know. Build it with :func:`parse`; see ``--help`` for meanings."""
+
+    strategy: str = "downpour"
+    servers: int | None = None
+    partitions: int = 1
+    layers: tuple[int, ...] = (784, 512, 512, 10)
+    activation: str = "relu"
+    optimizer: str | None = None
+    lr: float | None = None
+    adagrad_eps: float = 1e-8
+    epochs: float | None = None
+    steps: int | None = None
+    batch_size: int = 32
+    n_fetch: int | None = None
+    n_push: int | None = None
+    warmup_steps: int | None = None
+    data: str = "data/mnist.h5"
+    run_dir: str | None = None
+    checkpoint_every: int = 5000
+    eval_every: int = 2000
+    resume: str | None = None
+    seed: int = 0
+    progress_every: float = 5.0
+    timeout: float = 600.0
+    config: str | None = field(default=None, compare=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A plain JSON-able dict (lists for tuples), as saved in checkpoints."""
+        d = dataclasses.asdict(self)
+        d["layers"] = list(self.layers)
+        return d
+
+    @property
+    def default_epochs(self) -> float:
+        """Epochs trained when neither --epochs nor --steps is given."""
+        return 3.0
+
+    def total_steps(self, n_train: int) -> int:
+        """Global number of mini-batches of ``batch_size`` examples the whole run processes."""
+        if self.steps is not None:
+            return self.steps
+        epochs = self.epochs if self.epochs is not None else self.default_epochs
+        return max(1, math.ceil(epochs * n_train / self.batch_size))
+
+
+HELP = {
+    "strategy": "how replicas combine their work: 'downpour' (asynchronous, sharded parameter "
+                "server, the default) or 'sync' (allreduce of gradients every step, no servers)",
+    "servers": "number of parameter-server shard ranks S (downpour default 1, sync must be 0)",
+    "partitions": "ranks per replica P for model parallelism; only 1 is available in this version",
+    "layers": "layer widths of the MLP, input to output, e.g. 784,512,512,10 (the first must "
+              "match the dataset's features, the last its classes)",
+    "activation": "hidden-layer activation: relu, tanh or sigmoid",
+    "optimizer": "update rule applied where the parameters live: adagrad (default; DistBelief's "
+                 "per-parameter eta/sqrt(sum g^2)) or sgd",
+    "lr": "learning rate eta (default 0.01)",
+    "adagrad_eps": "added to sqrt(sum g^2) to avoid dividing by zero",
+    "epochs": "passes over the training set, counted over all replicas together (default 3)",
+    "steps": "total mini-batches over all replicas (instead of --epochs)",
+    "batch_size": "examples per mini-batch on each replica",
+    "n_fetch": "downpour: fetch fresh parameters from the shards every n_fetch steps (default 1)",
+    "n_push": "downpour: push the accumulated gradient every n_push steps (default 1)",
+    "warmup_steps": "downpour: steps replica 0 trains alone before the others join (default 200; "
+                    "not applied when resuming)",
+    "data": "HDF5 dataset (layout in the README); data/mnist.h5 is prepared automatically",
+    "run_dir": "directory for metrics.jsonl and checkpoint.h5 (default runs/<strategy>-<time>)",
+    "checkpoint_every": "write a checkpoint every this many global steps (0: only at the end)",
+    "eval_every": "evaluate test accuracy every this many global steps (0: only at the end)",
+    "resume": "continue from this checkpoint (any number of ranks or shards may have written it)",
+    "seed": "random seed for initial weights and data order",
+    "progress_every": "seconds between progress lines",
+    "timeout": "seconds a rank waits on another rank before failing with that rank's number",
+    "config": "TOML file with any of these keys (the command line wins)",
+}
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises ConfigError instead of exiting, so train.py reports it once."""
+
+    def error(self, message: str):  # noqa: D401 - argparse API
+        raise ConfigError(f"{message} (see --help)")
+
+
+def _layers(text: str) -> tuple[int, ...]:
+    try:
+        sizes = tuple(int(t) for t in str(text).replace(" ", "").split(",") if t != "")
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--layers wants comma-separated integers, got {text!r}")
+    return sizes
+
+
+def build_parser(prog: str = "python -m hpcps.train") -> argparse.ArgumentParser:
+    p = _Parser(prog=prog, description="Train an MLP with hpcps under MPI: "
+                "mpiexec -n N python -m hpcps.train [options]",
+                argument_default=argparse.SUPPRESS)
+    types = {f.name: f.type for f in dataclasses.fields(Config)}
+    for name, text in HELP.items():
+        flag = "--" + name.replace("_", "-")
+        t = types[name]
+        if name == "layers":
+            p.add_argument(flag, type=_layers, help=text)
+        elif name == "strategy":
+            p.add_argument(flag, choices=STRATEGIES, help=text)
+        elif name == "activation":
+            p.add_argument(flag, choices=ACTIVATIONS, help=text)
+        elif name == "optimizer":
+            p.add_argument(flag, choices=OPTIMIZERS, help=text)
+        elif "float" in str(t):
+            p.add_argument(flag, type=float, help=text)
+        elif "int" in str(t):
+            p.add_argument(flag, type=int, help=text)
+        else:
+            p.add_argument(flag, type=str, help=text)
+    return p
+
+
+def _read_toml(path: str) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as fh:
+            raw = tomllib.load(fh)
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found: {path}")
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"config file {path} is not valid TOML: {exc}")
+    out = {}
+    valid = [f.name for f in dataclasses.fields(Config) if f.name != "config"]
+    for key, value in raw.items():
+        name = key.replace("-", "_")
+        if name not in valid:
+            close = difflib.get_close_matches(name, valid, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ConfigError(f"unknown key {key!r} in config file {path}{hint}; "
+                              f"valid keys: {', '.join(valid)}")
+        if name == "layers":
+            if isinstance(value, list):
+                value = tuple(value)
+            else:
+                value = _layers(value)
+        out[name] = value
+    return out
+
+
+def _check_types(values: dict[str, Any]) -> None:
+    """TOML values arrive untyped; refuse a string where a number belongs, and the like."""
+    for f in dataclasses.fields(Config):
+        if f.name not in values or values[f.name] is None:
+            continue
+        v = values[f.name]
+        t = str(f.type)
+        ok = True
+        if f.name == "layers":
+            ok = isinstance(v, tuple) and all(isinstance(i, int) and not isinstance(i, bool)
+                                               for i in v)
+        elif "float" in t:
+            ok = isinstance(v, (int, float)) and not isinstance(v, bool)
+            if ok:
+                values[f.name] = float(v)
+        elif "int" in t:
+            ok = isinstance(v, int) and not isinstance(v, bool)
+        elif "str" in t:
+            ok = isinstance(v, str)
+        if not ok:
+            raise ConfigError(f"{f.name} has the wrong type: got {v!r}")
+
+
+def validate(cfg: Config) -> Config:
+    """Check values and fill strategy-dependent defaults. Returns the completed config."""
+    if cfg.strategy not in STRATEGIES:
+        raise ConfigError(f"unknown strategy {cfg.strategy!r}; choose one of {', '.join(STRATEGIES)}")
+    if cfg.activation not in ACTIVATIONS:
+        raise ConfigError(f"unknown activation {cfg.activation!r}; choose one of {', '.join(ACTIVATIONS)}")
+    if cfg.optimizer is not None and cfg.optimizer not in OPTIMIZERS:
+        raise ConfigError(f"unknown optimizer {cfg.optimizer!r}; choose one of {', '.join(OPTIMIZERS)}")
+    if cfg.strategy != "downpour":
+        for name in DOWNPOUR_ONLY:
+            if getattr(cfg, name) is not None:
+                raise ConfigError(f"--{name.replace('_', '-')} applies only to --strategy downpour, "
+                                  f"not {cfg.strategy}")
+    if cfg.strategy == "sync" and cfg.servers not in (None, 0):
+        raise ConfigError(f"--strategy sync uses no parameter servers; got --servers {cfg.servers}")
+    if len(cfg.layers) < 2:
+        raise ConfigError(f"--layers needs at least an input and an output width, got {cfg.layers}")
+    if any(n < 1 for n in cfg.layers):
+        raise ConfigError(f"--layers widths must be positive, got {cfg.layers}")
+    if cfg.partitions < 1:
+        raise ConfigError(f"--partitions must be at least 1, got {cfg.partitions}")
+    if cfg.partitions > 1:
+        raise ConfigError("--partitions > 1 (model parallelism) is not available in this version; "
+                          "use --partitions 1")
+    if cfg.epochs is not None and cfg.steps is not None:
+        raise ConfigError("give --epochs or --steps, not both")
+    positive = {"batch_size": cfg.batch_size, "steps": cfg.steps, "n_fetch": cfg.n_fetch,
+                "n_push": cfg.n_push, "epochs": cfg.epochs, "lr": cfg.lr,
+                "progress_every": cfg.progress_every, "timeout": cfg.timeout,
+                "adagrad_eps": cfg.adagrad_eps}
+    for name, v in positive.items():
+        if v is not None and not v > 0:
+            raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {v}")
+    nonneg = {"servers": cfg.servers, "warmup_steps": cfg.warmup_steps,
+              "checkpoint_every": cfg.checkpoint_every, "eval_every": cfg.eval_every}
+    for name, v in nonneg.items():
+        if v is not None and v < 0:
+            raise ConfigError(f"--{name.replace('_', '-')} must be >= 0, got {v}")
+    fill = {k: v for k, v in STRATEGY_DEFAULTS[cfg.strategy].items() if getattr(cfg, k) is None}
+    return dataclasses.replace(cfg, **fill)
+
+
+def parse(argv: Sequence[str] | None = None) -> Config:
+    """Build the validated config from ``--config FILE.toml`` and the command line."""
+    ns = vars(build_parser().parse_args(argv))
+    values: dict[str, Any] = {}
+    if ns.get("config"):
+        values.update(_read_toml(ns["config"]))
+    values.update(ns)
+    _check_types(values)
+    return validate(Config(**values))
+
+
+def from_dict(d: dict[str, Any]) -> Config:
+    """Rebuild a config saved in a checkpoint (unknown keys refused as everywhere else)."""
+    valid = {f.name for f in dataclasses.fields(Config)}
+    unknown = set(d) - valid
+    if unknown:
+        raise ConfigError(f"unknown config keys {sorted(unknown)}")
+    d = dict(d)
+    if "layers" in d:
+        d["layers"] = tuple(d["layers"])
+    return Config(**d)
+
+
+def default_run_dir(cfg: Config, stamp: str) -> Path:
+    return Path("runs") / f"{cfg.strategy}-{stamp}"

@@ -1,0 +1,170 @@
+"""Update kernels for the parameter-server shards: compiled, with a NumPy fallback.
+
+The kernels are built from ``ext/*.pyx`` into ``hpcps.kernels._adagrad``
+(``pip install -e .`` or ``python setup.py build_ext --inplace``). Where that module is
+missing or does not load, the pure-NumPy versions in ``hpcps.kernels.reference`` are used
+instead, with one warning at import: the results are the same, the updates slower.
+
+Environment
+-----------
+HPCPS_NO_EXTENSION=1
+    Use the NumPy reference even where the extension is built; read once, at import.
+    Useful to test the fallback path, or to rule the compiled code out when chasing a bug.
+
+The functions here check their input before handing it to either implementation, so both
+refuse the same things with the same ``ValueError``: arrays must be 1-D, float32,
+C-contiguous, of one length, writable where written, and must not overlap each other
+(the compiled loop may be vectorized and split over threads, so overlapping operands
+would make the result depend on the build).
+
+Attributes
+----------
+HAVE_EXTENSION : bool
+    True when the compiled kernels are the ones in use.
+"""
+import math
+import operator
+import os
+import warnings
+
+import numpy as np
+
+from . import reference
+
+if os.environ.get("HPCPS_NO_EXTENSION") == "1":
+    _impl = reference
+    HAVE_EXTENSION = False
+else:
+    try:
+        from . import _adagrad as _impl
+    except ImportError as exc:
+        _impl = reference
+        HAVE_EXTENSION = False
+        warnings.warn(
+            f"hpcps.kernels: compiled kernels not available ({exc}); using the NumPy "
+            "reference, which runs slower. Build them with `pip install -e .` or "
+            "`python setup.py build_ext --inplace` in the hpcps source tree.",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+    else:
+        HAVE_EXTENSION = True
+
+__all__ = ["HAVE_EXTENSION", "adagrad_update", "sgd_update"]
+
+
+def _check_array(name, a, writable):
+    if not isinstance(a, np.ndarray):
+        raise ValueError(f"{name} must be a numpy.ndarray, got {type(a).__name__}")
+    if a.ndim != 1:
+        raise ValueError(f"{name} must be 1-D, got shape {a.shape}")
+    if a.dtype != np.float32:
+        raise ValueError(f"{name} must be float32, got {a.dtype}")
+    if not a.flags.c_contiguous:
+        raise ValueError(f"{name} must be C-contiguous (strided views are refused; pass a copy)")
+    if writable and not a.flags.writeable:
+        raise ValueError(f"{name} is updated in place but is read-only")
+
+
+def _check_arrays(written, read):
+    """Check every array, then that lengths agree and that no written array overlaps another.
+
+    For 1-D contiguous arrays ``np.may_share_memory`` (a bounds comparison) is exact.
+    """
+    for name, a in written:
+        _check_array(name, a, writable=True)
+    for name, a in read:
+        _check_array(name, a, writable=False)
+    arrays = written + read
+    n = arrays[0][1].shape[0]
+    if any(a.shape[0] != n for _, a in arrays):
+        lengths = ", ".join(f"{name} has {a.shape[0]}" for name, a in arrays)
+        raise ValueError(f"length mismatch: {lengths} elements")
+    for i, (name, a) in enumerate(written):
+        for other, b in arrays[i + 1:]:
+            if np.may_share_memory(a, b):
+                raise ValueError(f"{name} and {other} overlap in memory; pass separate arrays")
+
+
+def _check_scalar(name, x):
+    try:
+        x = float(x)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be a real number, got {x!r}") from None
+    if not math.isfinite(x):
+        raise ValueError(f"{name} must be finite, got {x}")
+    return x
+
+
+def _check_threads(threads):
+    try:
+        threads = operator.index(threads)
+    except TypeError:
+        raise ValueError(f"threads must be an integer, got {threads!r}") from None
+    if threads < 1:
+        raise ValueError(f"threads must be >= 1, got {threads}")
+    return threads
+
+
+def adagrad_update(w, g, accum, lr, eps, threads=1):
+    """Apply one Adagrad step in place: ``accum += g*g; w -= lr*g / (sqrt(accum) + eps)``.
+
+    DistBelief's Adagrad: each parameter's step is ``lr`` over the root of the sum of its
+    squared gradients, so parameters that see large or frequent gradients slow down and
+    rare ones keep a large step; ``eps`` only keeps ``0/0`` out.
+
+    Parameters
+    ----------
+    w : numpy.ndarray
+        1-D float32 C-contiguous parameters, updated in place.
+    g : numpy.ndarray
+        1-D float32 C-contiguous gradient of the same length, read only.
+    accum : numpy.ndarray
+        1-D float32 C-contiguous sum of squared gradients (start at zero, or at a small
+        positive value), updated in place.
+    lr : float
+        Learning rate, finite; negative values are accepted (the step then ascends).
+    eps : float
+        Finite and >= 0; with ``eps == 0`` a parameter whose accumulator and gradient are
+        both zero becomes NaN.
+    threads : int, optional
+        OpenMP threads for the compiled kernel (default 1, because server ranks usually
+        share cores); the NumPy fallback ignores it.
+
+    Raises
+    ------
+    ValueError
+        If an array is not 1-D float32 C-contiguous, the lengths differ, a written array is
+        read-only or overlaps another, ``lr``/``eps`` are not finite, ``eps < 0`` or
+        ``threads < 1``.
+    """
+    _check_arrays([("w", w), ("accum", accum)], [("g", g)])
+    lr = _check_scalar("lr", lr)
+    eps = _check_scalar("eps", eps)
+    if eps < 0:
+        raise ValueError(f"eps must be >= 0, got {eps}")
+    threads = _check_threads(threads)
+    _impl.adagrad_update(w, g, accum, lr, eps, threads)
+
+
+def sgd_update(w, g, lr):
+    """Apply one plain SGD step in place: ``w -= lr * g``.
+
+    Parameters
+    ----------
+    w : numpy.ndarray
+        1-D float32 C-contiguous parameters, updated in place.
+    g : numpy.ndarray
+        1-D float32 C-contiguous gradient of the same length, read only.
+    lr : float
+        Learning rate, finite.
+
+    Raises
+    ------
+    ValueError
+        If an array is not 1-D float32 C-contiguous, the lengths differ, ``w`` is read-only
+        or overlaps ``g``, or ``lr`` is not finite.
+    """
+    _check_arrays([("w", w)], [("g", g)])
+    lr = _check_scalar("lr", lr)
+    _impl.sgd_update(w, g, lr)

@@ -1,0 +1,165 @@
+"""A multilayer perceptron on NumPy arrays: forward, backward, softmax cross-entropy. No MPI.
+
+All parameters live in one flat float32 vector, layer by layer (``layer0/W``, ``layer0/b``,
+``layer1/W``, ...), with ``W`` of shape (fan_in, fan_out) so a layer computes
+``act(x @ W + b)``. The flat vector is what the strategies ship around: server shards hold
+contiguous slices of it, ``sync`` allreduces it whole, and the named views are what a
+checkpoint stores. :meth:`MLP.views` gives the per-layer arrays without copying.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from hpcps.errors import ConfigError
+
+ACTIVATIONS = ("relu", "tanh", "sigmoid")
+
+
+def _act(name: str, z: np.ndarray) -> np.ndarray:
+    """Activation, in place on z (z is a scratch buffer owned by the model)."""
+    if name == "relu":
+        np.maximum(z, 0.0, out=z)
+    elif name == "tanh":
+        np.tanh(z, out=z)
+    else:  # sigmoid, written to stay finite for large |z|
+        np.negative(z, out=z)
+        np.exp(z, out=z)
+        z += 1.0
+        np.reciprocal(z, out=z)
+    return z
+
+
+def _act_grad_inplace(name: str, a: np.ndarray, delta: np.ndarray) -> None:
+    """delta *= act'(z), expressed through the activation's output a = act(z)."""
+    if name == "relu":
+        delta[a <= 0.0] = 0.0
+    elif name == "tanh":
+        delta *= 1.0 - a * a
+    else:
+        delta *= a * (1.0 - a)
+
+
+class MLP:
+    """A fully connected network ``sizes[0] -> ... -> sizes[-1]`` with softmax output.
+
+    Parameters
+    ----------
+    sizes : layer widths, input first (e.g. ``(784, 512, 512, 10)``).
+    activation : hidden activation, ``relu``, ``tanh`` or ``sigmoid``.
+    """
+
+    def __init__(self, sizes, activation: str = "relu"):
+        sizes = tuple(int(n) for n in sizes)
+        if len(sizes) < 2 or min(sizes) < 1:
+            raise ConfigError(f"an MLP needs at least two positive layer widths, got {sizes}")
+        if activation not in ACTIVATIONS:
+            raise ConfigError(f"unknown activation {activation!r}; choose one of {ACTIVATIONS}")
+        self.sizes = sizes
+        self.activation = activation
+        self.n_layers = len(sizes) - 1
+        # (name, shape, offset) for each parameter array in the flat vector.
+        self.layout: list[tuple[str, tuple[int, ...], int]] = []
+        off = 0
+        for i in range(self.n_layers):
+            for name, shape in ((f"layer{i}/W", (sizes[i], sizes[i + 1])),
+                                (f"layer{i}/b", (sizes[i + 1],))):
+                self.layout.append((name, shape, off))
+                off += int(np.prod(shape))
+        self.n_params = off
+
+    # -- parameters -----------------------------------------------------------------------
+    def init_params(self, seed: int) -> np.ndarray:
+        """Fresh weights: He-normal for relu, Glorot-uniform otherwise; zero biases."""
+        rng = np.random.default_rng(seed)
+        flat = np.zeros(self.n_params, dtype=np.float32)
+        for W, _ in self.layers(flat):
+            fan_in, fan_out = W.shape
+            if self.activation == "relu":
+                W[...] = rng.standard_normal(W.shape) * np.sqrt(2.0 / fan_in)
+            else:
+                lim = np.sqrt(6.0 / (fan_in + fan_out))
+                W[...] = rng.uniform(-lim, lim, W.shape)
+        return flat
+
+    def views(self, flat: np.ndarray) -> dict[str, np.ndarray]:
+        """Named views (no copy) into a flat vector of this model's length."""
+        if flat.shape != (self.n_params,):
+            raise ValueError(f"flat vector has shape {flat.shape}, model needs ({self.n_params},)")
+        return {name: flat[off:off + int(np.prod(shape))].reshape(shape)
+                for name, shape, off in self.layout}
+
+    def layers(self, flat: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
+        v = self.views(flat)
+        return [(v[f"layer{i}/W"], v[f"layer{i}/b"]) for i in range(self.n_layers)]
+
+    def flatten(self, named: dict[str, np.ndarray]) -> np.ndarray:
+        """The inverse of :meth:`views`: a new flat vector from named arrays."""
+        flat = np.empty(self.n_params, dtype=np.float32)
+        views = self.views(flat)
+        for name, shape, _ in self.layout:
+            if name not in named:
+                raise ValueError(f"missing parameter {name}")
+            if tuple(named[name].shape) != shape:
+                raise ValueError(f"{name} has shape {named[name].shape}, expected {shape}")
+            views[name][...] = named[name]
+        return flat
+
+    # -- computation ----------------------------------------------------------------------
+    def forward(self, flat: np.ndarray, x: np.ndarray) -> list[np.ndarray]:
+        """Activations of every layer, input first; the last entry holds the logits."""
+        acts = [x]
+        for i, (W, b) in enumerate(self.layers(flat)):
+            z = acts[-1] @ W
+            z += b
+            if i < self.n_layers - 1:
+                _act(self.activation, z)
+            acts.append(z)
+        return acts
+
+    @staticmethod
+    def _softmax_xent(logits: np.ndarray, y: np.ndarray) -> tuple[float, np.ndarray]:
+        """Mean cross-entropy and the softmax probabilities (computed stably)."""
+        z = logits - logits.max(axis=1, keepdims=True)
+        np.exp(z, out=z)
+        z /= z.sum(axis=1, keepdims=True)
+        picked = z[np.arange(len(y)), y]
+        loss = float(-np.mean(np.log(np.maximum(picked, 1e-30))))
+        return loss, z
+
+    def loss_and_grad(self, flat: np.ndarray, x: np.ndarray, y: np.ndarray,
+                      grad: np.ndarray | None = None) -> tuple[float, np.ndarray]:
+        """Mean softmax cross-entropy over the batch and its gradient (flat, float32).
+
+        ``grad``, when given, receives the gradient (it is overwritten, not accumulated).
+        """
+        if grad is None:
+            grad = np.empty(self.n_params, dtype=np.float32)
+        acts = self.forward(flat, x)
+        loss, delta = self._softmax_xent(acts[-1], y)
+        delta[np.arange(len(y)), y] -= 1.0
+        delta /= np.float32(len(y))
+        gviews = self.layers(grad)
+        params = self.layers(flat)
+        for i in range(self.n_layers - 1, -1, -1):
+            gW, gb = gviews[i]
+            np.matmul(acts[i].T, delta, out=gW)
+            np.sum(delta, axis=0, out=gb)
+            if i > 0:
+                delta = delta @ params[i][0].T
+                _act_grad_inplace(self.activation, acts[i], delta)
+        return loss, grad
+
+    def loss(self, flat: np.ndarray, x: np.ndarray, y: np.ndarray) -> float:
+        return self._softmax_xent(self.forward(flat, x)[-1], y)[0]
+
+    def evaluate(self, flat: np.ndarray, x: np.ndarray, y: np.ndarray,
+                 batch: int = 2000) -> tuple[float, float]:
+        """(mean loss, accuracy) over a whole split, in batches to bound memory."""
+        total_loss, correct = 0.0, 0
+        for lo in range(0, len(y), batch):
+            logits = self.forward(flat, x[lo:lo + batch])[-1]
+            loss, _ = self._softmax_xent(logits, y[lo:lo + batch])
+            total_loss += loss * len(logits)
+            correct += int(np.sum(np.argmax(logits, axis=1) == y[lo:lo + batch]))
+        n = max(1, len(y))
+        return total_loss / n, correct / n

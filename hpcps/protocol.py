@@ -1,0 +1,57 @@
+"""Message tags and the layout of parameter-server messages. No MPI calls here.
+
+Every point-to-point message hpcps sends carries one of the :class:`Tag` values; no literal tag
+appears anywhere else. A data message is one contiguous byte buffer: a header of
+``HEADER_SLOTS`` float64 values (indices named by :class:`H`) followed by a float32 payload, so a
+push or a parameter reply is a single MPI message with its bookkeeping attached. float64 holds
+integers exactly up to 2**53, far beyond any step count.
+"""
+from __future__ import annotations
+
+from enum import IntEnum
+
+import numpy as np
+
+
+class Tag(IntEnum):
+    """Point-to-point message kinds (all well below MPI's guaranteed TAG_UB of 32767)."""
+
+    PUSH = 1          # replica -> shard: header + gradient slice
+    FETCH = 2         # replica -> shard: header only, asks for the shard's parameters
+    PARAMS = 3        # shard -> replica: header + parameter slice
+    DONE = 4          # replica -> shard: this replica has pushed its last gradient
+    WARMUP_DONE = 5   # replica 0 -> other replicas: warm start over, start training
+    FINAL = 6         # server shard 0 -> world rank 0: the final parameters, for evaluation
+
+
+class H(IntEnum):
+    """Slots of the float64 message header."""
+
+    VERSION = 0       # PUSH: shard version the gradient was computed from; PARAMS: shard version
+    STEPS = 1         # PUSH: mini-batches this push covers; PARAMS: global steps applied so far
+    LOSS_SUM = 2      # PUSH: sum of the training losses of those mini-batches; PARAMS: recent mean
+    STALENESS = 3     # PARAMS: mean staleness of the pushes applied since the previous reply
+    MAX_STALENESS = 4  # PARAMS: max staleness over the same window
+    EXAMPLES = 5      # PARAMS: examples consumed by all replicas so far
+    SENDER = 6        # replica index of the sender (for messages and error reports)
+    RESERVED = 7
+
+
+HEADER_SLOTS = len(H)
+HEADER_BYTES = HEADER_SLOTS * 8
+
+
+class Message:
+    """A preallocated buffer for one header + ``n`` float32 values.
+
+    ``buf`` is what MPI sends or receives; ``header`` and ``payload`` are views into it, so
+    filling them and sending ``buf`` needs no copy or allocation on the hot path.
+    """
+
+    def __init__(self, n: int):
+        self.buf = np.zeros(HEADER_BYTES + 4 * n, dtype=np.uint8)
+        self.header = self.buf[:HEADER_BYTES].view(np.float64)
+        self.payload = self.buf[HEADER_BYTES:].view(np.float32)
+
+    def __len__(self) -> int:
+        return len(self.payload)

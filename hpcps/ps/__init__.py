@@ -1,0 +1,1 @@
+"""The parameter server: shard loop (:mod:`.server`), replica side (:mod:`.client`), waiting."""

@@ -1,0 +1,90 @@
+"""The replica's side of the parameter server: fetch the slices, push gradient slices.
+
+Buffers for every shard are allocated once. A push is non-blocking (two buffers per shard
+alternate, so the replica computes the next gradient while the last one is on the wire); a
+fetch waits only for the shards, never for another replica.
+"""
+from __future__ import annotations
+
+import numpy as np
+from mpi4py import MPI
+
+from hpcps.protocol import H, Message, Tag
+from hpcps.ps.waiting import wait_all
+
+
+class Client:
+    """Talk to S shards, each holding ``ranges[s] = (lo, hi)`` of the flat parameter vector.
+
+    Parameters
+    ----------
+    comm : the communicator the shards listen on.
+    server_ranks : rank of each shard in ``comm``.
+    ranges : slice of the flat vector each shard holds.
+    replica : this replica's index (sent along, for the shard's bookkeeping).
+    timeout : seconds to wait for a shard before failing with its rank.
+    """
+
+    def __init__(self, comm, server_ranks, ranges, replica: int, timeout: float):
+        self.comm = comm
+        self.server_ranks = list(server_ranks)
+        self.ranges = list(ranges)
+        self.replica = replica
+        self.timeout = timeout
+        self._push = [[Message(hi - lo), Message(hi - lo)] for lo, hi in self.ranges]
+        self._push_req = [[MPI.REQUEST_NULL, MPI.REQUEST_NULL] for _ in self.ranges]
+        self._slot = 0
+        self._params = [Message(hi - lo) for lo, hi in self.ranges]
+        self._ask = Message(0)
+        self._ask.header[H.SENDER] = replica
+        self.versions = np.zeros(len(self.ranges))
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        self.last_reply: dict[str, float] = {}
+
+    def fetch(self, params: np.ndarray) -> dict[str, float]:
+        """Fill ``params`` with the shards' current values; return the figures shard 0 sent."""
+        reqs = []
+        for s, dest in enumerate(self.server_ranks):
+            reqs.append(self.comm.Irecv(self._params[s].buf, source=dest, tag=Tag.PARAMS))
+        for dest in self.server_ranks:
+            self.comm.Send(self._ask.buf, dest=dest, tag=Tag.FETCH)
+        wait_all(reqs, self.timeout, f"parameters from server ranks {self.server_ranks}")
+        for s, (lo, hi) in enumerate(self.ranges):
+            msg = self._params[s]
+            params[lo:hi] = msg.payload
+            self.versions[s] = msg.header[H.VERSION]
+            self.bytes_received += msg.buf.nbytes
+        self.bytes_sent += self._ask.buf.nbytes * len(self.server_ranks)
+        h = self._params[0].header
+        self.last_reply = {"step": int(h[H.STEPS]), "loss": float(h[H.LOSS_SUM]),
+                           "staleness": float(h[H.STALENESS]),
+                           "max_staleness": float(h[H.MAX_STALENESS])}
+        return self.last_reply
+
+    def push(self, grad: np.ndarray, steps: int, loss_sum: float) -> None:
+        """Send each shard its slice of ``grad`` (a gradient accumulated over ``steps``)."""
+        slot = self._slot
+        self._slot ^= 1
+        for s, (lo, hi) in enumerate(self.ranges):
+            req = self._push_req[s][slot]
+            if req != MPI.REQUEST_NULL:
+                wait_all([req], self.timeout,
+                         f"server rank {self.server_ranks[s]} to take an earlier push")
+            msg = self._push[s][slot]
+            h = msg.header
+            h[H.VERSION] = self.versions[s]
+            h[H.STEPS] = steps
+            h[H.LOSS_SUM] = loss_sum
+            h[H.SENDER] = self.replica
+            msg.payload[:] = grad[lo:hi]
+            self._push_req[s][slot] = self.comm.Isend(msg.buf, dest=self.server_ranks[s],
+                                                      tag=Tag.PUSH)
+            self.bytes_sent += msg.buf.nbytes
+
+    def done(self) -> None:
+        """Wait for outstanding pushes, then tell every shard this replica is finished."""
+        pending = [r for pair in self._push_req for r in pair if r != MPI.REQUEST_NULL]
+        wait_all(pending, self.timeout, f"server ranks {self.server_ranks} to take the last pushes")
+        for dest in self.server_ranks:
+            self.comm.Send(self._ask.buf, dest=dest, tag=Tag.DONE)

@@ -1,0 +1,211 @@
+"""Downpour SGD (Dean et al. 2012, section 4.1): asynchronous replicas, sharded parameter server.
+
+The flat parameter vector is cut into S contiguous chunks, one per server shard; each shard
+applies the optimizer (Adagrad by default, as in the paper) to its chunk as gradients arrive.
+Each replica trains on its own shard of the training data and, independently of every other
+replica:
+
+* every ``n_fetch`` steps fetches the current parameters from all shards;
+* computes the gradient of one mini-batch on its (possibly stale) copy;
+* every ``n_push`` steps pushes the gradient accumulated since the last push to the shards.
+
+No replica ever waits for another; a shard applies pushes in whatever order they arrive, so a
+replica's gradient may be computed from parameters a few updates old (the staleness reported).
+Warm start: for the first ``warmup_steps`` only replica 0 trains, then it releases the others.
+
+At the end every replica sends DONE; the shards gather the final state on shard 0, which sends
+it to the chief (world rank 0) for the final evaluation and checkpoint. Periodic checkpoints are
+written by shard 0 while training goes on.
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+from hpcps.data import Batches
+from hpcps.protocol import H, Message, Tag
+from hpcps.ps.client import Client
+from hpcps.ps.server import ShardServer
+from hpcps.ps.waiting import wait_all
+from hpcps.strategies.common import (Context, evaluate, rate, save_checkpoint,
+                                     steps_for_replica)
+from hpcps.topology import shard_range
+
+
+def shard_ranges(ctx: Context) -> list[tuple[int, int]]:
+    S = ctx.grid.layout.servers
+    return [shard_range(ctx.model.n_params, S, s) for s in range(S)]
+
+
+def run(ctx: Context) -> dict:
+    if ctx.grid.role.is_server:
+        return run_server(ctx)
+    return run_replica(ctx)
+
+
+# -- replicas ----------------------------------------------------------------------------------
+def run_replica(ctx: Context) -> dict:
+    cfg, model, grid = ctx.cfg, ctx.model, ctx.grid
+    layout = grid.layout
+    r, R = grid.role.replica, layout.replicas
+    warmup = cfg.warmup_steps if ctx.start_step == 0 else 0
+    my_steps = steps_for_replica(ctx.remaining_steps, R, r, warmup)
+    client = Client(grid.world, layout.server_ranks, shard_ranges(ctx), r, cfg.timeout)
+    batches = Batches(ctx.train_x, ctx.train_y, cfg.batch_size, ctx.batch_seed(r))
+    params = np.empty(model.n_params, dtype=np.float32)
+    grad = np.empty(model.n_params, dtype=np.float32)
+    acc = np.zeros(model.n_params, dtype=np.float32)
+    acc_steps, loss_sum = 0, 0.0
+    m = ctx.metrics
+    flag = Message(0)
+
+    warmup_reqs = []
+    released = r != 0 or R == 1 or warmup == 0
+    if r != 0 and warmup > 0:
+        m.message(f"replica {r} waits for replica 0's warm start")
+        req = grid.world.Irecv(flag.buf, source=layout.replica_rank(0), tag=Tag.WARMUP_DONE)
+        wait_all([req], cfg.timeout, f"replica 0 (rank {layout.replica_rank(0)}) to finish "
+                 f"its {warmup}-step warm start")
+    elif r == 0 and warmup > 0 and R > 1:
+        m.message(f"warm start: replica 0 trains alone for {warmup} steps")
+
+    def release():
+        for other in range(1, R):
+            warmup_reqs.append(grid.world.Isend(flag.buf, dest=layout.replica_rank(other),
+                                                tag=Tag.WARMUP_DONE))
+
+    t0 = time.perf_counter()
+    last_t, last_step = t0, ctx.start_step
+    next_eval = _next_multiple(ctx.start_step, cfg.eval_every)
+    info = {"step": ctx.start_step}
+    for t in range(my_steps):
+        if t % cfg.n_fetch == 0:
+            info = client.fetch(params)
+        x, y = next(batches)
+        loss, _ = model.loss_and_grad(params, x, y, grad=grad)
+        acc += grad
+        acc_steps += 1
+        loss_sum += loss
+        if acc_steps == cfg.n_push:
+            client.push(acc, acc_steps, loss_sum)
+            acc[:] = 0.0
+            acc_steps, loss_sum = 0, 0.0
+        if not released and t + 1 >= warmup:
+            release()
+            released = True
+            m.message("warm start done: all replicas train now")
+        if grid.is_chief:
+            step = info["step"]
+            if m.due():
+                now = time.perf_counter()
+                m.record("progress", step=step, epoch=round(ctx.epochs(step), 3),
+                         examples_per_s=round(rate((step - last_step) * cfg.batch_size,
+                                                   now - last_t), 1),
+                         loss=info.get("loss", float("nan")),
+                         staleness=round(info.get("staleness", 0.0), 2),
+                         max_staleness=info.get("max_staleness", 0.0),
+                         bytes_per_step=round((client.bytes_sent + client.bytes_received)
+                                              / max(1, t + 1)))
+                last_t, last_step = now, step
+            if next_eval and step >= next_eval:
+                _, acc_test = evaluate(ctx, params)
+                m.record("eval", step=step, epoch=round(ctx.epochs(step), 3),
+                         test_accuracy=acc_test)
+                next_eval = _next_multiple(step, cfg.eval_every)
+    if acc_steps:
+        client.push(acc, acc_steps, loss_sum)
+    if not released:
+        release()
+    wait_all(warmup_reqs, cfg.timeout, "other replicas to take the warm-start release")
+    client.done()
+    train_s = time.perf_counter() - t0
+    result = {"replica_steps": my_steps, "train_s": train_s,
+              "bytes_sent": client.bytes_sent, "bytes_received": client.bytes_received}
+    if grid.is_chief:
+        result.update(_finish_chief(ctx, train_s))
+    return result
+
+
+def _next_multiple(step: int, every: int) -> int:
+    return (step // every + 1) * every if every else 0
+
+
+def _final_message(ctx: Context) -> Message:
+    """Buffer for the final state: parameters, then each optimizer state vector."""
+    n = ctx.model.n_params
+    return Message(n * (1 + len(ctx.optimizer.state_keys)))
+
+
+def _finish_chief(ctx: Context, train_s: float) -> dict:
+    """Receive the final state from shard 0, evaluate it, write the final checkpoint."""
+    layout = ctx.grid.layout
+    msg = _final_message(ctx)
+    req = ctx.grid.world.Irecv(msg.buf, source=layout.server_rank(0), tag=Tag.FINAL)
+    wait_all([req], ctx.cfg.timeout, f"the final parameters from server shard 0 "
+             f"(rank {layout.server_rank(0)})")
+    n = ctx.model.n_params
+    params = msg.payload[:n]
+    state = {k: msg.payload[(i + 1) * n:(i + 2) * n]
+             for i, k in enumerate(ctx.optimizer.state_keys)}
+    step = int(msg.header[H.STEPS])
+    test_loss, test_acc = evaluate(ctx, params)
+    path = save_checkpoint(ctx, params, state, step,
+                           {"test_accuracy": test_acc, "test_loss": test_loss})
+    return {"step": step, "test_accuracy": test_acc, "test_loss": test_loss,
+            "checkpoint": str(path),
+            "examples_per_s": rate((step - ctx.start_step) * ctx.cfg.batch_size, train_s)}
+
+
+# -- server shards -----------------------------------------------------------------------------
+def run_server(ctx: Context) -> dict:
+    cfg, grid = ctx.cfg, ctx.grid
+    s = grid.role.shard
+    ranges = shard_ranges(ctx)
+    lo, hi = ranges[s]
+    params = ctx.params[lo:hi].copy()
+    state = {k: v[lo:hi].copy() for k, v in ctx.opt_state.items()}
+    keys = list(ctx.optimizer.state_keys)
+
+    def gather() -> tuple[np.ndarray, dict] | None:
+        """Collect every shard's slice on shard 0 (collective over the server communicator)."""
+        comm = grid.server_comm
+        counts = [h - l for l, h in ranges]
+        displs = [l for l, _ in ranges]
+        out = None
+        full_p = np.empty(ctx.model.n_params, np.float32) if s == 0 else None
+        full_s = {k: np.empty(ctx.model.n_params, np.float32) for k in keys} if s == 0 else {}
+        for local, full in [(params, full_p)] + [(state[k], full_s.get(k)) for k in keys]:
+            recv = [full, counts, displs, MPI.FLOAT] if s == 0 else None
+            wait_all([comm.Igatherv(local, recv, root=0)], cfg.timeout,
+                     "the other server shards to join a checkpoint gather")
+        if s == 0:
+            out = (full_p, full_s)
+        return out
+
+    def on_boundary(step: int) -> None:
+        got = gather()
+        if got is not None:
+            path = save_checkpoint(ctx, got[0], got[1], step)
+            print(f"[hpcps] server shard 0 wrote checkpoint {path} at step {step}", flush=True)
+
+    server = ShardServer(grid.world, params, state, ctx.optimizer.apply,
+                         n_replicas=grid.layout.replicas, step=ctx.start_step,
+                         timeout=cfg.timeout, on_boundary=on_boundary,
+                         boundary_every=cfg.checkpoint_every)
+    stats = server.serve()
+    got = gather()
+    if got is not None:
+        msg = _final_message(ctx)
+        n = ctx.model.n_params
+        msg.payload[:n] = got[0]
+        for i, k in enumerate(keys):
+            msg.payload[(i + 1) * n:(i + 2) * n] = got[1][k]
+        msg.header[H.STEPS] = server.step
+        req = grid.world.Isend(msg.buf, dest=0, tag=Tag.FINAL)
+        wait_all([req], cfg.timeout, "the chief (rank 0) to take the final parameters")
+    return {"shard": s, "pushes": stats.pushes, "fetches": stats.fetches,
+            "bytes_in": stats.bytes_in, "bytes_out": stats.bytes_out,
+            "mean_staleness": stats.staleness_sum / max(1, stats.pushes),
+            "max_staleness": stats.staleness_max, "step": server.step}

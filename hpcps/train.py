@@ -1,0 +1,205 @@
+"""Entry point: ``mpiexec -n N python -m hpcps.train [options]``.
+
+config -> checks every rank agrees on -> grid of ranks -> this rank's role in the strategy.
+
+Start-up checks (options, layout, dataset, checkpoint) run on every rank and end in one
+collective vote: if any rank refused its input, the lowest such rank prints the reason once
+and every rank exits with the same code (2 config, 3 data, 4 checkpoint), never a hang. Once
+training runs, a rank that fails prints its rank, host and reason and aborts the whole job.
+
+Examples::
+
+    mpiexec -n 4 python -m hpcps.train                       # downpour, 1 shard + 3 replicas, MNIST
+    mpiexec -n 4 python -m hpcps.train --strategy sync       # allreduce SGD on 4 replicas
+    mpiexec -n 6 python -m hpcps.train --servers 2 --n-push 4 --epochs 5
+    mpiexec -n 3 python -m hpcps.train --resume runs/downpour-20261122-101500/checkpoint.h5
+"""
+from __future__ import annotations
+
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import numpy as np
+
+from hpcps import checkpoint, config, data
+from hpcps.errors import ConfigError, HpcpsError
+from hpcps.metrics import Metrics
+from hpcps.model import MLP
+from hpcps.strategies import NEEDS_SERVERS, STRATEGIES
+from hpcps.strategies.common import (Context, barrier, host, make_optimizer,
+                                     state_from_checkpoint)
+from hpcps.topology import Layout, abort, build_grid, world_comm
+
+
+def _agree(world, fn, *args):
+    """Run ``fn`` on every rank; if any rank raised, all exit with the first failure's code."""
+    value, code, text = None, 0, ""
+    try:
+        value = fn(*args)
+    except HpcpsError as exc:
+        code, text = exc.exit_code, str(exc)
+    except Exception:  # a bug, not bad input: show where
+        code, text = 1, traceback.format_exc()
+    codes = world.allgather(code)
+    if any(codes):
+        first = next(i for i, c in enumerate(codes) if c)
+        if world.Get_rank() == first:
+            where = f" (rank {first})" if world.Get_size() > 1 else ""
+            print(f"hpcps: error{where}: {text}", file=sys.stderr, flush=True)
+        raise SystemExit(codes[first])
+    return value
+
+
+def _ensure_dataset(cfg: config.Config, rank: int) -> None:
+    """Prepare a built-in dataset on first use (rank 0 only; the others wait in the vote)."""
+    path = Path(cfg.data)
+    if rank != 0 or path.exists():
+        return
+    for name, default in data.DEFAULT_DATA.items():
+        if path.resolve() == Path(default).resolve():
+            print(f"[hpcps] {path} not found: preparing the {name} dataset first", flush=True)
+            data.prepare(name, path, log=lambda s: print(f"[hpcps] {s}", flush=True))
+            return
+
+
+def _check_dataset(cfg: config.Config) -> data.DatasetInfo:
+    info = data.open_dataset(cfg.data)
+    if cfg.layers[0] != info.n_features or cfg.layers[-1] != info.n_classes:
+        raise ConfigError(
+            f"--layers {','.join(map(str, cfg.layers))} does not fit dataset {cfg.data} "
+            f"({info.n_features} features, {info.n_classes} classes): the first width must be "
+            f"{info.n_features} and the last {info.n_classes}")
+    return info
+
+
+def _load_resume(cfg: config.Config, info: data.DatasetInfo):
+    if not cfg.resume:
+        return None, []
+    ckpt = checkpoint.load(cfg.resume)
+    warnings = checkpoint.check_compatible(ckpt, list(cfg.layers), optimizer=cfg.optimizer,
+                                           dataset=info.to_dict())
+    return ckpt, warnings
+
+
+def _run_dir(cfg: config.Config, world) -> Path:
+    if cfg.run_dir:
+        return Path(cfg.run_dir)
+    if cfg.resume:
+        return Path(cfg.resume).parent
+    stamp = world.bcast(time.strftime("%Y%m%d-%H%M%S") if world.Get_rank() == 0 else None)
+    return config.default_run_dir(cfg, stamp)
+
+
+def _setup(cfg: config.Config, world, layout: Layout, info, ckpt, run_dir: Path) -> Context:
+    grid = build_grid(world, layout)
+    model = MLP(cfg.layers, cfg.activation)
+    opt = make_optimizer(cfg)
+    if ckpt is not None:
+        params, state = state_from_checkpoint(model, ckpt, opt.state_keys)
+        start = ckpt.step
+    else:
+        params, state = model.init_params(cfg.seed), opt.init_state(model.n_params)
+        start = 0
+    metrics = Metrics(run_dir if grid.is_chief else None, cfg.progress_every)
+    ctx = Context(cfg=cfg, grid=grid, model=model, optimizer=opt, dataset=info, params=params,
+                  opt_state=state, start_step=start, total_steps=cfg.total_steps(info.n_train),
+                  run_dir=run_dir, metrics=metrics, resumed_from=cfg.resume)
+    if grid.role.is_replica:
+        ctx.train_x, ctx.train_y = data.load_split(cfg.data, "train", grid.role.replica,
+                                                   layout.replicas)
+        if len(ctx.train_x) < cfg.batch_size:
+            raise ConfigError(f"replica {grid.role.replica} holds {len(ctx.train_x)} training "
+                              f"examples, fewer than --batch-size {cfg.batch_size}")
+    if grid.is_chief:
+        ctx.test_x, ctx.test_y = data.load_split(cfg.data, "test")
+    return ctx
+
+
+def _describe(cfg, layout: Layout) -> str:
+    if NEEDS_SERVERS[cfg.strategy]:
+        return (f"{cfg.strategy} on {layout.n_world} ranks: {layout.servers} server shard(s), "
+                f"{layout.replicas} replica(s) x {layout.partitions} partition(s)")
+    return f"{cfg.strategy} on {layout.n_world} ranks: {layout.replicas} replica(s)"
+
+
+def _summary(ctx: Context, results: list[dict], wall_s: float) -> None:
+    m, cfg = ctx.metrics, ctx.cfg
+    mine = results[0]
+    step = mine.get("step", ctx.start_step)
+    trained = step - ctx.start_step
+    if cfg.strategy == "downpour":
+        reps = [r for r in results if "replica_steps" in r]
+        shards = [r for r in results if "shard" in r]
+        moved = sum(r["bytes_sent"] + r["bytes_received"] for r in reps)
+        bytes_per_step = moved / max(1, trained)
+        staleness = sum(s["mean_staleness"] for s in shards) / max(1, len(shards))
+    else:
+        bytes_per_step = mine.get("bytes_per_step", 0.0)
+        staleness = 0.0
+    rec = m.record("summary", echo=False, strategy=cfg.strategy, ranks=ctx.grid.layout.n_world,
+                   servers=ctx.grid.layout.servers, replicas=ctx.grid.layout.replicas,
+                   step=step, epoch=round(ctx.epochs(step), 3), steps_trained=trained,
+                   train_s=round(mine.get("train_s", 0.0), 3), wall_s=round(wall_s, 3),
+                   examples_per_s=round(mine.get("examples_per_s", float("nan")), 1),
+                   bytes_per_step=round(bytes_per_step), mean_staleness=round(staleness, 3),
+                   test_accuracy=mine.get("test_accuracy"), test_loss=mine.get("test_loss"),
+                   checkpoint=mine.get("checkpoint"))
+    m.message(f"finished {_describe(cfg, ctx.grid.layout)}")
+    m.message(f"  {trained} steps this run (global step {step}, {rec['epoch']:.2f} epochs) in "
+              f"{rec['train_s']:.1f} s: {rec['examples_per_s']:.0f} examples/s, "
+              f"{rec['bytes_per_step']:.0f} bytes moved per step")
+    m.message(f"  final test accuracy: {100 * rec['test_accuracy']:.2f}% "
+              f"(test loss {rec['test_loss']:.4f})")
+    m.message(f"  checkpoint: {rec['checkpoint']}   metrics: {m.path}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    world = world_comm()
+    rank, size = world.Get_rank(), world.Get_size()
+    if "-h" in argv or "--help" in argv:
+        if rank == 0:
+            config.build_parser().print_help()
+        return 0
+    t_start = time.perf_counter()
+    cfg = _agree(world, config.parse, argv)
+    layout = _agree(world, Layout.plan, size, cfg.servers, cfg.partitions)
+    _agree(world, _ensure_dataset, cfg, rank)
+    info = _agree(world, _check_dataset, cfg)
+    ckpt, warnings = _agree(world, _load_resume, cfg, info)
+    if rank == 0:
+        for w in warnings:
+            print(f"[hpcps] warning: {w}", flush=True)
+    run_dir = _run_dir(cfg, world)
+    ctx = _agree(world, _setup, cfg, world, layout, info, ckpt, run_dir)
+    m = ctx.metrics
+    m.message(_describe(cfg, layout) + f"; model {','.join(map(str, cfg.layers))} "
+              f"({ctx.model.n_params} parameters), {cfg.optimizer} lr={cfg.lr}, batch "
+              f"{cfg.batch_size}/replica, {ctx.total_steps} steps "
+              f"({ctx.epochs(ctx.total_steps):.2f} epochs) of {info.name}")
+    if ckpt is not None:
+        m.message(f"resumed from {cfg.resume} at step {ckpt.step}")
+    m.record("start", echo=False, config=cfg.to_dict(), dataset=info.to_dict(),
+             start_step=ctx.start_step, total_steps=ctx.total_steps, ranks=size)
+    try:
+        result = STRATEGIES[cfg.strategy].run(ctx)
+        barrier(world, cfg.timeout, "every rank to finish training")
+        results = world.gather(result, root=0)
+        if ctx.grid.is_chief:
+            _summary(ctx, results, time.perf_counter() - t_start)
+        m.close()
+    except BaseException as exc:  # one failing rank ends the whole job, with its reason
+        code = exc.exit_code if isinstance(exc, HpcpsError) else 1
+        if isinstance(exc, KeyboardInterrupt):
+            code = 130
+        detail = str(exc) if isinstance(exc, HpcpsError) else traceback.format_exc()
+        print(f"hpcps: rank {rank} of {size} on {host()} ({ctx.grid.role.kind}) failed: "
+              f"{detail}", file=sys.stderr, flush=True)
+        abort(code)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
