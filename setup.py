@@ -13,7 +13,9 @@ import numpy as np
 from Cython.Build import cythonize
 from setuptools import Extension, setup
 
-compile_args = ["-O3"]
+# -fno-math-errno lets GCC vectorize sqrtf (otherwise it keeps a scalar call that may set
+# errno): measured 2x on the Adagrad kernel. Nothing in the kernels reads errno.
+compile_args = ["-O3", "-fno-math-errno"]
 link_args = []
 if os.environ.get("HPCPS_NO_OPENMP") != "1":
     compile_args.append("-fopenmp")

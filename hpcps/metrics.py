@@ -26,6 +26,19 @@ def _fmt(v: Any) -> str:
     return str(v)
 
 
+def _strict(v: Any) -> Any:
+    """JSON has no NaN: write null for a figure not known yet (strict parsers stay happy)."""
+    if isinstance(v, dict):
+        return {k: _strict(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_strict(x) for x in v]
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    if hasattr(v, "item"):  # NumPy scalars
+        return _strict(v.item())
+    return v
+
+
 class Metrics:
     """Append records to ``run_dir/metrics.jsonl`` and print them.
 
@@ -40,7 +53,7 @@ class Metrics:
         self.progress_every = progress_every
         self.stream = stream or sys.stdout
         self.t0 = time.perf_counter()
-        self._last_progress = -math.inf
+        self._last_progress = 0.0
         self._fh = None
         if self.enabled:
             Path(run_dir).mkdir(parents=True, exist_ok=True)
@@ -61,7 +74,7 @@ class Metrics:
             return rec
         if kind == "progress":
             self._last_progress = self.elapsed()
-        self._fh.write(json.dumps(rec, default=float) + "\n")
+        self._fh.write(json.dumps(_strict(rec)) + "\n")
         if echo:
             body = "  ".join(f"{k}={_fmt(v)}" for k, v in fields.items())
             print(f"[hpcps {rec['time_s']:8.1f}s] {kind:<10} {body}", file=self.stream, flush=True)

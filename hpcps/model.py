@@ -21,9 +21,10 @@ def _act(name: str, z: np.ndarray) -> np.ndarray:
         np.maximum(z, 0.0, out=z)
     elif name == "tanh":
         np.tanh(z, out=z)
-    else:  # sigmoid, written to stay finite for large |z|
+    else:  # sigmoid: exp(-z) may overflow to inf for very negative z, giving the right 0
         np.negative(z, out=z)
-        np.exp(z, out=z)
+        with np.errstate(over="ignore"):
+            np.exp(z, out=z)
         z += 1.0
         np.reciprocal(z, out=z)
     return z

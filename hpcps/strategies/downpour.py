@@ -110,9 +110,9 @@ def run_replica(ctx: Context) -> dict:
                                               / max(1, t + 1)))
                 last_t, last_step = now, step
             if next_eval and step >= next_eval:
-                _, acc_test = evaluate(ctx, params)
+                test_loss, test_acc = evaluate(ctx, params)
                 m.record("eval", step=step, epoch=round(ctx.epochs(step), 3),
-                         test_accuracy=acc_test)
+                         test_accuracy=test_acc, test_loss=test_loss)
                 next_eval = _next_multiple(step, cfg.eval_every)
     if acc_steps:
         client.push(acc, acc_steps, loss_sum)

@@ -72,8 +72,9 @@ def run(ctx: Context) -> dict:
             last_t, last_step, loss_win, n_win = now, step, 0.0, 0
         if cfg.eval_every and step // cfg.eval_every != (step - n_rep) // cfg.eval_every \
                 and grid.is_chief:
-            _, test_acc = evaluate(ctx, params)
-            m.record("eval", step=step, epoch=round(ctx.epochs(step), 3), test_accuracy=test_acc)
+            test_loss, test_acc = evaluate(ctx, params)
+            m.record("eval", step=step, epoch=round(ctx.epochs(step), 3), test_accuracy=test_acc,
+                     test_loss=test_loss)
         if cfg.checkpoint_every and grid.is_chief and \
                 step // cfg.checkpoint_every != (step - n_rep) // cfg.checkpoint_every:
             path = save_checkpoint(ctx, params, state, step, {"train_loss": loss})

@@ -1,0 +1,81 @@
+import pytest
+
+from hpcps import config
+from hpcps.errors import ConfigError
+
+
+def test_defaults_fill_by_strategy():
+    cfg = config.parse([])
+    assert cfg.strategy == "downpour" and cfg.servers == 1 and cfg.optimizer == "adagrad"
+    assert cfg.n_fetch == 1 and cfg.n_push == 1 and cfg.warmup_steps == 200
+    s = config.parse(["--strategy", "sync"])
+    assert s.servers == 0 and s.n_fetch is None and s.warmup_steps is None
+
+
+def test_cli_values_and_layers():
+    cfg = config.parse(["--layers", "64,32,10", "--lr", "0.5", "--batch-size", "7",
+                        "--activation", "tanh", "--steps", "9"])
+    assert cfg.layers == (64, 32, 10) and cfg.lr == 0.5 and cfg.batch_size == 7
+    assert cfg.activation == "tanh" and cfg.total_steps(1000) == 9
+
+
+def test_epochs_to_steps():
+    cfg = config.parse(["--epochs", "2", "--batch-size", "10"])
+    assert cfg.total_steps(1001) == 201  # ceil(2 * 1001 / 10)
+    assert config.parse([]).total_steps(60000) == 5625  # default 3 epochs of batch 32
+
+
+def test_toml_and_cli_precedence(tmp_path):
+    f = tmp_path / "run.toml"
+    f.write_text('lr = 0.2\nbatch-size = 16\nlayers = [64, 10]\nstrategy = "sync"\n')
+    cfg = config.parse(["--config", str(f), "--lr", "0.3"])
+    assert cfg.lr == 0.3 and cfg.batch_size == 16 and cfg.layers == (64, 10)
+    assert cfg.strategy == "sync"
+
+
+@pytest.mark.parametrize("text,needle", [
+    ("learning_rate = 0.1\n", "unknown key 'learning_rate'"),
+    ("bach_size = 3\n", "did you mean 'batch_size'"),
+    ("lr = 'fast'\n", "wrong type"),
+    ("lr = \n", "not valid TOML"),
+])
+def test_bad_toml(tmp_path, text, needle):
+    f = tmp_path / "bad.toml"
+    f.write_text(text)
+    with pytest.raises(ConfigError, match=needle):
+        config.parse(["--config", str(f)])
+
+
+def test_missing_toml(tmp_path):
+    with pytest.raises(ConfigError, match="not found"):
+        config.parse(["--config", str(tmp_path / "nope.toml")])
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--learning-rate", "1"], "unrecognized arguments"),
+    (["--strategy", "magic"], "invalid choice"),
+    (["--lr", "-1"], "must be positive"),
+    (["--layers", "784"], "at least an input and an output"),
+    (["--layers", "a,b"], "comma-separated integers"),
+    (["--strategy", "sync", "--n-push", "4"], "applies only to --strategy downpour"),
+    (["--strategy", "sync", "--servers", "2"], "uses no parameter servers"),
+    (["--epochs", "1", "--steps", "5"], "not both"),
+    (["--partitions", "2"], "not available"),
+    (["--checkpoint-every", "-1"], ">= 0"),
+])
+def test_bad_cli(argv, needle):
+    with pytest.raises(ConfigError, match=needle):
+        config.parse(argv)
+
+
+def test_round_trip_dict():
+    cfg = config.parse(["--layers", "64,10"])
+    assert config.from_dict(cfg.to_dict()) == cfg
+    with pytest.raises(ConfigError):
+        config.from_dict({**cfg.to_dict(), "bogus": 1})
+
+
+def test_every_option_has_help():
+    text = config.build_parser().format_help()
+    for name in config.HELP:
+        assert "--" + name.replace("_", "-") in text

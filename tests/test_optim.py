@@ -1,0 +1,50 @@
+import numpy as np
+import pytest
+
+from hpcps import optim
+from hpcps.errors import ConfigError
+
+
+def test_sgd_step():
+    opt = optim.make("sgd", 0.5)
+    w = np.ones(4, np.float32)
+    opt.apply(w, np.array([1, 2, 0, -2], np.float32), opt.init_state(4))
+    np.testing.assert_allclose(w, [0.5, 0.0, 1.0, 2.0])
+
+
+def test_adagrad_is_lr_over_root_sum_of_squares():
+    opt = optim.make("adagrad", 0.1, eps=0.0)
+    w = np.zeros(3, np.float32)
+    st = opt.init_state(3)
+    grads = [np.array([1.0, -2.0, 0.5], np.float32), np.array([3.0, 1.0, 0.5], np.float32)]
+    ref = np.zeros(3)
+    acc = np.zeros(3)
+    for g in grads:
+        opt.apply(w, g, st)
+        acc += g.astype(np.float64) ** 2
+        ref -= 0.1 * g / np.sqrt(acc)
+    np.testing.assert_allclose(w, ref, rtol=1e-6)
+    np.testing.assert_allclose(st["accum"], acc, rtol=1e-6)
+
+
+def test_adagrad_on_slices_equals_whole_vector():
+    """What the shards do (each its own slice and state) equals one optimizer on everything."""
+    rng = np.random.default_rng(0)
+    n = 1001
+    opt = optim.make("adagrad", 0.05)
+    w_full, st_full = rng.standard_normal(n).astype(np.float32), opt.init_state(n)
+    w_parts = w_full.copy()
+    cuts = [(0, 334), (334, 668), (668, n)]
+    st_parts = [opt.init_state(hi - lo) for lo, hi in cuts]
+    for _ in range(5):
+        g = rng.standard_normal(n).astype(np.float32)
+        opt.apply(w_full, g, st_full)
+        for (lo, hi), st in zip(cuts, st_parts):
+            part = w_parts[lo:hi]
+            opt.apply(part, np.ascontiguousarray(g[lo:hi]), st)
+    np.testing.assert_array_equal(w_full, w_parts)
+
+
+def test_unknown_optimizer():
+    with pytest.raises(ConfigError, match="unknown optimizer"):
+        optim.make("adam", 0.1)

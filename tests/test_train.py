@@ -1,0 +1,180 @@
+"""End-to-end runs of ``mpiexec -n N python -m hpcps.train`` on a small real dataset.
+
+Each run has a hard timeout (see mpirun.py), so a hang fails the test instead of blocking CI.
+"""
+from __future__ import annotations
+
+import json
+
+import h5py
+import numpy as np
+import pytest
+
+from hpcps import checkpoint
+from hpcps.data import load_split
+from hpcps.model import MLP
+from mpirun import ROOT, run_mpi, train
+
+LAYERS = "64,32,10"
+QUICK = ["--layers", LAYERS, "--batch-size", "16", "--progress-every", "0.2",
+         "--eval-every", "200", "--checkpoint-every", "0"]
+
+
+def records(run_dir, kind):
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["kind"] == kind]
+
+
+def initial_test(digits_h5, seed=0):
+    """(loss, accuracy) of the untrained model every run starts from."""
+    model = MLP((64, 32, 10))
+    x, y = load_split(digits_h5, "test")
+    return model.evaluate(model.init_params(seed), x, y)
+
+
+def assert_learned(run, run_dir, digits_h5, min_acc=0.85):
+    assert run.returncode == 0, run.output
+    summary = records(run_dir, "summary")[-1]
+    loss0, acc0 = initial_test(digits_h5)
+    evals = records(run_dir, "eval")
+    assert len(evals) >= 2, run.output
+    losses = [loss0] + [e["test_loss"] for e in evals] + [summary["test_loss"]]
+    assert summary["test_loss"] < 0.5 * loss0, f"loss did not fall: {losses}"
+    assert summary["test_accuracy"] > max(min_acc, acc0 + 0.5), (acc0, summary)
+    assert records(run_dir, "progress"), "no progress line"
+    assert "final test accuracy" in run.stdout
+    return summary
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_downpour_learns(n, digits_h5, tmp_path):
+    run = train(n, "--data", str(digits_h5), "--run-dir", str(tmp_path), "--steps", "900",
+                "--warmup-steps", "50", *QUICK)
+    s = assert_learned(run, tmp_path, digits_h5)
+    assert s["replicas"] == n - 1 and s["servers"] == 1 and s["step"] == 900
+    if n > 2:
+        assert "warm start" in run.stdout
+    evals = [r["test_accuracy"] for r in records(tmp_path, "eval")]
+    assert evals and evals[-1] >= evals[0] - 0.02
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_sync_learns(n, digits_h5, tmp_path):
+    run = train(n, "--strategy", "sync", "--data", str(digits_h5), "--run-dir", str(tmp_path),
+                "--steps", "900", *QUICK)
+    s = assert_learned(run, tmp_path, digits_h5)
+    assert s["replicas"] == n and s["servers"] == 0 and s["step"] >= 900
+
+
+def test_two_server_shards_and_n_push(digits_h5, tmp_path):
+    run = train(5, "--data", str(digits_h5), "--run-dir", str(tmp_path), "--steps", "900",
+                "--servers", "2", "--n-push", "3", "--n-fetch", "2", "--warmup-steps", "0",
+                *QUICK)
+    s = assert_learned(run, tmp_path, digits_h5, min_acc=0.8)
+    assert s["servers"] == 2 and s["replicas"] == 3
+
+
+def test_checkpoint_and_resume_on_a_different_layout(digits_h5, tmp_path):
+    first, second = tmp_path / "a", tmp_path / "b"
+    run = train(3, "--data", str(digits_h5), "--run-dir", str(first), "--steps", "400",
+                *QUICK[:-2], "--checkpoint-every", "100")
+    assert run.returncode == 0, run.output
+    ck = first / "checkpoint.h5"
+    got = checkpoint.load(ck)
+    assert got.step == 400 and got.optimizer == "adagrad"
+    assert got.config["layers"] == [64, 32, 10] and got.dataset["n_train"] == 1437
+    with h5py.File(ck, "r") as f:  # readable with plain h5py at the documented paths
+        assert f["params/layer0/W"].shape == (64, 32)
+        assert f["optimizer/accum/layer1/b"].shape == (10,)
+    loss0, _ = initial_test(digits_h5)
+    loss_end = records(first, "summary")[-1]["test_loss"]
+    # resume with 4 ranks and 2 shards (written by 3 ranks and 1 shard), then with sync on 2
+    run = train(4, "--data", str(digits_h5), "--run-dir", str(second), "--steps", "800",
+                "--servers", "2", "--resume", str(ck), *QUICK)
+    assert run.returncode == 0, run.output
+    assert "resumed from" in run.stdout
+    start = records(second, "start")[0]
+    assert start["start_step"] == 400 and records(second, "summary")[-1]["step"] == 800
+    loss_resumed = records(second, "eval")[0]["test_loss"]
+    # the curve continues: 200 steps after resuming, the loss is near where the first run ended,
+    # not back at the untrained model's
+    assert loss_resumed < 1.3 * loss_end and loss_resumed < 0.5 * loss0, \
+        (loss0, loss_end, loss_resumed)
+    assert checkpoint.load(second / "checkpoint.h5").step == 800
+    run = train(2, "--strategy", "sync", "--data", str(digits_h5), "--steps", "1000",
+                "--resume", str(second / "checkpoint.h5"), *QUICK)
+    assert run.returncode == 0, run.output
+    assert records(second, "summary")[-1]["step"] >= 1000  # same run dir: appended
+
+
+def test_auto_prepares_builtin_dataset(tmp_path):
+    run = train(2, "--strategy", "sync", "--data", "data/digits.h5", "--steps", "20",
+                "--run-dir", "r", *QUICK, cwd=tmp_path)
+    assert run.returncode == 0, run.output
+    assert "not found: preparing the digits dataset" in run.stdout
+    assert (tmp_path / "data" / "digits.h5").exists()
+
+
+def test_help_lists_options():
+    run = train(2, "--help", timeout=60)
+    assert run.returncode == 0
+    for opt in ["--strategy", "--servers", "--partitions", "--layers", "--activation",
+                "--epochs", "--steps", "--batch-size", "--lr", "--n-fetch", "--n-push",
+                "--warmup-steps", "--data", "--run-dir", "--checkpoint-every", "--resume",
+                "--seed", "--config"]:
+        assert opt in run.stdout
+    assert run.stdout.count("usage:") == 1  # printed once, not once per rank
+
+
+# -- bad input: one clear message, one exit code, every rank ends -----------------------------
+def _bad_files(tmp_path, digits_h5):
+    wrong = tmp_path / "wrong.h5"
+    with h5py.File(wrong, "w") as f:
+        for split in ("train", "test"):
+            f[f"{split}/x"] = np.zeros((20, 4, 4), np.float32)
+            f[f"{split}/y"] = np.zeros(20, np.int64)
+    good = tmp_path / "good"
+    run = train(2, "--strategy", "sync", "--data", str(digits_h5), "--run-dir", str(good),
+                "--steps", "10", *QUICK)
+    assert run.returncode == 0, run.output
+    ck = (good / "checkpoint.h5").read_bytes()
+    (tmp_path / "truncated.h5").write_bytes(ck[: len(ck) // 2])
+    with h5py.File(good / "checkpoint.h5", "r") as f:
+        off = f["params/layer0/W"].id.get_chunk_info(0).byte_offset
+    corrupt = bytearray(ck)
+    for i in range(off + 8, off + 64):
+        corrupt[i] ^= 0xFF
+    (tmp_path / "corrupt.h5").write_bytes(bytes(corrupt))
+    (tmp_path / "bad.toml").write_text("learning_rate = 0.1\n")
+    return {"wrong": wrong, "good": good / "checkpoint.h5"}
+
+
+def test_bad_inputs_fail_fast_with_one_message(digits_h5, tmp_path):
+    f = _bad_files(tmp_path, digits_h5)
+    d = ["--data", str(digits_h5), "--layers", LAYERS]
+    cases = [
+        (["--bogus-option"], 2, "unrecognized arguments: --bogus-option"),
+        (["--config", str(tmp_path / "bad.toml"), *d], 2, "unknown key 'learning_rate'"),
+        (["--servers", "3", *d], 2, "cannot lay out N=3"),
+        (["--data", str(tmp_path / "missing.h5"), "--layers", LAYERS], 3, "dataset not found"),
+        (["--data", str(f["wrong"]), "--layers", LAYERS], 3, "wrong.h5"),
+        (["--data", str(digits_h5)], 2, "does not fit dataset"),
+        (["--resume", str(tmp_path / "truncated.h5"), *d], 4, "truncated or corrupt"),
+        (["--resume", str(tmp_path / "corrupt.h5"), *d], 4, "corrupt"),
+        (["--resume", str(f["good"]), "--data", str(digits_h5), "--layers", "64,16,10"], 4,
+         "64,32,10"),
+        (["--resume", str(f["good"]), *d, "--optimizer", "sgd"], 4, "optimizer"),
+    ]
+    for args, code, needle in cases:
+        run = train(3, *args, timeout=60)
+        assert run.returncode == code, (args, run.output)
+        assert needle in run.stderr, (args, run.stderr)
+        assert run.stderr.count("hpcps: error") == 1, (args, run.stderr)
+        assert run.seconds < 30, (args, run.seconds)
+
+
+def test_failing_rank_aborts_the_job(tmp_path):
+    run = run_mpi(3, [str(ROOT / "tests" / "scripts" / "abort_job.py")], timeout=60)
+    assert run.returncode != 0
+    assert "rank 1 of 3" in run.stderr and "injected failure on purpose" in run.stderr
+    assert run.seconds < 30
