@@ -15,3 +15,10 @@ def digits_h5(tmp_path_factory):
     path = tmp_path_factory.mktemp("data") / "digits.h5"
     data.prepare_digits(path, log=lambda s: None)
     return path
+
+
+def pytest_ignore_collect(collection_path, config):
+    """tests/mpi runs only under mpiexec with --with-mpi (test_mpi_suites.py launches it)."""
+    if collection_path.name == "mpi" and collection_path.parent.name == "tests":
+        return not config.getoption("--with-mpi", default=False)
+    return None

@@ -1,0 +1,122 @@
+"""Multi-rank tests, run under ``mpiexec -n K python -m pytest --with-mpi tests/mpi``.
+
+``tests/test_mpi_suites.py`` launches this file at K = 1, 2, 3 and 4 with a timeout, so the
+plain ``pytest`` command runs these too. Every test here is rank-generic.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from hpcps import optim
+from hpcps.model import MLP
+from hpcps.ps.client import Client
+from hpcps.ps.server import ShardServer
+from hpcps.strategies.sync import sync_step
+from hpcps.topology import Layout, build_grid, shard_range, world_comm
+
+TIMEOUT = 60.0
+
+
+@pytest.fixture
+def comm():
+    c = world_comm()
+    yield c
+    c.Free()
+
+
+@pytest.mark.mpi
+def test_grid_communicators_match_layout(comm):
+    size = comm.Get_size()
+    servers = 1 if size > 1 else 0
+    grid = build_grid(comm, Layout.plan(size, servers, 1))
+    if grid.role.is_server:
+        assert grid.server_comm.Get_size() == servers and grid.partition_comm is None
+    else:
+        assert grid.partition_comm.Get_size() == size - servers
+        assert grid.replica_comm.Get_size() == 1
+        assert grid.partition_comm.Get_rank() == grid.role.replica
+
+
+@pytest.mark.mpi
+def test_sync_equals_one_process_on_the_concatenated_batch(comm):
+    """R replicas, each with its part of a batch, end with the weights one process gets from
+    the whole batch, and with identical weights on every replica."""
+    R, r = comm.Get_size(), comm.Get_rank()
+    model = MLP((20, 16, 5), "tanh")
+    B, steps = 6, 5
+    rng = np.random.default_rng(123)  # same stream on every rank
+    xs = rng.standard_normal((steps, R * B, 20)).astype(np.float32)
+    ys = rng.integers(0, 5, (steps, R * B))
+    opt = optim.make("adagrad", 0.05)
+    params, state = model.init_params(7), opt.init_state(model.n_params)
+    serial, serial_state = params.copy(), opt.init_state(model.n_params)
+    buf = np.zeros(model.n_params + 1, np.float32)
+    for t in range(steps):
+        mine = slice(r * B, (r + 1) * B)
+        loss = sync_step(comm, model, opt, params, state, xs[t, mine], ys[t, mine], buf, TIMEOUT)
+        serial_loss, g = model.loss_and_grad(serial, xs[t], ys[t])
+        opt.apply(serial, g, serial_state)
+        assert loss == pytest.approx(serial_loss, rel=1e-5)
+    np.testing.assert_allclose(params, serial, rtol=1e-5, atol=1e-6)
+    everyone = comm.allgather(params)
+    for other in everyone:
+        np.testing.assert_array_equal(other, params)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_shard_applies_every_push_from_every_replica(comm):
+    """The last rank serves one shard; the others push known gradients asynchronously.
+    Whatever the arrival order, SGD with lr=1 must end at init - sum of all pushes."""
+    size, rank = comm.Get_size(), comm.Get_rank()
+    n, pushes, server = 1000, 7, size - 1
+    init = np.arange(n, dtype=np.float32)
+    opt = optim.make("sgd", 1.0)
+    if rank == server:
+        params = init.copy()
+        srv = ShardServer(comm, params, {}, opt.apply, n_replicas=size - 1, timeout=TIMEOUT)
+        stats = srv.serve()
+        expected = init - sum((r + 1) * pushes for r in range(size - 1))
+        np.testing.assert_allclose(params, expected)
+        assert stats.pushes == pushes * (size - 1) and srv.step == 2 * pushes * (size - 1)
+        assert stats.done_replicas == list(range(size - 1))
+        assert stats.staleness_max >= 0
+    else:
+        client = Client(comm, [server], [shard_range(n, 1, 0)], rank, TIMEOUT)
+        seen = np.empty(n, np.float32)
+        client.fetch(seen)
+        # what a replica fetches is always init minus whole pushes (each push is applied
+        # atomically with respect to fetches)
+        assert np.all((init - seen) == (init - seen)[0])
+        g = np.full(n, rank + 1, np.float32)
+        for _ in range(pushes):
+            client.push(g, steps=2, loss_sum=1.0)
+        client.done()
+        assert client.bytes_sent > pushes * 4 * n
+
+
+@pytest.mark.mpi(min_size=3)
+def test_two_shards_hold_their_own_slices(comm):
+    size, rank = comm.Get_size(), comm.Get_rank()
+    n, S = 1001, 2
+    servers = [size - 2, size - 1]
+    ranges = [shard_range(n, S, s) for s in range(S)]
+    opt = optim.make("adagrad", 0.1)
+    if rank in servers:
+        s = servers.index(rank)
+        lo, hi = ranges[s]
+        params = np.zeros(hi - lo, np.float32)
+        srv = ShardServer(comm, params, opt.init_state(hi - lo), opt.apply,
+                          n_replicas=size - 2, timeout=TIMEOUT)
+        srv.serve()
+        # every element got the same sign of update from every replica: adagrad moved each
+        # parameter by -0.1 on the first push and less after, all negative
+        assert np.all(params < 0) and np.all(params >= -0.1 * (size - 2) * 3 - 1e-6)
+    else:
+        client = Client(comm, servers, ranges, rank, TIMEOUT)
+        full = np.ones(n, np.float32)
+        buf = np.empty(n, np.float32)
+        for _ in range(3):
+            client.fetch(buf)
+            client.push(full, steps=1, loss_sum=0.5)
+        client.done()
