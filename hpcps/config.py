@@ -33,6 +33,7 @@ STRATEGY_DEFAULTS = {
              "warmup_steps": None},
 }
 DOWNPOUR_ONLY = ("n_fetch", "n_push", "warmup_steps")
+DEFAULT_EPOCHS = 3.0  # when neither --epochs nor --steps is given
 
 
 @dataclass(frozen=True)
@@ -69,16 +70,11 @@ class Config:
         d["layers"] = list(self.layers)
         return d
 
-    @property
-    def default_epochs(self) -> float:
-        """Epochs trained when neither --epochs nor --steps is given."""
-        return 3.0
-
     def total_steps(self, n_train: int) -> int:
         """Global number of mini-batches of ``batch_size`` examples the whole run processes."""
         if self.steps is not None:
             return self.steps
-        epochs = self.epochs if self.epochs is not None else self.default_epochs
+        epochs = self.epochs if self.epochs is not None else DEFAULT_EPOCHS
         return max(1, math.ceil(epochs * n_train / self.batch_size))
 
 

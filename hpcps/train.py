@@ -113,7 +113,7 @@ def _setup(cfg: config.Config, world, layout: Layout, info, ckpt, run_dir: Path)
     metrics = Metrics(run_dir if grid.is_chief else None, cfg.progress_every)
     ctx = Context(cfg=cfg, grid=grid, model=model, optimizer=opt, dataset=info, params=params,
                   opt_state=state, start_step=start, total_steps=cfg.total_steps(info.n_train),
-                  run_dir=run_dir, metrics=metrics, resumed_from=cfg.resume)
+                  run_dir=run_dir, metrics=metrics)
     if grid.role.is_replica:
         ctx.train_x, ctx.train_y = data.load_split(cfg.data, "train", grid.role.replica,
                                                    layout.replicas)

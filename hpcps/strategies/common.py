@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import math
 import socket
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from mpi4py import MPI
 
 from hpcps import checkpoint, optim
 from hpcps.config import Config
@@ -49,8 +48,6 @@ class Context:
     train_y: np.ndarray | None = None
     test_x: np.ndarray | None = None
     test_y: np.ndarray | None = None
-    resumed_from: str | None = None
-    extra: dict = field(default_factory=dict)
 
     @property
     def remaining_steps(self) -> int:
@@ -82,8 +79,7 @@ def save_checkpoint(ctx: Context, params: np.ndarray, opt_state: dict[str, np.nd
         params={k: np.ascontiguousarray(v) for k, v in views(params).items()},
         optimizer=ctx.cfg.optimizer, opt_state=state, step=int(step),
         config=ctx.cfg.to_dict(), dataset=ctx.dataset.to_dict(), metrics=dict(metrics or {}))
-    path = checkpoint.save(checkpoint_path(ctx), ckpt)
-    return path
+    return checkpoint.save(checkpoint_path(ctx), ckpt)
 
 
 def state_from_checkpoint(model: MLP, ckpt: checkpoint.Checkpoint,
@@ -122,9 +118,3 @@ def host() -> str:
 def rate(examples: float, seconds: float) -> float:
     return examples / seconds if seconds > 0 else math.nan
 
-
-def bcast_array(comm, arr: np.ndarray, root: int, timeout: float, what: str) -> None:
-    wait_all([comm.Ibcast(arr, root=root)], timeout, what)
-
-
-MPI_FLOAT = MPI.FLOAT
