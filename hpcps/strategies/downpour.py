@@ -80,6 +80,19 @@ def run_replica(ctx: Context) -> dict:
     last_t, last_step = t0, ctx.start_step
     next_eval = _next_multiple(ctx.start_step, cfg.eval_every)
     info = {"step": ctx.start_step}
+
+    def report(done_steps: int) -> None:
+        nonlocal last_t, last_step
+        step, now = info["step"], time.perf_counter()
+        m.record("progress", step=step, epoch=round(ctx.epochs(step), 3),
+                 examples_per_s=round(rate((step - last_step) * cfg.batch_size, now - last_t), 1),
+                 loss=info.get("loss", float("nan")),
+                 staleness=round(info.get("staleness", 0.0), 2),
+                 max_staleness=info.get("max_staleness", 0.0),
+                 bytes_per_step=round((client.bytes_sent + client.bytes_received)
+                                      / max(1, done_steps)))
+        last_t, last_step = now, step
+
     for t in range(my_steps):
         if t % cfg.n_fetch == 0:
             info = client.fetch(params)
@@ -99,16 +112,7 @@ def run_replica(ctx: Context) -> dict:
         if grid.is_chief:
             step = info["step"]
             if m.due():
-                now = time.perf_counter()
-                m.record("progress", step=step, epoch=round(ctx.epochs(step), 3),
-                         examples_per_s=round(rate((step - last_step) * cfg.batch_size,
-                                                   now - last_t), 1),
-                         loss=info.get("loss", float("nan")),
-                         staleness=round(info.get("staleness", 0.0), 2),
-                         max_staleness=info.get("max_staleness", 0.0),
-                         bytes_per_step=round((client.bytes_sent + client.bytes_received)
-                                              / max(1, t + 1)))
-                last_t, last_step = now, step
+                report(t + 1)
             if next_eval and step >= next_eval:
                 test_loss, test_acc = evaluate(ctx, params)
                 m.record("eval", step=step, epoch=round(ctx.epochs(step), 3),
@@ -116,6 +120,8 @@ def run_replica(ctx: Context) -> dict:
                 next_eval = _next_multiple(step, cfg.eval_every)
     if acc_steps:
         client.push(acc, acc_steps, loss_sum)
+    if grid.is_chief and my_steps:
+        report(my_steps)  # the last window, so every run's metrics hold a progress record
     if not released:
         release()
     wait_all(warmup_reqs, cfg.timeout, "other replicas to take the warm-start release")

@@ -56,7 +56,16 @@ def run(ctx: Context) -> dict:
     t0 = time.perf_counter()
     last_t, last_step = t0, step
     loss_win, n_win = 0.0, 0
-    test_acc = float("nan")
+
+    def report():
+        nonlocal last_t, last_step, loss_win, n_win
+        now = time.perf_counter()
+        m.record("progress", step=step, epoch=round(ctx.epochs(step), 3),
+                 examples_per_s=round(rate((step - last_step) * cfg.batch_size, now - last_t), 1),
+                 loss=loss_win / max(1, n_win), staleness=0,
+                 bytes_per_step=round(bytes_per_update))
+        last_t, last_step, loss_win, n_win = now, step, 0.0, 0
+
     for _ in range(updates):
         x, y = next(batches)
         loss = sync_step(comm, model, ctx.optimizer, params, state, x, y, buf, cfg.timeout)
@@ -64,12 +73,7 @@ def run(ctx: Context) -> dict:
         loss_win += loss
         n_win += 1
         if m.due():
-            now = time.perf_counter()
-            m.record("progress", step=step, epoch=round(ctx.epochs(step), 3),
-                     examples_per_s=round(rate((step - last_step) * cfg.batch_size, now - last_t), 1),
-                     loss=loss_win / n_win, staleness=0,
-                     bytes_per_step=round(bytes_per_update))
-            last_t, last_step, loss_win, n_win = now, step, 0.0, 0
+            report()
         if cfg.eval_every and step // cfg.eval_every != (step - n_rep) // cfg.eval_every \
                 and grid.is_chief:
             test_loss, test_acc = evaluate(ctx, params)
@@ -79,6 +83,8 @@ def run(ctx: Context) -> dict:
                 step // cfg.checkpoint_every != (step - n_rep) // cfg.checkpoint_every:
             path = save_checkpoint(ctx, params, state, step, {"train_loss": loss})
             m.record("checkpoint", echo=False, step=step, path=str(path))
+    if n_win:
+        report()  # the last window, so every run's metrics hold at least one progress record
     train_s = time.perf_counter() - t0
     result = {"step": step, "train_s": train_s,
               "examples_per_s": rate((step - ctx.start_step) * cfg.batch_size, train_s),
