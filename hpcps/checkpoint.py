@@ -37,12 +37,17 @@ File layout (``LAYOUT_VERSION = 1``)::
 Integrity. Every dataset is chunked with the Fletcher-32 filter, so a flipped byte in the array
 data fails the read; no compression (gzip is ~50x slower than raw writes on incompressible
 weights). The file uses the HDF5 1.10 format (``libver=("v110", "latest")``), whose superblock,
-object headers and indexes carry checksums of their own. What neither covers (variable-length
-strings live in the unchecksummed global heap) is covered by ``meta_sha256``: a SHA-256 over the
-format, layout version, step, optimizer name, the names, shapes and dtypes of all datasets and
-the three JSON strings; load() recomputes it. The per-key attributes of ``/config``,
-``/dataset`` and ``/metrics`` are for people and for tools that read the file with h5py; load()
-reads the JSON copies.
+object headers and indexes carry checksums of their own. Every string attribute is a
+fixed-length UTF-8 string, so it sits in a checksummed object header: variable-length strings
+live in HDF5's global heap, which has no checksum, and one flipped byte there made the HDF5
+library loop forever on open. (h5py hands fixed-length strings back as ``bytes``:
+``f.attrs["format"].decode()``; ``json.loads`` takes the bytes as they are.) On top of that,
+``meta_sha256`` is a SHA-256 over the format, layout version, step, optimizer name, the names,
+shapes and dtypes of all datasets and the three JSON strings; load() recomputes it, so an edited
+or damaged value that still parses is refused. Flipping any single byte of a checkpoint makes
+load() raise or return exactly the saved state (tests/test_checkpoint.py sweeps the file). The
+per-key attributes of ``/config``, ``/dataset`` and ``/metrics`` are for people and for tools
+that read the file with h5py; load() reads the JSON copies.
 
 Atomicity. save() writes ``<name>.tmp-<pid>`` in the target's directory, flushes and fsyncs it,
 closes it, renames it onto the target with ``os.replace`` and fsyncs the directory. A crash or
@@ -263,20 +268,34 @@ def _meta_digest(step: int, optimizer: str, arrays: dict[str, tuple[tuple[int, .
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
+def _fixed_str(value: str | list[str]) -> np.ndarray:
+    """A fixed-length UTF-8 string (or array of them) for an attribute.
+
+    Variable-length strings would live in HDF5's unchecksummed global heap, where a flipped byte
+    in an object's length made HDF5 loop forever on open; fixed-length strings sit inside the
+    checksummed object headers. h5py returns them as bytes; ``.decode()`` gives the text.
+    """
+    encoded = [v.encode("utf-8") for v in value] if isinstance(value, list) else value.encode("utf-8")
+    longest = max((len(e) for e in encoded), default=1) if isinstance(encoded, list) else len(encoded)
+    return np.array(encoded, dtype=h5py.string_dtype("utf-8", max(1, longest)))
+
+
 def _human_attr(value: Any) -> Any:
     """A value as an HDF5 attribute a person can read: lists as arrays, None as "none"."""
     if value is None:
-        return "none"
-    if isinstance(value, (bool, int, float, str)):
+        return _fixed_str("none")
+    if isinstance(value, str):
+        return _fixed_str(value)
+    if isinstance(value, (bool, int, float)):
         return value
     if isinstance(value, list) and value:
         if all(isinstance(v, str) for v in value):
-            return np.array(value, dtype=h5py.string_dtype())
+            return _fixed_str(value)
         if all(isinstance(v, bool) for v in value):
             return np.array(value, dtype=bool)
         if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
             return np.array(value)
-    return json.dumps(value)  # empty or mixed lists: the JSON text says it best
+    return _fixed_str(json.dumps(value))  # empty or mixed lists: the JSON text says it best
 
 
 def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
@@ -291,7 +310,7 @@ def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
 
 def _write_attrs(group: h5py.Group, d: dict) -> None:
     for k, v in _flatten(d).items():
-        group.attrs[k] = _human_attr(v)
+        group.attrs[k or "(empty key)"] = _human_attr(v)  # HDF5 refuses an empty attribute name
 
 
 def _opt_description(optimizer: str, key: str, params: dict) -> str:
@@ -316,24 +335,24 @@ def _write(path: Path, ckpt: Checkpoint) -> None:
 
     with h5py.File(path, "w", libver=("v110", "latest"), track_order=True) as f:
         a = f.attrs
-        a["format"] = FORMAT
+        a["format"] = _fixed_str(FORMAT)
         a["layout_version"] = LAYOUT_VERSION
-        a["hpcps_version"] = __version__
+        a["hpcps_version"] = _fixed_str(__version__)
         a["step"] = np.int64(ckpt.step)
-        a["created"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+        a["created"] = _fixed_str(datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
         a["layer_sizes"] = np.array(sizes, dtype=np.int64)
-        a["description"] = DESCRIPTION
-        a["config_json"] = config_json
-        a["dataset_json"] = dataset_json
-        a["metrics_json"] = metrics_json
-        a["meta_sha256"] = digest
+        a["description"] = _fixed_str(DESCRIPTION)
+        a["config_json"] = _fixed_str(config_json)
+        a["dataset_json"] = _fixed_str(dataset_json)
+        a["metrics_json"] = _fixed_str(metrics_json)
+        a["meta_sha256"] = _fixed_str(digest)
 
         def put(name: str, data: np.ndarray, description: str) -> None:
             dset = f.create_dataset(name, data=data, chunks=True, fletcher32=True)
-            dset.attrs["description"] = description
+            dset.attrs["description"] = _fixed_str(description)
 
         g = f.create_group("params")
-        g.attrs["description"] = (
+        g.attrs["description"] = _fixed_str(
             f"the network's parameters, {len(sizes) - 1} fully connected layers of sizes "
             f"{' -> '.join(map(str, sizes))}; layer i computes y = act(x @ W + b)"
         )
@@ -345,8 +364,8 @@ def _write(path: Path, ckpt: Checkpoint) -> None:
                 f"biases of layer {i}, shape (fan_out,) = {b.shape}: y = act(x @ W + b)")
 
         g = f.create_group("optimizer")
-        g.attrs["name"] = ckpt.optimizer
-        g.attrs["description"] = (
+        g.attrs["name"] = _fixed_str(ckpt.optimizer)
+        g.attrs["description"] = _fixed_str(
             f"state of the {ckpt.optimizer} optimizer, one dataset per key"
             + ("" if ckpt.opt_state else " (none: this optimizer keeps no state)")
         )
@@ -463,8 +482,9 @@ def _read(path: str | os.PathLike) -> tuple[Checkpoint, dict[str, Any]]:
                 raise missing("the root attribute 'layout_version'")
             version = a["layout_version"]
             if not isinstance(version, (int, np.integer)) or int(version) != LAYOUT_VERSION:
+                shown = int(version) if isinstance(version, (int, np.integer)) else repr(version)
                 raise CheckpointError(
-                    f"checkpoint {path} has layout_version {version!r}; this hpcps ({__version__}) "
+                    f"checkpoint {path} has layout_version {shown}; this hpcps ({__version__}) "
                     f"reads layout_version {LAYOUT_VERSION} only"
                 )
             for name in ("step", "layer_sizes", "config_json", "dataset_json", "metrics_json", "meta_sha256"):
@@ -657,15 +677,11 @@ def _json_safe(value: Any) -> Any:
     return value
 
 
-def _fmt_num(x: Any) -> str:
-    return f"{x:.6g}" if isinstance(x, float) else str(x)
-
-
 def _fmt_stats(name: str, s: dict[str, Any], width: int) -> str:
     shape = "(" + ", ".join(map(str, s["shape"])) + ("," if len(s["shape"]) == 1 else "") + ")"
     line = f"  {name:<{width}}  {shape:<14} {s['dtype']:<8}"
     if "min" in s:
-        line += "  " + "  ".join(f"{k} {s[k]:+.4e}" for k in ("min", "max", "mean", "std"))
+        line += "  " + " ".join(f"{k} {s[k]: <11.4g}" for k in ("min", "max", "mean", "std"))
     if "non_finite" in s:
         line += f"  NON-FINITE {s['non_finite']}"
     return line.rstrip()
@@ -703,5 +719,5 @@ def describe(path: str | os.PathLike) -> str:
     for section in ("config", "dataset", "metrics"):
         lines.append(section + ("" if s[section] else " (empty)"))
         for k, v in _flatten(s[section]).items():
-            lines.append(f"  {k} = {json.dumps(v) if not isinstance(v, float) else _fmt_num(v)}")
+            lines.append(f"  {k} = {json.dumps(v, ensure_ascii=False)}")
     return "\n".join(lines)
