@@ -21,18 +21,27 @@ from typing import Any, Sequence
 
 from hpcps.errors import ConfigError
 
-STRATEGIES = ("downpour", "sync")
+STRATEGIES = ("downpour", "sync", "deadreckon")
 ACTIVATIONS = ("relu", "tanh", "sigmoid")
 OPTIMIZERS = ("adagrad", "sgd")
+COMPRESSIONS = ("none", "threshold")
+ON_OFF = ("on", "off")
 
 # Defaults that depend on the strategy: None in the dataclass means "not given".
 STRATEGY_DEFAULTS = {
     "downpour": {"servers": 1, "optimizer": "adagrad", "lr": 0.01, "n_fetch": 1, "n_push": 1,
-                 "warmup_steps": 200},
-    "sync": {"servers": 0, "optimizer": "adagrad", "lr": 0.01, "n_fetch": None, "n_push": None,
-             "warmup_steps": None},
+                 "warmup_steps": 200, "compress": "none"},
+    "sync": {"servers": 0, "optimizer": "adagrad", "lr": 0.01},
+    "deadreckon": {"servers": 0, "optimizer": "sgd", "lr": 0.1, "tau": 0.002, "golomb": "on"},
 }
-DOWNPOUR_ONLY = ("n_fetch", "n_push", "warmup_steps")
+# Default threshold for downpour's compressed pushes (gradient units, not weight units).
+DOWNPOUR_TAU = 0.01
+# Options that mean something only to some strategies: given with another, they are refused.
+OPTION_STRATEGIES = {
+    "n_fetch": ("downpour",), "n_push": ("downpour",), "warmup_steps": ("downpour",),
+    "compress": ("downpour",), "tau": ("downpour", "deadreckon"),
+    "golomb": ("downpour", "deadreckon"),
+}
 DEFAULT_EPOCHS = 3.0  # when neither --epochs nor --steps is given
 
 
@@ -54,6 +63,9 @@ class Config:
     n_fetch: int | None = None
     n_push: int | None = None
     warmup_steps: int | None = None
+    compress: str | None = None
+    tau: float | None = None
+    golomb: str | None = None
     data: str = "data/mnist.h5"
     run_dir: str | None = None
     checkpoint_every: int = 5000
@@ -80,15 +92,17 @@ class Config:
 
 HELP = {
     "strategy": "how replicas combine their work: 'downpour' (asynchronous, sharded parameter "
-                "server, the default) or 'sync' (allreduce of gradients every step, no servers)",
-    "servers": "number of parameter-server shard ranks S (downpour default 1, sync must be 0)",
+                "server, the default), 'sync' (allreduce of gradients every step, no servers) "
+                "or 'deadreckon' (Strom's thresholded 1-bit updates sent peer to peer, no servers)",
+    "servers": "number of parameter-server shard ranks S (downpour: default 1; the other "
+               "strategies use none)",
     "partitions": "ranks per replica P for model parallelism; only 1 is available in this version",
     "layers": "layer widths of the MLP, input to output, e.g. 784,512,512,10 (the first must "
               "match the dataset's features, the last its classes)",
     "activation": "hidden-layer activation: relu, tanh or sigmoid",
     "optimizer": "update rule applied where the parameters live: adagrad (default; DistBelief's "
                  "per-parameter eta/sqrt(sum g^2)) or sgd",
-    "lr": "learning rate eta (default 0.01)",
+    "lr": "learning rate eta (default 0.01; 0.1 for deadreckon's plain SGD)",
     "adagrad_eps": "added to sqrt(sum g^2) to avoid dividing by zero",
     "epochs": "passes over the training set, counted over all replicas together (default 3)",
     "steps": "total mini-batches over all replicas (instead of --epochs)",
@@ -97,6 +111,13 @@ HELP = {
     "n_push": "downpour: push the accumulated gradient every n_push steps (default 1)",
     "warmup_steps": "downpour: steps replica 0 trains alone before the others join (default 200; "
                     "not applied when resuming)",
+    "compress": "downpour: 'threshold' pushes Strom-compressed gradients (residual kept on the "
+                "replica) instead of dense ones; default 'none'",
+    "tau": "threshold of the compressed updates: each sent element moves by +-tau "
+           f"(deadreckon: weight units, default 0.002; downpour: gradient units, default "
+           f"{DOWNPOUR_TAU})",
+    "golomb": "on: Golomb-Rice code the index gaps of compressed messages (default); off: send "
+              "the raw 32-bit words",
     "data": "HDF5 dataset (layout in the README); data/mnist.h5 is prepared automatically",
     "run_dir": "directory for metrics.jsonl and checkpoint.h5 (default runs/<strategy>-<time>)",
     "checkpoint_every": "write a checkpoint every this many global steps (0: only at the end)",
@@ -140,6 +161,10 @@ def build_parser(prog: str = "python -m hpcps.train") -> argparse.ArgumentParser
             p.add_argument(flag, choices=ACTIVATIONS, help=text)
         elif name == "optimizer":
             p.add_argument(flag, choices=OPTIMIZERS, help=text)
+        elif name == "compress":
+            p.add_argument(flag, choices=COMPRESSIONS, help=text)
+        elif name == "golomb":
+            p.add_argument(flag, choices=ON_OFF, help=text)
         elif "float" in str(t):
             p.add_argument(flag, type=float, help=text)
         elif "int" in str(t):
@@ -206,13 +231,28 @@ def validate(cfg: Config) -> Config:
         raise ConfigError(f"unknown activation {cfg.activation!r}; choose one of {', '.join(ACTIVATIONS)}")
     if cfg.optimizer is not None and cfg.optimizer not in OPTIMIZERS:
         raise ConfigError(f"unknown optimizer {cfg.optimizer!r}; choose one of {', '.join(OPTIMIZERS)}")
-    if cfg.strategy != "downpour":
-        for name in DOWNPOUR_ONLY:
+    if cfg.compress is not None and cfg.compress not in COMPRESSIONS:
+        raise ConfigError(f"unknown compression {cfg.compress!r}; choose one of "
+                          f"{', '.join(COMPRESSIONS)}")
+    if cfg.golomb is not None and cfg.golomb not in ON_OFF:
+        raise ConfigError(f"--golomb takes on or off, got {cfg.golomb!r}")
+    for name, allowed in OPTION_STRATEGIES.items():
+        if getattr(cfg, name) is not None and cfg.strategy not in allowed:
+            raise ConfigError(f"--{name.replace('_', '-')} applies only to --strategy "
+                              f"{' or '.join(allowed)}, not {cfg.strategy}")
+    if cfg.strategy == "downpour" and cfg.compress != "threshold":
+        for name in ("tau", "golomb"):
             if getattr(cfg, name) is not None:
-                raise ConfigError(f"--{name.replace('_', '-')} applies only to --strategy downpour, "
-                                  f"not {cfg.strategy}")
-    if cfg.strategy == "sync" and cfg.servers not in (None, 0):
-        raise ConfigError(f"--strategy sync uses no parameter servers; got --servers {cfg.servers}")
+                raise ConfigError(f"--{name} applies to downpour only with --compress threshold")
+    if cfg.strategy != "downpour" and cfg.servers not in (None, 0):
+        raise ConfigError(f"--strategy {cfg.strategy} uses no parameter servers; "
+                          f"got --servers {cfg.servers}")
+    if cfg.strategy == "downpour" and cfg.servers == 0:
+        raise ConfigError("--strategy downpour needs at least one server shard (--servers >= 1)")
+    if cfg.strategy == "deadreckon" and cfg.optimizer not in (None, "sgd"):
+        raise ConfigError("--strategy deadreckon exchanges plain SGD weight deltas: only "
+                          "--optimizer sgd is possible (an Adagrad state would differ between "
+                          "replicas, so their weights would drift apart)")
     if len(cfg.layers) < 2:
         raise ConfigError(f"--layers needs at least an input and an output width, got {cfg.layers}")
     if any(n < 1 for n in cfg.layers):
@@ -227,7 +267,7 @@ def validate(cfg: Config) -> Config:
     positive = {"batch_size": cfg.batch_size, "steps": cfg.steps, "n_fetch": cfg.n_fetch,
                 "n_push": cfg.n_push, "epochs": cfg.epochs, "lr": cfg.lr,
                 "progress_every": cfg.progress_every, "timeout": cfg.timeout,
-                "adagrad_eps": cfg.adagrad_eps}
+                "adagrad_eps": cfg.adagrad_eps, "tau": cfg.tau}
     for name, v in positive.items():
         if v is not None and not v > 0:
             raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {v}")
@@ -236,7 +276,10 @@ def validate(cfg: Config) -> Config:
     for name, v in nonneg.items():
         if v is not None and v < 0:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 0, got {v}")
-    fill = {k: v for k, v in STRATEGY_DEFAULTS[cfg.strategy].items() if getattr(cfg, k) is None}
+    defaults = dict(STRATEGY_DEFAULTS[cfg.strategy])
+    if cfg.strategy == "downpour" and cfg.compress == "threshold":
+        defaults.update(tau=DOWNPOUR_TAU, golomb="on")
+    fill = {k: v for k, v in defaults.items() if getattr(cfg, k) is None}
     return dataclasses.replace(cfg, **fill)
 
 

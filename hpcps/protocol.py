@@ -22,6 +22,9 @@ class Tag(IntEnum):
     DONE = 4          # replica -> shard: this replica has pushed its last gradient
     WARMUP_DONE = 5   # replica 0 -> other replicas: warm start over, start training
     FINAL = 6         # server shard 0 -> world rank 0: the final parameters, for evaluation
+    PUSH_COMPRESSED = 7  # replica -> shard: header + compressed gradient message (bytes)
+    DR_UPDATE = 8     # deadreckon peer -> peer: a compressed weight-delta message (bytes)
+    DR_DONE = 9       # deadreckon peer -> peer: no more updates from this replica
 
 
 class H(IntEnum):
@@ -55,3 +58,20 @@ class Message:
 
     def __len__(self) -> int:
         return len(self.payload)
+
+
+class ByteMessage:
+    """A preallocated buffer for one header + up to ``max_bytes`` of variable-length payload.
+
+    Used for compressed messages, whose size changes with every push: the sender fills
+    ``body[:n]`` and sends ``spec(n)``; the receiver reads the size from the probe status.
+    """
+
+    def __init__(self, max_bytes: int):
+        self.buf = np.zeros(HEADER_BYTES + max_bytes, dtype=np.uint8)
+        self.header = self.buf[:HEADER_BYTES].view(np.float64)
+        self.body = self.buf[HEADER_BYTES:]
+
+    def spec(self, n: int) -> np.ndarray:
+        """What to send: the header plus the first ``n`` payload bytes (a view, no copy)."""
+        return self.buf[:HEADER_BYTES + n]

@@ -137,15 +137,24 @@ def _summary(ctx: Context, results: list[dict], wall_s: float) -> None:
     mine = results[0]
     step = mine.get("step", ctx.start_step)
     trained = step - ctx.start_step
+    extra = {k: mine[k] for k in ("updates_per_step", "compression_ratio", "bits_per_update",
+                                  "replicas_identical", "replica_checksums") if k in mine}
     if cfg.strategy == "downpour":
         reps = [r for r in results if "replica_steps" in r]
         shards = [r for r in results if "shard" in r]
         moved = sum(r["bytes_sent"] + r["bytes_received"] for r in reps)
         bytes_per_step = moved / max(1, trained)
         staleness = sum(s["mean_staleness"] for s in shards) / max(1, len(shards))
+        if cfg.compress == "threshold":
+            pushed = sum(r["bytes_sent"] for r in reps) / max(1, trained)
+            words = sum(r["words_sent"] for r in reps)
+            extra.update(push_bytes_per_step=round(pushed),
+                         updates_per_step=words / max(1, trained),
+                         compression_ratio=4 * ctx.model.n_params / max(1.0, pushed),
+                         bits_per_update=8 * pushed * trained / max(1, words))
     else:
         bytes_per_step = mine.get("bytes_per_step", 0.0)
-        staleness = 0.0
+        staleness = mine.get("mean_staleness", 0.0)
     rec = m.record("summary", echo=False, strategy=cfg.strategy, ranks=ctx.grid.layout.n_world,
                    servers=ctx.grid.layout.servers, replicas=ctx.grid.layout.replicas,
                    step=step, epoch=round(ctx.epochs(step), 3), steps_trained=trained,
@@ -153,11 +162,17 @@ def _summary(ctx: Context, results: list[dict], wall_s: float) -> None:
                    examples_per_s=round(mine.get("examples_per_s", float("nan")), 1),
                    bytes_per_step=round(bytes_per_step), mean_staleness=round(staleness, 3),
                    test_accuracy=mine.get("test_accuracy"), test_loss=mine.get("test_loss"),
-                   checkpoint=mine.get("checkpoint"))
+                   checkpoint=mine.get("checkpoint"), **extra)
     m.message(f"finished {_describe(cfg, ctx.grid.layout)}")
     m.message(f"  {trained} steps this run (global step {step}, {rec['epoch']:.2f} epochs) in "
               f"{rec['train_s']:.1f} s: {rec['examples_per_s']:.0f} examples/s, "
               f"{rec['bytes_per_step']:.0f} bytes moved per step")
+    if "compression_ratio" in extra:
+        same = (f"; replicas identical after draining: {extra['replicas_identical']}"
+                if "replicas_identical" in extra else "")
+        m.message(f"  {extra['updates_per_step']:.0f} updates per step, "
+                  f"{extra['bits_per_update']:.1f} bits per update, compression "
+                  f"{extra['compression_ratio']:.0f}x of the dense gradient{same}")
     m.message(f"  final test accuracy: {100 * rec['test_accuracy']:.2f}% "
               f"(test loss {rec['test_loss']:.4f})")
     m.message(f"  checkpoint: {rec['checkpoint']}   metrics: {m.path}")

@@ -9,7 +9,12 @@ def test_defaults_fill_by_strategy():
     assert cfg.strategy == "downpour" and cfg.servers == 1 and cfg.optimizer == "adagrad"
     assert cfg.n_fetch == 1 and cfg.n_push == 1 and cfg.warmup_steps == 200
     s = config.parse(["--strategy", "sync"])
-    assert s.servers == 0 and s.n_fetch is None and s.warmup_steps is None
+    assert s.servers == 0 and s.n_fetch is None and s.warmup_steps is None and s.tau is None
+    d = config.parse(["--strategy", "deadreckon"])
+    assert d.servers == 0 and d.optimizer == "sgd" and d.tau > 0 and d.golomb == "on"
+    c = config.parse(["--compress", "threshold"])
+    assert c.tau == config.DOWNPOUR_TAU and c.golomb == "on"
+    assert config.parse([]).compress == "none" and config.parse([]).tau is None
 
 
 def test_cli_values_and_layers():
@@ -59,6 +64,14 @@ def test_missing_toml(tmp_path):
     (["--layers", "a,b"], "comma-separated integers"),
     (["--strategy", "sync", "--n-push", "4"], "applies only to --strategy downpour"),
     (["--strategy", "sync", "--servers", "2"], "uses no parameter servers"),
+    (["--strategy", "deadreckon", "--servers", "1"], "uses no parameter servers"),
+    (["--servers", "0"], "at least one server shard"),
+    (["--strategy", "sync", "--tau", "1"], "applies only to --strategy downpour or deadreckon"),
+    (["--strategy", "deadreckon", "--compress", "threshold"], "applies only"),
+    (["--strategy", "deadreckon", "--optimizer", "adagrad"], "only --optimizer sgd"),
+    (["--tau", "0.1"], "only with --compress threshold"),
+    (["--compress", "threshold", "--tau", "0"], "must be positive"),
+    (["--golomb", "maybe"], "invalid choice"),
     (["--epochs", "1", "--steps", "5"], "not both"),
     (["--partitions", "2"], "not available"),
     (["--checkpoint-every", "-1"], ">= 0"),

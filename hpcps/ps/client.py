@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 from mpi4py import MPI
 
-from hpcps.protocol import H, Message, Tag
+from hpcps.protocol import H, ByteMessage, Message, Tag
 from hpcps.ps.waiting import wait_all
 
 
@@ -25,13 +25,18 @@ class Client:
     timeout : seconds to wait for a shard before failing with its rank.
     """
 
-    def __init__(self, comm, server_ranks, ranges, replica: int, timeout: float):
+    def __init__(self, comm, server_ranks, ranges, replica: int, timeout: float,
+                 max_packed_bytes=None):
         self.comm = comm
         self.server_ranks = list(server_ranks)
         self.ranges = list(ranges)
         self.replica = replica
         self.timeout = timeout
-        self._push = [[Message(hi - lo), Message(hi - lo)] for lo, hi in self.ranges]
+        if max_packed_bytes is None:
+            self._push = [[Message(hi - lo), Message(hi - lo)] for lo, hi in self.ranges]
+        else:  # compressed pushes: variable-size byte messages, bounded per shard
+            self._push = [[ByteMessage(max_packed_bytes(hi - lo)) for _ in range(2)]
+                          for lo, hi in self.ranges]
         self._push_req = [[MPI.REQUEST_NULL, MPI.REQUEST_NULL] for _ in self.ranges]
         self._slot = 0
         self._params = [Message(hi - lo) for lo, hi in self.ranges]
@@ -62,25 +67,48 @@ class Client:
                            "max_staleness": float(h[H.MAX_STALENESS])}
         return self.last_reply
 
+    def _slot_for(self, s: int, slot: int):
+        """The push buffer of shard ``s`` in ``slot``, once its previous send has finished."""
+        req = self._push_req[s][slot]
+        if req != MPI.REQUEST_NULL:
+            wait_all([req], self.timeout,
+                     f"server rank {self.server_ranks[s]} to take an earlier push")
+        msg = self._push[s][slot]
+        h = msg.header
+        h[H.VERSION] = self.versions[s]
+        h[H.SENDER] = self.replica
+        return msg
+
     def push(self, grad: np.ndarray, steps: int, loss_sum: float) -> None:
         """Send each shard its slice of ``grad`` (a gradient accumulated over ``steps``)."""
         slot = self._slot
         self._slot ^= 1
         for s, (lo, hi) in enumerate(self.ranges):
-            req = self._push_req[s][slot]
-            if req != MPI.REQUEST_NULL:
-                wait_all([req], self.timeout,
-                         f"server rank {self.server_ranks[s]} to take an earlier push")
-            msg = self._push[s][slot]
-            h = msg.header
-            h[H.VERSION] = self.versions[s]
-            h[H.STEPS] = steps
-            h[H.LOSS_SUM] = loss_sum
-            h[H.SENDER] = self.replica
+            msg = self._slot_for(s, slot)
+            msg.header[H.STEPS] = steps
+            msg.header[H.LOSS_SUM] = loss_sum
             msg.payload[:] = grad[lo:hi]
             self._push_req[s][slot] = self.comm.Isend(msg.buf, dest=self.server_ranks[s],
                                                       tag=Tag.PUSH)
             self.bytes_sent += msg.buf.nbytes
+
+    def push_packed(self, bodies, steps: int, loss_sum: float) -> None:
+        """Send shard s the compressed message ``bodies[s]`` (uint8 array) for its slice."""
+        slot = self._slot
+        self._slot ^= 1
+        for s, body in enumerate(bodies):
+            msg = self._slot_for(s, slot)
+            msg.header[H.STEPS] = steps
+            msg.header[H.LOSS_SUM] = loss_sum
+            n = len(body)
+            if n > len(msg.body):
+                raise ValueError(f"compressed message of {n} bytes exceeds the bound "
+                                 f"{len(msg.body)} for shard {s}")
+            msg.body[:n] = body
+            data = msg.spec(n)
+            self._push_req[s][slot] = self.comm.Isend(data, dest=self.server_ranks[s],
+                                                      tag=Tag.PUSH_COMPRESSED)
+            self.bytes_sent += data.nbytes
 
     def done(self) -> None:
         """Wait for outstanding pushes, then tell every shard this replica is finished."""

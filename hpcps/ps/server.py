@@ -17,7 +17,7 @@ from typing import Callable
 import numpy as np
 from mpi4py import MPI
 
-from hpcps.protocol import H, Message, Tag
+from hpcps.protocol import HEADER_BYTES, H, ByteMessage, Message, Tag
 from hpcps.ps.waiting import PeerTimeout, Poller
 
 
@@ -50,11 +50,16 @@ class ShardServer:
     on_boundary : called as ``on_boundary(step_boundary)`` each time the global step crosses a
         multiple of ``boundary_every`` (used for checkpoints; every shard crosses the same
         boundaries because every push goes to every shard, so a collective inside is safe).
+    expand : for compressed pushes, ``(max_bytes, expand(body) -> gradient)``: the largest
+        message body to accept and a callable turning a received body into a dense gradient
+        for this shard's slice (the strategy builds it from the codec; the server only knows
+        bytes come in and a gradient goes to ``apply``).
     """
 
     def __init__(self, comm, params: np.ndarray, state: dict, apply: Callable,
                  n_replicas: int, step: int = 0, timeout: float = 600.0,
-                 on_boundary: Callable[[int], None] | None = None, boundary_every: int = 0):
+                 on_boundary: Callable[[int], None] | None = None, boundary_every: int = 0,
+                 expand: tuple[int, Callable[[np.ndarray], np.ndarray]] | None = None):
         self.comm = comm
         self.params = params
         self.state = state
@@ -71,6 +76,8 @@ class ShardServer:
         self._push = Message(n)
         self._reply = Message(n)
         self._small = Message(0)
+        self._expand = expand[1] if expand else None
+        self._packed = ByteMessage(expand[0]) if expand else None
         # recent-window figures reported back with each fetch reply
         self._win_loss = 0.0
         self._win_steps = 0
@@ -99,7 +106,15 @@ class ShardServer:
             src, tag = status.Get_source(), status.Get_tag()
             if tag == Tag.PUSH:
                 comm.Recv(self._push.buf, source=src, tag=Tag.PUSH)
-                self._on_push(self._push)
+                self._on_push(self._push.header, self._push.payload, self._push.buf.nbytes)
+            elif tag == Tag.PUSH_COMPRESSED and self._packed is not None:
+                size = status.Get_count(MPI.BYTE)
+                if size > len(self._packed.buf):
+                    raise RuntimeError(f"compressed push of {size} bytes from rank {src} is "
+                                       "larger than any valid message for this shard")
+                comm.Recv(self._packed.buf[:size], source=src, tag=Tag.PUSH_COMPRESSED)
+                body = self._packed.body[:size - HEADER_BYTES]
+                self._on_push(self._packed.header, self._expand(body), size)
             elif tag == Tag.FETCH:
                 comm.Recv(self._small.buf, source=src, tag=Tag.FETCH)
                 self._on_fetch(src)
@@ -112,16 +127,15 @@ class ShardServer:
         self.stats.done_replicas = sorted(done)
         return self.stats
 
-    def _on_push(self, msg: Message) -> None:
-        h = msg.header
+    def _on_push(self, h: np.ndarray, grad: np.ndarray, nbytes: int) -> None:
         stale = self.version - h[H.VERSION]
-        self.apply(self.params, msg.payload, self.state)
+        self.apply(self.params, grad, self.state)
         self.version += 1
         steps = int(h[H.STEPS])
         before = self.step
         self.step += steps
         self.stats.pushes += 1
-        self.stats.bytes_in += msg.buf.nbytes
+        self.stats.bytes_in += nbytes
         self.stats.staleness_sum += stale
         self.stats.staleness_max = max(self.stats.staleness_max, stale)
         self._win_loss += h[H.LOSS_SUM]

@@ -24,6 +24,7 @@ import time
 import numpy as np
 from mpi4py import MPI
 
+from hpcps import compress
 from hpcps.data import Batches
 from hpcps.protocol import H, Message, Tag
 from hpcps.ps.client import Client
@@ -39,6 +40,48 @@ def shard_ranges(ctx: Context) -> list[tuple[int, int]]:
     return [shard_range(ctx.model.n_params, S, s) for s in range(S)]
 
 
+class PackedPusher:
+    """Strom-compressed pushes: the residual stays on the replica, each shard gets a message.
+
+    The accumulated gradient is added to the residual; elements past +-tau become 1-bit
+    words (``hpcps.compress.threshold``), which are cut at the shard boundaries (words are
+    sorted by index), re-based to each shard's slice and coded.
+    """
+
+    def __init__(self, n: int, ranges, tau: float, golomb: bool):
+        self.residual = np.zeros(n, dtype=np.float32)
+        self.out = np.empty(n, dtype=np.uint32)
+        self.tau = tau
+        self.golomb = golomb
+        self.ranges = list(ranges)
+        self.bounds = np.array([lo << 1 for lo, _ in ranges] + [n << 1], dtype=np.uint64)
+        self.words_sent = 0
+
+    def bodies(self, grad: np.ndarray) -> list[np.ndarray]:
+        words = compress.threshold(self.residual, grad, self.tau, out=self.out)
+        self.words_sent += len(words)
+        cuts = np.searchsorted(words, self.bounds)
+        return [compress.encode(words[cuts[s]:cuts[s + 1]] - np.uint32(lo << 1), self.golomb)
+                for s, (lo, _) in enumerate(self.ranges)]
+
+
+def shard_expander(n_local: int, tau: float):
+    """For a shard: turn a received message into a dense gradient of its slice (zeros except
+    +-tau at the message's indices), reusing one buffer."""
+    dense = np.zeros(n_local, dtype=np.float32)
+    touched = np.empty(0, dtype=np.intp)
+
+    def expand(body: np.ndarray) -> np.ndarray:
+        nonlocal touched
+        dense[touched] = 0.0
+        words = compress.decode(body, n_local)
+        compress.apply(dense, words, tau)
+        touched = (words >> 1).astype(np.intp)
+        return dense
+
+    return compress.max_message_bytes(n_local), expand
+
+
 def run(ctx: Context) -> dict:
     if ctx.grid.role.is_server:
         return run_server(ctx)
@@ -52,7 +95,17 @@ def run_replica(ctx: Context) -> dict:
     r, R = grid.role.replica, layout.replicas
     warmup = cfg.warmup_steps if ctx.start_step == 0 else 0
     my_steps = steps_for_replica(ctx.remaining_steps, R, r, warmup)
-    client = Client(grid.world, layout.server_ranks, shard_ranges(ctx), r, cfg.timeout)
+    packed = cfg.compress == "threshold"
+    client = Client(grid.world, layout.server_ranks, shard_ranges(ctx), r, cfg.timeout,
+                    max_packed_bytes=compress.max_message_bytes if packed else None)
+    pusher = PackedPusher(model.n_params, shard_ranges(ctx), cfg.tau, cfg.golomb == "on") \
+        if packed else None
+
+    def push(grad: np.ndarray, steps: int, loss_sum: float) -> None:
+        if pusher is None:
+            client.push(grad, steps, loss_sum)
+        else:
+            client.push_packed(pusher.bodies(grad), steps, loss_sum)
     batches = Batches(ctx.train_x, ctx.train_y, cfg.batch_size, ctx.batch_seed(r))
     params = np.empty(model.n_params, dtype=np.float32)
     grad = np.empty(model.n_params, dtype=np.float32)
@@ -90,7 +143,10 @@ def run_replica(ctx: Context) -> dict:
                  staleness=round(info.get("staleness", 0.0), 2),
                  max_staleness=info.get("max_staleness", 0.0),
                  bytes_per_step=round((client.bytes_sent + client.bytes_received)
-                                      / max(1, done_steps)))
+                                      / max(1, done_steps)),
+                 bytes_sent_per_step=round(client.bytes_sent / max(1, done_steps)),
+                 **({"updates_per_step": round(pusher.words_sent / max(1, done_steps), 1)}
+                    if pusher else {}))
         last_t, last_step = now, step
 
     for t in range(my_steps):
@@ -102,7 +158,7 @@ def run_replica(ctx: Context) -> dict:
         acc_steps += 1
         loss_sum += loss
         if acc_steps == cfg.n_push:
-            client.push(acc, acc_steps, loss_sum)
+            push(acc, acc_steps, loss_sum)
             acc[:] = 0.0
             acc_steps, loss_sum = 0, 0.0
         if not released and t + 1 >= warmup:
@@ -119,7 +175,7 @@ def run_replica(ctx: Context) -> dict:
                          test_accuracy=test_acc, test_loss=test_loss)
                 next_eval = _next_multiple(step, cfg.eval_every)
     if acc_steps:
-        client.push(acc, acc_steps, loss_sum)
+        push(acc, acc_steps, loss_sum)
     if grid.is_chief and my_steps:
         report(my_steps)  # the last window, so every run's metrics hold a progress record
     if not released:
@@ -128,7 +184,8 @@ def run_replica(ctx: Context) -> dict:
     client.done()
     train_s = time.perf_counter() - t0
     result = {"replica_steps": my_steps, "train_s": train_s,
-              "bytes_sent": client.bytes_sent, "bytes_received": client.bytes_received}
+              "bytes_sent": client.bytes_sent, "bytes_received": client.bytes_received,
+              "words_sent": pusher.words_sent if pusher else None}
     if grid.is_chief:
         result.update(_finish_chief(ctx, train_s))
     return result
@@ -199,7 +256,9 @@ def run_server(ctx: Context) -> dict:
     server = ShardServer(grid.world, params, state, ctx.optimizer.apply,
                          n_replicas=grid.layout.replicas, step=ctx.start_step,
                          timeout=cfg.timeout, on_boundary=on_boundary,
-                         boundary_every=cfg.checkpoint_every)
+                         boundary_every=cfg.checkpoint_every,
+                         expand=shard_expander(hi - lo, cfg.tau)
+                         if cfg.compress == "threshold" else None)
     stats = server.serve()
     got = gather()
     if got is not None:
