@@ -138,6 +138,8 @@ def _summary(ctx: Context, results: list[dict], wall_s: float) -> None:
     step = mine.get("step", ctx.start_step)
     trained = step - ctx.start_step
     extra = {k: mine[k] for k in ("updates_per_step", "compression_ratio", "bits_per_update",
+                                  "raw_bits_per_update", "payload_bits_per_update",
+                                  "gap_entropy_bits",
                                   "replicas_identical", "replica_checksums") if k in mine}
     if cfg.strategy == "downpour":
         reps = [r for r in results if "replica_steps" in r]
