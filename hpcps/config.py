@@ -94,9 +94,10 @@ HELP = {
     "strategy": "how replicas combine their work: 'downpour' (asynchronous, sharded parameter "
                 "server, the default), 'sync' (allreduce of gradients every step, no servers) "
                 "or 'deadreckon' (Strom's thresholded 1-bit updates sent peer to peer, no servers)",
-    "servers": "number of parameter-server shard ranks S (downpour: default 1; the other "
-               "strategies use none)",
-    "partitions": "ranks per replica P for model parallelism; only 1 is available in this version",
+    "servers": "number of parameter-server shard ranks S (downpour: default P, one per "
+               "partition, and a multiple of P; the other strategies use none)",
+    "partitions": "ranks per replica P (model parallelism): each holds a slice of every layer's "
+                  "neurons (default 1)",
     "layers": "layer widths of the MLP, input to output, e.g. 784,512,512,10 (the first must "
               "match the dataset's features, the last its classes)",
     "activation": "hidden-layer activation: relu, tanh or sigmoid",
@@ -259,9 +260,10 @@ def validate(cfg: Config) -> Config:
         raise ConfigError(f"--layers widths must be positive, got {cfg.layers}")
     if cfg.partitions < 1:
         raise ConfigError(f"--partitions must be at least 1, got {cfg.partitions}")
-    if cfg.partitions > 1:
-        raise ConfigError("--partitions > 1 (model parallelism) is not available in this version; "
-                          "use --partitions 1")
+    if cfg.strategy == "downpour" and cfg.servers is not None and cfg.servers % cfg.partitions:
+        raise ConfigError(f"--servers {cfg.servers} does not divide among --partitions "
+                          f"{cfg.partitions}: each partition talks to its own server shards, so "
+                          f"S must be a multiple of P (e.g. --servers {cfg.partitions})")
     if cfg.epochs is not None and cfg.steps is not None:
         raise ConfigError("give --epochs or --steps, not both")
     positive = {"batch_size": cfg.batch_size, "steps": cfg.steps, "n_fetch": cfg.n_fetch,
@@ -277,6 +279,8 @@ def validate(cfg: Config) -> Config:
         if v is not None and v < 0:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 0, got {v}")
     defaults = dict(STRATEGY_DEFAULTS[cfg.strategy])
+    if cfg.strategy == "downpour":
+        defaults["servers"] = cfg.partitions  # one shard per partition
     if cfg.strategy == "downpour" and cfg.compress == "threshold":
         defaults.update(tau=DOWNPOUR_TAU, golomb="on")
     fill = {k: v for k, v in defaults.items() if getattr(cfg, k) is None}

@@ -164,3 +164,186 @@ class MLP:
             correct += int(np.sum(np.argmax(logits, axis=1) == y[lo:lo + batch]))
         n = max(1, len(y))
         return total_loss / n, correct / n
+
+
+def partition_widths(width: int, parts: int, layer: int) -> list[tuple[int, int]]:
+    """Columns [lo, hi) of a layer of ``width`` neurons held by each of ``parts`` partitions.
+
+    Split as evenly as possible (sizes differ by at most one, the first partitions larger);
+    a layer narrower than ``parts`` cannot give every partition a neuron and is refused.
+    """
+    if width < parts:
+        raise ConfigError(f"layer {layer} has {width} neurons, fewer than --partitions {parts}: "
+                          "every partition must hold at least one neuron of every layer")
+    base, extra = divmod(width, parts)
+    cols, lo = [], 0
+    for p in range(parts):
+        hi = lo + base + (1 if p < extra else 0)
+        cols.append((lo, hi))
+        lo = hi
+    return cols
+
+
+class SingleExchange:
+    """The exchange of an unpartitioned replica (P = 1): nothing crosses a boundary."""
+
+    bytes_sent = 0
+    wait_s = 0.0
+
+    @staticmethod
+    def gather(local_t: np.ndarray, widths) -> np.ndarray:
+        return local_t
+
+    @staticmethod
+    def scatter_sum(partial_t: np.ndarray, widths) -> np.ndarray:
+        return partial_t
+
+
+class PartitionedMLP:
+    """Partition ``part`` of ``parts`` of an :class:`MLP` (DistBelief-style model parallelism).
+
+    This rank holds, for every layer, the columns of W and entries of b of its own slice of
+    the layer's output neurons, and computes only those. Between layers the activations are
+    exchanged inside the replica: ``exchange.gather`` concatenates every partition's block
+    (each value goes once to each rank that needs it: in a fully connected layer, all of
+    them). In the backward pass each partition's error terms contribute to every input
+    neuron's error; ``exchange.scatter_sum`` sums those contributions and gives each partition
+    the rows it owns. Blocks travel transposed, (neurons, batch), so each is contiguous.
+
+    ``exchange`` is any object with ``gather(local_t, widths)`` and
+    ``scatter_sum(partial_t, widths)``; this class does no communication itself. With
+    ``parts == 1`` and :class:`SingleExchange` it computes exactly what :class:`MLP` does.
+
+    Parameters
+    ----------
+    sizes, activation : as for :class:`MLP`.
+    parts, part : number of partitions P and this rank's partition p.
+    exchange : the replica's exchange (see above).
+    """
+
+    def __init__(self, sizes, activation: str, parts: int, part: int, exchange=SingleExchange):
+        self.full = MLP(sizes, activation)
+        self.sizes = self.full.sizes
+        self.activation = activation
+        self.n_layers = self.full.n_layers
+        if not 0 <= part < parts:
+            raise ValueError(f"partition {part} outside 0..{parts - 1}")
+        self.parts, self.part = parts, part
+        self.exchange = exchange
+        # cols[l][q] = columns of layer l's output held by partition q
+        self.cols = [partition_widths(self.sizes[l + 1], parts, l) for l in range(self.n_layers)]
+        self.widths = [[hi - lo for lo, hi in c] for c in self.cols]
+        self.part_sizes = [self._local_size(q) for q in range(parts)]
+        self.n_params = self.part_sizes[part]
+
+    def _local_size(self, q: int) -> int:
+        return sum((self.sizes[l] + 1) * self.widths[l][q] for l in range(self.n_layers))
+
+    def _shapes(self, q: int):
+        for l in range(self.n_layers):
+            w = self.widths[l][q]
+            yield f"layer{l}/W", (self.sizes[l], w)
+            yield f"layer{l}/b", (w,)
+
+    def views(self, flat: np.ndarray, q: int | None = None) -> dict[str, np.ndarray]:
+        """Named views of a partition's local vector (this rank's unless ``q`` is given)."""
+        q = self.part if q is None else q
+        if flat.shape != (self.part_sizes[q],):
+            raise ValueError(f"local vector has shape {flat.shape}, partition {q} needs "
+                             f"({self.part_sizes[q]},)")
+        out, off = {}, 0
+        for name, shape in self._shapes(q):
+            size = int(np.prod(shape))
+            out[name] = flat[off:off + size].reshape(shape)
+            off += size
+        return out
+
+    def layers(self, flat: np.ndarray):
+        v = self.views(flat)
+        return [(v[f"layer{i}/W"], v[f"layer{i}/b"]) for i in range(self.n_layers)]
+
+    # -- whole layers <-> partition slices (checkpoints hold whole layers) -------------------
+    def local_from_full(self, named: dict[str, np.ndarray], q: int | None = None) -> np.ndarray:
+        """Partition ``q``'s local vector cut out of whole-layer arrays."""
+        q = self.part if q is None else q
+        flat = np.empty(self.part_sizes[q], dtype=np.float32)
+        mine = self.views(flat, q)
+        for l in range(self.n_layers):
+            lo, hi = self.cols[l][q]
+            mine[f"layer{l}/W"][...] = named[f"layer{l}/W"][:, lo:hi]
+            mine[f"layer{l}/b"][...] = named[f"layer{l}/b"][lo:hi]
+        return flat
+
+    def full_from_parts(self, locals_) -> np.ndarray:
+        """The unpartitioned flat vector (MLP layout) assembled from every partition's local."""
+        flat = np.empty(self.full.n_params, dtype=np.float32)
+        whole = self.full.views(flat)
+        for q, local in enumerate(locals_):
+            part = self.views(local, q)
+            for l in range(self.n_layers):
+                lo, hi = self.cols[l][q]
+                whole[f"layer{l}/W"][:, lo:hi] = part[f"layer{l}/W"]
+                whole[f"layer{l}/b"][lo:hi] = part[f"layer{l}/b"]
+        return flat
+
+    def init_params(self, seed: int) -> np.ndarray:
+        """This partition's slice of the weights MLP.init_params(seed) would give: the same
+        model whatever P is."""
+        return self.local_from_full(self.full.views(self.full.init_params(seed)))
+
+    # -- computation -------------------------------------------------------------------------
+    def forward(self, flat: np.ndarray, x: np.ndarray):
+        """(full activations of every layer, this partition's activated outputs per layer).
+
+        The last full activation is the whole logits matrix, the same on every partition.
+        """
+        full, own = [x], []
+        a = x
+        for l, (W, b) in enumerate(self.layers(flat)):
+            z = a @ W
+            z += b
+            if l < self.n_layers - 1:
+                _act(self.activation, z)
+            own.append(z)
+            whole_t = self.exchange.gather(np.ascontiguousarray(z.T), self.widths[l])
+            a = whole_t.T
+            full.append(a)
+        return full, own
+
+    def loss_and_grad(self, flat: np.ndarray, x: np.ndarray, y: np.ndarray,
+                      grad: np.ndarray | None = None) -> tuple[float, np.ndarray]:
+        """Mean softmax cross-entropy of the whole replica and this partition's gradient."""
+        if grad is None:
+            grad = np.empty(self.n_params, dtype=np.float32)
+        full, own = self.forward(flat, x)
+        loss, probs = MLP._softmax_xent(full[-1], y)
+        probs[np.arange(len(y)), y] -= 1.0
+        probs /= np.float32(len(y))
+        lo, hi = self.cols[-1][self.part]
+        delta = probs[:, lo:hi]
+        gviews = self.layers(grad)
+        params = self.layers(flat)
+        for l in range(self.n_layers - 1, -1, -1):
+            gW, gb = gviews[l]
+            np.matmul(full[l].T, delta, out=gW)
+            np.sum(delta, axis=0, out=gb)
+            if l > 0:
+                # this partition's share of every input neuron's error, summed across
+                # partitions; each gets back the rows (neurons) it owns
+                partial_t = params[l][0] @ delta.T
+                mine_t = self.exchange.scatter_sum(partial_t, self.widths[l - 1])
+                delta = np.ascontiguousarray(mine_t.T)
+                _act_grad_inplace(self.activation, own[l - 1], delta)
+        return loss, grad
+
+    def evaluate(self, flat: np.ndarray, x: np.ndarray, y: np.ndarray,
+                 batch: int = 2000) -> tuple[float, float]:
+        """(mean loss, accuracy) computed jointly by the replica's partitions."""
+        total_loss, correct = 0.0, 0
+        for lo in range(0, len(y), batch):
+            logits = self.forward(flat, x[lo:lo + batch])[0][-1]
+            loss, _ = MLP._softmax_xent(logits, y[lo:lo + batch])
+            total_loss += loss * len(logits)
+            correct += int(np.sum(np.argmax(logits, axis=1) == y[lo:lo + batch]))
+        n = max(1, len(y))
+        return total_loss / n, correct / n

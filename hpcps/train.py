@@ -34,10 +34,10 @@ import numpy as np
 from hpcps import checkpoint, config, data
 from hpcps.errors import ConfigError, HpcpsError
 from hpcps.metrics import Metrics
-from hpcps.model import MLP
+from hpcps.model import MLP, PartitionedMLP, SingleExchange
 from hpcps.strategies import NEEDS_SERVERS, STRATEGIES
-from hpcps.strategies.common import (Context, barrier, host, make_optimizer,
-                                     state_from_checkpoint)
+from hpcps.strategies.common import (Context, ReplicaExchange, barrier, host,
+                                     make_optimizer, state_from_checkpoint)
 from hpcps.topology import Layout, abort, build_grid, world_comm
 
 
@@ -101,20 +101,38 @@ def _run_dir(cfg: config.Config, world) -> Path:
 
 
 def _setup(cfg: config.Config, world, layout: Layout, info, ckpt, run_dir: Path) -> Context:
+    full = MLP(cfg.layers, cfg.activation)
+    P = layout.partitions
+    if P > 1:  # refuse a layer narrower than P on every rank before any communication
+        PartitionedMLP(cfg.layers, cfg.activation, P, 0)
     grid = build_grid(world, layout)
-    model = MLP(cfg.layers, cfg.activation)
     opt = make_optimizer(cfg)
     if ckpt is not None:
-        params, state = state_from_checkpoint(model, ckpt, opt.state_keys)
+        params, state = state_from_checkpoint(full, ckpt, opt.state_keys)
         start = ckpt.step
     else:
-        params, state = model.init_params(cfg.seed), opt.init_state(model.n_params)
+        params, state = full.init_params(cfg.seed), opt.init_state(full.n_params)
         start = 0
+    model = full
+    if P > 1:
+        role = grid.role
+        exchange = ReplicaExchange(grid.replica_comm, cfg.timeout) if role.is_replica \
+            else SingleExchange
+        model = PartitionedMLP(cfg.layers, cfg.activation, P,
+                               role.partition if role.is_replica else 0, exchange)
+        if role.is_replica:  # this partition's slice
+            cut = model.local_from_full
+        else:  # servers: every partition's slice, one after the other (the global vector)
+            def cut(named):
+                return np.concatenate([model.local_from_full(named, q) for q in range(P)])
+        params = cut(full.views(params))
+        state = {k: cut(full.views(v)) for k, v in state.items()}
     metrics = Metrics(run_dir if grid.is_chief else None, cfg.progress_every)
-    ctx = Context(cfg=cfg, grid=grid, model=model, optimizer=opt, dataset=info, params=params,
-                  opt_state=state, start_step=start, total_steps=cfg.total_steps(info.n_train),
-                  run_dir=run_dir, metrics=metrics)
+    ctx = Context(cfg=cfg, grid=grid, model=model, full_model=full, optimizer=opt,
+                  dataset=info, params=params, opt_state=state, start_step=start,
+                  total_steps=cfg.total_steps(info.n_train), run_dir=run_dir, metrics=metrics)
     if grid.role.is_replica:
+        # every partition of a replica reads the same shard and draws the same batches
         ctx.train_x, ctx.train_y = data.load_split(cfg.data, "train", grid.role.replica,
                                                    layout.replicas)
         if len(ctx.train_x) < cfg.batch_size:
@@ -126,10 +144,10 @@ def _setup(cfg: config.Config, world, layout: Layout, info, ckpt, run_dir: Path)
 
 
 def _describe(cfg, layout: Layout) -> str:
+    reps = f"{layout.replicas} replica(s) x {layout.partitions} partition(s)"
     if NEEDS_SERVERS[cfg.strategy]:
-        return (f"{cfg.strategy} on {layout.n_world} ranks: {layout.servers} server shard(s), "
-                f"{layout.replicas} replica(s) x {layout.partitions} partition(s)")
-    return f"{cfg.strategy} on {layout.n_world} ranks: {layout.replicas} replica(s)"
+        return f"{cfg.strategy} on {layout.n_world} ranks: {layout.servers} server shard(s), {reps}"
+    return f"{cfg.strategy} on {layout.n_world} ranks: {reps}"
 
 
 def _summary(ctx: Context, results: list[dict], wall_s: float) -> None:
@@ -152,7 +170,7 @@ def _summary(ctx: Context, results: list[dict], wall_s: float) -> None:
             words = sum(r["words_sent"] for r in reps)
             extra.update(push_bytes_per_step=round(pushed),
                          updates_per_step=words / max(1, trained),
-                         compression_ratio=4 * ctx.model.n_params / max(1.0, pushed),
+                         compression_ratio=4 * ctx.full_model.n_params / max(1.0, pushed),
                          bits_per_update=8 * pushed * trained / max(1, words))
     else:
         bytes_per_step = mine.get("bytes_per_step", 0.0)
@@ -219,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     ctx = _agree(world, _setup, cfg, world, layout, info, ckpt, run_dir)
     m = ctx.metrics
     m.message(_describe(cfg, layout) + f"; model {','.join(map(str, cfg.layers))} "
-              f"({ctx.model.n_params} parameters), {cfg.optimizer} lr={cfg.lr}, batch "
+              f"({ctx.full_model.n_params} parameters), {cfg.optimizer} lr={cfg.lr}, batch "
               f"{cfg.batch_size}/replica, {ctx.total_steps} steps "
               f"({ctx.epochs(ctx.total_steps):.2f} epochs) of {info.name}")
     if ckpt is not None:

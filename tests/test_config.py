@@ -73,12 +73,18 @@ def test_missing_toml(tmp_path):
     (["--compress", "threshold", "--tau", "0"], "must be positive"),
     (["--golomb", "maybe"], "invalid choice"),
     (["--epochs", "1", "--steps", "5"], "not both"),
-    (["--partitions", "2"], "not available"),
+    (["--partitions", "2", "--servers", "3"], "multiple of P"),
     (["--checkpoint-every", "-1"], ">= 0"),
 ])
 def test_bad_cli(argv, needle):
     with pytest.raises(ConfigError, match=needle):
         config.parse(argv)
+
+
+def test_partitions_default_one_shard_each():
+    assert config.parse(["--partitions", "3"]).servers == 3
+    assert config.parse(["--partitions", "2", "--servers", "4"]).servers == 4
+    assert config.parse(["--partitions", "2", "--strategy", "sync"]).servers == 0
 
 
 def test_round_trip_dict():

@@ -216,3 +216,59 @@ def test_downpour_with_compressed_pushes_learns(golomb, digits_h5, tmp_path):
     # raw words cost 32 bits each; Golomb-Rice must do better on sparse messages
     assert (s["bits_per_update"] < 32) if golomb == "on" else (s["bits_per_update"] >= 32)
     assert all("updates_per_step" in p for p in records(tmp_path, "progress"))
+
+
+# -- model parallelism --------------------------------------------------------------------------
+@pytest.mark.parametrize("strategy,n,parts", [("sync", 4, 2), ("downpour", 4, 2),
+                                              ("sync", 3, 3), ("deadreckon", 2, 2)])
+def test_partitioned_replicas_learn(strategy, n, parts, digits_h5, tmp_path):
+    extra = {"downpour": ["--warmup-steps", "20"], "sync": [],
+             "deadreckon": ["--tau", "0.003", "--lr", "0.05"]}[strategy]
+    run = train(n, "--strategy", strategy, "--partitions", str(parts), "--data", str(digits_h5),
+                "--run-dir", str(tmp_path), "--steps", "900", *extra, *QUICK)
+    s = assert_learned(run, tmp_path, digits_h5)
+    assert f"x {parts} partition(s)" in run.stdout
+    progress = records(tmp_path, "progress")
+    assert all(p["replica_bytes_per_step"] > 0 and "exchange_s_per_step" in p
+               and "compute_s_per_step" in p for p in progress), progress
+    with h5py.File(tmp_path / "checkpoint.h5", "r") as f:  # whole layers, whatever P was
+        assert f["params/layer0/W"].shape == (64, 32) and f["params/layer1/b"].shape == (10,)
+
+
+def test_one_replica_gives_the_same_model_for_every_p(digits_h5, tmp_path):
+    """With one replica, sync is plain SGD: P changes who computes what, not the result."""
+    finals = []
+    for parts in (1, 2, 4):
+        d = tmp_path / f"p{parts}"
+        run = train(parts, "--strategy", "sync", "--partitions", str(parts), "--data",
+                    str(digits_h5), "--run-dir", str(d), "--steps", "200", *QUICK)
+        assert run.returncode == 0, run.output
+        finals.append(checkpoint.load(d / "checkpoint.h5").params)
+    for other in finals[1:]:
+        for k, v in finals[0].items():
+            np.testing.assert_allclose(other[k], v, rtol=1e-4, atol=1e-5)
+
+
+def test_resume_across_partitions(digits_h5, tmp_path):
+    a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
+    run = train(4, "--partitions", "4", "--strategy", "sync", "--data", str(digits_h5),
+                "--run-dir", str(a), "--steps", "300", *QUICK)
+    assert run.returncode == 0, run.output
+    run = train(1, "--strategy", "sync", "--data", str(digits_h5), "--run-dir", str(b),
+                "--steps", "600", "--resume", str(a / "checkpoint.h5"), *QUICK)
+    assert run.returncode == 0, run.output
+    assert records(b, "start")[0]["start_step"] == 300
+    run = train(4, "--partitions", "2", "--data", str(digits_h5), "--run-dir", str(c),
+                "--steps", "900", "--resume", str(b / "checkpoint.h5"), *QUICK)
+    assert run.returncode == 0, run.output
+    loss0, _ = initial_test(digits_h5)
+    assert records(c, "eval")[0]["test_loss"] < 0.5 * loss0
+    assert checkpoint.load(c / "checkpoint.h5").step == 900
+
+
+def test_layer_narrower_than_p_is_refused(digits_h5):
+    run = train(4, "--strategy", "sync", "--partitions", "4", "--data", str(digits_h5),
+                "--layers", "64,3,10", timeout=60)
+    assert run.returncode == 2
+    assert "layer 0 has 3 neurons, fewer than --partitions 4" in run.stderr
+    assert run.stderr.count("hpcps: error") == 1

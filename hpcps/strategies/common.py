@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import math
 import socket
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from mpi4py import MPI
 
 from hpcps import checkpoint, optim
 from hpcps.config import Config
@@ -28,14 +30,22 @@ CHECKPOINT_NAME = "checkpoint.h5"
 class Context:
     """Everything one rank needs to run its part of a strategy.
 
-    ``params`` and ``opt_state`` are full flat vectors (fresh or from ``--resume``); a server
-    shard keeps only its slice of them. ``train_x/train_y`` hold this replica's shard of the
-    training set (empty on servers); ``test_x/test_y`` are loaded on the chief only.
+    ``model`` is what this rank computes with: the whole :class:`MLP`, or with P > 1
+    partitions its :class:`PartitionedMLP` slice (which exchanges activations inside the
+    replica). ``full_model`` is always the whole MLP (checkpoints, evaluation).
+
+    ``params`` and ``opt_state`` (fresh or from ``--resume``) are, on a replica, the vectors it
+    computes with (its partition's slice); on a server, the *global* vector, every partition's
+    slice one after the other, of which the shard keeps its own chunk. ``train_x/train_y``
+    hold this replica's shard of the training set (every partition of a replica reads the same
+    shard with the same seed, so they see the same batches without sending them);
+    ``test_x/test_y`` are loaded on the chief only.
     """
 
     cfg: Config
     grid: Grid
-    model: MLP
+    model: object
+    full_model: MLP
     optimizer: object
     dataset: DatasetInfo
     params: np.ndarray
@@ -61,6 +71,97 @@ class Context:
         return self.cfg.seed * 1_000_003 + replica * 7919 + self.start_step
 
 
+    @property
+    def partitioned(self) -> bool:
+        return self.grid.layout.partitions > 1
+
+    def global_to_full(self, vec: np.ndarray) -> np.ndarray:
+        """Whole-model vector (MLP layout) from a global partition-major one."""
+        if not self.partitioned:
+            return vec
+        sizes = self.model.part_sizes
+        cuts = np.cumsum([0] + sizes)
+        return self.model.full_from_parts([vec[cuts[q]:cuts[q + 1]] for q in range(len(sizes))])
+
+    def gather_full(self, vec: np.ndarray) -> np.ndarray | None:
+        """Collective over this replica's ranks: the whole-model vector on partition 0, None on
+        the other partitions. With P = 1, just ``vec``."""
+        if not self.partitioned:
+            return vec
+        comm = self.grid.replica_comm
+        sizes = self.model.part_sizes
+        out = np.empty(sum(sizes), np.float32) if comm.Get_rank() == 0 else None
+        recv = [out, sizes, list(np.cumsum([0] + sizes[:-1])), MPI.FLOAT] \
+            if out is not None else None
+        wait_all([comm.Igatherv(vec, recv, root=0)], self.cfg.timeout,
+                 "the partitions of this replica to join a gather of the model")
+        return self.global_to_full(out) if out is not None else None
+
+
+class ReplicaExchange:
+    """Model parallelism's traffic inside one replica, over its replica communicator.
+
+    ``gather``: every partition's block of a layer's activations to every partition (an
+    allgather: each value is sent once to each of the P-1 other ranks). ``scatter_sum``: the
+    partitions' contributions to the previous layer's error terms summed, each partition
+    receiving the rows it owns (a reduce-scatter). Counts the bytes this rank sends and the
+    seconds it spends in these exchanges (waiting included), for the progress line.
+    """
+
+    def __init__(self, comm, timeout: float):
+        self.comm = comm
+        self.rank = comm.Get_rank()
+        self.parts = comm.Get_size()
+        self.timeout = timeout
+        self.bytes_sent = 0
+        self.wait_s = 0.0
+
+    def _run(self, req, what: str) -> None:
+        t = time.perf_counter()
+        wait_all([req], self.timeout, f"the other partitions of this replica ({what})")
+        self.wait_s += time.perf_counter() - t
+
+    def gather(self, local_t: np.ndarray, widths) -> np.ndarray:
+        batch = local_t.shape[1]
+        counts = [w * batch for w in widths]
+        displs = [int(d) for d in np.cumsum([0] + counts[:-1])]
+        out = np.empty((sum(widths), batch), dtype=np.float32)
+        self._run(self.comm.Iallgatherv(local_t, [out, counts, displs, MPI.FLOAT]),
+                  "activation exchange")
+        self.bytes_sent += local_t.nbytes * (self.parts - 1)
+        return out
+
+    def scatter_sum(self, partial_t: np.ndarray, widths) -> np.ndarray:
+        batch = partial_t.shape[1]
+        counts = [w * batch for w in widths]
+        out = np.empty((widths[self.rank], batch), dtype=np.float32)
+        self._run(self.comm.Ireduce_scatter(partial_t, out, counts, op=MPI.SUM),
+                  "error-term exchange")
+        self.bytes_sent += partial_t.nbytes - out.nbytes
+        return out
+
+
+def model_parallel_figures(ctx: Context, steps: int, seconds: float) -> dict:
+    """Per-step figures of the exchange inside the replica (empty with P = 1)."""
+    ex = getattr(ctx.model, "exchange", None)
+    if not ctx.partitioned or not isinstance(ex, ReplicaExchange) or steps <= 0:
+        return {}
+    return {"replica_bytes_per_step": round(ex.bytes_sent / steps),
+            "exchange_s_per_step": round(ex.wait_s / steps, 6),
+            "compute_s_per_step": round(max(0.0, seconds - ex.wait_s) / steps, 6)}
+
+
+def gather_state(ctx: Context, params: np.ndarray, state: dict) -> tuple:
+    """(whole params, whole optimizer state) on partition 0 of this replica; (None, {...None})
+    on its other partitions. Collective over the replica's ranks."""
+    return ctx.gather_full(params), {k: ctx.gather_full(v) for k, v in state.items()}
+
+
+def crossed(step: int, advanced: int, every: int) -> bool:
+    """True when moving from ``step - advanced`` to ``step`` passed a multiple of ``every``."""
+    return bool(every) and step // every != (step - advanced) // every
+
+
 def make_optimizer(cfg: Config):
     return optim.make(cfg.optimizer, cfg.lr, cfg.adagrad_eps)
 
@@ -71,8 +172,8 @@ def checkpoint_path(ctx: Context) -> Path:
 
 def save_checkpoint(ctx: Context, params: np.ndarray, opt_state: dict[str, np.ndarray],
                     step: int, metrics: dict | None = None) -> Path:
-    """Write the full state as one HDF5 checkpoint, atomically, and log it."""
-    views = ctx.model.views
+    """Write the whole-model state (MLP layout vectors) as one HDF5 checkpoint, atomically."""
+    views = ctx.full_model.views
     state = {f"{key}/{name}": a for key, flat in opt_state.items()
              for name, a in views(flat).items()}
     ckpt = checkpoint.Checkpoint(
@@ -94,8 +195,8 @@ def state_from_checkpoint(model: MLP, ckpt: checkpoint.Checkpoint,
 
 
 def evaluate(ctx: Context, params: np.ndarray) -> tuple[float, float]:
-    """(test loss, test accuracy) on the chief's copy of the test set."""
-    return ctx.model.evaluate(params, ctx.test_x, ctx.test_y)
+    """(test loss, test accuracy) of whole-model ``params`` on the chief's test set."""
+    return ctx.full_model.evaluate(params, ctx.test_x, ctx.test_y)
 
 
 def steps_for_replica(total: int, replicas: int, replica: int, warmup: int = 0) -> int:

@@ -31,8 +31,8 @@ from hpcps import compress
 from hpcps.data import Batches
 from hpcps.protocol import Tag
 from hpcps.ps.waiting import Poller, PeerTimeout, wait_all
-from hpcps.strategies.common import (Context, barrier, evaluate, rate, save_checkpoint,
-                                     steps_for_replica)
+from hpcps.strategies.common import (Context, barrier, evaluate, model_parallel_figures,
+                                     rate, save_checkpoint, steps_for_replica)
 
 
 STEP_BYTES = 8  # int64 sender step in front of each update message
@@ -156,7 +156,7 @@ def run(ctx: Context) -> dict:
     grad = np.empty(n, dtype=np.float32)
     lr = np.float32(cfg.lr)
     m = ctx.metrics
-    dense_bytes = 4 * n
+    dense_bytes = 4 * ctx.full_model.n_params  # a replica's dense gradient, all partitions
     sent_words = sent_bytes = sent_msgs = 0
     entropy_sum = entropy_words = 0.0  # gap entropy over a sample of this replica's messages
     t0 = time.perf_counter()
@@ -165,6 +165,7 @@ def run(ctx: Context) -> dict:
     lag_mark = [0, 0]  # (lag_sum, received) at the last report
 
     def global_step() -> int:
+        # (partition 0's count: the partitions of a replica run the same steps)
         # every message from a peer stands for one of its mini-batches
         return ctx.start_step + t_done + peers.received
 
@@ -177,16 +178,20 @@ def run(ctx: Context) -> dict:
                  staleness=round((peers.lag_sum - lag_mark[0])
                                  / max(1, peers.received - lag_mark[1]), 2),
                  updates_per_step=round(words_win / max(1, n_win), 1),
-                 # each message goes to the R-1 peers; compression is per message
+                 # each message goes to the R-1 peers; compression: this rank's slice of the
+                 # dense gradient over its message
                  bytes_per_step=round(bytes_win / max(1, n_win) * (R - 1)),
-                 compression=round(dense_bytes / max(1.0, bytes_win / max(1, n_win)), 1))
+                 compression=round(4 * n / max(1.0, bytes_win / max(1, n_win)), 1),
+                 **model_parallel_figures(ctx, t_done, now - t0))
         last_t, last_step = now, step
         loss_win = n_win = words_win = bytes_win = 0
         lag_mark[:] = [peers.lag_sum, peers.received]
 
-    next_eval = (ctx.start_step // cfg.eval_every + 1) * cfg.eval_every if cfg.eval_every else 0
-    next_ckpt = (ctx.start_step // cfg.checkpoint_every + 1) * cfg.checkpoint_every \
-        if cfg.checkpoint_every else 0
+    # replica 0 evaluates and checkpoints every eval_every/R (checkpoint_every/R) of its own
+    # steps: a schedule all its partitions compute alike, so they can gather the model together
+    eval_local = max(1, -(-cfg.eval_every // R)) if cfg.eval_every else 0
+    ckpt_local = max(1, -(-cfg.checkpoint_every // R)) if cfg.checkpoint_every else 0
+    first = grid.role.replica == 0
     t_done = 0
     for t in range(my_steps):
         peers.poll(reckon.apply)
@@ -208,20 +213,22 @@ def run(ctx: Context) -> dict:
         words_win += len(words)
         bytes_win += len(msg)
         t_done = t + 1
-        if grid.is_chief:
-            step = global_step()
-            if m.due():
-                report()
-            if next_eval and step >= next_eval:
-                test_loss, test_acc = evaluate(ctx, reckon.params)
-                m.record("eval", step=step, epoch=round(ctx.epochs(step), 3),
-                         test_accuracy=test_acc, test_loss=test_loss)
-                next_eval = (step // cfg.eval_every + 1) * cfg.eval_every
-            if next_ckpt and step >= next_ckpt:
-                # this replica's copy: all deltas it has seen so far (not yet drained)
-                path = save_checkpoint(ctx, reckon.params, {}, step, {"train_loss": loss})
-                m.record("checkpoint", echo=False, step=step, path=str(path))
-                next_ckpt = (step // cfg.checkpoint_every + 1) * cfg.checkpoint_every
+        if grid.is_chief and m.due():
+            report()
+        evaluating = first and eval_local and t_done % eval_local == 0
+        saving = first and ckpt_local and t_done % ckpt_local == 0
+        if evaluating or saving:
+            full = ctx.gather_full(reckon.params)
+            if grid.is_chief:
+                step = global_step()
+                if evaluating:
+                    test_loss, test_acc = evaluate(ctx, full)
+                    m.record("eval", step=step, epoch=round(ctx.epochs(step), 3),
+                             test_accuracy=test_acc, test_loss=test_loss)
+                if saving:
+                    # replica 0's copy: every delta it has applied so far (not yet drained)
+                    path = save_checkpoint(ctx, full, {}, step, {"train_loss": loss})
+                    m.record("checkpoint", echo=False, step=step, path=str(path))
     if n_win and grid.is_chief:
         report()
     peers.finish(reckon.apply)
@@ -229,18 +236,28 @@ def run(ctx: Context) -> dict:
     barrier(comm, cfg.timeout, "every replica to drain its messages")
     checksums = comm.gather(zlib.crc32(reckon.params.tobytes()), root=0)
     steps_all = comm.reduce(my_steps, op=MPI.SUM, root=0)
-    words_all = comm.reduce(sent_words, op=MPI.SUM, root=0)
-    bytes_all = comm.reduce(sent_bytes, op=MPI.SUM, root=0)
-    msgs_all = comm.reduce(sent_msgs, op=MPI.SUM, root=0)
-    ent = comm.reduce(np.array([entropy_sum, entropy_words]), op=MPI.SUM, root=0)
-    lag_all = comm.reduce(peers.lag_sum, op=MPI.SUM, root=0)
-    received_all = comm.reduce(peers.received, op=MPI.SUM, root=0)
-    result = {"train_s": train_s}
+    totals = comm.reduce(np.array([sent_words, sent_bytes, sent_msgs, entropy_sum,
+                                   entropy_words, peers.lag_sum, peers.received], np.float64),
+                         op=MPI.SUM, root=0)
+    result = {"train_s": train_s, **model_parallel_figures(ctx, my_steps, train_s)}
+    if not first:
+        return result
+    # replica 0's ranks hold the totals of their partition; add up the partitions
+    identical = len(set(checksums)) == 1
+    if ctx.partitioned:
+        rc = grid.replica_comm
+        totals = rc.reduce(totals, op=MPI.SUM, root=0)
+        identical = rc.allreduce(identical, op=MPI.LAND)
+        checksums = rc.gather(checksums, root=0)
+        checksums = [c for part in checksums for c in part] if checksums else checksums
+    full = ctx.gather_full(reckon.params)
     if grid.is_chief:
+        words_all, bytes_all, msgs_all, ent_sum, ent_words, lag_all, received_all = totals
         step = ctx.start_step + steps_all
-        test_loss, test_acc = evaluate(ctx, reckon.params)
-        path = save_checkpoint(ctx, reckon.params, {}, step,
+        test_loss, test_acc = evaluate(ctx, full)
+        path = save_checkpoint(ctx, full, {}, step,
                                {"test_accuracy": test_acc, "test_loss": test_loss})
+        ent = (ent_sum, ent_words)
         per_step = bytes_all / max(1, steps_all)
         result.update(
             step=step, test_accuracy=test_acc, test_loss=test_loss, checkpoint=str(path),
@@ -258,6 +275,6 @@ def run(ctx: Context) -> dict:
             / max(1, words_all),
             gap_entropy_bits=ent[0] / ent[1] if ent[1] else float("nan"),
             mean_staleness=lag_all / max(1, received_all),
-            replicas_identical=len(set(checksums)) == 1,
+            replicas_identical=bool(identical),
             replica_checksums=[f"{c:08x}" for c in checksums])
     return result

@@ -30,14 +30,37 @@ from hpcps.protocol import H, Message, Tag
 from hpcps.ps.client import Client
 from hpcps.ps.server import ShardServer
 from hpcps.ps.waiting import wait_all
-from hpcps.strategies.common import (Context, evaluate, rate, save_checkpoint,
-                                     steps_for_replica)
+from hpcps.strategies.common import (Context, evaluate, model_parallel_figures, rate,
+                                     save_checkpoint, steps_for_replica)
 from hpcps.topology import shard_range
 
 
-def shard_ranges(ctx: Context) -> list[tuple[int, int]]:
-    S = ctx.grid.layout.servers
-    return [shard_range(ctx.model.n_params, S, s) for s in range(S)]
+def part_sizes(ctx: Context) -> list[int]:
+    """Length of each partition's slice of the parameters (one entry when P = 1)."""
+    return list(getattr(ctx.model, "part_sizes", [ctx.model.n_params]))
+
+
+def shards_of_partition(ctx: Context, part: int) -> list[tuple[int, int, int]]:
+    """(shard, lo, hi) for each shard holding partition ``part``'s slice, lo/hi within it.
+
+    Each partition has its own S/P shards (so a partition talks only to the shards that
+    hold its parameters), and splits its slice among them in contiguous chunks.
+    """
+    per = ctx.grid.layout.servers // ctx.grid.layout.partitions
+    size = part_sizes(ctx)[part]
+    return [(part * per + j, *shard_range(size, per, j)) for j in range(per)]
+
+
+def global_ranges(ctx: Context) -> list[tuple[int, int]]:
+    """Every shard's chunk of the global vector (partition slices one after the other), in
+    shard order; consecutive, so gathering them in order rebuilds the global vector."""
+    sizes = part_sizes(ctx)
+    base = np.cumsum([0] + sizes)
+    out = []
+    for part in range(len(sizes)):
+        out += [(int(base[part]) + lo, int(base[part]) + hi)
+                for _, lo, hi in shards_of_partition(ctx, part)]
+    return out
 
 
 class PackedPusher:
@@ -96,9 +119,12 @@ def run_replica(ctx: Context) -> dict:
     warmup = cfg.warmup_steps if ctx.start_step == 0 else 0
     my_steps = steps_for_replica(ctx.remaining_steps, R, r, warmup)
     packed = cfg.compress == "threshold"
-    client = Client(grid.world, layout.server_ranks, shard_ranges(ctx), r, cfg.timeout,
+    mine = shards_of_partition(ctx, grid.role.partition)
+    ranks = [layout.server_rank(shard) for shard, _, _ in mine]
+    ranges = [(lo, hi) for _, lo, hi in mine]
+    client = Client(grid.world, ranks, ranges, r, cfg.timeout,
                     max_packed_bytes=compress.max_message_bytes if packed else None)
-    pusher = PackedPusher(model.n_params, shard_ranges(ctx), cfg.tau, cfg.golomb == "on") \
+    pusher = PackedPusher(model.n_params, ranges, cfg.tau, cfg.golomb == "on") \
         if packed else None
 
     def push(grad: np.ndarray, steps: int, loss_sum: float) -> None:
@@ -106,6 +132,7 @@ def run_replica(ctx: Context) -> dict:
             client.push(grad, steps, loss_sum)
         else:
             client.push_packed(pusher.bodies(grad), steps, loss_sum)
+
     batches = Batches(ctx.train_x, ctx.train_y, cfg.batch_size, ctx.batch_seed(r))
     params = np.empty(model.n_params, dtype=np.float32)
     grad = np.empty(model.n_params, dtype=np.float32)
@@ -131,7 +158,9 @@ def run_replica(ctx: Context) -> dict:
 
     t0 = time.perf_counter()
     last_t, last_step = t0, ctx.start_step
-    next_eval = _next_multiple(ctx.start_step, cfg.eval_every)
+    # replica 0 evaluates every eval_every/R of its own steps: a schedule every partition of
+    # the replica computes alike, so they can gather the model together
+    eval_local = max(1, -(-cfg.eval_every // R)) if cfg.eval_every else 0
     info = {"step": ctx.start_step}
 
     def report(done_steps: int) -> None:
@@ -146,7 +175,8 @@ def run_replica(ctx: Context) -> dict:
                                       / max(1, done_steps)),
                  bytes_sent_per_step=round(client.bytes_sent / max(1, done_steps)),
                  **({"updates_per_step": round(pusher.words_sent / max(1, done_steps), 1)}
-                    if pusher else {}))
+                    if pusher else {}),
+                 **model_parallel_figures(ctx, done_steps, now - t0))
         last_t, last_step = now, step
 
     for t in range(my_steps):
@@ -165,15 +195,15 @@ def run_replica(ctx: Context) -> dict:
             release()
             released = True
             m.message("warm start done: all replicas train now")
-        if grid.is_chief:
-            step = info["step"]
-            if m.due():
-                report(t + 1)
-            if next_eval and step >= next_eval:
-                test_loss, test_acc = evaluate(ctx, params)
+        if grid.is_chief and m.due():
+            report(t + 1)
+        if r == 0 and eval_local and (t + 1) % eval_local == 0:
+            full = ctx.gather_full(params)
+            if grid.is_chief:
+                test_loss, test_acc = evaluate(ctx, full)
+                step = info["step"]
                 m.record("eval", step=step, epoch=round(ctx.epochs(step), 3),
                          test_accuracy=test_acc, test_loss=test_loss)
-                next_eval = _next_multiple(step, cfg.eval_every)
     if acc_steps:
         push(acc, acc_steps, loss_sum)
     if grid.is_chief and my_steps:
@@ -185,19 +215,16 @@ def run_replica(ctx: Context) -> dict:
     train_s = time.perf_counter() - t0
     result = {"replica_steps": my_steps, "train_s": train_s,
               "bytes_sent": client.bytes_sent, "bytes_received": client.bytes_received,
-              "words_sent": pusher.words_sent if pusher else None}
+              "words_sent": pusher.words_sent if pusher else None,
+              **model_parallel_figures(ctx, my_steps, train_s)}
     if grid.is_chief:
         result.update(_finish_chief(ctx, train_s))
     return result
 
 
-def _next_multiple(step: int, every: int) -> int:
-    return (step // every + 1) * every if every else 0
-
-
 def _final_message(ctx: Context) -> Message:
-    """Buffer for the final state: parameters, then each optimizer state vector."""
-    n = ctx.model.n_params
+    """Buffer for the final whole-model state: parameters, then each optimizer state vector."""
+    n = ctx.full_model.n_params
     return Message(n * (1 + len(ctx.optimizer.state_keys)))
 
 
@@ -208,7 +235,7 @@ def _finish_chief(ctx: Context, train_s: float) -> dict:
     req = ctx.grid.world.Irecv(msg.buf, source=layout.server_rank(0), tag=Tag.FINAL)
     wait_all([req], ctx.cfg.timeout, f"the final parameters from server shard 0 "
              f"(rank {layout.server_rank(0)})")
-    n = ctx.model.n_params
+    n = ctx.full_model.n_params
     params = msg.payload[:n]
     state = {k: msg.payload[(i + 1) * n:(i + 2) * n]
              for i, k in enumerate(ctx.optimizer.state_keys)}
@@ -225,27 +252,30 @@ def _finish_chief(ctx: Context, train_s: float) -> dict:
 def run_server(ctx: Context) -> dict:
     cfg, grid = ctx.cfg, ctx.grid
     s = grid.role.shard
-    ranges = shard_ranges(ctx)
+    ranges = global_ranges(ctx)
     lo, hi = ranges[s]
     params = ctx.params[lo:hi].copy()
     state = {k: v[lo:hi].copy() for k, v in ctx.opt_state.items()}
     keys = list(ctx.optimizer.state_keys)
 
     def gather() -> tuple[np.ndarray, dict] | None:
-        """Collect every shard's slice on shard 0 (collective over the server communicator)."""
+        """The whole model (MLP layout) and optimizer state on shard 0, from every shard's
+        chunk; None on the other shards. Collective over the server communicator."""
         comm = grid.server_comm
         counts = [h - l for l, h in ranges]
         displs = [l for l, _ in ranges]
-        out = None
-        full_p = np.empty(ctx.model.n_params, np.float32) if s == 0 else None
-        full_s = {k: np.empty(ctx.model.n_params, np.float32) for k in keys} if s == 0 else {}
-        for local, full in [(params, full_p)] + [(state[k], full_s.get(k)) for k in keys]:
-            recv = [full, counts, displs, MPI.FLOAT] if s == 0 else None
+        n_global = ranges[-1][1]
+        gathered = []
+        for local in [params] + [state[k] for k in keys]:
+            whole = np.empty(n_global, np.float32) if s == 0 else None
+            recv = [whole, counts, displs, MPI.FLOAT] if s == 0 else None
             wait_all([comm.Igatherv(local, recv, root=0)], cfg.timeout,
-                     "the other server shards to join a checkpoint gather")
-        if s == 0:
-            out = (full_p, full_s)
-        return out
+                     "the other server shards to join a gather of the model")
+            gathered.append(whole)
+        if s != 0:
+            return None
+        full = [ctx.global_to_full(v) for v in gathered]
+        return full[0], dict(zip(keys, full[1:]))
 
     def on_boundary(step: int) -> None:
         got = gather()
@@ -263,7 +293,7 @@ def run_server(ctx: Context) -> dict:
     got = gather()
     if got is not None:
         msg = _final_message(ctx)
-        n = ctx.model.n_params
+        n = ctx.full_model.n_params
         msg.payload[:n] = got[0]
         for i, k in enumerate(keys):
             msg.payload[(i + 1) * n:(i + 2) * n] = got[1][k]

@@ -8,6 +8,9 @@ holds the same weights, step after step. No servers, no staleness; each step wai
 slowest replica, which is the price of that determinism.
 
 One optimizer update consumes R mini-batches: the global step advances by R.
+
+With P partitions per replica, the allreduce runs over the partition communicator: each
+partition sums its own slice of the gradient with the same partition of the other replicas.
 """
 from __future__ import annotations
 
@@ -18,7 +21,8 @@ from mpi4py import MPI
 
 from hpcps.data import Batches
 from hpcps.ps.waiting import wait_all
-from hpcps.strategies.common import Context, evaluate, rate, save_checkpoint
+from hpcps.strategies.common import (Context, crossed, evaluate, gather_state,
+                                     model_parallel_figures, rate, save_checkpoint)
 
 
 def sync_step(comm, model, optimizer, params, state, x, y, buf, timeout: float) -> float:
@@ -63,7 +67,8 @@ def run(ctx: Context) -> dict:
         m.record("progress", step=step, epoch=round(ctx.epochs(step), 3),
                  examples_per_s=round(rate((step - last_step) * cfg.batch_size, now - last_t), 1),
                  loss=loss_win / max(1, n_win), staleness=0,
-                 bytes_per_step=round(bytes_per_update))
+                 bytes_per_step=round(bytes_per_update),
+                 **model_parallel_figures(ctx, (step - ctx.start_step) // n_rep, now - t0))
         last_t, last_step, loss_win, n_win = now, step, 0.0, 0
 
     for _ in range(updates):
@@ -74,24 +79,29 @@ def run(ctx: Context) -> dict:
         n_win += 1
         if m.due():
             report()
-        if cfg.eval_every and step // cfg.eval_every != (step - n_rep) // cfg.eval_every \
-                and grid.is_chief:
-            test_loss, test_acc = evaluate(ctx, params)
-            m.record("eval", step=step, epoch=round(ctx.epochs(step), 3), test_accuracy=test_acc,
-                     test_loss=test_loss)
-        if cfg.checkpoint_every and grid.is_chief and \
-                step // cfg.checkpoint_every != (step - n_rep) // cfg.checkpoint_every:
-            path = save_checkpoint(ctx, params, state, step, {"train_loss": loss})
-            m.record("checkpoint", echo=False, step=step, path=str(path))
+        evaluating = crossed(step, n_rep, cfg.eval_every)
+        saving = crossed(step, n_rep, cfg.checkpoint_every)
+        if (evaluating or saving) and replica == 0:  # every replica holds the same weights
+            full, full_state = gather_state(ctx, params, state if saving else {})
+            if grid.is_chief and evaluating:
+                test_loss, test_acc = evaluate(ctx, full)
+                m.record("eval", step=step, epoch=round(ctx.epochs(step), 3),
+                         test_accuracy=test_acc, test_loss=test_loss)
+            if grid.is_chief and saving:
+                path = save_checkpoint(ctx, full, full_state, step, {"train_loss": loss})
+                m.record("checkpoint", echo=False, step=step, path=str(path))
     if n_win:
         report()  # the last window, so every run's metrics hold at least one progress record
     train_s = time.perf_counter() - t0
     result = {"step": step, "train_s": train_s,
               "examples_per_s": rate((step - ctx.start_step) * cfg.batch_size, train_s),
               "bytes_per_step": bytes_per_update}
-    if grid.is_chief:
-        test_loss, test_acc = evaluate(ctx, params)
-        path = save_checkpoint(ctx, params, state, step,
-                               {"test_accuracy": test_acc, "test_loss": test_loss})
-        result.update(test_accuracy=test_acc, test_loss=test_loss, checkpoint=str(path))
+    result.update(model_parallel_figures(ctx, updates, train_s))
+    if replica == 0:
+        full, full_state = gather_state(ctx, params, state)
+        if grid.is_chief:
+            test_loss, test_acc = evaluate(ctx, full)
+            path = save_checkpoint(ctx, full, full_state, step,
+                                   {"test_accuracy": test_acc, "test_loss": test_loss})
+            result.update(test_accuracy=test_acc, test_loss=test_loss, checkpoint=str(path))
     return result

@@ -120,3 +120,33 @@ def test_two_shards_hold_their_own_slices(comm):
             client.fetch(buf)
             client.push(full, steps=1, loss_sum=0.5)
         client.done()
+
+
+@pytest.mark.mpi
+def test_partitioned_model_over_mpi_equals_the_whole_model(comm):
+    """All ranks form one replica of P = size partitions, exchanging over MPI."""
+    from hpcps.model import PartitionedMLP
+    from hpcps.strategies.common import ReplicaExchange
+    P, p = comm.Get_size(), comm.Get_rank()
+    sizes = (16, 11, 9, 5)
+    whole = MLP(sizes, "relu")
+    exchange = ReplicaExchange(comm, TIMEOUT)
+    model = PartitionedMLP(sizes, "relu", P, p, exchange)
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((7, 16)).astype(np.float32)
+    y = rng.integers(0, 5, 7)
+    full = whole.init_params(2)
+    loss, grad = whole.loss_and_grad(full, x, y)
+    local = model.init_params(2)
+    mine_loss, mine_grad = model.loss_and_grad(local, x, y)
+    assert mine_loss == pytest.approx(loss, rel=1e-6)
+    grads = comm.allgather(mine_grad)
+    np.testing.assert_allclose(model.full_from_parts(grads), grad, rtol=1e-5, atol=1e-6)
+    logits = model.forward(local, x)[0][-1]
+    np.testing.assert_allclose(logits, whole.forward(full, x)[-1], rtol=1e-5, atol=1e-6)
+    # what crossed the boundary: each rank sends its block of every layer to the P-1 others
+    # (forward) and the others' rows of its error contributions (backward)
+    B, w = 7, model.widths
+    fwd = sum(w[l][p] * B * 4 * (P - 1) for l in range(3)) * 2  # forward() ran twice
+    bwd = sum((sizes[l] - w[l - 1][p]) * B * 4 for l in (1, 2))
+    assert exchange.bytes_sent == fwd + bwd
