@@ -157,7 +157,8 @@ def _summary(ctx: Context, results: list[dict], wall_s: float) -> None:
     trained = step - ctx.start_step
     extra = {k: mine[k] for k in ("updates_per_step", "compression_ratio", "bits_per_update",
                                   "raw_bits_per_update", "payload_bits_per_update",
-                                  "gap_entropy_bits",
+                                  "gap_entropy_bits", "replica_bytes_per_step",
+                                  "exchange_s_per_step", "compute_s_per_step",
                                   "replicas_identical", "replica_checksums") if k in mine}
     if cfg.strategy == "downpour":
         reps = [r for r in results if "replica_steps" in r]
