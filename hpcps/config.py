@@ -21,18 +21,21 @@ from typing import Any, Sequence
 
 from hpcps.errors import ConfigError
 
-STRATEGIES = ("downpour", "sync", "deadreckon")
+STRATEGIES = ("downpour", "sync", "deadreckon", "sandblaster")
 ACTIVATIONS = ("relu", "tanh", "sigmoid")
-OPTIMIZERS = ("adagrad", "sgd")
+OPTIMIZERS = ("adagrad", "sgd", "lbfgs")
 COMPRESSIONS = ("none", "threshold")
 ON_OFF = ("on", "off")
 
 # Defaults that depend on the strategy: None in the dataclass means "not given".
 STRATEGY_DEFAULTS = {
     "downpour": {"servers": 1, "optimizer": "adagrad", "lr": 0.01, "n_fetch": 1, "n_push": 1,
-                 "warmup_steps": 200, "compress": "none"},
-    "sync": {"servers": 0, "optimizer": "adagrad", "lr": 0.01},
-    "deadreckon": {"servers": 0, "optimizer": "sgd", "lr": 0.1, "tau": 0.002, "golomb": "on"},
+                 "warmup_steps": 200, "compress": "none", "batch_size": 32},
+    "sync": {"servers": 0, "optimizer": "adagrad", "lr": 0.01, "batch_size": 32},
+    "deadreckon": {"servers": 0, "optimizer": "sgd", "lr": 0.1, "tau": 0.002, "golomb": "on",
+                   "batch_size": 32},
+    "sandblaster": {"servers": 1, "optimizer": "lbfgs", "batch_size": 0, "lbfgs_history": 10,
+                    "portions": 64, "flush_every": 4, "replica_timeout": 60.0},
 }
 # Default threshold for downpour's compressed pushes (gradient units, not weight units).
 DOWNPOUR_TAU = 0.01
@@ -41,8 +44,13 @@ OPTION_STRATEGIES = {
     "n_fetch": ("downpour",), "n_push": ("downpour",), "warmup_steps": ("downpour",),
     "compress": ("downpour",), "tau": ("downpour", "deadreckon"),
     "golomb": ("downpour", "deadreckon"),
+    "lbfgs_history": ("sandblaster",), "portions": ("sandblaster",),
+    "flush_every": ("sandblaster",), "inject_slow": ("sandblaster",),
+    "replica_timeout": ("sandblaster",),
 }
 DEFAULT_EPOCHS = 3.0  # when neither --epochs nor --steps is given
+# sandblaster's step is one evaluation of a whole batch (by default the whole training set)
+SANDBLASTER_EPOCHS = 40.0
 
 
 @dataclass(frozen=True)
@@ -59,13 +67,18 @@ class Config:
     adagrad_eps: float = 1e-8
     epochs: float | None = None
     steps: int | None = None
-    batch_size: int = 32
+    batch_size: int | None = None
     n_fetch: int | None = None
     n_push: int | None = None
     warmup_steps: int | None = None
     compress: str | None = None
     tau: float | None = None
     golomb: str | None = None
+    lbfgs_history: int | None = None
+    portions: int | None = None
+    flush_every: int | None = None
+    inject_slow: str | None = None
+    replica_timeout: float | None = None
     data: str = "data/mnist.h5"
     run_dir: str | None = None
     checkpoint_every: int = 5000
@@ -82,18 +95,24 @@ class Config:
         d["layers"] = list(self.layers)
         return d
 
+    def batch(self, n_train: int) -> int:
+        """Examples per batch: --batch-size, where 0 means the whole training set."""
+        return min(self.batch_size, n_train) if self.batch_size else n_train
+
     def total_steps(self, n_train: int) -> int:
-        """Global number of mini-batches of ``batch_size`` examples the whole run processes."""
+        """Global number of batches of ``batch(n_train)`` examples the whole run processes."""
         if self.steps is not None:
             return self.steps
-        epochs = self.epochs if self.epochs is not None else DEFAULT_EPOCHS
-        return max(1, math.ceil(epochs * n_train / self.batch_size))
+        default = SANDBLASTER_EPOCHS if self.strategy == "sandblaster" else DEFAULT_EPOCHS
+        epochs = self.epochs if self.epochs is not None else default
+        return max(1, math.ceil(epochs * n_train / self.batch(n_train)))
 
 
 HELP = {
     "strategy": "how replicas combine their work: 'downpour' (asynchronous, sharded parameter "
-                "server, the default), 'sync' (allreduce of gradients every step, no servers) "
-                "or 'deadreckon' (Strom's thresholded 1-bit updates sent peer to peer, no servers)",
+                "server, the default), 'sync' (allreduce of gradients every step, no servers), "
+                "'deadreckon' (Strom's thresholded 1-bit updates sent peer to peer, no servers) "
+                "or 'sandblaster' (batch L-BFGS driven by a coordinator through the shards)",
     "servers": "number of parameter-server shard ranks S (downpour: default P, one per "
                "partition, and a multiple of P; the other strategies use none)",
     "partitions": "ranks per replica P (model parallelism): each holds a slice of every layer's "
@@ -102,12 +121,14 @@ HELP = {
               "match the dataset's features, the last its classes)",
     "activation": "hidden-layer activation: relu, tanh or sigmoid",
     "optimizer": "update rule applied where the parameters live: adagrad (default; DistBelief's "
-                 "per-parameter eta/sqrt(sum g^2)) or sgd",
+                 "per-parameter eta/sqrt(sum g^2)), sgd, or lbfgs (sandblaster only)",
     "lr": "learning rate eta (default 0.01; 0.1 for deadreckon's plain SGD)",
     "adagrad_eps": "added to sqrt(sum g^2) to avoid dividing by zero",
-    "epochs": "passes over the training set, counted over all replicas together (default 3)",
+    "epochs": "passes over the training set, counted over all replicas together (default 3; "
+              "sandblaster 40, one per whole-set evaluation)",
     "steps": "total mini-batches over all replicas (instead of --epochs)",
-    "batch_size": "examples per mini-batch on each replica",
+    "batch_size": "examples per mini-batch on each replica (default 32); sandblaster: examples "
+                  "per L-BFGS batch, 0 (its default) for the whole training set",
     "n_fetch": "downpour: fetch fresh parameters from the shards every n_fetch steps (default 1)",
     "n_push": "downpour: push the accumulated gradient every n_push steps (default 1)",
     "warmup_steps": "downpour: steps replica 0 trains alone before the others join (default 200; "
@@ -119,6 +140,15 @@ HELP = {
            f"{DOWNPOUR_TAU})",
     "golomb": "on: Golomb-Rice code the index gaps of compressed messages (default); off: send "
               "the raw 32-bit words",
+    "lbfgs_history": "sandblaster: (s, y) pairs L-BFGS keeps (default 10)",
+    "portions": "sandblaster: portions each batch is cut into and handed to free replicas "
+                "(default 64)",
+    "flush_every": "sandblaster: a replica pushes its accumulated gradient every this many "
+                   "portions (default 4)",
+    "inject_slow": "sandblaster, for testing: RANK:FACTOR makes that replica rank FACTOR times "
+                   "slower; RANK:stall makes it stop answering",
+    "replica_timeout": "sandblaster: seconds without an answer before a replica's portions go "
+                       "to the others (default 60)",
     "data": "HDF5 dataset (layout in the README); data/mnist.h5 is prepared automatically",
     "run_dir": "directory for metrics.jsonl and checkpoint.h5 (default runs/<strategy>-<time>)",
     "checkpoint_every": "write a checkpoint every this many global steps (0: only at the end)",
@@ -173,6 +203,20 @@ def build_parser(prog: str = "python -m hpcps.train") -> argparse.ArgumentParser
         else:
             p.add_argument(flag, type=str, help=text)
     return p
+
+
+def parse_inject_slow(text: str) -> tuple[int, float]:
+    """``RANK:FACTOR`` -> (world rank, factor); FACTOR >= 1, or ``stall`` (inf): the replica
+    stops answering (it only waits for the end of the job)."""
+    try:
+        rank, factor = text.split(":")
+        rank = int(rank)
+        factor = math.inf if factor == "stall" else float(factor)
+    except ValueError:
+        raise ConfigError(f"--inject-slow wants RANK:FACTOR (e.g. 2:10 or 2:stall), got {text!r}")
+    if rank < 0 or not factor >= 1:
+        raise ConfigError(f"--inject-slow needs a rank >= 0 and a factor >= 1, got {text!r}")
+    return rank, factor
 
 
 def _read_toml(path: str) -> dict[str, Any]:
@@ -250,6 +294,22 @@ def validate(cfg: Config) -> Config:
                           f"got --servers {cfg.servers}")
     if cfg.strategy == "downpour" and cfg.servers == 0:
         raise ConfigError("--strategy downpour needs at least one server shard (--servers >= 1)")
+    if (cfg.strategy == "sandblaster") != (cfg.optimizer in (None, "lbfgs")) \
+            and cfg.optimizer is not None:
+        raise ConfigError("--optimizer lbfgs goes with --strategy sandblaster, and sandblaster "
+                          f"runs L-BFGS only (got --strategy {cfg.strategy} --optimizer "
+                          f"{cfg.optimizer})")
+    if cfg.strategy == "sandblaster" and cfg.lr is not None:
+        raise ConfigError("--lr does not apply to --strategy sandblaster: L-BFGS chooses each "
+                          "step's length by its line search")
+    if cfg.batch_size == 0 and cfg.strategy != "sandblaster":
+        raise ConfigError("--batch-size 0 (the whole training set) is for --strategy "
+                          "sandblaster; give a positive batch size")
+    if cfg.strategy == "sandblaster" and cfg.partitions > 1:
+        raise ConfigError("--strategy sandblaster runs replicas of one rank each in this "
+                          "version: use --partitions 1")
+    if cfg.inject_slow is not None:
+        parse_inject_slow(cfg.inject_slow)
     if cfg.strategy == "deadreckon" and cfg.optimizer not in (None, "sgd"):
         raise ConfigError("--strategy deadreckon exchanges plain SGD weight deltas: only "
                           "--optimizer sgd is possible (an Adagrad state would differ between "
@@ -266,10 +326,14 @@ def validate(cfg: Config) -> Config:
                           f"S must be a multiple of P (e.g. --servers {cfg.partitions})")
     if cfg.epochs is not None and cfg.steps is not None:
         raise ConfigError("give --epochs or --steps, not both")
-    positive = {"batch_size": cfg.batch_size, "steps": cfg.steps, "n_fetch": cfg.n_fetch,
+    if cfg.batch_size is not None and cfg.batch_size < 0:
+        raise ConfigError(f"--batch-size must be positive, got {cfg.batch_size}")
+    positive = {"steps": cfg.steps, "n_fetch": cfg.n_fetch,
                 "n_push": cfg.n_push, "epochs": cfg.epochs, "lr": cfg.lr,
                 "progress_every": cfg.progress_every, "timeout": cfg.timeout,
-                "adagrad_eps": cfg.adagrad_eps, "tau": cfg.tau}
+                "adagrad_eps": cfg.adagrad_eps, "tau": cfg.tau,
+                "lbfgs_history": cfg.lbfgs_history, "portions": cfg.portions,
+                "flush_every": cfg.flush_every, "replica_timeout": cfg.replica_timeout}
     for name, v in positive.items():
         if v is not None and not v > 0:
             raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {v}")

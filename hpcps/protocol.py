@@ -25,6 +25,36 @@ class Tag(IntEnum):
     PUSH_COMPRESSED = 7  # replica -> shard: header + compressed gradient message (bytes)
     DR_UPDATE = 8     # deadreckon peer -> peer: a compressed weight-delta message (bytes)
     DR_DONE = 9       # deadreckon peer -> peer: no more updates from this replica
+    SB_CMD = 10       # sandblaster coordinator -> shard: one vector operation (see Op)
+    SB_REPLY = 11     # shard -> coordinator: the operation's scalar result
+    SB_TASK = 12      # coordinator -> replica: compute a portion, flush, evaluate, stop
+    SB_RESULT = 13    # replica -> coordinator: portion done / flushed / evaluation result
+    SB_PUSH = 14      # replica -> shard: accumulated gradient of accepted portions
+    SB_PUSH_ACK = 15  # shard -> replica: push applied
+    SB_STATE = 16     # coordinator -> shard 0: L-BFGS scalars and metrics for a checkpoint
+
+
+class Op(IntEnum):
+    """Sandblaster's vector operations, executed by every shard on its own slice."""
+
+    COPY = 1          # v[a] = v[b]
+    AXPY = 2          # v[a] += alpha * v[b]
+    SCALE = 3         # v[a] *= alpha
+    DOT = 4           # reply v[a] . v[b] (this shard's part; the coordinator adds them)
+    RESET_ACC = 5     # gradients pushed from now on accumulate into v[a], starting from 0
+    COMMIT = 6        # add replica a's pushed gradients into the accumulator
+    BAN = 7           # replica a stopped answering: drop what it pushed, ignore it from now on
+    CHECKPOINT = 8    # gather x, g and the history on shard 0, which writes a checkpoint
+    FINISH = 9        # like CHECKPOINT, then leave the loop
+
+
+class Task(IntEnum):
+    """What a sandblaster replica is asked to do."""
+
+    PORTION = 1       # compute the gradient of a portion of the batch
+    FLUSH = 2         # push the accumulated gradient of accepted portions to the shards
+    EVALUATE = 3      # fetch x and report test loss and accuracy (replica 0)
+    STOP = 4
 
 
 class H(IntEnum):
@@ -37,7 +67,7 @@ class H(IntEnum):
     MAX_STALENESS = 4  # PARAMS: max staleness over the same window
     EXAMPLES = 5      # PARAMS: examples consumed by all replicas so far
     SENDER = 6        # replica index of the sender (for messages and error reports)
-    RESERVED = 7
+    VECTOR = 7        # sandblaster FETCH / SB_PUSH: which of the shard's vectors
 
 
 HEADER_SLOTS = len(H)

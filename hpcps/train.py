@@ -32,10 +32,10 @@ from pathlib import Path
 import numpy as np
 
 from hpcps import checkpoint, config, data
-from hpcps.errors import ConfigError, HpcpsError
+from hpcps.errors import CheckpointError, ConfigError, HpcpsError
 from hpcps.metrics import Metrics
 from hpcps.model import MLP, PartitionedMLP, SingleExchange
-from hpcps.strategies import NEEDS_SERVERS, STRATEGIES
+from hpcps.strategies import HAS_COORDINATOR, NEEDS_SERVERS, STRATEGIES
 from hpcps.strategies.common import (Context, ReplicaExchange, barrier, host,
                                      make_optimizer, state_from_checkpoint)
 from hpcps.topology import Layout, abort, build_grid, world_comm
@@ -86,6 +86,11 @@ def _load_resume(cfg: config.Config, info: data.DatasetInfo):
     if not cfg.resume:
         return None, []
     ckpt = checkpoint.load(cfg.resume)
+    lbfgs = ckpt.metrics.get("lbfgs")
+    if cfg.strategy == "sandblaster" and lbfgs and lbfgs.get("m") != cfg.lbfgs_history:
+        raise CheckpointError(f"checkpoint {cfg.resume} holds an L-BFGS history of "
+                              f"{lbfgs.get('m')} pairs; resume with --lbfgs-history "
+                              f"{lbfgs.get('m')}")
     warnings = checkpoint.check_compatible(ckpt, list(cfg.layers), optimizer=cfg.optimizer,
                                            dataset=info.to_dict())
     return ckpt, warnings
@@ -127,11 +132,18 @@ def _setup(cfg: config.Config, world, layout: Layout, info, ckpt, run_dir: Path)
                 return np.concatenate([model.local_from_full(named, q) for q in range(P)])
         params = cut(full.views(params))
         state = {k: cut(full.views(v)) for k, v in state.items()}
-    metrics = Metrics(run_dir if grid.is_chief else None, cfg.progress_every)
+    # the coordinator, where there is one, sees the whole run: it logs; otherwise rank 0
+    reporter = layout.n_world - 1 if layout.coordinator else 0
+    metrics = Metrics(run_dir if grid.rank == reporter else None, cfg.progress_every)
     ctx = Context(cfg=cfg, grid=grid, model=model, full_model=full, optimizer=opt,
                   dataset=info, params=params, opt_state=state, start_step=start,
-                  total_steps=cfg.total_steps(info.n_train), run_dir=run_dir, metrics=metrics)
-    if grid.role.is_replica:
+                  total_steps=cfg.total_steps(info.n_train), run_dir=run_dir, metrics=metrics,
+                  reporter=reporter,
+                  lbfgs_state=ckpt.metrics.get("lbfgs") if ckpt is not None else None)
+    if grid.role.is_replica and cfg.strategy == "sandblaster":
+        # any replica may be handed any portion: each holds the whole training set
+        ctx.train_x, ctx.train_y = data.load_split(cfg.data, "train")
+    elif grid.role.is_replica:
         # every partition of a replica reads the same shard and draws the same batches
         ctx.train_x, ctx.train_y = data.load_split(cfg.data, "train", grid.role.replica,
                                                    layout.replicas)
@@ -145,20 +157,26 @@ def _setup(cfg: config.Config, world, layout: Layout, info, ckpt, run_dir: Path)
 
 def _describe(cfg, layout: Layout) -> str:
     reps = f"{layout.replicas} replica(s) x {layout.partitions} partition(s)"
+    coord = ", 1 coordinator" if layout.coordinator else ""
     if NEEDS_SERVERS[cfg.strategy]:
-        return f"{cfg.strategy} on {layout.n_world} ranks: {layout.servers} server shard(s), {reps}"
+        return (f"{cfg.strategy} on {layout.n_world} ranks: {layout.servers} server shard(s)"
+                f"{coord}, {reps}")
     return f"{cfg.strategy} on {layout.n_world} ranks: {reps}"
 
 
 def _summary(ctx: Context, results: list[dict], wall_s: float) -> None:
     m, cfg = ctx.metrics, ctx.cfg
-    mine = results[0]
+    mine = results[ctx.reporter]
     step = mine.get("step", ctx.start_step)
     trained = step - ctx.start_step
     extra = {k: mine[k] for k in ("updates_per_step", "compression_ratio", "bits_per_update",
                                   "raw_bits_per_update", "payload_bits_per_update",
                                   "gap_entropy_bits", "replica_bytes_per_step",
                                   "exchange_s_per_step", "compute_s_per_step",
+                                  "iterations", "final_train_loss", "loss_monotone",
+                                  "median_batch_s", "coordinator_bytes_per_iteration",
+                                  "commands_per_iteration", "portions_reissued",
+                                  "duplicates_discarded", "portions_requeued", "lost_replicas",
                                   "replicas_identical", "replica_checksums") if k in mine}
     if cfg.strategy == "downpour":
         reps = [r for r in results if "replica_steps" in r]
@@ -194,6 +212,13 @@ def _summary(ctx: Context, results: list[dict], wall_s: float) -> None:
         m.message(f"  {extra['updates_per_step']:.0f} updates per step, "
                   f"{extra['bits_per_update']:.1f} bits per update, compression "
                   f"{extra['compression_ratio']:.0f}x of the dense gradient{same}")
+    if "iterations" in extra:
+        m.message(f"  {extra['iterations']} L-BFGS iterations, training loss "
+                  f"{extra['final_train_loss']:.4f}, {extra['median_batch_s']:.2f} s per batch, "
+                  f"{extra['coordinator_bytes_per_iteration']:.0f} bytes of commands per "
+                  f"iteration; {extra['portions_reissued']} portions re-issued as backups, "
+                  f"{extra['duplicates_discarded']} late duplicates discarded, "
+                  f"{len(extra['lost_replicas'])} replica(s) lost")
     m.message(f"  final test accuracy: {100 * rec['test_accuracy']:.2f}% "
               f"(test loss {rec['test_loss']:.4f})")
     m.message(f"  checkpoint: {rec['checkpoint']}   metrics: {m.path}")
@@ -227,7 +252,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     t_start = time.perf_counter()
     cfg = _agree(world, config.parse, argv)
-    layout = _agree(world, Layout.plan, size, cfg.servers, cfg.partitions)
+    layout = _agree(world, Layout.plan, size, cfg.servers, cfg.partitions,
+                    int(cfg.strategy in HAS_COORDINATOR))
     _agree(world, _ensure_dataset, cfg, rank)
     info = _agree(world, _check_dataset, cfg)
     ckpt, warnings = _agree(world, _load_resume, cfg, info)
@@ -237,9 +263,11 @@ def main(argv: list[str] | None = None) -> int:
     run_dir = _run_dir(cfg, world)
     ctx = _agree(world, _setup, cfg, world, layout, info, ckpt, run_dir)
     m = ctx.metrics
+    how = (f"L-BFGS m={cfg.lbfgs_history}, batch {cfg.batch(info.n_train)} examples in "
+           f"{cfg.portions} portions" if cfg.strategy == "sandblaster" else
+           f"{cfg.optimizer} lr={cfg.lr}, batch {cfg.batch_size}/replica")
     m.message(_describe(cfg, layout) + f"; model {','.join(map(str, cfg.layers))} "
-              f"({ctx.full_model.n_params} parameters), {cfg.optimizer} lr={cfg.lr}, batch "
-              f"{cfg.batch_size}/replica, {ctx.total_steps} steps "
+              f"({ctx.full_model.n_params} parameters), {how}, {ctx.total_steps} steps "
               f"({ctx.epochs(ctx.total_steps):.2f} epochs) of {info.name}")
     if ckpt is not None:
         m.message(f"resumed from {cfg.resume} at step {ckpt.step}")
@@ -249,8 +277,8 @@ def main(argv: list[str] | None = None) -> int:
     def train_and_report():
         result = STRATEGIES[cfg.strategy].run(ctx)
         barrier(world, cfg.timeout, "every rank to finish training")
-        results = world.gather(result, root=0)
-        if ctx.grid.is_chief:
+        results = world.gather(result, root=ctx.reporter)
+        if world.Get_rank() == ctx.reporter:
             _summary(ctx, results, time.perf_counter() - t_start)
         m.close()
 

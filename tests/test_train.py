@@ -272,3 +272,83 @@ def test_layer_narrower_than_p_is_refused(digits_h5):
     assert run.returncode == 2
     assert "layer 0 has 3 neurons, fewer than --partitions 4" in run.stderr
     assert run.stderr.count("hpcps: error") == 1
+
+
+# -- Sandblaster L-BFGS -------------------------------------------------------------------------
+SB = ["--strategy", "sandblaster", "--layers", LAYERS, "--progress-every", "0.01",
+      "--eval-every", "0", "--checkpoint-every", "0"]
+
+
+def reference_lbfgs(digits_h5, iterations):
+    """The same L-BFGS on plain arrays in one process: full-batch loss and gradient."""
+    from hpcps import optim
+    x, y = load_split(digits_h5, "train")
+    model = MLP((64, 32, 10))
+    space = optim.ArraySpace(lambda p, g: model.loss_and_grad(p, x, y, grad=g)[0],
+                             model.n_params, optim.LBFGS.vector_names(10))
+    space.v["x"][...] = model.init_params(0)
+    opt = optim.LBFGS(space, 10)
+    return [opt.start()] + [opt.step()["f"] for _ in range(iterations)]
+
+
+def sb_losses(run_dir):
+    return [r["loss"] for r in records(run_dir, "progress")]
+
+
+@pytest.mark.parametrize("n", [3, 5])
+def test_sandblaster_computes_the_same_lbfgs_as_numpy(n, digits_h5, tmp_path):
+    """1 or 3 replicas, portions, shards: the loss sequence is the reference's."""
+    run = train(n, "--data", str(digits_h5), "--run-dir", str(tmp_path), "--steps", "12",
+                "--portions", "16", *SB)
+    assert run.returncode == 0, run.output
+    got = sb_losses(tmp_path)
+    ref = reference_lbfgs(digits_h5, len(got) + 2)
+    np.testing.assert_allclose(got[:8], ref[:8], rtol=1e-5)
+    s = records(tmp_path, "summary")[-1]
+    assert s["loss_monotone"] is True and all(b <= a for a, b in zip(got, got[1:]))
+    assert s["coordinator_bytes_per_iteration"] < 10_000  # commands, never vectors
+    assert s["test_accuracy"] > 0.85
+    assert "L-BFGS iterations" in run.stdout
+
+
+def test_sandblaster_slow_replica_does_not_set_the_pace(digits_h5, tmp_path):
+    common = ["--data", str(digits_h5), "--steps", "12", "--portions", "24", *SB[:2],
+              "--layers", "64,256,256,10", *SB[4:]]
+    healthy = train(5, "--run-dir", str(tmp_path / "a"), *common)
+    slowed = train(5, "--run-dir", str(tmp_path / "b"), "--inject-slow", "1:10", *common)
+    assert healthy.returncode == 0 and slowed.returncode == 0, slowed.output
+    a, b = records(tmp_path / "a", "summary")[-1], records(tmp_path / "b", "summary")[-1]
+    # backup copies of the slow replica's portions finish first; its results are discarded
+    assert b["portions_reissued"] > 0 and b["duplicates_discarded"] > 0
+    assert b["median_batch_s"] < 2.5 * a["median_batch_s"], (a["median_batch_s"],
+                                                             b["median_batch_s"])
+    assert b["final_train_loss"] == pytest.approx(a["final_train_loss"], rel=1e-4)
+
+
+def test_sandblaster_goes_on_without_a_dead_replica(digits_h5, tmp_path):
+    run = train(5, "--data", str(digits_h5), "--run-dir", str(tmp_path), "--steps", "12",
+                "--portions", "16", "--inject-slow", "1:stall", "--replica-timeout", "1",
+                *SB)
+    assert run.returncode == 0, run.output
+    s = records(tmp_path, "summary")[-1]
+    assert s["lost_replicas"] == [1] and s["portions_requeued"] >= 1
+    ref = reference_lbfgs(digits_h5, 12)
+    np.testing.assert_allclose(sb_losses(tmp_path)[:8], ref[:8], rtol=1e-5)
+
+
+def test_sandblaster_resume_takes_the_same_next_step(digits_h5, tmp_path):
+    whole, first, second = tmp_path / "w", tmp_path / "f", tmp_path / "s"
+    args = ["--data", str(digits_h5), "--portions", "8", *SB]
+    assert train(4, "--run-dir", str(whole), "--steps", "16", *args).returncode == 0
+    assert train(4, "--run-dir", str(first), "--steps", "8", *args).returncode == 0
+    run = train(3, "--run-dir", str(second), "--steps", "16",
+                "--resume", str(first / "checkpoint.h5"), *args)
+    assert run.returncode == 0, run.output
+    with h5py.File(first / "checkpoint.h5", "r") as f:
+        assert f["optimizer/s0/layer0/W"].shape == (64, 32)  # the history is in the file
+    w = {r["step"]: r["loss"] for r in records(whole, "progress")}
+    resumed = {r["step"]: r["loss"] for r in records(second, "progress")}
+    common = sorted(set(w) & set(resumed))
+    assert common and min(common) <= 10
+    for step in common:
+        assert resumed[step] == pytest.approx(w[step], rel=1e-5), step

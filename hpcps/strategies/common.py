@@ -58,13 +58,15 @@ class Context:
     train_y: np.ndarray | None = None
     test_x: np.ndarray | None = None
     test_y: np.ndarray | None = None
+    reporter: int = 0                  # the rank that logs and prints the summary
+    lbfgs_state: dict | None = None    # sandblaster: L-BFGS scalars from --resume
 
     @property
     def remaining_steps(self) -> int:
         return max(0, self.total_steps - self.start_step)
 
     def epochs(self, step: int) -> float:
-        return step * self.cfg.batch_size / self.dataset.n_train
+        return step * self.cfg.batch(self.dataset.n_train) / self.dataset.n_train
 
     def batch_seed(self, replica: int) -> int:
         """Data order differs per replica and per resume point, reproducibly from --seed."""
@@ -163,7 +165,7 @@ def crossed(step: int, advanced: int, every: int) -> bool:
 
 
 def make_optimizer(cfg: Config):
-    return optim.make(cfg.optimizer, cfg.lr, cfg.adagrad_eps)
+    return optim.make(cfg.optimizer, cfg.lr, cfg.adagrad_eps, cfg.lbfgs_history or 10)
 
 
 def checkpoint_path(ctx: Context) -> Path:

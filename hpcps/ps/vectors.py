@@ -1,0 +1,129 @@
+"""A Sandblaster parameter-server shard: named vectors, operated on by small commands.
+
+The shard holds its slice of every vector L-BFGS needs (parameters ``x``, gradient ``g``,
+direction, trial point, the history pairs). The coordinator sends it one :class:`Op` at a
+time (a few numbers: op, two vector ids, a scalar); the shard applies it to its slice and
+answers with at most one scalar (its part of a dot product). No vector ever travels to the
+coordinator.
+
+Replicas fetch a vector slice at the start of a batch and push the gradient they
+accumulated over accepted portions. Pushes go into a per-replica pending buffer and reach
+the accumulator only when the coordinator COMMITs that replica (after it reported its flush),
+so a replica declared lost (BAN) cannot leave half its work in the gradient.
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import numpy as np
+from mpi4py import MPI
+
+from hpcps.protocol import H, Message, Op, Tag
+from hpcps.ps.waiting import PeerTimeout, Poller
+
+CMD_SLOTS = 6  # op, a, b, alpha, step, spare (float64)
+
+
+class VectorShard:
+    """Serve one shard until the coordinator sends FINISH.
+
+    Parameters
+    ----------
+    comm : communicator shared with coordinator and replicas (the world duplicate).
+    n : length of this shard's slice.
+    n_vectors : how many named vectors (ids 0..n_vectors-1); id 0 is x.
+    coordinator : rank of the coordinator in ``comm``.
+    timeout : seconds without any message before failing.
+    on_gather : called as ``on_gather(op, step)`` on CHECKPOINT and FINISH; every shard
+        calls it at the same command, so it may run a collective over the shards.
+    """
+
+    def __init__(self, comm, n: int, n_vectors: int, coordinator: int, timeout: float,
+                 on_gather: Callable[[int, int], None]):
+        self.comm = comm
+        self.n = n
+        self.vec = np.zeros((n_vectors, n), dtype=np.float32)
+        self.coordinator = coordinator
+        self.timeout = timeout
+        self.on_gather = on_gather
+        self.pending: dict[int, np.ndarray] = {}
+        self.banned: set[int] = set()
+        self.acc: int | None = None
+        self.commands = 0
+        self.note: dict = {}
+        self._cmd = np.zeros(CMD_SLOTS, dtype=np.float64)
+        self._reply = np.zeros(1, dtype=np.float64)
+        self._push = Message(n)
+        self._params = Message(n)
+        self._ask = Message(0)
+        self._ack = Message(0)
+
+    def serve(self) -> None:
+        comm, st = self.comm, MPI.Status()
+        poll = Poller()
+        last = time.monotonic()
+        while True:
+            if not comm.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG, st):
+                if time.monotonic() - last > self.timeout:
+                    raise PeerTimeout(f"sandblaster shard heard nothing for {self.timeout:.0f} s "
+                                      f"(coordinator is rank {self.coordinator})")
+                poll.pause()
+                continue
+            poll.reset()
+            last = time.monotonic()
+            src, tag = st.Get_source(), st.Get_tag()
+            if tag == Tag.SB_CMD:
+                comm.Recv(self._cmd, source=src, tag=Tag.SB_CMD)
+                if self._command(self._cmd):
+                    return
+            elif tag == Tag.FETCH:
+                comm.Recv(self._ask.buf, source=src, tag=Tag.FETCH)
+                r = self._params
+                r.payload[:] = self.vec[int(self._ask.header[H.VECTOR])]
+                comm.Send(r.buf, dest=src, tag=Tag.PARAMS)
+            elif tag == Tag.SB_PUSH:
+                comm.Recv(self._push.buf, source=src, tag=Tag.SB_PUSH)
+                if src not in self.banned:
+                    buf = self.pending.setdefault(src, np.zeros(self.n, dtype=np.float32))
+                    buf += self._push.payload
+                comm.Send(self._ack.buf, dest=src, tag=Tag.SB_PUSH_ACK)
+            elif tag == Tag.SB_STATE:  # what the next checkpoint should record besides vectors
+                self.note = comm.recv(source=src, tag=Tag.SB_STATE)
+            else:
+                raise RuntimeError(f"sandblaster shard got unexpected tag {tag} from rank {src}")
+
+    def _command(self, cmd: np.ndarray) -> bool:
+        """Apply one command; reply; True when it was FINISH."""
+        op, a, b, alpha, step = int(cmd[0]), int(cmd[1]), int(cmd[2]), cmd[3], int(cmd[4])
+        v = self.vec
+        value = 0.0
+        self.commands += 1
+        if op == Op.COPY:
+            v[a][...] = v[b]
+        elif op == Op.AXPY:
+            v[a] += np.float32(alpha) * v[b]
+        elif op == Op.SCALE:
+            v[a] *= np.float32(alpha)
+        elif op == Op.DOT:
+            value = float(np.dot(v[a].astype(np.float64), v[b].astype(np.float64)))
+        elif op == Op.RESET_ACC:
+            self.acc = a
+            v[a][...] = 0.0
+            for buf in self.pending.values():
+                buf[...] = 0.0
+        elif op == Op.COMMIT:
+            buf = self.pending.get(a)
+            if buf is not None and a not in self.banned:
+                v[self.acc] += buf
+                buf[...] = 0.0
+        elif op == Op.BAN:
+            self.banned.add(a)
+            self.pending.pop(a, None)
+        elif op in (Op.CHECKPOINT, Op.FINISH):
+            self.on_gather(op, step)
+        else:
+            raise RuntimeError(f"unknown sandblaster operation {op}")
+        self._reply[0] = value
+        self.comm.Send(self._reply, dest=self.coordinator, tag=Tag.SB_REPLY)
+        return op == Op.FINISH

@@ -1,0 +1,474 @@
+"""Sandblaster L-BFGS (Dean et al. 2012, section 4.2): batch optimization through the shards.
+
+Roles: S server shards, R replicas and one coordinator (the last rank).
+
+* The **coordinator** runs L-BFGS (:class:`hpcps.optim.LBFGS`: two-loop recursion, history of
+  m pairs, strong-Wolfe line search) without ever holding a parameter vector. Every vector
+  operation (copy, axpy, scale, dot) is a command of a few bytes to every shard, answered with
+  at most one scalar; parameters, gradient, direction and the (s, y) history live on the
+  shards, each keeping its slice (:mod:`hpcps.ps.vectors`).
+* Each **evaluation** of the objective (one batch: ``--batch-size`` examples, by default the
+  whole training set) is cut into ``--portions`` small portions. The coordinator hands a
+  portion to whichever replica is free (:class:`hpcps.schedule.PortionScheduler`): faster
+  replicas do more; consecutive portions go to the same replica where possible; near the end
+  outstanding portions are given again to idle replicas and the first result wins (backup
+  tasks). A replica fetches the parameters once per batch and pushes the gradient it
+  accumulated over accepted portions every ``--flush-every`` portions; its pushes count only
+  once the coordinator commits them, so a replica that stops answering (``--replica-timeout``)
+  loses nothing: its uncommitted portions are handed to the others.
+* Replica 0 also evaluates test accuracy when asked; the coordinator logs and writes the
+  summary. Checkpoints (written by shard 0) hold the L-BFGS history, so a resumed run takes
+  the same next step.
+
+A step, for ``--steps`` and the progress line, is one evaluation of a batch.
+"""
+from __future__ import annotations
+
+import math
+import statistics
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+from hpcps.config import parse_inject_slow
+from hpcps.errors import HpcpsError
+from hpcps.optim import LBFGS
+from hpcps.protocol import H, Message, Op, Tag, Task
+from hpcps.ps.vectors import CMD_SLOTS, VectorShard
+from hpcps.ps.waiting import PeerTimeout, Poller, wait_all
+from hpcps.schedule import PortionScheduler
+from hpcps.strategies.common import Context, evaluate, rate, save_checkpoint
+from hpcps.topology import shard_range
+
+TASK_SLOTS = 8     # kind, batch, portion, lo, hi, accept previous, vector id, spare (int64)
+RESULT_SLOTS = 6   # kind, batch, portion, loss sum (or test loss), examples (or accuracy), spare
+
+
+def run(ctx: Context) -> dict:
+    role = ctx.grid.role
+    if role.is_server:
+        return run_shard(ctx)
+    if role.is_replica:
+        return run_replica(ctx)
+    return run_coordinator(ctx)
+
+
+def vector_names(ctx: Context) -> list[str]:
+    return LBFGS.vector_names(ctx.cfg.lbfgs_history)
+
+
+def shard_slices(ctx: Context) -> list[tuple[int, int]]:
+    S = ctx.grid.layout.servers
+    return [shard_range(ctx.full_model.n_params, S, s) for s in range(S)]
+
+
+def batch_order(ctx: Context, batch: int) -> np.ndarray:
+    """Rows of the training set in batch ``batch`` (the same on every rank: a function of the
+    seed). The whole set when the batch is the whole set; otherwise consecutive windows of a
+    per-epoch permutation."""
+    n = ctx.dataset.n_train
+    size = ctx.cfg.batch(n)
+    if size >= n:
+        return np.arange(n)
+    per_epoch = n // size
+    epoch, k = divmod(batch, per_epoch)
+    perm = np.random.default_rng(ctx.cfg.seed * 7919 + epoch).permutation(n)
+    return perm[k * size:(k + 1) * size]
+
+
+# -- coordinator --------------------------------------------------------------------------------
+class ShardSpace:
+    """The named-vector space of :class:`LBFGS`, each operation a command to every shard."""
+
+    def __init__(self, ctx: Context, names, runner: "BatchRunner"):
+        self.comm = ctx.grid.world
+        self.servers = ctx.grid.layout.server_ranks
+        self.ids = {name: i for i, name in enumerate(names)}
+        self.timeout = ctx.cfg.timeout
+        self.runner = runner
+        self._cmd = np.zeros(CMD_SLOTS, dtype=np.float64)
+        self._replies = np.zeros((len(self.servers), 1), dtype=np.float64)
+        self.commands = 0
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        self.evaluations = 0
+
+    def op(self, op: Op, a: int = 0, b: int = 0, alpha: float = 0.0, step: int = 0) -> float:
+        reqs = [self.comm.Irecv(self._replies[i], source=r, tag=Tag.SB_REPLY)
+                for i, r in enumerate(self.servers)]
+        self._cmd[:] = (int(op), a, b, alpha, step, 0.0)
+        for r in self.servers:
+            self.comm.Send(self._cmd, dest=r, tag=Tag.SB_CMD)
+        wait_all(reqs, self.timeout, f"server shards {self.servers} to answer {op.name}")
+        self.commands += 1
+        self.bytes_sent += self._cmd.nbytes * len(self.servers)
+        self.bytes_received += self._replies.nbytes
+        return float(self._replies.sum())
+
+    def copy(self, dst, src):
+        self.op(Op.COPY, self.ids[dst], self.ids[src])
+
+    def axpy(self, dst, alpha, src):
+        self.op(Op.AXPY, self.ids[dst], self.ids[src], alpha)
+
+    def scale(self, dst, alpha):
+        self.op(Op.SCALE, self.ids[dst], 0, alpha)
+
+    def dot(self, a, b) -> float:
+        return self.op(Op.DOT, self.ids[a], self.ids[b])
+
+    def evaluate(self, x, g) -> float:
+        self.evaluations += 1
+        gid = self.ids[g]
+        self.op(Op.RESET_ACC, gid)
+        loss_sum, examples = self.runner.run_batch(self.ids[x], self)
+        self.scale(g, 1.0 / examples)  # the mean gradient over the batch
+        return loss_sum / examples
+
+
+class BatchRunner:
+    """Hands out the portions of one batch to the replicas and collects their results."""
+
+    def __init__(self, ctx: Context):
+        cfg = ctx.cfg
+        self.ctx = ctx
+        self.comm = ctx.grid.world
+        self.replicas = [ctx.grid.layout.replica_rank(r) for r in range(ctx.grid.layout.replicas)]
+        self.live = list(self.replicas)
+        self.portions = cfg.portions
+        self.flush_every = cfg.flush_every
+        self.replica_timeout = cfg.replica_timeout
+        self.batch = ctx.start_step
+        self.state = {r: "idle" for r in self.replicas}   # idle | portion | flush
+        self.sent_at = {r: 0.0 for r in self.replicas}
+        self.accept = {r: 0 for r in self.replicas}
+        self._task = np.zeros(TASK_SLOTS, dtype=np.int64)
+        self._result = np.zeros(RESULT_SLOTS, dtype=np.float64)
+        self.stats = {"reissued": 0, "duplicates": 0, "requeued": 0, "lost_replicas": [],
+                      "batch_s": []}
+
+    def _send(self, r: int, kind: Task, batch=0, portion=0, lo=0, hi=0, vec=0) -> None:
+        self._task[:] = (int(kind), batch, portion, lo, hi, self.accept[r], vec, 0)
+        self.accept[r] = 0
+        self.comm.Send(self._task, dest=r, tag=Tag.SB_TASK)
+        self.sent_at[r] = time.monotonic()
+
+    def run_batch(self, vec: int, space: ShardSpace) -> tuple[float, int]:
+        """Gradient of batch ``self.batch`` at vector ``vec`` accumulated on the shards.
+        Returns (sum of the per-example losses, number of examples)."""
+        t0 = time.perf_counter()
+        order_len = len(batch_order(self.ctx, self.batch))
+        cuts = np.linspace(0, order_len, self.portions + 1).astype(int)
+        sched = PortionScheduler(self.portions, self.live)
+        losses = np.zeros(self.portions)
+        batch = self.batch
+
+        def dispatch(r: int) -> None:
+            if self.state[r] != "idle" or r not in self.live:
+                return
+            if len(sched.pending_flush(r)) >= self.flush_every:
+                self.state[r] = "flush"
+                self._send(r, Task.FLUSH, batch, vec=vec)
+                return
+            p = sched.next_for(r, time.monotonic())
+            if p is None:
+                if sched.pending_flush(r):
+                    self.state[r] = "flush"
+                    self._send(r, Task.FLUSH, batch, vec=vec)
+                return
+            self.state[r] = "portion"
+            self._send(r, Task.PORTION, batch, p, cuts[p], cuts[p + 1], vec)
+
+        for r in list(self.live):
+            dispatch(r)
+        st = MPI.Status()
+        poll = Poller()
+        while not sched.finished:
+            if not self.comm.Iprobe(MPI.ANY_SOURCE, Tag.SB_RESULT, st):
+                if self._check_lost(sched, space):
+                    for q in list(self.live):  # the lost replica's portions are free again
+                        dispatch(q)
+                poll.pause()
+                continue
+            poll.reset()
+            r = st.Get_source()
+            self.comm.Recv(self._result, source=r, tag=Tag.SB_RESULT)
+            kind, rb, p = int(self._result[0]), int(self._result[1]), int(self._result[2])
+            if r not in self.live:
+                continue  # declared lost: whatever it says now is ignored
+            was = self.state[r]
+            self.state[r] = "idle"
+            if rb != batch:      # a backup copy of the previous batch, finished late
+                self.accept[r] = 0
+            elif kind == Task.PORTION and was == "portion":
+                if sched.completed(r, p, time.monotonic()):
+                    losses[p] = self._result[3]
+                    self.accept[r] = 1
+                else:
+                    self.stats["duplicates"] += 1
+            elif kind == Task.FLUSH and was == "flush":
+                sched.flushed(r)
+                space.op(Op.COMMIT, r)
+            for q in list(self.live):
+                dispatch(q)
+        self.stats["reissued"] += sched.stats["reissued"]
+        self.stats["requeued"] += sched.stats["requeued"]
+        self.stats["batch_s"].append(time.perf_counter() - t0)
+        self.batch += 1
+        return float(losses.sum()), order_len
+
+    def _check_lost(self, sched: PortionScheduler, space: ShardSpace) -> bool:
+        """Declare lost every busy replica silent for longer than --replica-timeout."""
+        now = time.monotonic()
+        lost = False
+        for r in list(self.live):
+            if self.state[r] != "idle" and now - self.sent_at[r] > self.replica_timeout:
+                self.live.remove(r)
+                sched.lost(r)
+                space.op(Op.BAN, r)  # the shards drop whatever it pushed and ignore it
+                self.stats["lost_replicas"].append(r)
+                self.ctx.metrics.message(
+                    f"replica rank {r} did not answer for {self.replica_timeout:g} s: its "
+                    "portions go to the other replicas")
+                if not self.live:
+                    raise PeerTimeout("every replica stopped answering; sandblaster cannot go on")
+                lost = True
+        return lost
+
+    def evaluate_test(self) -> tuple[float, float]:
+        """Ask replica 0 for the test loss and accuracy at the current x."""
+        r0 = self.replicas[0]
+        if r0 not in self.live:
+            return math.nan, math.nan
+        while self.state[r0] != "idle":  # a late backup copy still running: take its result
+            self._receive_from(r0)
+            self.state[r0] = "idle"
+            self.accept[r0] = 0
+        self._send(r0, Task.EVALUATE, vec=0)
+        self._receive_from(r0)
+        return float(self._result[3]), float(self._result[4])
+
+    def _receive_from(self, r: int) -> None:
+        req = self.comm.Irecv(self._result, source=r, tag=Tag.SB_RESULT)
+        wait_all([req], self.ctx.cfg.timeout, f"replica rank {r} to answer")
+
+    def stop(self) -> None:
+        for r in self.replicas:  # lost ones too: they wait for this to end
+            self.accept[r] = 0
+            self._send(r, Task.STOP)
+
+
+def run_coordinator(ctx: Context) -> dict:
+    cfg, m = ctx.cfg, ctx.metrics
+    names = vector_names(ctx)
+    runner = BatchRunner(ctx)
+    space = ShardSpace(ctx, names, runner)
+    opt = LBFGS(space, cfg.lbfgs_history)
+    if ctx.lbfgs_state:
+        opt.load_state(ctx.lbfgs_state)
+    batch_n = cfg.batch(ctx.dataset.n_train)
+    whole = batch_n >= ctx.dataset.n_train
+    t0 = time.perf_counter()
+    losses = []
+    if opt.f is None:
+        losses.append(opt.start())
+        m.record("progress", step=ctx.start_step + space.evaluations, iteration=0, loss=opt.f)
+    next_eval = _next(ctx.start_step, cfg.eval_every)
+    next_ckpt = _next(ctx.start_step, cfg.checkpoint_every)
+    while ctx.start_step + space.evaluations < ctx.total_steps:
+        if not whole:  # a new batch: the objective changed, so has its gradient at x
+            opt.start()
+        before = (space.evaluations, space.commands, space.bytes_sent)
+        info = opt.step()
+        step = ctx.start_step + space.evaluations
+        losses.append(info["f"])
+        evals = space.evaluations - before[0]
+        batch_s = runner.stats["batch_s"][-evals:]
+        m.record("progress", step=step, epoch=round(ctx.epochs(step), 3),
+                 iteration=opt.iterations, loss=info["f"], step_length=info["t"],
+                 evaluations=evals, batch_s=round(statistics.median(batch_s), 4),
+                 examples_per_s=round(rate(batch_n * evals, sum(batch_s)), 1),
+                 commands=space.commands - before[1],
+                 coordinator_bytes=space.bytes_sent - before[2],
+                 reissued=runner.stats["reissued"], duplicates=runner.stats["duplicates"],
+                 lost_replicas=len(runner.stats["lost_replicas"]))
+        if not info["accepted"]:
+            m.message("line search found no acceptable step: history reset")
+        if next_eval and step >= next_eval:
+            test_loss, test_acc = runner.evaluate_test()
+            m.record("eval", step=step, epoch=round(ctx.epochs(step), 3),
+                     test_accuracy=test_acc, test_loss=test_loss)
+            next_eval = _next(step, cfg.eval_every)
+        if next_ckpt and step >= next_ckpt:
+            _checkpoint(ctx, space, opt, Op.CHECKPOINT, step, {"train_loss": info["f"]})
+            next_ckpt = _next(step, cfg.checkpoint_every)
+    train_s = time.perf_counter() - t0
+    step = ctx.start_step + space.evaluations
+    test_loss, test_acc = runner.evaluate_test()
+    _checkpoint(ctx, space, opt, Op.FINISH, step,
+                {"train_loss": opt.f, "test_accuracy": test_acc, "test_loss": test_loss})
+    runner.stop()
+    monotone = all(b <= a for a, b in zip(losses, losses[1:])) if whole else None
+    return {"step": step, "train_s": train_s, "test_accuracy": test_acc, "test_loss": test_loss,
+            "checkpoint": str(ctx.run_dir / "checkpoint.h5"),
+            "examples_per_s": rate(batch_n * space.evaluations, train_s),
+            "iterations": opt.iterations, "final_train_loss": opt.f,
+            "loss_monotone": monotone,
+            "median_batch_s": statistics.median(runner.stats["batch_s"] or [math.nan]),
+            "coordinator_bytes_per_iteration": space.bytes_sent / max(1, opt.iterations),
+            # what moves per step (one batch evaluation) between coordinator and shards
+            "bytes_per_step": (space.bytes_sent + space.bytes_received)
+            / max(1, space.evaluations),
+            "commands_per_iteration": space.commands / max(1, opt.iterations),
+            "portions_reissued": runner.stats["reissued"],
+            "duplicates_discarded": runner.stats["duplicates"],
+            "portions_requeued": runner.stats["requeued"],
+            "lost_replicas": runner.stats["lost_replicas"]}
+
+
+def _next(step: int, every: int) -> int:
+    return (step // every + 1) * every if every else 0
+
+
+def _checkpoint(ctx, space: ShardSpace, opt: LBFGS, op: Op, step: int, metrics: dict) -> None:
+    """Shard 0 gathers the vectors and writes the checkpoint with the L-BFGS scalars."""
+    ctx.grid.world.send({"lbfgs": opt.state(), "metrics": metrics},
+                        dest=ctx.grid.layout.server_rank(0), tag=Tag.SB_STATE)
+    space.op(op, step=step)
+
+
+# -- replicas -----------------------------------------------------------------------------------
+def run_replica(ctx: Context) -> dict:
+    cfg, model, grid = ctx.cfg, ctx.model, ctx.grid
+    world, layout = grid.world, grid.layout
+    coord = layout.n_world - 1
+    slices = shard_slices(ctx)
+    n = model.n_params
+    x = np.empty(n, dtype=np.float32)
+    acc = np.zeros(n, dtype=np.float32)
+    pg = np.zeros(n, dtype=np.float32)
+    have_pg = False
+    slow = 1.0
+    if cfg.inject_slow:
+        who, factor = parse_inject_slow(cfg.inject_slow)
+        slow = factor if who == grid.rank else 1.0
+    task = np.zeros(TASK_SLOTS, dtype=np.int64)
+    result = np.zeros(RESULT_SLOTS, dtype=np.float64)
+    fetch = [Message(hi - lo) for lo, hi in slices]
+    push = [Message(hi - lo) for lo, hi in slices]
+    ask, ack = Message(0), Message(0)
+    current, order = None, None
+    done_portions = 0
+    compute_s = 0.0
+    while True:
+        wait_all([world.Irecv(task, source=coord, tag=Tag.SB_TASK)], cfg.timeout,
+                 f"the coordinator (rank {coord}) to send work")
+        kind, batch, portion, lo, hi, accept, vec = (int(v) for v in task[:7])
+        if accept and have_pg:
+            acc += pg
+        have_pg = False
+        if kind == Task.STOP:
+            break
+        if kind == Task.EVALUATE:
+            _fetch(world, layout, slices, fetch, ask, vec, x, cfg.timeout)
+            loss, accuracy = model.evaluate(x, ctx.test_x, ctx.test_y)
+            result[:] = (int(Task.EVALUATE), batch, 0, loss, accuracy, 0)
+            world.Send(result, dest=coord, tag=Tag.SB_RESULT)
+            continue
+        if batch != current:  # parameters are fetched once per batch
+            _fetch(world, layout, slices, fetch, ask, vec, x, cfg.timeout)
+            acc[:] = 0.0
+            current, order = batch, batch_order(ctx, batch)
+        if kind == Task.PORTION:
+            if math.isinf(slow) and done_portions > 0:
+                _stall(world, coord, task, cfg.timeout)  # stops answering, as a dead machine
+                break
+            t = time.perf_counter()
+            rows = order[lo:hi]
+            loss, _ = model.loss_and_grad(x, ctx.train_x[rows], ctx.train_y[rows], grad=pg)
+            pg *= np.float32(len(rows))  # sums, so portions of any size add up exactly
+            elapsed = time.perf_counter() - t
+            compute_s += elapsed
+            if 1.0 < slow < math.inf:
+                time.sleep((slow - 1.0) * elapsed)
+            have_pg = True
+            done_portions += 1
+            result[:] = (int(Task.PORTION), batch, portion, loss * len(rows), len(rows), 0)
+            world.Send(result, dest=coord, tag=Tag.SB_RESULT)
+        elif kind == Task.FLUSH:
+            for s, (a, b) in enumerate(slices):
+                msg = push[s]
+                msg.header[H.VECTOR] = vec
+                msg.payload[:] = acc[a:b]
+                req = world.Irecv(ack.buf, source=layout.server_rank(s), tag=Tag.SB_PUSH_ACK)
+                world.Send(msg.buf, dest=layout.server_rank(s), tag=Tag.SB_PUSH)
+                wait_all([req], cfg.timeout, f"server shard {s} to take a gradient push")
+            acc[:] = 0.0
+            result[:] = (int(Task.FLUSH), batch, 0, 0, 0, 0)
+            world.Send(result, dest=coord, tag=Tag.SB_RESULT)
+    return {"replica_portions": done_portions, "compute_s": compute_s}
+
+
+def _fetch(world, layout, slices, msgs, ask, vec, out, timeout) -> None:
+    reqs = [world.Irecv(msgs[s].buf, source=layout.server_rank(s), tag=Tag.PARAMS)
+            for s in range(len(slices))]
+    ask.header[H.VECTOR] = vec
+    for s in range(len(slices)):
+        world.Send(ask.buf, dest=layout.server_rank(s), tag=Tag.FETCH)
+    wait_all(reqs, timeout, "the server shards to send the parameters")
+    for s, (lo, hi) in enumerate(slices):
+        out[lo:hi] = msgs[s].payload
+
+
+def _stall(world, coord, task, timeout) -> None:
+    """--inject-slow RANK:stall: answer nothing more, only wait for the coordinator's STOP."""
+    poll = Poller()
+    deadline = time.monotonic() + timeout
+    while True:
+        if world.Iprobe(coord, Tag.SB_TASK):
+            world.Recv(task, source=coord, tag=Tag.SB_TASK)
+            if int(task[0]) == Task.STOP:
+                return
+        elif time.monotonic() > deadline:
+            raise PeerTimeout(f"stalled replica waited {timeout:.0f} s for the end of the job")
+        poll.pause()
+
+
+# -- server shards ------------------------------------------------------------------------------
+def run_shard(ctx: Context) -> dict:
+    cfg, grid = ctx.cfg, ctx.grid
+    s = grid.role.shard
+    slices = shard_slices(ctx)
+    lo, hi = slices[s]
+    names = vector_names(ctx)
+    ids = {name: i for i, name in enumerate(names)}
+    coord = grid.layout.n_world - 1
+    saved = ["x", "g"] + [f"{k}{i}" for k in "sy" for i in range(cfg.lbfgs_history)]
+
+    def on_gather(op: int, step: int) -> None:
+        comm = grid.server_comm
+        counts = [b - a for a, b in slices]
+        displs = [a for a, _ in slices]
+        whole = {}
+        for name in saved:
+            out = np.empty(ctx.full_model.n_params, np.float32) if s == 0 else None
+            recv = [out, counts, displs, MPI.FLOAT] if s == 0 else None
+            wait_all([comm.Igatherv(shard.vec[ids[name]], recv, root=0)], cfg.timeout,
+                     "the other server shards to join a checkpoint gather")
+            whole[name] = out
+        if s != 0:
+            return
+        extra = shard.note  # sent by the coordinator just before this command
+        metrics = dict(extra["metrics"], lbfgs=extra["lbfgs"])
+        state = {name: whole[name] for name in saved[1:]}
+        path = save_checkpoint(ctx, whole["x"], state, step, metrics)
+        if op == Op.CHECKPOINT:
+            print(f"[hpcps] server shard 0 wrote checkpoint {path} at step {step}", flush=True)
+
+    shard = VectorShard(grid.world, hi - lo, len(names), coord, cfg.timeout, on_gather)
+    shard.vec[ids["x"]] = ctx.params[lo:hi]
+    for name, full in ctx.opt_state.items():  # resumed: gradient and history
+        shard.vec[ids[name]] = full[lo:hi]
+    shard.serve()
+    return {"shard": s, "commands": shard.commands}
