@@ -92,6 +92,9 @@ def main(argv=None) -> int:
                     "examples_per_s": s["examples_per_s"],
                     "replica_bytes_per_step": s.get("replica_bytes_per_step", 0),
                     "predicted_bytes_per_step": predicted_bytes(sizes, parts, 0, a.batch_size),
+                    # wall time of one update of every replica (all of sync's work per step)
+                    "s_per_update": round(s["train_s"] * (a.ranks // parts)
+                                          / s["steps_trained"], 5),
                     "compute_s_per_step": s.get("compute_s_per_step"),
                     "exchange_s_per_step": s.get("exchange_s_per_step", 0.0),
                     "allreduce_bytes_per_step": s["bytes_per_step"]})
