@@ -59,13 +59,12 @@ from __future__ import annotations
 
 import math
 import operator
-import os
 import struct
-import warnings
 
 import numpy as np
 
 from hpcps.errors import HpcpsError
+from hpcps.kernels import load_extension
 
 MAX_WEIGHTS = 2**31
 MAGIC = 0x31435048
@@ -242,24 +241,7 @@ class NumpyReference:
 
 reference = NumpyReference
 
-if os.environ.get("HPCPS_NO_EXTENSION") == "1":
-    _impl = reference
-    HAVE_EXTENSION = False
-else:
-    try:
-        from hpcps.kernels import _compress as _impl
-    except ImportError as exc:
-        _impl = reference
-        HAVE_EXTENSION = False
-        warnings.warn(
-            f"hpcps.compress: compiled kernels not available ({exc}); using the NumPy "
-            "reference, which runs slower. Build them with `pip install -e .` or "
-            "`python setup.py build_ext --inplace` in the hpcps source tree.",
-            RuntimeWarning,
-            stacklevel=2,
-        )
-    else:
-        HAVE_EXTENSION = True
+_impl, HAVE_EXTENSION = load_extension("_compress", reference, "hpcps.compress")
 
 
 # ----------------------------------------------------------------------------- checks

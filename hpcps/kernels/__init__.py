@@ -22,6 +22,7 @@ Attributes
 HAVE_EXTENSION : bool
     True when the compiled kernels are the ones in use.
 """
+import importlib
 import math
 import operator
 import os
@@ -31,24 +32,26 @@ import numpy as np
 
 from . import reference
 
-if os.environ.get("HPCPS_NO_EXTENSION") == "1":
-    _impl = reference
-    HAVE_EXTENSION = False
-else:
+def load_extension(module: str, reference, who: str):
+    """``(implementation, compiled?)``: the compiled module ``hpcps.kernels.<module>``, or
+    ``reference`` when HPCPS_NO_EXTENSION=1 or the extension is not built (then with one
+    warning naming ``who`` and how to build)."""
+    if os.environ.get("HPCPS_NO_EXTENSION") == "1":
+        return reference, False
     try:
-        from . import _adagrad as _impl
+        return importlib.import_module(f"hpcps.kernels.{module}"), True
     except ImportError as exc:
-        _impl = reference
-        HAVE_EXTENSION = False
         warnings.warn(
-            f"hpcps.kernels: compiled kernels not available ({exc}); using the NumPy "
+            f"{who}: compiled kernels not available ({exc}); using the NumPy "
             "reference, which runs slower. Build them with `pip install -e .` or "
             "`python setup.py build_ext --inplace` in the hpcps source tree.",
             RuntimeWarning,
-            stacklevel=2,
+            stacklevel=3,
         )
-    else:
-        HAVE_EXTENSION = True
+        return reference, False
+
+
+_impl, HAVE_EXTENSION = load_extension("_adagrad", reference, "hpcps.kernels")
 
 __all__ = ["HAVE_EXTENSION", "adagrad_update", "sgd_update"]
 
