@@ -23,24 +23,22 @@ if os.environ.get("HPCPS_NO_OPENMP") != "1":
 if os.environ.get("HPCPS_MARCH_NATIVE") == "1":
     compile_args.append("-march=native")
 
-extensions = [
-    Extension(
-        "hpcps.kernels._adagrad",
-        ["ext/adagrad.pyx"],
+def kernel(name: str) -> Extension:
+    """hpcps.kernels._<name> from ext/<name>.pyx, with the flags above."""
+    return Extension(
+        f"hpcps.kernels._{name}",
+        [f"ext/{name}.pyx"],
         include_dirs=[np.get_include()],
         extra_compile_args=compile_args,
         extra_link_args=link_args,
         define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
-    ),
-    Extension(
-        "hpcps.kernels._compress",
-        ["ext/compress.pyx"],
-        include_dirs=[np.get_include()],
-        extra_compile_args=compile_args,
-        extra_link_args=link_args,
-        define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
-    ),
-]
+    )
+
+
+# adagrad: the server's update; compress: Strom's threshold/apply/Golomb-Rice; hogwild: the
+# nogil multi-threaded MLP engine; gemm: fused GEMM kernels (the last two call BLAS through
+# scipy.linalg.cython_blas, so scipy is a build requirement)
+extensions = [kernel(name) for name in ("adagrad", "compress", "hogwild", "gemm")]
 
 setup(
     ext_modules=cythonize(

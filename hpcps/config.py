@@ -48,7 +48,7 @@ OPTION_STRATEGIES = {
     "flush_every": ("sandblaster",), "inject_slow": ("sandblaster",),
     "replica_timeout": ("sandblaster",),
 }
-DEFAULT_EPOCHS = 3.0  # when neither --epochs nor --steps is given
+DEFAULT_EPOCHS = 4.0  # when neither --epochs nor --steps is given
 # sandblaster's step is one evaluation of a whole batch (by default the whole training set)
 SANDBLASTER_EPOCHS = 40.0
 
@@ -124,7 +124,7 @@ HELP = {
                  "per-parameter eta/sqrt(sum g^2)), sgd, or lbfgs (sandblaster only)",
     "lr": "learning rate eta (default 0.01; 0.1 for deadreckon's plain SGD)",
     "adagrad_eps": "added to sqrt(sum g^2) to avoid dividing by zero",
-    "epochs": "passes over the training set, counted over all replicas together (default 3; "
+    "epochs": "passes over the training set, counted over all replicas together (default 4; "
               "sandblaster 40, one per whole-set evaluation)",
     "steps": "total mini-batches over all replicas (instead of --epochs)",
     "batch_size": "examples per mini-batch on each replica (default 32); sandblaster: examples "

@@ -27,7 +27,7 @@ def test_cli_values_and_layers():
 def test_epochs_to_steps():
     cfg = config.parse(["--epochs", "2", "--batch-size", "10"])
     assert cfg.total_steps(1001) == 201  # ceil(2 * 1001 / 10)
-    assert config.parse([]).total_steps(60000) == 5625  # default 3 epochs of batch 32
+    assert config.parse([]).total_steps(60000) == 7500  # default 4 epochs of batch 32
 
 
 def test_toml_and_cli_precedence(tmp_path):

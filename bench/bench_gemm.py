@@ -1,0 +1,229 @@
+"""Benchmark the GEMM kernels against OpenBLAS through NumPy; print one JSON object to stdout.
+
+At the training shapes (MLP 784-1024-1024-10, batch 128), on one core (OpenBLAS limited to
+one thread with threadpoolctl, or OPENBLAS_NUM_THREADS=1 set before NumPy is imported):
+
+- sgemm GFLOP/s: NumPy (``np.matmul``), ``scipy.linalg.cython_blas.sgemm`` through
+  ``hpcps.kernels.gemm.sgemm``, and the packed Cython sgemm if the build still has it;
+  forward layouts ``X @ W`` and weight-gradient layouts ``X.T @ D``;
+- ``act(X @ W + b)``: NumPy, the compiled pass for every activation, the public API;
+- the server update ``G = A.T @ E`` then Adagrad: NumPy's two steps, NumPy's GEMM followed by
+  the compiled Adagrad kernel, and the fused kernel (threads 1 and 2, a few tiles), as weight
+  updates per second (M*N per call) and per core.
+
+Every figure is a median over ``--repeats`` calls after one warm-up; ``frac_of_150`` is the
+fraction of 150 GFLOP/s, this machine's single-core sgemm when idle. The machine is shared,
+so compare figures of one run.
+
+Usage::
+
+    python bench/bench_gemm.py [--repeats 9]
+"""
+import os
+
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # fallback when threadpoolctl is missing
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import platform  # noqa: E402
+import statistics  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from hpcps.kernels import gemm  # noqa: E402
+
+try:
+    from hpcps.kernels import _gemm  # noqa: E402
+except ImportError:
+    _gemm = None
+try:
+    from hpcps.kernels import _adagrad  # noqa: E402
+except ImportError:
+    _adagrad = None
+try:  # after every BLAS-linking import: threadpoolctl limits only loaded libraries
+    from threadpoolctl import threadpool_info, threadpool_limits  # noqa: E402
+    _LIMIT = threadpool_limits(1)
+except ImportError:
+    threadpool_info = None
+
+PEAK = 150e9
+LR, EPS = 0.01, 1e-8
+GEMM_SHAPES = [  # (M, K, N, trans_a, what)
+    (128, 784, 1024, False, "forward layer 1: X(128x784) @ W(784x1024)"),
+    (128, 1024, 1024, False, "forward layer 2: X(128x1024) @ W(1024x1024)"),
+    (128, 1024, 10, False, "forward layer 3: X(128x1024) @ W(1024x10)"),
+    (784, 128, 1024, True, "weight gradient 1: X.T(784x128) @ D(128x1024)"),
+    (1024, 128, 1024, True, "weight gradient 2: X.T(1024x128) @ D(128x1024)"),
+]
+UPDATE_SHAPES = [(784, 1024, 128), (1024, 1024, 128), (1024, 1024, 32)]
+TILES = [(64, 1024), (256, 256), (512, 512), (1024, 1024)]  # 1024x1024 = whole G: unfused
+
+
+def cpu_model():
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or None
+
+
+def median_time(fn, repeats):
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def bench_sgemm(repeats, rng):
+    rows = []
+    for M, K, N, trans_a, what in GEMM_SHAPES:
+        A = rng.standard_normal((K, M) if trans_a else (M, K), dtype=np.float32)
+        B = rng.standard_normal((K, N), dtype=np.float32)
+        out = np.empty((M, N), dtype=np.float32)
+        opA = A.T if trans_a else A
+        flops = 2.0 * M * N * K
+        impls = {"numpy": lambda: np.matmul(opA, B, out=out)}
+        if _gemm is not None:
+            impls["cython_blas"] = lambda: gemm.sgemm(A, B, out, trans_a)
+            if hasattr(_gemm, "sgemm_blocked"):
+                impls["blocked_cython"] = lambda: _gemm.sgemm_blocked(A, B, out, trans_a)
+        row = {"shape": what, "M": M, "K": K, "N": N, "trans_a": trans_a}
+        for name, fn in impls.items():
+            t = median_time(fn, repeats)
+            row[name] = {"ms": round(t * 1e3, 4), "gflops": round(flops / t / 1e9, 2),
+                         "frac_of_150": round(flops / t / PEAK, 3)}
+        rows.append(row)
+        print(f"sgemm {what}: done", file=sys.stderr)
+    return rows
+
+
+def numpy_bias_act(X, W, b, act):
+    z = X @ W + b
+    if act == "relu":
+        return np.maximum(z, 0)
+    if act == "tanh":
+        return np.tanh(z)
+    if act == "sigmoid":
+        return 1.0 / (1.0 + np.exp(-z))
+    return z
+
+
+def bench_bias_act(repeats, rng):
+    rows = []
+    for M, K, N, trans_a, what in GEMM_SHAPES:
+        if trans_a:
+            continue
+        X = rng.standard_normal((M, K), dtype=np.float32)
+        W = (rng.standard_normal((K, N), dtype=np.float32) / np.sqrt(K)).astype(np.float32)
+        b = rng.standard_normal(N, dtype=np.float32)
+        out = np.empty((M, N), dtype=np.float32)
+        flops = 2.0 * M * N * K
+        for act in gemm.ACTIVATIONS:
+            impls = {"numpy": lambda: numpy_bias_act(X, W, b, act),
+                     "api": lambda: gemm.gemm_bias_act(X, W, b, act, out)}
+            if _gemm is not None:
+                impls["fused_compiled_pass"] = lambda: _gemm.gemm_bias_act(X, W, b, act, out)
+                impls["fused_row_blocks_32"] = (
+                    lambda: _gemm.gemm_bias_act(X, W, b, act, out, 32))
+            row = {"shape": what, "act": act}
+            for name, fn in impls.items():
+                t = median_time(fn, repeats)
+                row[name] = {"us": round(t * 1e6, 1), "gflops": round(flops / t / 1e9, 2)}
+            row["speedup_api_vs_numpy"] = round(row["numpy"]["us"] / row["api"]["us"], 3)
+            rows.append(row)
+        print(f"bias+act {what}: done", file=sys.stderr)
+    return rows
+
+
+def bench_update(repeats, rng):
+    rows = []
+    for M, N, k in UPDATE_SHAPES:
+        W0 = rng.standard_normal((M, N), dtype=np.float32)
+        acc0 = rng.uniform(0.5, 2.0, (M, N)).astype(np.float32)
+        A = rng.standard_normal((k, M), dtype=np.float32)
+        E = rng.standard_normal((k, N), dtype=np.float32)
+        W, acc = W0.copy(), acc0.copy()
+        G = np.empty((M, N), dtype=np.float32)
+
+        def numpy_two_steps():
+            G = A.T @ E
+            acc.__iadd__(G * G)
+            W.__isub__(LR * G / (np.sqrt(acc) + EPS))
+
+        impls = {"numpy_two_steps": numpy_two_steps}
+        if _adagrad is not None:
+            def numpy_gemm_compiled_adagrad():
+                np.matmul(A.T, E, out=G)
+                _adagrad.adagrad_update(W.reshape(-1), G.reshape(-1), acc.reshape(-1),
+                                        LR, EPS, 1)
+            impls["numpy_gemm_then_compiled_adagrad"] = numpy_gemm_compiled_adagrad
+        if _gemm is not None:
+            for tm, tn in TILES:
+                impls[f"fused_t1_{tm}x{tn}"] = (
+                    lambda tm=tm, tn=tn: gemm.fused_outer_adagrad(W, acc, A, E, LR, EPS, 1,
+                                                                  tm, tn))
+            impls["fused_t1_default"] = lambda: gemm.fused_outer_adagrad(W, acc, A, E, LR, EPS)
+            impls["fused_t2_default"] = (
+                lambda: gemm.fused_outer_adagrad(W, acc, A, E, LR, EPS, threads=2))
+        flops = 2.0 * M * N * k
+        row = {"M": M, "N": N, "k": k}
+        for name, fn in impls.items():
+            t = median_time(fn, repeats)
+            cores = 2 if "_t2_" in name else 1
+            row[name] = {"ms": round(t * 1e3, 3),
+                         "G_updates_per_s": round(M * N / t / 1e9, 3),
+                         "G_updates_per_s_per_core": round(M * N / t / 1e9 / cores, 3),
+                         "gemm_gflops": round(flops / t / 1e9, 2),
+                         "frac_of_150_per_core": round(flops / t / PEAK / cores, 3)}
+        base = row["numpy_two_steps"]["ms"]
+        if "fused_t1_default" in row:
+            fused = row["fused_t1_default"]["ms"]
+            row["speedup_fused_t1_vs_numpy_two_steps"] = round(base / fused, 3)
+            if "numpy_gemm_then_compiled_adagrad" in row:
+                row["speedup_fused_t1_vs_numpy_gemm_compiled_adagrad"] = round(
+                    row["numpy_gemm_then_compiled_adagrad"]["ms"] / fused, 3)
+        rows.append(row)
+        print(f"update {M}x{N} k={k}: done", file=sys.stderr)
+    return rows
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--repeats", type=int, default=9)
+    args = parser.parse_args()
+    rng = np.random.default_rng(0)
+    result = {
+        "machine": {
+            "cpu": cpu_model(), "cores": os.cpu_count(), "python": platform.python_version(),
+            "numpy": np.__version__,
+            "blas": ([{k: d.get(k) for k in ("filepath", "version", "architecture",
+                                            "num_threads")}
+                      for d in threadpool_info()] if threadpool_info else None),
+            "load_avg_at_start": os.getloadavg(),
+        },
+        "have_extension": gemm.HAVE_EXTENSION,
+        "blocked_cython_sgemm_built": _gemm is not None and hasattr(_gemm, "sgemm_blocked"),
+        "repeats": args.repeats,
+        "peak_assumed_gflops_per_core": PEAK / 1e9,
+        "sgemm": bench_sgemm(args.repeats, rng),
+        "gemm_bias_act": bench_bias_act(args.repeats, rng),
+        "outer_adagrad": bench_update(args.repeats, rng),
+    }
+    result["machine"]["load_avg_at_end"] = os.getloadavg()
+    json.dump(result, sys.stdout, indent=1)
+    print()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,204 @@
+"""Benchmark Hogwild training inside one process; print one JSON object to stdout.
+
+Examples/s of :class:`hpcps.hogwild.HogwildEngine` on MNIST (``data/mnist.h5``) for the
+default MLP 784-512-512-10 and for 784-1024-1024-10, mini-batch 128, with T = 1 and 2
+threads (Python-thread backend; T = 2 also with the OpenMP backend and with ``delta``, the
+accumulation a replica pushes), and, when ``torch`` imports, the same model trained by
+PyTorch in the same run (``torch.set_num_threads(T)``, ``nn.Linear`` layers, plain SGD,
+same batch, same gathered examples). Configurations are interleaved within each repeat so
+load from other jobs on the machine hits all of them alike. ``examples_per_s`` is the
+median over repeats, ``best_examples_per_s`` the fastest repeat (the one least disturbed by
+other jobs); ratios are given for both and for examples per CPU-second.
+
+Besides wall-clock examples/s each entry gives examples per CPU-second of this process
+(``time.process_time``, all threads), which shows efficiency even when other jobs take cores away.
+
+Usage::
+
+    python bench/bench_hogwild.py [--repeats 5] [--steps 30] [--data data/mnist.h5]
+"""
+import os
+
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # before numpy: each thread's sgemm is serial
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import platform  # noqa: E402
+import statistics  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from hpcps import hogwild  # noqa: E402
+from hpcps.model import MLP  # noqa: E402
+
+try:
+    import torch
+except ImportError:
+    torch = None
+
+BATCH, LR = 128, 0.01
+MODELS = [(784, 512, 512, 10), (784, 1024, 1024, 10)]
+
+
+def cpu_model():
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or None
+
+
+def machine():
+    info = {
+        "cpu": cpu_model(),
+        "cores": os.cpu_count(),
+        "loadavg_start": os.getloadavg(),
+        "python": platform.python_version(),
+        "numpy": np.__version__,
+        "hogwild_compiled": hogwild.HAVE_EXTENSION,
+        "OPENBLAS_NUM_THREADS": os.environ.get("OPENBLAS_NUM_THREADS"),
+        "torch": torch.__version__ if torch is not None else None,
+    }
+    try:
+        import scipy
+        info["scipy"] = scipy.__version__
+    except ImportError:
+        pass
+    return info
+
+
+def load_mnist(path):
+    import h5py
+    with h5py.File(path, "r") as f:
+        x = np.ascontiguousarray(f["train/x"][...], dtype=np.float32)
+        y = np.ascontiguousarray(f["train/y"][...], dtype=np.int64)
+    return x, y
+
+
+class Timer:
+    """Wall and process-CPU seconds (all threads) of a block."""
+
+    def __enter__(self):
+        self.t0, self.c0 = time.perf_counter(), time.process_time()
+        return self
+
+    def __exit__(self, *exc):
+        self.cpu = time.process_time() - self.c0
+        self.wall = time.perf_counter() - self.t0
+        return False
+
+
+def hogwild_runner(sizes, threads, x, y, steps, backend="threads", with_delta=False):
+    engine = hogwild.HogwildEngine(sizes, "relu", threads=threads, batch=BATCH,
+                                   backend=backend)
+    params = MLP(sizes, "relu").init_params(0)
+    delta = np.zeros_like(params) if with_delta else None
+    rng = np.random.default_rng(threads)
+
+    def run(n_steps):
+        order = rng.permutation(len(y))[:threads * n_steps * BATCH]
+        with Timer() as t:
+            _, n = engine.train(params, x, y, order, LR, steps_per_thread=n_steps, delta=delta)
+        return n, t
+
+    run(2)  # warm-up: page in contexts, BLAS buffers
+    return lambda: run(steps)
+
+
+def torch_runner(sizes, threads, x, y, steps):
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    layers = []
+    for i in range(len(sizes) - 1):
+        layers.append(torch.nn.Linear(sizes[i], sizes[i + 1]))
+        if i < len(sizes) - 2:
+            layers.append(torch.nn.ReLU())
+    net = torch.nn.Sequential(*layers)
+    opt = torch.optim.SGD(net.parameters(), lr=LR)
+    loss_fn = torch.nn.CrossEntropyLoss()
+    X, Y = torch.from_numpy(x), torch.from_numpy(y)
+    rng = np.random.default_rng(threads)
+
+    def run(n_steps):
+        torch.set_num_threads(threads)
+        order = torch.from_numpy(rng.permutation(len(y))[:n_steps * threads * BATCH])
+        n_batches = n_steps * threads  # the same examples as T Hogwild threads x n_steps
+        with Timer() as t:
+            for k in range(n_batches):
+                idx = order[k * BATCH:(k + 1) * BATCH]
+                xb, yb = X.index_select(0, idx), Y.index_select(0, idx)
+                opt.zero_grad(set_to_none=True)
+                loss = loss_fn(net(xb), yb)
+                loss.backward()
+                opt.step()
+        return n_batches * BATCH, t
+
+    run(2)
+    return lambda: run(steps)
+
+
+def measure(runners, repeats, log):
+    """Run every configuration once per repeat, interleaved; medians per configuration."""
+    samples = {name: [] for name in runners}
+    for r in range(repeats):
+        for name, run in runners.items():
+            n, t = run()
+            samples[name].append((n / t.wall, n / max(t.cpu, 1e-9)))
+            log(f"  repeat {r} {name}: {n / t.wall:,.0f} ex/s")
+    return {name: {"examples_per_s": round(statistics.median(s[0] for s in v), 1),
+                   "best_examples_per_s": round(max(s[0] for s in v), 1),
+                   "examples_per_cpu_s": round(statistics.median(s[1] for s in v), 1),
+                   "samples_examples_per_s": [round(s[0], 1) for s in v]}
+            for name, v in samples.items()}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--data", default=str(Path(__file__).resolve().parents[1] / "data/mnist.h5"))
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=30, help="mini-batches per thread per run")
+    args = ap.parse_args()
+    log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
+
+    x, y = load_mnist(args.data)
+    out = {"machine": machine(), "batch": BATCH, "lr": LR, "repeats": args.repeats,
+           "steps_per_thread": args.steps, "models": {}}
+    for sizes in MODELS:
+        key = "-".join(map(str, sizes))
+        log(f"model {key}")
+        runners = {
+            "hogwild_T1": hogwild_runner(sizes, 1, x, y, args.steps),
+            "hogwild_T2": hogwild_runner(sizes, 2, x, y, args.steps),
+            "hogwild_T2_openmp": hogwild_runner(sizes, 2, x, y, args.steps, backend="openmp"),
+            "hogwild_T1_delta": hogwild_runner(sizes, 1, x, y, args.steps, with_delta=True),
+            "hogwild_T2_delta": hogwild_runner(sizes, 2, x, y, args.steps, with_delta=True),
+        }
+        if torch is not None:
+            runners["torch_T1"] = torch_runner(sizes, 1, x, y, args.steps)
+            runners["torch_T2"] = torch_runner(sizes, 2, x, y, args.steps)
+        res = measure(runners, args.repeats, log)
+        ratios = {}
+        for tag, field in (("", "examples_per_s"), ("_best", "best_examples_per_s"),
+                           ("_per_cpu_s", "examples_per_cpu_s")):
+            eps = {k: v[field] for k, v in res.items()}
+            ratios["hogwild_T2_over_T1" + tag] = round(eps["hogwild_T2"] / eps["hogwild_T1"], 3)
+            if torch is not None:
+                for t in ("T1", "T2"):
+                    ratios[f"hogwild_over_torch_{t}{tag}"] = round(
+                        eps[f"hogwild_{t}"] / eps[f"torch_{t}"], 3)
+                ratios["torch_T2_over_T1" + tag] = round(eps["torch_T2"] / eps["torch_T1"], 3)
+        out["models"][key] = {"results": res, "ratios": ratios}
+    out["machine"]["loadavg_end"] = os.getloadavg()
+    print(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()

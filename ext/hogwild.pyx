@@ -1,0 +1,350 @@
+# cython: cdivision=True, boundscheck=False, wraparound=False, initializedcheck=False
+"""Hogwild training of an MLP inside one process: T threads, no GIL, no locks.
+
+Every thread owns a training context (Project Adam, section 3.2.1): the activations of
+each layer, two error buffers, a bias-gradient row and a full gradient scratch, allocated
+once in ``__init__`` for the largest mini-batch; a training step allocates nothing. Each
+thread gathers its own examples, runs forward and backward with ``sgemm`` from
+``scipy.linalg.cython_blas`` (callable without the GIL) and writes its update straight
+into the shared parameter vector, without a lock (section 3.2.2, and Niu et al.'s
+Hogwild!). The races this allows, and why SGD tolerates them, are described in
+``hpcps/hogwild.py``.
+
+BLAS is Fortran, column-major: a row-major (m, n) matrix is, to BLAS, its (n, m)
+transpose. So a row-major product ``C = A @ B`` is computed as ``C^T = B^T @ A^T``, i.e.
+``sgemm(N, N, n, m, k, B, A, C)`` with the operands swapped; every call below is written
+with its row-major meaning next to it.
+
+Without ``delta`` the weight-gradient GEMM accumulates straight into the shared weights
+(``alpha = -lr``, ``beta = 1``): no gradient buffer and no separate update pass. With
+``delta`` the gradient of a layer goes to the thread's scratch and one fused loop adds
+``-lr * g`` to both the weights and ``delta``. Either way a layer's error is propagated
+to the layer below before that layer's weights are updated, so one thread alone computes
+exactly what sequential SGD computes.
+
+Callers should use ``hpcps.hogwild``, which checks shapes, dtypes, index and label
+ranges and overlap before coming here; this module trusts its input.
+"""
+import threading
+
+import numpy as np
+
+from cython.parallel cimport prange
+from libc.math cimport expf, logf, tanhf
+from libc.stdint cimport int64_t
+from libc.string cimport memcpy
+from scipy.linalg.cython_blas cimport sgemm
+
+cdef enum:
+    ALIGN = 16          # floats: every buffer starts on a 64-byte boundary
+
+cdef enum:
+    ACT_RELU = 0
+    ACT_TANH = 1
+    ACT_SIGMOID = 2
+
+cdef enum:
+    MODE_GRAD = 0       # write the gradient to a caller's buffer, do not update
+    MODE_FUSED = 1      # params -= lr * grad, inside the GEMM
+    MODE_DELTA = 2      # params -= lr * grad and delta -= lr * grad, via scratch
+
+ACTIVATIONS = {"relu": ACT_RELU, "tanh": ACT_TANH, "sigmoid": ACT_SIGMOID}
+
+
+cdef inline Py_ssize_t _aligned(Py_ssize_t n) noexcept nogil:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+cdef inline void _gemm(char ta, char tb, int m, int n, int k, float alpha,
+                       const float *a, int lda, const float *b, int ldb,
+                       float beta, float *c, int ldc) noexcept nogil:
+    # cython_blas takes non-const pointers; sgemm does not write a or b.
+    sgemm(&ta, &tb, &m, &n, &k, &alpha, <float *> a, &lda, <float *> b, &ldb,
+          &beta, c, &ldc)
+
+
+cdef class HogwildEngine:
+    """Per-thread contexts and the nogil training loop for one MLP shape.
+
+    Parameters
+    ----------
+    sizes : sequence of int
+        Layer widths, input first, as for ``hpcps.model.MLP``.
+    activation : str
+        ``relu``, ``tanh`` or ``sigmoid`` (hidden layers; the output is softmax).
+    threads : int
+        Number of training threads T; one context each.
+    batch : int
+        Largest mini-batch a context holds.
+    """
+
+    cdef readonly int n_layers, threads, batch, n_params, act
+    cdef int[::1] sz                 # layer widths
+    cdef Py_ssize_t[::1] w_off       # offset of layer l's W in the flat vector
+    cdef Py_ssize_t[::1] b_off       # offset of layer l's b
+    cdef Py_ssize_t[::1] a_off       # offset of activation l in a context
+    cdef Py_ssize_t d0_off, d1_off, gb_off, g_off
+    cdef float[:, ::1] work          # (threads, context size): one row per thread
+    cdef int64_t[:, ::1] labels      # (threads, batch)
+    cdef double[::1] loss            # per-thread loss sum of the current call
+    cdef int64_t[::1] seen           # per-thread example count of the current call
+    # operands of the current train() call, read by every thread
+    cdef float *p_params
+    cdef float *p_delta
+    cdef const float *p_x
+    cdef const int64_t *p_y
+    cdef const int64_t *p_order
+    cdef Py_ssize_t n_order, steps
+    cdef float lr
+
+    def __init__(self, sizes, str activation, int threads, int batch):
+        cdef Py_ssize_t l, off, widest
+        sizes = [int(s) for s in sizes]
+        self.n_layers = len(sizes) - 1
+        self.threads = threads
+        self.batch = batch
+        self.act = ACTIVATIONS[activation]
+        self.sz = np.asarray(sizes, dtype=np.intc)
+        self.w_off = np.zeros(self.n_layers, dtype=np.intp)
+        self.b_off = np.zeros(self.n_layers, dtype=np.intp)
+        off = 0
+        for l in range(self.n_layers):
+            self.w_off[l] = off
+            off += sizes[l] * sizes[l + 1]
+            self.b_off[l] = off
+            off += sizes[l + 1]
+        self.n_params = off
+        # context layout: acts[0..L] (B x width), d0, d1 (B x widest), gb (widest), g
+        self.a_off = np.zeros(self.n_layers + 1, dtype=np.intp)
+        off = 0
+        for l in range(self.n_layers + 1):
+            self.a_off[l] = off
+            off += _aligned(batch * sizes[l])
+        widest = max(sizes)
+        self.d0_off = off
+        off += _aligned(batch * widest)
+        self.d1_off = off
+        off += _aligned(batch * widest)
+        self.gb_off = off
+        off += _aligned(widest)
+        self.g_off = off
+        off += _aligned(self.n_params)
+        # One allocation for all threads; rows are padded so no two threads' contexts
+        # share a cache line (false sharing would cost more than the padding).
+        self.work = np.zeros((threads, off), dtype=np.float32)
+        self.labels = np.zeros((threads, batch), dtype=np.int64)
+        self.loss = np.zeros(threads, dtype=np.float64)
+        self.seen = np.zeros(threads, dtype=np.int64)
+
+    # -- one mini-batch, one thread ------------------------------------------------------
+    cdef void _step(self, int t, float *params, const float *x, const int64_t *y,
+                    const int64_t *rows, int nb, float lr, float *grad, float *delta,
+                    int mode) noexcept nogil:
+        """Forward and backward over ``nb`` examples (rows of x/y, or x/y themselves when
+        ``rows`` is NULL) in thread t's context, then the update ``mode`` asks for."""
+        cdef float *ctx = &self.work[t, 0]
+        cdef int64_t *lab = &self.labels[t, 0]
+        cdef int L = self.n_layers
+        cdef int l, r, j, n_in, n_out, cls
+        cdef Py_ssize_t i, n, k
+        cdef float *a
+        cdef float *z
+        cdef float *d
+        cdef float *dp
+        cdef float *W
+        cdef float *b
+        cdef float *gW
+        cdef float *gb = ctx + self.gb_off
+        cdef float *dl
+        cdef float m, s, v, u, inv_nb = 1.0 / nb
+        cdef double loss = 0.0
+
+        # gather the examples into the context (they become acts[0])
+        n_in = self.sz[0]
+        a = ctx + self.a_off[0]
+        for r in range(nb):
+            k = rows[r] if rows != NULL else r
+            memcpy(a + <Py_ssize_t> r * n_in, x + k * n_in, n_in * sizeof(float))
+            lab[r] = y[k]
+
+        # forward: z = act(a @ W + b)
+        for l in range(L):
+            n_in = self.sz[l]
+            n_out = self.sz[l + 1]
+            a = ctx + self.a_off[l]
+            z = ctx + self.a_off[l + 1]
+            W = params + self.w_off[l]
+            b = params + self.b_off[l]
+            for r in range(nb):
+                memcpy(z + <Py_ssize_t> r * n_out, b, n_out * sizeof(float))
+            _gemm(b'N', b'N', n_out, nb, n_in, 1.0, W, n_out, a, n_in, 1.0, z, n_out)
+            if l < L - 1:
+                n = <Py_ssize_t> nb * n_out
+                # branch-free forms: the compiler turns them into vector max/blend (a
+                # branch on the sign of each activation mispredicts half the time and
+                # cost ~15% of a step)
+                if self.act == ACT_RELU:
+                    for i in range(n):
+                        z[i] = z[i] if z[i] > 0.0 else 0.0
+                elif self.act == ACT_TANH:
+                    for i in range(n):
+                        z[i] = tanhf(z[i])
+                else:
+                    for i in range(n):
+                        z[i] = 1.0 / (1.0 + expf(-z[i]))
+
+        # softmax cross-entropy; the logits buffer becomes the output error (p - 1_y) / nb
+        n_out = self.sz[L]
+        z = ctx + self.a_off[L]
+        for r in range(nb):
+            d = z + <Py_ssize_t> r * n_out
+            m = d[0]
+            for j in range(1, n_out):
+                if d[j] > m:
+                    m = d[j]
+            cls = <int> lab[r]
+            loss += m - d[cls]      # + log(sum exp(d - m)), added below
+            s = 0.0
+            for j in range(n_out):
+                v = expf(d[j] - m)
+                d[j] = v
+                s = s + v
+            loss += logf(s)
+            v = inv_nb / s
+            for j in range(n_out):
+                d[j] = d[j] * v
+            d[cls] = d[cls] - inv_nb
+
+        # backward
+        d = z
+        for l in range(L - 1, -1, -1):
+            n_in = self.sz[l]
+            n_out = self.sz[l + 1]
+            a = ctx + self.a_off[l]
+            W = params + self.w_off[l]
+            b = params + self.b_off[l]
+            if l > 0:
+                # error of the layer below, with the weights this step's forward used:
+                # dp = (d @ W^T) * act'(a)
+                dp = ctx + (self.d0_off if (L - 1 - l) % 2 == 0 else self.d1_off)
+                _gemm(b'T', b'N', n_in, nb, n_out, 1.0, W, n_out, d, n_out, 0.0, dp, n_in)
+                n = <Py_ssize_t> nb * n_in
+                if self.act == ACT_RELU:
+                    for i in range(n):
+                        dp[i] = dp[i] if a[i] > 0.0 else 0.0
+                elif self.act == ACT_TANH:
+                    for i in range(n):
+                        dp[i] = dp[i] * (1.0 - a[i] * a[i])
+                else:
+                    for i in range(n):
+                        dp[i] = dp[i] * (a[i] * (1.0 - a[i]))
+            # bias gradient: column sums of d
+            for j in range(n_out):
+                gb[j] = 0.0
+            for r in range(nb):
+                dl = d + <Py_ssize_t> r * n_out
+                for j in range(n_out):
+                    gb[j] = gb[j] + dl[j]
+            # weight gradient a^T @ d, (n_in, n_out), and the update
+            n = <Py_ssize_t> n_in * n_out
+            if mode == MODE_FUSED:
+                _gemm(b'N', b'T', n_out, n_in, nb, -lr, d, n_out, a, n_in, 1.0, W, n_out)
+                for j in range(n_out):
+                    b[j] = b[j] - lr * gb[j]
+            elif mode == MODE_GRAD:
+                gW = grad + self.w_off[l]
+                _gemm(b'N', b'T', n_out, n_in, nb, 1.0, d, n_out, a, n_in, 0.0, gW, n_out)
+                memcpy(grad + self.b_off[l], gb, n_out * sizeof(float))
+            else:
+                gW = ctx + self.g_off
+                _gemm(b'N', b'T', n_out, n_in, nb, 1.0, d, n_out, a, n_in, 0.0, gW, n_out)
+                dl = delta + self.w_off[l]
+                for i in range(n):
+                    u = -lr * gW[i]
+                    W[i] = W[i] + u
+                    dl[i] = dl[i] + u
+                dl = delta + self.b_off[l]
+                for j in range(n_out):
+                    u = -lr * gb[j]
+                    b[j] = b[j] + u
+                    dl[j] = dl[j] + u
+            if l > 0:
+                d = dp
+        self.loss[t] += loss
+
+    # -- one thread's share of a train() call --------------------------------------------
+    cdef void _run(self, int t) noexcept nogil:
+        """Thread t's part of the order: [lo, hi), in mini-batches of ``batch``."""
+        cdef Py_ssize_t lo, hi, pos, per, extra
+        cdef int nb, s
+        cdef int mode = MODE_DELTA if self.p_delta != NULL else MODE_FUSED
+        if self.steps > 0:
+            lo = t * self.steps * self.batch
+            hi = lo + self.steps * self.batch
+        else:   # the whole order, split as evenly as possible
+            per = self.n_order // self.threads
+            extra = self.n_order % self.threads
+            lo = t * per + (t if t < extra else extra)
+            hi = lo + per + (1 if t < extra else 0)
+        self.loss[t] = 0.0
+        self.seen[t] = hi - lo
+        pos = lo
+        while pos < hi:
+            nb = <int> (self.batch if hi - pos > self.batch else hi - pos)
+            self._step(t, self.p_params, self.p_x, self.p_y, self.p_order + pos, nb,
+                       self.lr, NULL, self.p_delta, mode)
+            pos += nb
+
+    def _thread_main(self, int t):
+        with nogil:
+            self._run(t)
+
+    def train(self, float[::1] params, const float[:, ::1] x, const int64_t[::1] y,
+              const int64_t[::1] order, float lr, Py_ssize_t steps_per_thread,
+              float[::1] delta, str backend):
+        """Run the T threads once over ``order``; return (loss_sum, examples).
+
+        ``steps_per_thread > 0``: thread t takes ``steps_per_thread`` mini-batches from
+        ``order[t*S*B : (t+1)*S*B]``; ``0``: the order is split evenly into T parts, each
+        walked in mini-batches (the last one may be smaller). ``delta`` may be None.
+        ``backend`` is ``threads`` (Python threads, each entering nogil code) or
+        ``openmp`` (one ``prange`` over the threads).
+        """
+        cdef int t, T = self.threads
+        self.p_params = &params[0]
+        self.p_delta = &delta[0] if delta is not None else NULL
+        self.p_x = &x[0, 0]
+        self.p_y = &y[0]
+        self.p_order = &order[0] if order.shape[0] > 0 else NULL
+        self.n_order = order.shape[0]
+        self.steps = steps_per_thread
+        self.lr = lr
+        if order.shape[0] == 0:
+            return 0.0, 0
+        if T == 1:
+            with nogil:
+                self._run(0)
+        elif backend == "openmp":
+            for t in prange(T, nogil=True, num_threads=T, schedule="static", chunksize=1):
+                self._run(t)
+        else:
+            workers = [threading.Thread(target=self._thread_main, args=(t,))
+                       for t in range(1, T)]
+            for w in workers:
+                w.start()
+            self._thread_main(0)
+            for w in workers:
+                w.join()
+        self.p_params = NULL
+        self.p_delta = NULL
+        return float(np.sum(self.loss)), int(np.sum(self.seen))
+
+    def loss_and_grad(self, const float[::1] params, const float[:, ::1] x,
+                      const int64_t[::1] y, float[::1] grad):
+        """Mean loss over all rows of x (at most ``batch``) and its gradient, in context 0."""
+        cdef int nb = x.shape[0]
+        self.loss[0] = 0.0
+        with nogil:
+            self._step(0, <float *> &params[0], &x[0, 0], &y[0], NULL, nb, 0.0,
+                       &grad[0], NULL, MODE_GRAD)
+        return self.loss[0] / nb

@@ -1,0 +1,232 @@
+"""Tests for hpcps.kernels.gemm: compiled GEMM kernels against their NumPy references.
+
+The public functions are called with the extension in use (skipped where it is not built);
+the fallback path (``HPCPS_NO_EXTENSION=1``) runs in a subprocess so this process's imports
+are left alone.
+"""
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from hpcps.kernels import gemm
+
+REPO = Path(__file__).resolve().parents[1]
+GEMM_RTOL, GEMM_ATOL = 1e-4, 1e-4  # float32 GEMMs: summation order differs between kernels
+LR, EPS = 0.05, 1e-7
+
+needs_extension = pytest.mark.skipif(
+    not gemm.HAVE_EXTENSION,
+    reason="hpcps.kernels._gemm is not built (run `python setup.py build_ext --inplace`)",
+)
+
+# (M, N, k) of W (M, N) and A (k, M), E (k, N): edge sizes, odd sizes, sizes that are not
+# multiples of the tiles, and the training shapes (784-1024-1024-10, batch 128).
+UPDATE_SHAPES = [(1, 1, 1), (1, 5, 3), (37, 129, 65), (65, 1030, 7), (130, 260, 1),
+                 (784, 1024, 128), (1024, 10, 128)]
+GEMM_SHAPES = [(1, 1, 1), (37, 129, 65), (129, 65, 37), (3, 1, 17), (128, 784, 1024),
+               (128, 1024, 10)]  # (B, K, N)
+
+
+def _f32(rng, *shape, scale=1.0):
+    return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+
+def _update_problem(M, N, k, seed, integer=False):
+    rng = np.random.default_rng(seed)
+    W = _f32(rng, M, N)
+    accum = rng.uniform(0.1, 2.0, (M, N)).astype(np.float32)
+    if integer:  # small integers: A.T @ E is exact in float32 whatever the summation order
+        A = rng.integers(-3, 4, (k, M)).astype(np.float32)
+        E = rng.integers(-3, 4, (k, N)).astype(np.float32)
+    else:
+        A, E = _f32(rng, k, M), _f32(rng, k, N, scale=0.1)
+    return W, accum, A, E
+
+
+@needs_extension
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("M,N,k", UPDATE_SHAPES)
+def test_fused_outer_adagrad_matches_reference(M, N, k, threads):
+    W, accum, A, E = _update_problem(M, N, k, seed=M + N + k)
+    W2, acc2 = W.copy(), accum.copy()
+    A0, E0 = A.copy(), E.copy()
+    gemm.fused_outer_adagrad(W, accum, A, E, LR, EPS, threads=threads)
+    gemm.outer_adagrad_reference(W2, acc2, A, E, LR, EPS)
+    np.testing.assert_array_equal(A, A0)  # inputs are read only
+    np.testing.assert_array_equal(E, E0)
+    np.testing.assert_allclose(accum, acc2, rtol=GEMM_RTOL, atol=GEMM_ATOL)
+    np.testing.assert_allclose(W, W2, rtol=GEMM_RTOL, atol=GEMM_ATOL)
+
+
+@needs_extension
+@pytest.mark.parametrize("tile", [(1, 1), (7, 13), (64, 256), (1000, 3000)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_fused_outer_adagrad_exact_given_exact_gradient(tile, threads):
+    """With an exactly representable G, the Adagrad math agrees with the reference to 1 ulp."""
+    W, accum, A, E = _update_problem(37, 129, 5, seed=3, integer=True)
+    W2, acc2 = W.copy(), accum.copy()
+    gemm.fused_outer_adagrad(W, accum, A, E, LR, EPS, threads, tile[0], tile[1])
+    gemm.outer_adagrad_reference(W2, acc2, A, E, LR, EPS)
+    np.testing.assert_array_equal(accum, acc2)
+    np.testing.assert_array_max_ulp(W, W2, maxulp=1)
+
+
+@needs_extension
+def test_fused_outer_adagrad_k0_leaves_weights():
+    W, accum, _, _ = _update_problem(5, 7, 1, seed=0)
+    W0, acc0 = W.copy(), accum.copy()
+    gemm.fused_outer_adagrad(W, accum, np.empty((0, 5), np.float32),
+                             np.empty((0, 7), np.float32), LR, EPS)
+    np.testing.assert_array_equal(W, W0)
+    np.testing.assert_array_equal(accum, acc0)
+
+
+@needs_extension
+@pytest.mark.parametrize("act", gemm.ACTIVATIONS)
+@pytest.mark.parametrize("B,K,N", GEMM_SHAPES)
+def test_gemm_bias_act_matches_reference(B, K, N, act):
+    rng = np.random.default_rng(B * K + N)
+    X, W, b = _f32(rng, B, K), _f32(rng, K, N, scale=K ** -0.5), _f32(rng, N)
+    out = gemm.gemm_bias_act(X, W, b, act)
+    ref = gemm.gemm_bias_act_reference(X, W, b, act, np.empty((B, N), np.float32))
+    np.testing.assert_allclose(out, ref, rtol=GEMM_RTOL, atol=GEMM_ATOL)
+    out2 = np.full((B, N), np.nan, np.float32)
+    assert gemm.gemm_bias_act(X, W, b, act, out2) is out2
+    np.testing.assert_array_equal(out2, out)
+
+
+@needs_extension
+@pytest.mark.parametrize("act", gemm.ACTIVATIONS)
+@pytest.mark.parametrize("block_rows", [0, 1, 32, 1000])
+def test_compiled_bias_act_pass_every_activation(act, block_rows):
+    """The compiled pass for every activation (the API uses it for relu/none only)."""
+    from hpcps.kernels import _gemm
+    rng = np.random.default_rng(7)
+    X, W, b = _f32(rng, 37, 65, scale=3.0), _f32(rng, 65, 129), _f32(rng, 129)
+    out = np.empty((37, 129), np.float32)
+    _gemm.gemm_bias_act(X, W, b, act, out, block_rows)
+    ref = gemm.gemm_bias_act_reference(X, W, b, act, np.empty_like(out))
+    np.testing.assert_allclose(out, ref, rtol=GEMM_RTOL, atol=GEMM_ATOL)
+
+
+@needs_extension
+@pytest.mark.parametrize("trans_a", [False, True])
+@pytest.mark.parametrize("M,K,N", [(1, 1, 1), (37, 129, 65), (128, 784, 1024),
+                                   (784, 128, 1024), (3, 0, 4)])
+def test_sgemm_matches_numpy(M, K, N, trans_a):
+    rng = np.random.default_rng(M + K + N)
+    A = _f32(rng, K, M) if trans_a else _f32(rng, M, K)
+    B = _f32(rng, K, N)
+    out = gemm.sgemm(A, B, trans_a=trans_a)
+    ref = gemm.sgemm_reference(A, B, np.empty((M, N), np.float32), trans_a)
+    np.testing.assert_allclose(out, ref, rtol=GEMM_RTOL, atol=GEMM_ATOL)
+
+
+def _ok_update():
+    return _update_problem(4, 6, 3, seed=1)
+
+
+@pytest.mark.parametrize("mutate,match", [
+    (lambda a: a.__setitem__(0, a[0].astype(np.float64)), "float32"),
+    (lambda a: a.__setitem__(0, np.asfortranarray(np.ones((4, 6), np.float32))),
+     "C-contiguous"),
+    (lambda a: a.__setitem__(1, a[1][:3]), "shape mismatch"),
+    (lambda a: a.__setitem__(2, a[2][:, :3].copy()), "shape mismatch"),
+    (lambda a: a.__setitem__(3, a[3].ravel()), "2-D"),
+    (lambda a: a.__setitem__(1, a[0]), "overlap"),
+    (lambda a: a[0].setflags(write=False), "read-only"),
+    (lambda a: a.__setitem__(2, [[1.0]]), "numpy.ndarray"),
+])
+def test_fused_outer_adagrad_refuses_bad_arrays(mutate, match):
+    args = list(_ok_update())
+    mutate(args)
+    with pytest.raises(ValueError, match=match):
+        gemm.fused_outer_adagrad(*args, LR, EPS)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"lr": float("nan")}, "lr"), ({"eps": -1.0}, "eps"), ({"eps": "x"}, "eps"),
+    ({"threads": 0}, "threads"), ({"threads": 1.5}, "threads"), ({"tile_m": 0}, "tile_m"),
+])
+def test_fused_outer_adagrad_refuses_bad_scalars(kwargs, match):
+    W, accum, A, E = _ok_update()
+    params = {"lr": LR, "eps": EPS, **kwargs}
+    with pytest.raises(ValueError, match=match):
+        gemm.fused_outer_adagrad(W, accum, A, E, **params)
+
+
+def test_gemm_bias_act_refuses_bad_input():
+    rng = np.random.default_rng(0)
+    X, W, b = _f32(rng, 4, 5), _f32(rng, 5, 6), _f32(rng, 6)
+    with pytest.raises(ValueError, match="act"):
+        gemm.gemm_bias_act(X, W, b, "gelu")
+    with pytest.raises(ValueError, match="shape mismatch"):
+        gemm.gemm_bias_act(X, W[:4].copy(), b, "relu")
+    with pytest.raises(ValueError, match="shape mismatch"):
+        gemm.gemm_bias_act(X, W, b[:5].copy(), "relu")
+    with pytest.raises(ValueError, match="out must have shape"):
+        gemm.gemm_bias_act(X, W, b, "relu", np.empty((4, 5), np.float32))
+    with pytest.raises(ValueError, match="float32"):
+        gemm.gemm_bias_act(X.astype(np.float64), W, b, "relu")
+    with pytest.raises(ValueError, match="C-contiguous"):
+        gemm.gemm_bias_act(X, np.asfortranarray(W), b, "relu")
+    buf = np.empty(4 * 6 + 6, np.float32)
+    out, bb = buf[:24].reshape(4, 6), buf[18:24]
+    with pytest.raises(ValueError, match="overlap"):
+        gemm.gemm_bias_act(X, W, bb, "relu", out)
+
+
+def test_sgemm_refuses_bad_input():
+    rng = np.random.default_rng(0)
+    A, B = _f32(rng, 4, 5), _f32(rng, 5, 6)
+    with pytest.raises(ValueError, match="shape mismatch"):
+        gemm.sgemm(A, B, trans_a=True)
+    with pytest.raises(ValueError, match="out must have shape"):
+        gemm.sgemm(A, B, np.empty((6, 4), np.float32))
+    ro = np.empty((4, 6), np.float32)
+    ro.setflags(write=False)
+    with pytest.raises(ValueError, match="read-only"):
+        gemm.sgemm(A, B, ro)
+
+
+def test_fallback_without_extension_agrees():
+    """HPCPS_NO_EXTENSION=1: the references run, and give the compiled results."""
+    code = textwrap.dedent("""
+        import sys
+        import numpy as np
+        from hpcps.kernels import gemm
+        assert not gemm.HAVE_EXTENSION
+        rng = np.random.default_rng(0)
+        W = rng.standard_normal((37, 129)).astype(np.float32)
+        acc = np.ones_like(W)
+        A = rng.standard_normal((5, 37)).astype(np.float32)
+        E = rng.standard_normal((5, 129)).astype(np.float32)
+        gemm.fused_outer_adagrad(W, acc, A, E, 0.05, 1e-7)
+        X = rng.standard_normal((3, 37)).astype(np.float32)
+        out = gemm.gemm_bias_act(X, W, np.ones(129, np.float32), "tanh")
+        s = gemm.sgemm(A, E, trans_a=True)
+        got = np.concatenate([W.ravel(), acc.ravel(), out.ravel(), s.ravel()])
+        sys.stdout.buffer.write(got.astype(np.float32).tobytes())
+    """)
+    env = {**os.environ, "HPCPS_NO_EXTENSION": "1", "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                          timeout=60, check=True)
+    got = np.frombuffer(proc.stdout, dtype=np.float32)
+    if not gemm.HAVE_EXTENSION:
+        return
+    rng = np.random.default_rng(0)
+    W = rng.standard_normal((37, 129)).astype(np.float32)
+    acc = np.ones_like(W)
+    A = rng.standard_normal((5, 37)).astype(np.float32)
+    E = rng.standard_normal((5, 129)).astype(np.float32)
+    gemm.fused_outer_adagrad(W, acc, A, E, 0.05, 1e-7)
+    X = rng.standard_normal((3, 37)).astype(np.float32)
+    out = gemm.gemm_bias_act(X, W, np.ones(129, np.float32), "tanh")
+    s = gemm.sgemm(A, E, trans_a=True)
+    want = np.concatenate([W.ravel(), acc.ravel(), out.ravel(), s.ravel()])
+    np.testing.assert_allclose(got, want, rtol=GEMM_RTOL, atol=GEMM_ATOL)
