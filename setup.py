@@ -23,6 +23,7 @@ if os.environ.get("HPCPS_NO_OPENMP") != "1":
 if os.environ.get("HPCPS_MARCH_NATIVE") == "1":
     compile_args.append("-march=native")
 
+
 def kernel(name: str) -> Extension:
     """hpcps.kernels._<name> from ext/<name>.pyx, with the flags above."""
     return Extension(
