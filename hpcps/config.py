@@ -79,6 +79,7 @@ class Config:
     flush_every: int | None = None
     inject_slow: str | None = None
     replica_timeout: float | None = None
+    threads: int = 1
     data: str = "data/mnist.h5"
     run_dir: str | None = None
     checkpoint_every: int = 5000
@@ -149,6 +150,9 @@ HELP = {
                    "slower; RANK:stall makes it stop answering",
     "replica_timeout": "sandblaster: seconds without an answer before a replica's portions go "
                        "to the others (default 60)",
+    "threads": "Hogwild threads per replica rank (Project Adam): T threads each train on their "
+               "own mini-batch, lock-free, in compiled nogil code; one replica step then "
+               "covers T mini-batches (default 1: the plain NumPy path)",
     "data": "HDF5 dataset (layout in the README); data/mnist.h5 is prepared automatically",
     "run_dir": "directory for metrics.jsonl and checkpoint.h5 (default runs/<strategy>-<time>)",
     "checkpoint_every": "write a checkpoint every this many global steps (0: only at the end)",
@@ -299,6 +303,11 @@ def validate(cfg: Config) -> Config:
         raise ConfigError("--optimizer lbfgs goes with --strategy sandblaster, and sandblaster "
                           f"runs L-BFGS only (got --strategy {cfg.strategy} --optimizer "
                           f"{cfg.optimizer})")
+    if cfg.threads < 1:
+        raise ConfigError(f"--threads must be at least 1, got {cfg.threads}")
+    if cfg.threads > 1 and (cfg.partitions > 1 or cfg.strategy == "sandblaster"):
+        raise ConfigError("--threads > 1 is available for downpour, sync and deadreckon with "
+                          "--partitions 1 in this version")
     if cfg.strategy == "sandblaster" and cfg.lr is not None:
         raise ConfigError("--lr does not apply to --strategy sandblaster: L-BFGS chooses each "
                           "step's length by its line search")

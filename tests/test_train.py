@@ -352,3 +352,22 @@ def test_sandblaster_resume_takes_the_same_next_step(digits_h5, tmp_path):
     assert common and min(common) <= 10
     for step in common:
         assert resumed[step] == pytest.approx(w[step], rel=1e-5), step
+
+
+# -- Hogwild threads inside a replica -----------------------------------------------------------
+@pytest.mark.parametrize("strategy", ["sync", "downpour", "deadreckon"])
+def test_hogwild_threads_in_every_sgd_strategy(strategy, digits_h5, tmp_path):
+    extra = {"sync": [], "downpour": ["--warmup-steps", "0"],
+             "deadreckon": ["--tau", "0.003", "--lr", "0.05"]}[strategy]
+    n = 3 if strategy == "downpour" else 2
+    run = train(n, "--strategy", strategy, "--threads", "2", "--data", str(digits_h5),
+                "--run-dir", str(tmp_path), "--steps", "900", *extra, *QUICK)
+    s = assert_learned(run, tmp_path, digits_h5)
+    assert s["step"] >= 900 and s["steps_trained"] <= 900 + 2 * 2 * n
+
+
+def test_threads_refused_where_not_wired(digits_h5):
+    for args in (["--strategy", "sandblaster"], ["--strategy", "sync", "--partitions", "2"]):
+        run = train(2, *args, "--threads", "2", "--data", str(digits_h5), "--layers", LAYERS,
+                    timeout=60)
+        assert run.returncode == 2 and "--threads > 1 is available for" in run.stderr

@@ -153,6 +153,46 @@ def model_parallel_figures(ctx: Context, steps: int, seconds: float) -> dict:
             "compute_s_per_step": round(max(0.0, seconds - ex.wait_s) / steps, 6)}
 
 
+class GradientSource:
+    """Where a replica's gradient comes from: one mini-batch through ``model.loss_and_grad``,
+    or with ``--threads T`` (T > 1) T mini-batches trained by T Hogwild threads.
+
+    The threads (:mod:`hpcps.hogwild`, compiled, nogil) each take SGD steps (rate ``--lr``)
+    on a scratch copy of the parameters, lock-free, and record the updates they applied;
+    the mean gradient they stand for, ``-updates / (lr * T)``, is what the strategy pushes,
+    allreduces or thresholds, exactly where it used one mini-batch's gradient. Each thread's
+    gradient is taken where the shared copy stood when it looked (Hogwild: possibly moved
+    by the other threads' steps), so with T > 1 results are no longer bit-reproducible.
+    """
+
+    def __init__(self, ctx: Context):
+        cfg = ctx.cfg
+        self.model = ctx.model
+        self.threads = cfg.threads
+        self.batch = cfg.batch_size * self.threads  # examples per call
+        if self.threads > 1:
+            from hpcps.hogwild import HogwildEngine
+            self.engine = HogwildEngine(cfg.layers, cfg.activation, threads=self.threads,
+                                        batch=cfg.batch_size)
+            n = ctx.model.n_params
+            self.scratch = np.empty(n, dtype=np.float32)
+            self.delta = np.empty(n, dtype=np.float32)
+            self.order = np.arange(self.batch)
+            self.lr = float(cfg.lr)
+
+    def __call__(self, params: np.ndarray, x: np.ndarray, y: np.ndarray,
+                 grad: np.ndarray) -> float:
+        """Mean loss over the examples; ``grad`` receives the mean gradient."""
+        if self.threads == 1:
+            return self.model.loss_and_grad(params, x, y, grad=grad)[0]
+        self.scratch[...] = params
+        self.delta[...] = 0.0
+        loss_sum, n = self.engine.train(self.scratch, x, y, self.order, self.lr,
+                                        steps_per_thread=1, delta=self.delta)
+        np.multiply(self.delta, np.float32(-1.0 / (self.lr * self.threads)), out=grad)
+        return loss_sum / n
+
+
 def gather_state(ctx: Context, params: np.ndarray, state: dict) -> tuple:
     """(whole params, whole optimizer state) on partition 0 of this replica; (None, {...None})
     on its other partitions. Collective over the replica's ranks."""

@@ -31,8 +31,9 @@ from hpcps import compress
 from hpcps.data import Batches
 from hpcps.protocol import Tag
 from hpcps.ps.waiting import Poller, PeerTimeout, wait_all
-from hpcps.strategies.common import (Context, barrier, evaluate, model_parallel_figures,
-                                     rate, save_checkpoint, steps_for_replica)
+from hpcps.strategies.common import (Context, GradientSource, barrier, crossed, evaluate,
+                                     model_parallel_figures, rate, save_checkpoint,
+                                     steps_for_replica)
 
 
 STEP_BYTES = 8  # int64 sender step in front of each update message
@@ -148,8 +149,11 @@ def run(ctx: Context) -> dict:
     comm = grid.partition_comm
     R, me = comm.Get_size(), comm.Get_rank()
     n = model.n_params
-    my_steps = steps_for_replica(ctx.remaining_steps, R, me)
-    batches = Batches(ctx.train_x, ctx.train_y, cfg.batch_size, ctx.batch_seed(grid.role.replica))
+    source = GradientSource(ctx)
+    T = source.threads  # mini-batches per iteration (Hogwild threads)
+    iterations = -(-steps_for_replica(ctx.remaining_steps, R, me) // T)
+    my_steps = iterations * T
+    batches = Batches(ctx.train_x, ctx.train_y, source.batch, ctx.batch_seed(grid.role.replica))
     reckon = Reckoner(ctx.params, cfg.tau)
     comp = compress.Compressor(n, cfg.tau, golomb=cfg.golomb == "on")
     peers = Peers(comm, n, cfg.timeout)
@@ -167,7 +171,7 @@ def run(ctx: Context) -> dict:
     def global_step() -> int:
         # (partition 0's count: the partitions of a replica run the same steps)
         # every message from a peer stands for one of its mini-batches
-        return ctx.start_step + t_done + peers.received
+        return ctx.start_step + t_done + peers.received * T
 
     def report() -> None:
         nonlocal last_t, last_step, loss_win, n_win, words_win, bytes_win
@@ -177,10 +181,10 @@ def run(ctx: Context) -> dict:
                  loss=loss_win / max(1, n_win),
                  staleness=round((peers.lag_sum - lag_mark[0])
                                  / max(1, peers.received - lag_mark[1]), 2),
-                 updates_per_step=round(words_win / max(1, n_win), 1),
+                 updates_per_step=round(words_win / max(1, n_win * T), 1),
                  # each message goes to the R-1 peers; compression: this rank's slice of the
                  # dense gradient over its message
-                 bytes_per_step=round(bytes_win / max(1, n_win) * (R - 1)),
+                 bytes_per_step=round(bytes_win / max(1, n_win * T) * (R - 1)),
                  compression=round(4 * n / max(1.0, bytes_win / max(1, n_win)), 1),
                  **model_parallel_figures(ctx, t_done, now - t0))
         last_t, last_step = now, step
@@ -193,11 +197,12 @@ def run(ctx: Context) -> dict:
     ckpt_local = max(1, -(-cfg.checkpoint_every // R)) if cfg.checkpoint_every else 0
     first = grid.role.replica == 0
     t_done = 0
-    for t in range(my_steps):
+    step_scale = -lr * np.float32(T)
+    for t in range(iterations):
         peers.poll(reckon.apply)
         x, y = next(batches)
-        loss, _ = model.loss_and_grad(reckon.params, x, y, grad=grad)
-        grad *= -lr                      # the SGD step this replica would take on its own
+        loss = source(reckon.params, x, y, grad)
+        grad *= step_scale  # the SGD steps (T with Hogwild threads) this replica would take
         msg, words = comp.compress(grad)
         peers.local_step = t + 1
         peers.send(msg, t + 1)
@@ -212,11 +217,11 @@ def run(ctx: Context) -> dict:
         n_win += 1
         words_win += len(words)
         bytes_win += len(msg)
-        t_done = t + 1
+        t_done = (t + 1) * T
         if grid.is_chief and m.due():
             report()
-        evaluating = first and eval_local and t_done % eval_local == 0
-        saving = first and ckpt_local and t_done % ckpt_local == 0
+        evaluating = first and crossed(t_done, T, eval_local)
+        saving = first and crossed(t_done, T, ckpt_local)
         if evaluating or saving:
             full = ctx.gather_full(reckon.params)
             if grid.is_chief:
@@ -265,7 +270,7 @@ def run(ctx: Context) -> dict:
             # every message goes to R-1 peers
             bytes_per_step=per_step * (R - 1),
             updates_per_step=words_all / max(1, steps_all),
-            compression_ratio=dense_bytes / per_step if per_step else float("inf"),
+            compression_ratio=dense_bytes * msgs_all / bytes_all if bytes_all else float("inf"),
             bits_per_update=8 * bytes_all / max(1, words_all),
             # without the 16-byte message headers: what compares with the gap entropy
             payload_bits_per_update=8 * (bytes_all - compress.HEADER_BYTES * msgs_all)

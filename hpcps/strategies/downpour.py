@@ -30,8 +30,9 @@ from hpcps.protocol import H, Message, Tag
 from hpcps.ps.client import Client
 from hpcps.ps.server import ShardServer
 from hpcps.ps.waiting import wait_all
-from hpcps.strategies.common import (Context, evaluate, model_parallel_figures, rate,
-                                     save_checkpoint, steps_for_replica)
+from hpcps.strategies.common import (Context, GradientSource, evaluate,
+                                     model_parallel_figures, rate, save_checkpoint,
+                                     steps_for_replica)
 from hpcps.topology import shard_range
 
 
@@ -133,7 +134,9 @@ def run_replica(ctx: Context) -> dict:
         else:
             client.push_packed(pusher.bodies(grad), steps, loss_sum)
 
-    batches = Batches(ctx.train_x, ctx.train_y, cfg.batch_size, ctx.batch_seed(r))
+    source = GradientSource(ctx)
+    T = source.threads  # mini-batches per iteration (Hogwild threads)
+    batches = Batches(ctx.train_x, ctx.train_y, source.batch, ctx.batch_seed(r))
     params = np.empty(model.n_params, dtype=np.float32)
     grad = np.empty(model.n_params, dtype=np.float32)
     acc = np.zeros(model.n_params, dtype=np.float32)
@@ -179,25 +182,31 @@ def run_replica(ctx: Context) -> dict:
                  **model_parallel_figures(ctx, done_steps, now - t0))
         last_t, last_step = now, step
 
-    for t in range(my_steps):
-        if t % cfg.n_fetch == 0:
+    fetch_every = max(1, cfg.n_fetch // T)
+    eval_iters = max(1, eval_local // T) if eval_local else 0
+    iterations = -(-my_steps // T)
+    for it in range(iterations):
+        done = (it + 1) * T  # this replica's mini-batches so far
+        if it % fetch_every == 0:
             info = client.fetch(params)
         x, y = next(batches)
-        loss, _ = model.loss_and_grad(params, x, y, grad=grad)
+        loss = source(params, x, y, grad)
+        if T > 1:
+            grad *= np.float32(T)  # the sum over the T mini-batches, as n_push sums steps
         acc += grad
-        acc_steps += 1
-        loss_sum += loss
-        if acc_steps == cfg.n_push:
+        acc_steps += T
+        loss_sum += loss * T
+        if acc_steps >= cfg.n_push:
             push(acc, acc_steps, loss_sum)
             acc[:] = 0.0
             acc_steps, loss_sum = 0, 0.0
-        if not released and t + 1 >= warmup:
+        if not released and done >= warmup:
             release()
             released = True
             m.message("warm start done: all replicas train now")
         if grid.is_chief and m.due():
-            report(t + 1)
-        if r == 0 and eval_local and (t + 1) % eval_local == 0:
+            report(done)
+        if r == 0 and eval_iters and (it + 1) % eval_iters == 0:
             full = ctx.gather_full(params)
             if grid.is_chief:
                 test_loss, test_acc = evaluate(ctx, full)
@@ -206,6 +215,7 @@ def run_replica(ctx: Context) -> dict:
                          test_accuracy=test_acc, test_loss=test_loss)
     if acc_steps:
         push(acc, acc_steps, loss_sum)
+    my_steps = iterations * T  # rounded up to whole iterations
     if grid.is_chief and my_steps:
         report(my_steps)  # the last window, so every run's metrics hold a progress record
     if not released:

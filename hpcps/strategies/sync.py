@@ -21,18 +21,21 @@ from mpi4py import MPI
 
 from hpcps.data import Batches
 from hpcps.ps.waiting import wait_all
-from hpcps.strategies.common import (Context, crossed, evaluate, gather_state,
-                                     model_parallel_figures, rate, save_checkpoint)
+from hpcps.strategies.common import (Context, GradientSource, crossed, evaluate,
+                                     gather_state, model_parallel_figures, rate,
+                                     save_checkpoint)
 
 
-def sync_step(comm, model, optimizer, params, state, x, y, buf, timeout: float) -> float:
+def sync_step(comm, gradient, optimizer, params, state, x, y, buf, timeout: float) -> float:
     """One synchronous step; returns the mean training loss over all replicas' batches.
 
-    ``buf`` is a float32 array of ``model.n_params + 1`` (the loss rides along with the
-    gradient, so one allreduce carries both).
+    ``gradient(params, x, y, grad) -> loss`` computes this replica's mean gradient (one
+    mini-batch, or T of them with Hogwild threads); ``buf`` is a float32 array of
+    ``len(params) + 1`` (the loss rides along with the gradient, so one allreduce carries
+    both).
     """
-    n = model.n_params
-    loss, _ = model.loss_and_grad(params, x, y, grad=buf[:n])
+    n = len(params)
+    loss = gradient(params, x, y, buf[:n])
     buf[n] = loss
     if comm.Get_size() > 1:
         req = comm.Iallreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
@@ -49,14 +52,16 @@ def run(ctx: Context) -> dict:
     n_rep = comm.Get_size()
     replica = grid.role.replica
     params, state = ctx.params, ctx.opt_state
-    updates = -(-ctx.remaining_steps // n_rep)
-    batches = Batches(ctx.train_x, ctx.train_y, cfg.batch_size, ctx.batch_seed(replica))
+    source = GradientSource(ctx)
+    T = source.threads
+    updates = -(-ctx.remaining_steps // (n_rep * T))
+    batches = Batches(ctx.train_x, ctx.train_y, source.batch, ctx.batch_seed(replica))
     buf = np.zeros(model.n_params + 1, dtype=np.float32)
     step = ctx.start_step
     m = ctx.metrics
     # Bytes each rank sends per update in a ring allreduce, 2 (R-1)/R of the buffer; summed over
     # the R ranks and divided by the R mini-batches of an update, the same figure per step.
-    bytes_per_update = 2 * buf.nbytes * (n_rep - 1) / n_rep
+    bytes_per_update = 2 * buf.nbytes * (n_rep - 1) / n_rep / T
     t0 = time.perf_counter()
     last_t, last_step = t0, step
     loss_win, n_win = 0.0, 0
@@ -73,14 +78,14 @@ def run(ctx: Context) -> dict:
 
     for _ in range(updates):
         x, y = next(batches)
-        loss = sync_step(comm, model, ctx.optimizer, params, state, x, y, buf, cfg.timeout)
-        step += n_rep
+        loss = sync_step(comm, source, ctx.optimizer, params, state, x, y, buf, cfg.timeout)
+        step += n_rep * T
         loss_win += loss
         n_win += 1
         if m.due():
             report()
-        evaluating = crossed(step, n_rep, cfg.eval_every)
-        saving = crossed(step, n_rep, cfg.checkpoint_every)
+        evaluating = crossed(step, n_rep * T, cfg.eval_every)
+        saving = crossed(step, n_rep * T, cfg.checkpoint_every)
         if (evaluating or saving) and replica == 0:  # every replica holds the same weights
             full, full_state = gather_state(ctx, params, state if saving else {})
             if grid.is_chief and evaluating:

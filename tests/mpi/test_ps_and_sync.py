@@ -54,7 +54,8 @@ def test_sync_equals_one_process_on_the_concatenated_batch(comm):
     buf = np.zeros(model.n_params + 1, np.float32)
     for t in range(steps):
         mine = slice(r * B, (r + 1) * B)
-        loss = sync_step(comm, model, opt, params, state, xs[t, mine], ys[t, mine], buf, TIMEOUT)
+        loss = sync_step(comm, lambda p, x, y, g: model.loss_and_grad(p, x, y, grad=g)[0], opt,
+                         params, state, xs[t, mine], ys[t, mine], buf, TIMEOUT)
         serial_loss, g = model.loss_and_grad(serial, xs[t], ys[t])
         opt.apply(serial, g, serial_state)
         assert loss == pytest.approx(serial_loss, rel=1e-5)
