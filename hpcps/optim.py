@@ -198,16 +198,16 @@ class LBFGS:
             ft, dt = self._phi(t)
             evals += 1
             if ft > f0 + self.c1 * t * d0 or (evals > 1 and ft >= f_prev):
-                return self._zoom(f0, d0, t_prev, f_prev, dp_prev, t, ft, dt, evals)
+                return self._zoom(f0, d0, t_prev, f_prev, dp_prev, t, ft, evals)
             if abs(dt) <= -self.c2 * d0:
                 return t, ft
             if dt >= 0:
-                return self._zoom(f0, d0, t, ft, dt, t_prev, f_prev, dp_prev, evals)
+                return self._zoom(f0, d0, t, ft, dt, t_prev, f_prev, evals)
             t_prev, f_prev, dp_prev = t, ft, dt
             t *= 2.0
         return None
 
-    def _zoom(self, f0, d0, lo, f_lo, d_lo, hi, f_hi, d_hi, evals):
+    def _zoom(self, f0, d0, lo, f_lo, d_lo, hi, f_hi, evals):
         while evals < self.max_evals:
             # minimum of the quadratic through (lo, f_lo, d_lo) and (hi, f_hi), kept inside
             # the middle 80% of the bracket
@@ -219,12 +219,12 @@ class LBFGS:
             ft, dt = self._phi(t)
             evals += 1
             if ft > f0 + self.c1 * t * d0 or ft >= f_lo:
-                hi, f_hi, d_hi = t, ft, dt
+                hi, f_hi = t, ft
             else:
                 if abs(dt) <= -self.c2 * d0:
                     return t, ft
                 if dt * (hi - lo) >= 0:
-                    hi, f_hi, d_hi = lo, f_lo, d_lo
+                    hi, f_hi = lo, f_lo
                 lo, f_lo, d_lo = t, ft, dt
         if lo > 0 and f_lo < f0:  # sufficient decrease at least: take it
             ft, _ = self._phi(lo)

@@ -226,7 +226,7 @@ def test_partitioned_replicas_learn(strategy, n, parts, digits_h5, tmp_path):
              "deadreckon": ["--tau", "0.003", "--lr", "0.05"]}[strategy]
     run = train(n, "--strategy", strategy, "--partitions", str(parts), "--data", str(digits_h5),
                 "--run-dir", str(tmp_path), "--steps", "900", *extra, *QUICK)
-    s = assert_learned(run, tmp_path, digits_h5)
+    assert_learned(run, tmp_path, digits_h5)
     assert f"x {parts} partition(s)" in run.stdout
     progress = records(tmp_path, "progress")
     assert all(p["replica_bytes_per_step"] > 0 and "exchange_s_per_step" in p

@@ -32,13 +32,12 @@ import numpy as np
 from mpi4py import MPI
 
 from hpcps.config import parse_inject_slow
-from hpcps.errors import HpcpsError
 from hpcps.optim import LBFGS
 from hpcps.protocol import H, Message, Op, Tag, Task
 from hpcps.ps.vectors import CMD_SLOTS, VectorShard
 from hpcps.ps.waiting import PeerTimeout, Poller, wait_all
 from hpcps.schedule import PortionScheduler
-from hpcps.strategies.common import Context, evaluate, rate, save_checkpoint
+from hpcps.strategies.common import Context, rate, save_checkpoint
 from hpcps.topology import shard_range
 
 TASK_SLOTS = 8     # kind, batch, portion, lo, hi, accept previous, vector id, spare (int64)
