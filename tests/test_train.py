@@ -371,3 +371,12 @@ def test_threads_refused_where_not_wired(digits_h5):
         run = train(2, *args, "--threads", "2", "--data", str(digits_h5), "--layers", LAYERS,
                     timeout=60)
         assert run.returncode == 2 and "--threads > 1 is available for" in run.stderr
+
+
+def test_sandblaster_with_batches_smaller_than_the_training_set(digits_h5, tmp_path):
+    """Each iteration takes the next batch; its line search stays on that batch."""
+    run = train(4, "--data", str(digits_h5), "--run-dir", str(tmp_path), "--steps", "40",
+                "--batch-size", "400", "--portions", "8", *SB)
+    assert run.returncode == 0, run.output
+    s = records(tmp_path, "summary")[-1]
+    assert s["test_accuracy"] > 0.85 and s["iterations"] >= 10

@@ -40,7 +40,7 @@ from hpcps.schedule import PortionScheduler
 from hpcps.strategies.common import Context, rate, save_checkpoint
 from hpcps.topology import shard_range
 
-TASK_SLOTS = 8     # kind, batch, portion, lo, hi, accept previous, vector id, spare (int64)
+TASK_SLOTS = 8     # kind, evaluation, portion, lo, hi, accept previous, vector id, data batch
 RESULT_SLOTS = 6   # kind, batch, portion, loss sum (or test loss), examples (or accuracy), spare
 
 
@@ -138,7 +138,8 @@ class BatchRunner:
         self.portions = cfg.portions
         self.flush_every = cfg.flush_every
         self.replica_timeout = cfg.replica_timeout
-        self.batch = ctx.start_step
+        self.evaluation = ctx.start_step  # which evaluation: replicas fetch x when it changes
+        self.data_batch = 0                # which batch of the training set (batch_order)
         self.state = {r: "idle" for r in self.replicas}   # idle | portion | flush
         self.sent_at = {r: 0.0 for r in self.replicas}
         self.accept = {r: 0 for r in self.replicas}
@@ -148,20 +149,21 @@ class BatchRunner:
                       "batch_s": []}
 
     def _send(self, r: int, kind: Task, batch=0, portion=0, lo=0, hi=0, vec=0) -> None:
-        self._task[:] = (int(kind), batch, portion, lo, hi, self.accept[r], vec, 0)
+        self._task[:] = (int(kind), batch, portion, lo, hi, self.accept[r], vec, self.data_batch)
         self.accept[r] = 0
         self.comm.Send(self._task, dest=r, tag=Tag.SB_TASK)
         self.sent_at[r] = time.monotonic()
 
     def run_batch(self, vec: int, space: ShardSpace) -> tuple[float, int]:
-        """Gradient of batch ``self.batch`` at vector ``vec`` accumulated on the shards.
-        Returns (sum of the per-example losses, number of examples)."""
+        """Gradient of training batch ``self.data_batch`` at vector ``vec``, accumulated on
+        the shards. Returns (sum of the per-example losses, number of examples)."""
         t0 = time.perf_counter()
-        order_len = len(batch_order(self.ctx, self.batch))
+        order_len = len(batch_order(self.ctx, self.data_batch))
         cuts = np.linspace(0, order_len, self.portions + 1).astype(int)
         sched = PortionScheduler(self.portions, self.live)
         losses = np.zeros(self.portions)
-        batch = self.batch
+        self.evaluation += 1
+        batch = self.evaluation
 
         def dispatch(r: int) -> None:
             if self.state[r] != "idle" or r not in self.live:
@@ -214,7 +216,6 @@ class BatchRunner:
         self.stats["reissued"] += sched.stats["reissued"]
         self.stats["requeued"] += sched.stats["requeued"]
         self.stats["batch_s"].append(time.perf_counter() - t0)
-        self.batch += 1
         return float(losses.sum()), order_len
 
     def _check_lost(self, sched: PortionScheduler, space: ShardSpace) -> bool:
@@ -270,14 +271,18 @@ def run_coordinator(ctx: Context) -> dict:
     whole = batch_n >= ctx.dataset.n_train
     t0 = time.perf_counter()
     losses = []
-    if opt.f is None:
+    runner.data_batch = opt.iterations
+    fresh = opt.f is None
+    if fresh:
         losses.append(opt.start())
         m.record("progress", step=ctx.start_step + space.evaluations, iteration=0, loss=opt.f)
     next_eval = _next(ctx.start_step, cfg.eval_every)
     next_ckpt = _next(ctx.start_step, cfg.checkpoint_every)
     while ctx.start_step + space.evaluations < ctx.total_steps:
-        if not whole:  # a new batch: the objective changed, so has its gradient at x
+        if not whole and not fresh:  # next batch: the objective changed, and its gradient at x
+            runner.data_batch += 1
             opt.start()
+        fresh = False
         before = (space.evaluations, space.commands, space.bytes_sent)
         info = opt.step()
         step = ctx.start_step + space.evaluations
@@ -357,13 +362,13 @@ def run_replica(ctx: Context) -> dict:
     fetch = [Message(hi - lo) for lo, hi in slices]
     push = [Message(hi - lo) for lo, hi in slices]
     ask, ack = Message(0), Message(0)
-    current, order = None, None
+    current, order, order_of = None, None, None
     done_portions = 0
     compute_s = 0.0
     while True:
         wait_all([world.Irecv(task, source=coord, tag=Tag.SB_TASK)], cfg.timeout,
                  f"the coordinator (rank {coord}) to send work")
-        kind, batch, portion, lo, hi, accept, vec = (int(v) for v in task[:7])
+        kind, batch, portion, lo, hi, accept, vec, data_batch = (int(v) for v in task)
         if accept and have_pg:
             acc += pg
         have_pg = False
@@ -375,10 +380,12 @@ def run_replica(ctx: Context) -> dict:
             result[:] = (int(Task.EVALUATE), batch, 0, loss, accuracy, 0)
             world.Send(result, dest=coord, tag=Tag.SB_RESULT)
             continue
-        if batch != current:  # parameters are fetched once per batch
+        if batch != current:  # parameters are fetched once per evaluation of a batch
             _fetch(world, layout, slices, fetch, ask, vec, x, cfg.timeout)
             acc[:] = 0.0
-            current, order = batch, batch_order(ctx, batch)
+            current = batch
+        if data_batch != order_of:
+            order, order_of = batch_order(ctx, data_batch), data_batch
         if kind == Task.PORTION:
             if math.isinf(slow) and done_portions > 0:
                 _stall(world, coord, task, cfg.timeout)  # stops answering, as a dead machine
