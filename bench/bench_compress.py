@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hpcps import compress  # noqa: E402
 from hpcps.compress import reference  # noqa: E402
+from machine import cpu_model  # noqa: E402  (bench/machine.py)
 
 try:
     from hpcps.kernels import _compress as compiled  # noqa: E402
@@ -45,16 +46,6 @@ TAU = 1.0
 DENSITIES = {"1e-3": 3.2905, "1e-2": 2.5758}  # tau / std for P(|g| > tau) at a zero residual
 
 
-def cpu_model():
-    """The CPU model name from /proc/cpuinfo, or platform.processor() elsewhere."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or None
 
 
 def median_time(run, prepare, repeats):

@@ -36,6 +36,7 @@ import numpy as np  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hpcps.kernels import gemm  # noqa: E402
+from machine import cpu_model  # noqa: E402  (bench/machine.py)
 
 try:
     from hpcps.kernels import _gemm  # noqa: E402
@@ -64,15 +65,6 @@ UPDATE_SHAPES = [(784, 1024, 128), (1024, 1024, 128), (1024, 1024, 32)]
 TILES = [(64, 1024), (256, 256), (512, 512), (1024, 1024)]  # 1024x1024 = whole G: unfused
 
 
-def cpu_model():
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or None
 
 
 def median_time(fn, repeats):

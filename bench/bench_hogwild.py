@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hpcps import hogwild  # noqa: E402
 from hpcps.model import MLP  # noqa: E402
+from machine import cpu_model  # noqa: E402  (bench/machine.py)
 
 try:
     import torch
@@ -45,15 +46,6 @@ BATCH, LR = 128, 0.01
 MODELS = [(784, 512, 512, 10), (784, 1024, 1024, 10)]
 
 
-def cpu_model():
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or None
 
 
 def machine():

@@ -24,6 +24,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hpcps.kernels import reference  # noqa: E402
+from machine import cpu_model  # noqa: E402  (bench/machine.py)
 
 try:
     from hpcps.kernels import _adagrad as compiled  # noqa: E402
@@ -33,16 +34,6 @@ except ImportError:
 LR, EPS = 0.01, 1e-8
 
 
-def cpu_model():
-    """The CPU model name from /proc/cpuinfo, or platform.processor() elsewhere."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or None
 
 
 def naive_adagrad(w, g, accum, lr, eps):

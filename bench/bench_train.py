@@ -52,6 +52,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from machine import cpu_model  # noqa: E402  (bench/machine.py)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -78,16 +79,6 @@ def log(text: str) -> None:
 
 
 # -- machine -----------------------------------------------------------------------------------
-def cpu_model() -> str | None:
-    """The CPU model name from /proc/cpuinfo, or platform.processor() elsewhere."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or None
 
 
 def machine(mpiexec: str) -> dict:

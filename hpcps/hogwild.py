@@ -71,28 +71,14 @@ from __future__ import annotations
 
 import contextlib
 import operator
-import os
-import warnings
 
 import numpy as np
 
 from hpcps.errors import ConfigError
+from hpcps.kernels import load_extension
 from hpcps.model import MLP
 
-if os.environ.get("HPCPS_NO_EXTENSION") == "1":
-    _compiled = None
-else:
-    try:
-        from hpcps.kernels import _hogwild as _compiled
-    except ImportError as exc:
-        _compiled = None
-        warnings.warn(
-            f"hpcps.hogwild: compiled engine not available ({exc}); using the NumPy "
-            "reference, which runs one thread. Build it with `python setup.py build_ext "
-            "--inplace` in the hpcps source tree.",
-            RuntimeWarning,
-            stacklevel=2,
-        )
+_compiled, _ = load_extension("_hogwild", None, "hpcps.hogwild")
 
 try:  # optional: keeps BLAS single-threaded even if OPENBLAS_NUM_THREADS was not set
     from threadpoolctl import ThreadpoolController

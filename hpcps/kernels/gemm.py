@@ -62,32 +62,16 @@ ACTIVATIONS : tuple of str
 """
 import math
 import operator
-import os
-import warnings
 
 import numpy as np
 
-from . import reference
+from . import load_extension, reference
 
 ACTIVATIONS = ("none", "relu", "tanh", "sigmoid")
 # Activations whose compiled pass beats NumPy's (see the module docstring).
 _COMPILED_ACTS = ("none", "relu")
 
-if os.environ.get("HPCPS_NO_EXTENSION") == "1":
-    _gemm = None
-else:
-    try:
-        from . import _gemm
-    except ImportError as exc:
-        _gemm = None
-        warnings.warn(
-            f"hpcps.kernels.gemm: compiled GEMM kernels not available ({exc}); using the "
-            "NumPy references, which run slower. Build them with `python setup.py "
-            "build_ext --inplace` in the hpcps source tree.",
-            RuntimeWarning,
-            stacklevel=2,
-        )
-HAVE_EXTENSION = _gemm is not None
+_gemm, HAVE_EXTENSION = load_extension("_gemm", None, "hpcps.kernels.gemm")
 
 __all__ = [
     "ACTIVATIONS", "HAVE_EXTENSION", "fused_outer_adagrad", "gemm_bias_act", "sgemm",
