@@ -30,10 +30,10 @@ ON_OFF = ("on", "off")
 # Defaults that depend on the strategy: None in the dataclass means "not given".
 STRATEGY_DEFAULTS = {
     "downpour": {"servers": 1, "optimizer": "adagrad", "lr": 0.01, "n_fetch": 1, "n_push": 1,
-                 "warmup_steps": 200, "compress": "none", "batch_size": 32},
-    "sync": {"servers": 0, "optimizer": "adagrad", "lr": 0.01, "batch_size": 32},
+                 "warmup_steps": 200, "compress": "none", "batch_size": 32, "prefetch": 2},
+    "sync": {"servers": 0, "optimizer": "adagrad", "lr": 0.01, "batch_size": 32, "prefetch": 2},
     "deadreckon": {"servers": 0, "optimizer": "sgd", "lr": 0.1, "tau": 0.002, "golomb": "on",
-                   "batch_size": 32},
+                   "batch_size": 32, "prefetch": 2},
     "sandblaster": {"servers": 1, "optimizer": "lbfgs", "batch_size": 0, "lbfgs_history": 10,
                     "portions": 64, "flush_every": 4, "replica_timeout": 60.0},
 }
@@ -47,6 +47,7 @@ OPTION_STRATEGIES = {
     "lbfgs_history": ("sandblaster",), "portions": ("sandblaster",),
     "flush_every": ("sandblaster",), "inject_slow": ("sandblaster",),
     "replica_timeout": ("sandblaster",),
+    "prefetch": ("downpour", "sync", "deadreckon"),
 }
 DEFAULT_EPOCHS = 4.0  # when neither --epochs nor --steps is given
 # sandblaster's step is one evaluation of a whole batch (by default the whole training set)
@@ -80,6 +81,7 @@ class Config:
     inject_slow: str | None = None
     replica_timeout: float | None = None
     threads: int = 1
+    prefetch: int | None = None
     data: str = "data/mnist.h5"
     run_dir: str | None = None
     checkpoint_every: int = 5000
@@ -153,6 +155,8 @@ HELP = {
     "threads": "Hogwild threads per replica rank (Project Adam): T threads each train on their "
                "own mini-batch, lock-free, in compiled nogil code; one replica step then "
                "covers T mini-batches (default 1: the plain NumPy path)",
+    "prefetch": "mini-batches a background thread prepares ahead of training (default 2; 0: "
+                "none)",
     "data": "HDF5 dataset (layout in the README); data/mnist.h5 is prepared automatically",
     "run_dir": "directory for metrics.jsonl and checkpoint.h5 (default runs/<strategy>-<time>)",
     "checkpoint_every": "write a checkpoint every this many global steps (0: only at the end)",
@@ -303,6 +307,8 @@ def validate(cfg: Config) -> Config:
         raise ConfigError("--optimizer lbfgs goes with --strategy sandblaster, and sandblaster "
                           f"runs L-BFGS only (got --strategy {cfg.strategy} --optimizer "
                           f"{cfg.optimizer})")
+    if cfg.prefetch is not None and cfg.prefetch < 0:
+        raise ConfigError(f"--prefetch must be >= 0, got {cfg.prefetch}")
     if cfg.threads < 1:
         raise ConfigError(f"--threads must be at least 1, got {cfg.threads}")
     if cfg.threads > 1 and (cfg.partitions > 1 or cfg.strategy == "sandblaster"):

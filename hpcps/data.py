@@ -51,9 +51,11 @@ import importlib
 import io
 import os
 import pickle
+import queue
 import subprocess
 import sys
 import tempfile
+import threading
 import zipfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -662,6 +664,63 @@ class Batches:
             self._pos = 0
         self._served += self.batch_size
         return self.x[take], self.y[take]
+
+
+class Prefetcher:
+    """Prepare the next mini-batches in a background thread (Project Adam's data serving,
+    inside the rank), so training never waits for data.
+
+    Wraps any batch iterator (a :class:`Batches`): a daemon thread keeps up to ``depth``
+    batches ready in a queue; ``next()`` takes the oldest. The batches and their order are
+    exactly the wrapped iterator's, so runs stay reproducible. An exception in the thread
+    is raised by the ``next()`` that would have returned its batch. ``depth=0`` prefetches
+    nothing (``next()`` calls the iterator directly).
+    """
+
+    _END = object()
+
+    def __init__(self, batches, depth: int = 2):
+        if isinstance(depth, bool) or not isinstance(depth, int) or depth < 0:
+            raise DataError(f"prefetch depth must be an integer >= 0, got {depth!r}")
+        self.batches = batches
+        self.depth = depth
+        self._stop = threading.Event()
+        self._queue: queue.Queue = queue.Queue(maxsize=max(1, depth))
+        self._thread = None
+        if depth:
+            self._thread = threading.Thread(target=self._fill, name="hpcps-prefetch",
+                                            daemon=True)
+            self._thread.start()
+
+    def _fill(self) -> None:
+        try:
+            while not self._stop.is_set():
+                item = next(self.batches)
+                while not self._stop.is_set():
+                    try:
+                        self._queue.put(item, timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+        except BaseException as exc:  # handed to the consumer, not lost in the thread
+            self._queue.put((self._END, exc))
+
+    def __iter__(self) -> "Prefetcher":
+        return self
+
+    def __next__(self):
+        if not self.depth:
+            return next(self.batches)
+        item = self._queue.get()
+        if isinstance(item, tuple) and len(item) == 2 and item[0] is self._END:
+            raise item[1]
+        return item
+
+    def close(self) -> None:
+        """Stop the thread (it is a daemon: a run that ends without close() still exits)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
 
 
 # --------------------------------------------------------------------------------------------

@@ -72,6 +72,8 @@ def test_missing_toml(tmp_path):
     (["--tau", "0.1"], "only with --compress threshold"),
     (["--compress", "threshold", "--tau", "0"], "must be positive"),
     (["--golomb", "maybe"], "invalid choice"),
+    (["--strategy", "sandblaster", "--prefetch", "3"], "applies only"),
+    (["--prefetch", "-1"], ">= 0"),
     (["--epochs", "1", "--steps", "5"], "not both"),
     (["--partitions", "2", "--servers", "3"], "multiple of P"),
     (["--checkpoint-every", "-1"], ">= 0"),

@@ -388,3 +388,35 @@ def test_cli_errors_exit_with_data_error_code(tmp_path):
     result = run_cli("prepare", "digits", "--wheel", "x.whl", cwd=tmp_path)
     assert result.returncode == DataError.exit_code
     assert "--wheel only applies to mnist" in result.stderr
+
+
+# -- background prefetch -----------------------------------------------------------------------
+def test_prefetcher_yields_the_same_batches_in_the_same_order():
+    x = np.arange(200, dtype=np.float32).reshape(100, 2)
+    y = np.arange(100) % 3
+    plain = data.Batches(x, y, 7, seed=3)
+    fetched = data.Prefetcher(data.Batches(x, y, 7, seed=3), depth=3)
+    for _ in range(50):  # several epochs
+        (a, b), (c, d) = next(plain), next(fetched)
+        np.testing.assert_array_equal(a, c)
+        np.testing.assert_array_equal(b, d)
+    fetched.close()
+
+
+def test_prefetcher_depth_zero_and_errors():
+    x = np.zeros((10, 2), np.float32)
+    y = np.zeros(10, np.int64)
+    it = data.Prefetcher(data.Batches(x, y, 5, seed=0), depth=0)
+    assert next(it)[0].shape == (5, 2)
+
+    def broken():
+        yield (x[:1], y[:1])
+        raise DataError("disk went away")
+
+    p = data.Prefetcher(broken(), depth=2)
+    next(p)
+    with pytest.raises(DataError, match="disk went away"):
+        next(p)
+    for bad in (-1, 1.5, True):
+        with pytest.raises(DataError, match="prefetch depth"):
+            data.Prefetcher(iter([]), depth=bad)

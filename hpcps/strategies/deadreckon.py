@@ -28,7 +28,7 @@ import numpy as np
 from mpi4py import MPI
 
 from hpcps import compress
-from hpcps.data import Batches
+from hpcps.data import Batches, Prefetcher
 from hpcps.protocol import Tag
 from hpcps.ps.waiting import Poller, PeerTimeout, wait_all
 from hpcps.strategies.common import (Context, GradientSource, barrier, crossed, evaluate,
@@ -153,7 +153,8 @@ def run(ctx: Context) -> dict:
     T = source.threads  # mini-batches per iteration (Hogwild threads)
     iterations = -(-steps_for_replica(ctx.remaining_steps, R, me) // T)
     my_steps = iterations * T
-    batches = Batches(ctx.train_x, ctx.train_y, source.batch, ctx.batch_seed(grid.role.replica))
+    batches = Prefetcher(Batches(ctx.train_x, ctx.train_y, source.batch,
+                                 ctx.batch_seed(grid.role.replica)), cfg.prefetch)
     reckon = Reckoner(ctx.params, cfg.tau)
     comp = compress.Compressor(n, cfg.tau, golomb=cfg.golomb == "on")
     peers = Peers(comm, n, cfg.timeout)
@@ -238,6 +239,7 @@ def run(ctx: Context) -> dict:
         report()
     peers.finish(reckon.apply)
     train_s = time.perf_counter() - t0
+    batches.close()
     barrier(comm, cfg.timeout, "every replica to drain its messages")
     checksums = comm.gather(zlib.crc32(reckon.params.tobytes()), root=0)
     steps_all = comm.reduce(my_steps, op=MPI.SUM, root=0)

@@ -25,7 +25,7 @@ import numpy as np
 from mpi4py import MPI
 
 from hpcps import compress
-from hpcps.data import Batches
+from hpcps.data import Batches, Prefetcher
 from hpcps.protocol import H, Message, Tag
 from hpcps.ps.client import Client
 from hpcps.ps.server import ShardServer
@@ -136,7 +136,8 @@ def run_replica(ctx: Context) -> dict:
 
     source = GradientSource(ctx)
     T = source.threads  # mini-batches per iteration (Hogwild threads)
-    batches = Batches(ctx.train_x, ctx.train_y, source.batch, ctx.batch_seed(r))
+    batches = Prefetcher(Batches(ctx.train_x, ctx.train_y, source.batch, ctx.batch_seed(r)),
+                         cfg.prefetch)
     params = np.empty(model.n_params, dtype=np.float32)
     grad = np.empty(model.n_params, dtype=np.float32)
     acc = np.zeros(model.n_params, dtype=np.float32)
@@ -223,6 +224,7 @@ def run_replica(ctx: Context) -> dict:
     wait_all(warmup_reqs, cfg.timeout, "other replicas to take the warm-start release")
     client.done()
     train_s = time.perf_counter() - t0
+    batches.close()
     result = {"replica_steps": my_steps, "train_s": train_s,
               "bytes_sent": client.bytes_sent, "bytes_received": client.bytes_received,
               "words_sent": pusher.words_sent if pusher else None,

@@ -19,7 +19,7 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from hpcps.data import Batches
+from hpcps.data import Batches, Prefetcher
 from hpcps.ps.waiting import wait_all
 from hpcps.strategies.common import (Context, GradientSource, crossed, evaluate,
                                      gather_state, model_parallel_figures, rate,
@@ -55,7 +55,8 @@ def run(ctx: Context) -> dict:
     source = GradientSource(ctx)
     T = source.threads
     updates = -(-ctx.remaining_steps // (n_rep * T))
-    batches = Batches(ctx.train_x, ctx.train_y, source.batch, ctx.batch_seed(replica))
+    batches = Prefetcher(Batches(ctx.train_x, ctx.train_y, source.batch,
+                                 ctx.batch_seed(replica)), cfg.prefetch)
     buf = np.zeros(model.n_params + 1, dtype=np.float32)
     step = ctx.start_step
     m = ctx.metrics
@@ -98,6 +99,7 @@ def run(ctx: Context) -> dict:
     if n_win:
         report()  # the last window, so every run's metrics hold at least one progress record
     train_s = time.perf_counter() - t0
+    batches.close()
     result = {"step": step, "train_s": train_s,
               "examples_per_s": rate((step - ctx.start_step) * cfg.batch_size, train_s),
               "bytes_per_step": bytes_per_update}
