@@ -26,11 +26,13 @@ ACTIVATIONS = ("relu", "tanh", "sigmoid")
 OPTIMIZERS = ("adagrad", "sgd", "lbfgs")
 COMPRESSIONS = ("none", "threshold")
 ON_OFF = ("on", "off")
+PUSHES = ("gradients", "activations")
 
 # Defaults that depend on the strategy: None in the dataclass means "not given".
 STRATEGY_DEFAULTS = {
     "downpour": {"servers": 1, "optimizer": "adagrad", "lr": 0.01, "n_fetch": 1, "n_push": 1,
-                 "warmup_steps": 200, "compress": "none", "batch_size": 32, "prefetch": 2},
+                 "warmup_steps": 200, "compress": "none", "batch_size": 32, "prefetch": 2,
+                 "push": "gradients"},
     "sync": {"servers": 0, "optimizer": "adagrad", "lr": 0.01, "batch_size": 32, "prefetch": 2},
     "deadreckon": {"servers": 0, "optimizer": "sgd", "lr": 0.1, "tau": 0.002, "golomb": "on",
                    "batch_size": 32, "prefetch": 2},
@@ -42,7 +44,7 @@ DOWNPOUR_TAU = 0.01
 # Options that mean something only to some strategies: given with another, they are refused.
 OPTION_STRATEGIES = {
     "n_fetch": ("downpour",), "n_push": ("downpour",), "warmup_steps": ("downpour",),
-    "compress": ("downpour",), "tau": ("downpour", "deadreckon"),
+    "compress": ("downpour",), "push": ("downpour",), "tau": ("downpour", "deadreckon"),
     "golomb": ("downpour", "deadreckon"),
     "lbfgs_history": ("sandblaster",), "portions": ("sandblaster",),
     "flush_every": ("sandblaster",), "inject_slow": ("sandblaster",),
@@ -73,6 +75,7 @@ class Config:
     n_push: int | None = None
     warmup_steps: int | None = None
     compress: str | None = None
+    push: str | None = None
     tau: float | None = None
     golomb: str | None = None
     lbfgs_history: int | None = None
@@ -138,6 +141,9 @@ HELP = {
                     "not applied when resuming)",
     "compress": "downpour: 'threshold' pushes Strom-compressed gradients (residual kept on the "
                 "replica) instead of dense ones; default 'none'",
+    "push": "downpour: 'activations' sends, for fully connected layers where it is fewer "
+            "numbers, the k rows of layer inputs and errors since the last push and lets the "
+            "shard compute the update (Project Adam); default 'gradients'",
     "tau": "threshold of the compressed updates: each sent element moves by +-tau "
            f"(deadreckon: weight units, default 0.002; downpour: gradient units, default "
            f"{DOWNPOUR_TAU})",
@@ -204,6 +210,8 @@ def build_parser(prog: str = "python -m hpcps.train") -> argparse.ArgumentParser
             p.add_argument(flag, choices=COMPRESSIONS, help=text)
         elif name == "golomb":
             p.add_argument(flag, choices=ON_OFF, help=text)
+        elif name == "push":
+            p.add_argument(flag, choices=PUSHES, help=text)
         elif "float" in str(t):
             p.add_argument(flag, type=float, help=text)
         elif "int" in str(t):
@@ -287,6 +295,12 @@ def validate(cfg: Config) -> Config:
     if cfg.compress is not None and cfg.compress not in COMPRESSIONS:
         raise ConfigError(f"unknown compression {cfg.compress!r}; choose one of "
                           f"{', '.join(COMPRESSIONS)}")
+    if cfg.push is not None and cfg.push not in PUSHES:
+        raise ConfigError(f"--push takes gradients or activations, got {cfg.push!r}")
+    if cfg.push == "activations" and (cfg.compress == "threshold" or cfg.partitions > 1
+                                      or cfg.threads > 1):
+        raise ConfigError("--push activations goes with dense pushes of whole replicas: not "
+                          "with --compress threshold, --partitions > 1 or --threads > 1")
     if cfg.golomb is not None and cfg.golomb not in ON_OFF:
         raise ConfigError(f"--golomb takes on or off, got {cfg.golomb!r}")
     for name, allowed in OPTION_STRATEGIES.items():

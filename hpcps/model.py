@@ -127,6 +127,23 @@ class MLP:
         loss = float(-np.mean(np.log(np.maximum(picked, 1e-30))))
         return loss, z
 
+    def loss_and_parts(self, flat: np.ndarray, x: np.ndarray, y: np.ndarray):
+        """(mean loss, inputs, errors): ``inputs[l]`` is what layer l received (B, n_l) and
+        ``errors[l]`` the error at its output (B, n_{l+1}), already divided by B, so that
+        layer l's gradient is ``inputs[l].T @ errors[l]`` for W and ``errors[l].sum(0)`` for
+        b. What Project Adam's workers send a parameter server instead of the gradient."""
+        acts = self.forward(flat, x)
+        loss, delta = self._softmax_xent(acts[-1], y)
+        delta[np.arange(len(y)), y] -= 1.0
+        delta /= np.float32(len(y))
+        params = self.layers(flat)
+        errors = [delta]
+        for i in range(self.n_layers - 1, 0, -1):
+            delta = delta @ params[i][0].T
+            _act_grad_inplace(self.activation, acts[i], delta)
+            errors.append(delta)
+        return loss, acts[:-1], errors[::-1]
+
     def loss_and_grad(self, flat: np.ndarray, x: np.ndarray, y: np.ndarray,
                       grad: np.ndarray | None = None) -> tuple[float, np.ndarray]:
         """Mean softmax cross-entropy over the batch and its gradient (flat, float32).
@@ -135,19 +152,10 @@ class MLP:
         """
         if grad is None:
             grad = np.empty(self.n_params, dtype=np.float32)
-        acts = self.forward(flat, x)
-        loss, delta = self._softmax_xent(acts[-1], y)
-        delta[np.arange(len(y)), y] -= 1.0
-        delta /= np.float32(len(y))
-        gviews = self.layers(grad)
-        params = self.layers(flat)
-        for i in range(self.n_layers - 1, -1, -1):
-            gW, gb = gviews[i]
-            np.matmul(acts[i].T, delta, out=gW)
-            np.sum(delta, axis=0, out=gb)
-            if i > 0:
-                delta = delta @ params[i][0].T
-                _act_grad_inplace(self.activation, acts[i], delta)
+        loss, inputs, errors = self.loss_and_parts(flat, x, y)
+        for (gW, gb), a, e in zip(self.layers(grad), inputs, errors):
+            np.matmul(a.T, e, out=gW)
+            np.sum(e, axis=0, out=gb)
         return loss, grad
 
     def loss(self, flat: np.ndarray, x: np.ndarray, y: np.ndarray) -> float:

@@ -32,6 +32,7 @@ class Tag(IntEnum):
     SB_PUSH = 14      # replica -> shard: accumulated gradient of accepted portions
     SB_PUSH_ACK = 15  # shard -> replica: push applied
     SB_STATE = 16     # coordinator -> shard 0: L-BFGS scalars and metrics for a checkpoint
+    PUSH_ACTIVATIONS = 17  # replica -> shard: header + k rows of layer inputs and errors
 
 
 class Op(IntEnum):
@@ -65,7 +66,7 @@ class H(IntEnum):
     LOSS_SUM = 2      # PUSH: sum of the training losses of those mini-batches; PARAMS: recent mean
     STALENESS = 3     # PARAMS: mean staleness of the pushes applied since the previous reply
     MAX_STALENESS = 4  # PARAMS: max staleness over the same window
-    EXAMPLES = 5      # PARAMS: examples consumed by all replicas so far
+    EXAMPLES = 5      # PUSH_ACTIVATIONS: rows k of inputs and errors in the message
     SENDER = 6        # replica index of the sender (for messages and error reports)
     VECTOR = 7        # sandblaster FETCH / SB_PUSH: which of the shard's vectors
 

@@ -184,6 +184,10 @@ def _summary(ctx: Context, results: list[dict], wall_s: float) -> None:
         moved = sum(r["bytes_sent"] + r["bytes_received"] for r in reps)
         bytes_per_step = moved / max(1, trained)
         staleness = sum(s["mean_staleness"] for s in shards) / max(1, len(shards))
+        if cfg.push == "activations":
+            pushed = sum(r["bytes_sent"] for r in reps) / max(1, trained)
+            extra.update(push_bytes_per_step=round(pushed),
+                         dense_push_bytes_per_step=4 * ctx.full_model.n_params)
         if cfg.compress == "threshold":
             pushed = sum(r["bytes_sent"] for r in reps) / max(1, trained)
             words = sum(r["words_sent"] for r in reps)
@@ -212,6 +216,9 @@ def _summary(ctx: Context, results: list[dict], wall_s: float) -> None:
         m.message(f"  {extra['updates_per_step']:.0f} updates per step, "
                   f"{extra['bits_per_update']:.1f} bits per update, compression "
                   f"{extra['compression_ratio']:.0f}x of the dense gradient{same}")
+    if "dense_push_bytes_per_step" in extra:
+        m.message(f"  pushed {extra['push_bytes_per_step']:.0f} bytes per step of layer inputs "
+                  f"and errors instead of {extra['dense_push_bytes_per_step']} of gradient")
     if "iterations" in extra:
         m.message(f"  {extra['iterations']} L-BFGS iterations, training loss "
                   f"{extra['final_train_loss']:.4f}, {extra['median_batch_s']:.2f} s per batch, "

@@ -380,3 +380,15 @@ def test_sandblaster_with_batches_smaller_than_the_training_set(digits_h5, tmp_p
     assert run.returncode == 0, run.output
     s = records(tmp_path, "summary")[-1]
     assert s["test_accuracy"] > 0.85 and s["iterations"] >= 10
+
+
+def test_downpour_pushing_activations_learns_and_sends_less(digits_h5, tmp_path):
+    """Project Adam's pushes: layer inputs and errors, the shard computes the update."""
+    run = train(4, "--push", "activations", "--servers", "2", "--data", str(digits_h5),
+                "--run-dir", str(tmp_path), "--steps", "900", "--layers", "64,128,128,10",
+                "--warmup-steps", "0", *QUICK[2:])
+    assert run.returncode == 0, run.output
+    s = records(tmp_path, "summary")[-1]
+    assert s["test_accuracy"] > 0.9
+    assert s["push_bytes_per_step"] < 0.5 * s["dense_push_bytes_per_step"]
+    assert "of layer inputs and errors instead of" in run.stdout

@@ -92,22 +92,24 @@ class Client:
                                                       tag=Tag.PUSH)
             self.bytes_sent += msg.buf.nbytes
 
-    def push_packed(self, bodies, steps: int, loss_sum: float) -> None:
-        """Send shard s the compressed message ``bodies[s]`` (uint8 array) for its slice."""
+    def push_packed(self, bodies, steps: int, loss_sum: float, tag: int = Tag.PUSH_COMPRESSED,
+                    rows: int = 0) -> None:
+        """Send shard s the message ``bodies[s]`` (uint8 array) for its slice: compressed
+        words, or (``Tag.PUSH_ACTIVATIONS``) ``rows`` rows of layer inputs and errors."""
         slot = self._slot
         self._slot ^= 1
         for s, body in enumerate(bodies):
             msg = self._slot_for(s, slot)
             msg.header[H.STEPS] = steps
             msg.header[H.LOSS_SUM] = loss_sum
+            msg.header[H.EXAMPLES] = rows
             n = len(body)
             if n > len(msg.body):
-                raise ValueError(f"compressed message of {n} bytes exceeds the bound "
-                                 f"{len(msg.body)} for shard {s}")
+                raise ValueError(f"message of {n} bytes exceeds the bound {len(msg.body)} "
+                                 f"for shard {s}")
             msg.body[:n] = body
             data = msg.spec(n)
-            self._push_req[s][slot] = self.comm.Isend(data, dest=self.server_ranks[s],
-                                                      tag=Tag.PUSH_COMPRESSED)
+            self._push_req[s][slot] = self.comm.Isend(data, dest=self.server_ranks[s], tag=tag)
             self.bytes_sent += data.nbytes
 
     def done(self) -> None:

@@ -50,16 +50,17 @@ class ShardServer:
     on_boundary : called as ``on_boundary(step_boundary)`` each time the global step crosses a
         multiple of ``boundary_every`` (used for checkpoints; every shard crosses the same
         boundaries because every push goes to every shard, so a collective inside is safe).
-    expand : for compressed pushes, ``(max_bytes, expand(body) -> gradient)``: the largest
-        message body to accept and a callable turning a received body into a dense gradient
-        for this shard's slice (the strategy builds it from the codec; the server only knows
-        bytes come in and a gradient goes to ``apply``).
+    packed : for variable-size pushes, ``(max_bytes, tag, handle(header, body))``: the largest
+        message body to accept, the tag such pushes carry, and a callable that turns a
+        received body into a dense gradient for ``apply`` (compressed pushes), or applies the
+        update itself and returns None (activation pushes). The strategy builds it; the
+        server only knows bytes come in.
     """
 
     def __init__(self, comm, params: np.ndarray, state: dict, apply: Callable,
                  n_replicas: int, step: int = 0, timeout: float = 600.0,
                  on_boundary: Callable[[int], None] | None = None, boundary_every: int = 0,
-                 expand: tuple[int, Callable[[np.ndarray], np.ndarray]] | None = None):
+                 packed: tuple[int, int, Callable] | None = None):
         self.comm = comm
         self.params = params
         self.state = state
@@ -76,8 +77,9 @@ class ShardServer:
         self._push = Message(n)
         self._reply = Message(n)
         self._small = Message(0)
-        self._expand = expand[1] if expand else None
-        self._packed = ByteMessage(expand[0]) if expand else None
+        self._packed = ByteMessage(packed[0]) if packed else None
+        self._packed_tag = packed[1] if packed else None
+        self._handle = packed[2] if packed else None
         # recent-window figures reported back with each fetch reply
         self._win_loss = 0.0
         self._win_steps = 0
@@ -107,14 +109,15 @@ class ShardServer:
             if tag == Tag.PUSH:
                 comm.Recv(self._push.buf, source=src, tag=Tag.PUSH)
                 self._on_push(self._push.header, self._push.payload, self._push.buf.nbytes)
-            elif tag == Tag.PUSH_COMPRESSED and self._packed is not None:
+            elif tag == self._packed_tag:
                 size = status.Get_count(MPI.BYTE)
                 if size > len(self._packed.buf):
-                    raise RuntimeError(f"compressed push of {size} bytes from rank {src} is "
-                                       "larger than any valid message for this shard")
-                comm.Recv(self._packed.buf[:size], source=src, tag=Tag.PUSH_COMPRESSED)
+                    raise RuntimeError(f"push of {size} bytes from rank {src} is larger than "
+                                       "any valid message for this shard")
+                comm.Recv(self._packed.buf[:size], source=src, tag=tag)
                 body = self._packed.body[:size - HEADER_BYTES]
-                self._on_push(self._packed.header, self._expand(body), size)
+                self._on_push(self._packed.header, self._handle(self._packed.header, body),
+                              size)
             elif tag == Tag.FETCH:
                 comm.Recv(self._small.buf, source=src, tag=Tag.FETCH)
                 self._on_fetch(src)
@@ -127,9 +130,10 @@ class ShardServer:
         self.stats.done_replicas = sorted(done)
         return self.stats
 
-    def _on_push(self, h: np.ndarray, grad: np.ndarray, nbytes: int) -> None:
+    def _on_push(self, h: np.ndarray, grad: np.ndarray | None, nbytes: int) -> None:
         stale = self.version - h[H.VERSION]
-        self.apply(self.params, grad, self.state)
+        if grad is not None:  # None: the handler applied the update itself
+            self.apply(self.params, grad, self.state)
         self.version += 1
         steps = int(h[H.STEPS])
         before = self.step

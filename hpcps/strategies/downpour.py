@@ -27,6 +27,7 @@ from mpi4py import MPI
 from hpcps import compress
 from hpcps.data import Batches, Prefetcher
 from hpcps.protocol import H, Message, Tag
+from hpcps.ps import activations
 from hpcps.ps.client import Client
 from hpcps.ps.server import ShardServer
 from hpcps.ps.waiting import wait_all
@@ -48,6 +49,9 @@ def shards_of_partition(ctx: Context, part: int) -> list[tuple[int, int, int]]:
     hold its parameters), and splits its slice among them in contiguous chunks.
     """
     per = ctx.grid.layout.servers // ctx.grid.layout.partitions
+    if ctx.cfg.push == "activations":  # whole rows per shard (P = 1)
+        return [(j, lo, hi) for j, (lo, hi) in
+                enumerate(activations.row_aligned_ranges(ctx.model, per))]
     size = part_sizes(ctx)[part]
     return [(part * per + j, *shard_range(size, per, j)) for j in range(per)]
 
@@ -103,7 +107,22 @@ def shard_expander(n_local: int, tau: float):
         touched = (words >> 1).astype(np.intp)
         return dense
 
-    return compress.max_message_bytes(n_local), expand
+    return compress.max_message_bytes(n_local), Tag.PUSH_COMPRESSED, lambda h, body: expand(body)
+
+
+def shard_activation_handler(ctx: Context, lo: int, hi: int, params, state):
+    """For a shard: apply pushed layer inputs and errors to its rows (Project Adam)."""
+    chunk = activations.pieces(ctx.model, lo, hi)
+    k_max = ctx.cfg.batch_size * ctx.cfg.n_push
+    bound = 4 * sum(p.size + k_max * (p.r1 - p.r0 + ctx.model.sizes[p.layer + 1])
+                    for p in chunk)
+
+    def handle(header, body):
+        activations.apply(ctx.model, chunk, int(header[H.EXAMPLES]), body.view(np.float32),
+                          params, state, ctx.optimizer)
+        return None  # applied here, tile by tile
+
+    return bound, Tag.PUSH_ACTIVATIONS, handle
 
 
 def run(ctx: Context) -> dict:
@@ -119,17 +138,36 @@ def run_replica(ctx: Context) -> dict:
     r, R = grid.role.replica, layout.replicas
     warmup = cfg.warmup_steps if ctx.start_step == 0 else 0
     my_steps = steps_for_replica(ctx.remaining_steps, R, r, warmup)
-    packed = cfg.compress == "threshold"
+    packed = cfg.compress == "threshold" or cfg.push == "activations"
     mine = shards_of_partition(ctx, grid.role.partition)
     ranks = [layout.server_rank(shard) for shard, _, _ in mine]
     ranges = [(lo, hi) for _, lo, hi in mine]
-    client = Client(grid.world, ranks, ranges, r, cfg.timeout,
-                    max_packed_bytes=compress.max_message_bytes if packed else None)
     pusher = PackedPusher(model.n_params, ranges, cfg.tau, cfg.golomb == "on") \
-        if packed else None
+        if cfg.compress == "threshold" else None
+    if cfg.push == "activations":
+        chunks = [activations.pieces(model, lo, hi) for lo, hi in ranges]
+        k_max = cfg.batch_size * cfg.n_push
+        bounds = {hi - lo: 4 * sum(p.size + k_max * (p.r1 - p.r0 + model.sizes[p.layer + 1])
+                                   for p in c) for (lo, hi), c in zip(ranges, chunks)}
+        bound = bounds.__getitem__
+    else:
+        bound = compress.max_message_bytes
+    client = Client(grid.world, ranks, ranges, r, cfg.timeout,
+                    max_packed_bytes=bound if packed else None)
+    rows_in, rows_err = [], []  # activation push: layer inputs and errors since the last push
 
     def push(grad: np.ndarray, steps: int, loss_sum: float) -> None:
-        if pusher is None:
+        if cfg.push == "activations":
+            ins = [np.concatenate([a[l] for a in rows_in]) for l in range(model.n_layers)]
+            errs = [np.concatenate([e[l] for e in rows_err]) for l in range(model.n_layers)]
+            k = len(ins[0])
+            modes = activations.activation_layers(model, k)
+            client.push_packed([activations.pack(model, c, modes, ins, errs).view(np.uint8)
+                                for c in chunks], steps, loss_sum,
+                               tag=Tag.PUSH_ACTIVATIONS, rows=k)
+            rows_in.clear()
+            rows_err.clear()
+        elif pusher is None:
             client.push(grad, steps, loss_sum)
         else:
             client.push_packed(pusher.bodies(grad), steps, loss_sum)
@@ -191,10 +229,16 @@ def run_replica(ctx: Context) -> dict:
         if it % fetch_every == 0:
             info = client.fetch(params)
         x, y = next(batches)
-        loss = source(params, x, y, grad)
+        if cfg.push == "activations":  # keep what the gradient is made of, not the gradient
+            loss, ins, errs = model.loss_and_parts(params, x, y)
+            rows_in.append(ins)
+            rows_err.append(errs)
+        else:
+            loss = source(params, x, y, grad)
         if T > 1:
             grad *= np.float32(T)  # the sum over the T mini-batches, as n_push sums steps
-        acc += grad
+        if cfg.push != "activations":
+            acc += grad
         acc_steps += T
         loss_sum += loss * T
         if acc_steps >= cfg.n_push:
@@ -299,8 +343,10 @@ def run_server(ctx: Context) -> dict:
                          n_replicas=grid.layout.replicas, step=ctx.start_step,
                          timeout=cfg.timeout, on_boundary=on_boundary,
                          boundary_every=cfg.checkpoint_every,
-                         expand=shard_expander(hi - lo, cfg.tau)
-                         if cfg.compress == "threshold" else None)
+                         packed=shard_expander(hi - lo, cfg.tau)
+                         if cfg.compress == "threshold" else
+                         shard_activation_handler(ctx, lo, hi, params, state)
+                         if cfg.push == "activations" else None)
     stats = server.serve()
     got = gather()
     if got is not None:

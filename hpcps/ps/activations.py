@@ -1,0 +1,154 @@
+"""Project Adam's pushes of activations and errors (Chilimbi et al. 2014, section 3.2.2).
+
+For a fully connected layer of M inputs and N outputs, the gradient of k examples is
+``A^T E``: A the k rows of the layer's inputs, E the k rows of its output errors. Sending A and
+E costs k*(M+N) numbers instead of M*N; when that is smaller (wide layers, few examples per
+push) a replica pushes them and the shard computes the update itself. With Adagrad the shard
+does it tile by tile (:func:`hpcps.kernels.gemm.fused_outer_adagrad`), so the M*N gradient
+exists nowhere. Layers where k*(M+N) >= M*N are pushed as dense gradients, as usual.
+
+This module is the arithmetic both sides share, without MPI: which rows of which layer a
+shard holds (shards are cut at row boundaries so each holds whole rows of W), what a message
+to a shard contains, how the shard applies it. Per layer the shard receives only the input
+columns of the rows it holds and the whole error block (each value sent once to each shard
+that needs it).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from hpcps.kernels import gemm
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A shard's part of one layer: rows r0..r1 of W, or its bias b (r0 = r1 = -1)."""
+
+    layer: int
+    kind: str        # "W" or "b"
+    r0: int
+    r1: int
+    offset: int      # where the piece starts in the shard's slice
+    size: int        # floats
+
+
+def units(model) -> list[tuple[int, str, int, int]]:
+    """(layer, kind, row, width) for every row of every W and every b, in flat order."""
+    out = []
+    for l in range(model.n_layers):
+        fan_in, fan_out = model.sizes[l], model.sizes[l + 1]
+        out += [(l, "W", r, fan_out) for r in range(fan_in)]
+        out.append((l, "b", -1, fan_out))
+    return out
+
+
+def row_aligned_ranges(model, n_shards: int) -> list[tuple[int, int]]:
+    """Contiguous chunks of the flat vector, cut only between rows, as even as possible."""
+    bounds = np.cumsum([0] + [w for *_, w in units(model)])
+    total = int(bounds[-1])
+    if n_shards > len(bounds) - 1:
+        raise ValueError(f"{n_shards} shards for only {len(bounds) - 1} rows")
+    cuts = [0]
+    for s in range(1, n_shards):
+        want = s * total / n_shards
+        i = int(np.searchsorted(bounds, want))
+        i = min(max(i, cuts[-1] + 1), len(bounds) - 1 - (n_shards - s))
+        cuts.append(i)
+    cuts.append(len(bounds) - 1)
+    return [(int(bounds[a]), int(bounds[b])) for a, b in zip(cuts, cuts[1:])]
+
+
+def pieces(model, lo: int, hi: int) -> list[Piece]:
+    """The pieces of the chunk [lo, hi) (which must fall on row boundaries)."""
+    out: list[Piece] = []
+    pos = 0
+    for layer, kind, row, width in units(model):
+        if lo <= pos < hi:
+            last = out[-1] if out else None
+            if kind == "W" and last is not None and last.layer == layer and last.kind == "W":
+                out[-1] = Piece(layer, "W", last.r0, row + 1, last.offset, last.size + width)
+            else:
+                r0, r1 = (row, row + 1) if kind == "W" else (-1, -1)
+                out.append(Piece(layer, kind, r0, r1, pos - lo, width))
+        pos += width
+    return out
+
+
+def activation_layers(model, k: int) -> list[bool]:
+    """Per layer: push activations and errors (True) rather than the dense gradient."""
+    return [k * (model.sizes[l] + model.sizes[l + 1]) < model.sizes[l] * model.sizes[l + 1]
+            for l in range(model.n_layers)]
+
+
+def pack(model, chunk: list[Piece], modes, inputs, errors) -> np.ndarray:
+    """The float32 message for one shard, from k rows of every layer's inputs and errors."""
+    parts = []
+    sent_e = set()
+    for p in chunk:
+        A, E = inputs[p.layer], errors[p.layer]
+        if modes[p.layer]:
+            if p.kind == "W":
+                parts.append(A[:, p.r0:p.r1].ravel())
+            if p.layer not in sent_e:  # once per layer, whether for W rows, b or both
+                parts.append(E.ravel())
+                sent_e.add(p.layer)
+        elif p.kind == "W":
+            parts.append((A[:, p.r0:p.r1].T @ E).ravel())
+        else:
+            parts.append(E.sum(axis=0))
+    return np.concatenate(parts).astype(np.float32, copy=False) if parts else \
+        np.zeros(0, np.float32)
+
+
+def message_floats(model, chunk: list[Piece], k: int) -> int:
+    """Length of :func:`pack`'s message for ``k`` examples (the receiver's bound)."""
+    modes = activation_layers(model, k)
+    n, sent_e = 0, set()
+    for p in chunk:
+        N = model.sizes[p.layer + 1]
+        if modes[p.layer]:
+            n += k * (p.r1 - p.r0) if p.kind == "W" else 0
+            if p.layer not in sent_e:
+                n += k * N
+                sent_e.add(p.layer)
+        else:
+            n += p.size
+    return n
+
+
+def apply(model, chunk: list[Piece], k: int, payload: np.ndarray, params: np.ndarray,
+          state: dict, optimizer) -> None:
+    """Apply one message to the shard's slice: the update the dense gradient would give."""
+    expected = message_floats(model, chunk, k)
+    if len(payload) != expected:
+        raise ValueError(f"activation push of {len(payload)} floats for {k} examples, "
+                         f"expected {expected}")
+    modes = activation_layers(model, k)
+    pos, errors = 0, {}
+    adagrad = getattr(optimizer, "name", "") == "adagrad"
+    for p in chunk:
+        N = model.sizes[p.layer + 1]
+        w = params[p.offset:p.offset + p.size]
+        st = {key: v[p.offset:p.offset + p.size] for key, v in state.items()}
+        if not modes[p.layer]:
+            optimizer.apply(w, payload[pos:pos + p.size], st)
+            pos += p.size
+            continue
+        A = None
+        if p.kind == "W":
+            rows = p.r1 - p.r0
+            A = payload[pos:pos + k * rows].reshape(k, rows)
+            pos += k * rows
+        if p.layer not in errors:
+            errors[p.layer] = payload[pos:pos + k * N].reshape(k, N)
+            pos += k * N
+        E = errors[p.layer]
+        if p.kind == "b":
+            optimizer.apply(w, np.ascontiguousarray(E.sum(axis=0), dtype=np.float32), st)
+        elif adagrad:  # tile by tile: the gradient of these rows never exists whole
+            gemm.fused_outer_adagrad(w.reshape(rows, N), st["accum"].reshape(rows, N),
+                                     np.ascontiguousarray(A), E, optimizer.lr, optimizer.eps)
+        else:
+            optimizer.apply(w, np.ascontiguousarray((A.T @ E).ravel()), st)
