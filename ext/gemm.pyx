@@ -85,7 +85,7 @@ cdef void _outer_adagrad_tile(float* W, float* accum, const float* A, const floa
 
 def fused_outer_adagrad(float[:, ::1] W, float[:, ::1] accum, const float[:, ::1] A,
                         const float[:, ::1] E, float lr, float eps, int threads=1,
-                        int tile_m=256, int tile_n=256):
+                        int tile_m=512, int tile_n=512):
     """``G = A.T @ E`` tile by tile, each tile applied at once: ``accum += G*G;
     W -= lr*G / (sqrt(accum) + eps)``. See ``hpcps.kernels.gemm.fused_outer_adagrad``.
     """

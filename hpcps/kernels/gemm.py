@@ -21,8 +21,10 @@ thread, medians; this machine does ~150 GFLOP/s per core in sgemm when idle, and
     (1024, 1024, 32); 1.27x, 1.50x, 2.08x faster than NumPy's GEMM followed by the compiled
     Adagrad kernel. That is 0.28, 0.30 and 0.65 G weight updates/s per core; the GEMM inside
     runs at 47%, 52% and 28% of 150 GFLOP/s (the rest is the Adagrad pass and OpenBLAS
-    re-packing E for each tile). Tiles from 256x256 to 1024x1024 were within the noise of
-    each other; at k=32 the gain is largest because the update, not the GEMM, dominates.
+    re-packing E for each tile). A second run on a quiet machine separated the tiles:
+    512x512 took 2.89, 3.86 and 1.55 ms (1.70x, 1.59x and 2.89x NumPy's two steps: 4.90, 6.16,
+    4.48 ms) against 3.29, 4.31 and 1.84 ms for 256x256, so 512x512 is the default. At k=32
+    the gain is largest because the update, not the GEMM, dominates.
 ``gemm_bias_act(X, W, b, act, out)``
     ``act(X @ W + b)`` for the forward pass: one sgemm into ``out``, then bias and
     activation in place over the (cache-resident) result, no temporaries. For ``relu`` and
@@ -159,7 +161,7 @@ def sgemm_reference(A, B, out, trans_a=False):
 
 # --------------------------------------------------------------------------- public API
 
-def fused_outer_adagrad(W, accum, A, E, lr, eps, threads=1, tile_m=256, tile_n=256):
+def fused_outer_adagrad(W, accum, A, E, lr, eps, threads=1, tile_m=512, tile_n=512):
     """Adagrad with the gradient ``A.T @ E``, computed and applied one tile at a time.
 
     Computes ``G = A.T @ E`` and applies ``accum += G*G; W -= lr*G / (sqrt(accum) + eps)``
@@ -181,8 +183,8 @@ def fused_outer_adagrad(W, accum, A, E, lr, eps, threads=1, tile_m=256, tile_n=2
     threads : int, optional
         OpenMP threads over tiles (default 1: server ranks usually share cores).
     tile_m, tile_n : int, optional
-        Tile of ``W``; the default 256x256 (256 KB of ``G``, in L2) was the best or near it
-        at every measured shape (see ``bench/bench_gemm.py``).
+        Tile of ``W``; the default 512x512 (1 MB of ``G``, in this CPU's L2) was faster than
+        256x256 at every measured shape on a quiet machine (see ``bench/bench_gemm.py``).
 
     Raises
     ------
