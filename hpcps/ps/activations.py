@@ -118,6 +118,11 @@ def message_floats(model, chunk: list[Piece], k: int) -> int:
     return n
 
 
+def max_message_bytes(model, chunk: list[Piece], k_max: int) -> int:
+    """Bytes no message to this chunk exceeds for up to ``k_max`` examples, in either mode."""
+    return 4 * sum(p.size + k_max * (p.r1 - p.r0 + model.sizes[p.layer + 1]) for p in chunk)
+
+
 def apply(model, chunk: list[Piece], k: int, payload: np.ndarray, params: np.ndarray,
           state: dict, optimizer) -> None:
     """Apply one message to the shard's slice: the update the dense gradient would give."""

@@ -26,17 +26,16 @@ class Client:
     """
 
     def __init__(self, comm, server_ranks, ranges, replica: int, timeout: float,
-                 max_packed_bytes=None):
+                 packed_bytes: list[int] | None = None):
         self.comm = comm
         self.server_ranks = list(server_ranks)
         self.ranges = list(ranges)
         self.replica = replica
         self.timeout = timeout
-        if max_packed_bytes is None:
+        if packed_bytes is None:
             self._push = [[Message(hi - lo), Message(hi - lo)] for lo, hi in self.ranges]
-        else:  # compressed pushes: variable-size byte messages, bounded per shard
-            self._push = [[ByteMessage(max_packed_bytes(hi - lo)) for _ in range(2)]
-                          for lo, hi in self.ranges]
+        else:  # compressed or activation pushes: variable-size messages, bounded per shard
+            self._push = [[ByteMessage(bound), ByteMessage(bound)] for bound in packed_bytes]
         self._push_req = [[MPI.REQUEST_NULL, MPI.REQUEST_NULL] for _ in self.ranges]
         self._slot = 0
         self._params = [Message(hi - lo) for lo, hi in self.ranges]

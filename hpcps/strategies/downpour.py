@@ -113,9 +113,7 @@ def shard_expander(n_local: int, tau: float):
 def shard_activation_handler(ctx: Context, lo: int, hi: int, params, state):
     """For a shard: apply pushed layer inputs and errors to its rows (Project Adam)."""
     chunk = activations.pieces(ctx.model, lo, hi)
-    k_max = ctx.cfg.batch_size * ctx.cfg.n_push
-    bound = 4 * sum(p.size + k_max * (p.r1 - p.r0 + ctx.model.sizes[p.layer + 1])
-                    for p in chunk)
+    bound = activations.max_message_bytes(ctx.model, chunk, ctx.cfg.batch_size * ctx.cfg.n_push)
 
     def handle(header, body):
         activations.apply(ctx.model, chunk, int(header[H.EXAMPLES]), body.view(np.float32),
@@ -147,13 +145,11 @@ def run_replica(ctx: Context) -> dict:
     if cfg.push == "activations":
         chunks = [activations.pieces(model, lo, hi) for lo, hi in ranges]
         k_max = cfg.batch_size * cfg.n_push
-        bounds = {hi - lo: 4 * sum(p.size + k_max * (p.r1 - p.r0 + model.sizes[p.layer + 1])
-                                   for p in c) for (lo, hi), c in zip(ranges, chunks)}
-        bound = bounds.__getitem__
+        bounds = [activations.max_message_bytes(model, c, k_max) for c in chunks]
     else:
-        bound = compress.max_message_bytes
+        bounds = [compress.max_message_bytes(hi - lo) for lo, hi in ranges]
     client = Client(grid.world, ranks, ranges, r, cfg.timeout,
-                    max_packed_bytes=bound if packed else None)
+                    packed_bytes=bounds if packed else None)
     rows_in, rows_err = [], []  # activation push: layer inputs and errors since the last push
 
     def push(grad: np.ndarray, steps: int, loss_sum: float) -> None:
