@@ -56,11 +56,12 @@ _impl, HAVE_EXTENSION = load_extension("_adagrad", reference, "hpcps.kernels")
 __all__ = ["HAVE_EXTENSION", "adagrad_update", "sgd_update"]
 
 
-def _check_array(name, a, writable):
+def _check_array(name, a, writable, ndim=1):
+    """A float32 C-contiguous ndarray of ``ndim`` dimensions (writable if it is written)."""
     if not isinstance(a, np.ndarray):
         raise ValueError(f"{name} must be a numpy.ndarray, got {type(a).__name__}")
-    if a.ndim != 1:
-        raise ValueError(f"{name} must be 1-D, got shape {a.shape}")
+    if a.ndim != ndim:
+        raise ValueError(f"{name} must be {ndim}-D, got shape {a.shape}")
     if a.dtype != np.float32:
         raise ValueError(f"{name} must be float32, got {a.dtype}")
     if not a.flags.c_contiguous:
@@ -83,6 +84,12 @@ def _check_arrays(written, read):
     if any(a.shape[0] != n for _, a in arrays):
         lengths = ", ".join(f"{name} has {a.shape[0]}" for name, a in arrays)
         raise ValueError(f"length mismatch: {lengths} elements")
+    _check_no_overlap(written, read)
+
+
+def _check_no_overlap(written, others):
+    """No written array may share memory with any other operand."""
+    arrays = written + others
     for i, (name, a) in enumerate(written):
         for other, b in arrays[i + 1:]:
             if np.may_share_memory(a, b):

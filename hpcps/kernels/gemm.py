@@ -62,12 +62,11 @@ HAVE_EXTENSION : bool
 ACTIVATIONS : tuple of str
     ``("none", "relu", "tanh", "sigmoid")``.
 """
-import math
 import operator
 
 import numpy as np
 
-from . import load_extension, reference
+from . import _check_array, _check_no_overlap, _check_scalar, load_extension, reference
 
 ACTIVATIONS = ("none", "relu", "tanh", "sigmoid")
 # Activations whose compiled pass beats NumPy's (see the module docstring).
@@ -84,35 +83,7 @@ __all__ = [
 # --------------------------------------------------------------------------- checks
 
 def _check_matrix(name, a, ndim=2, writable=False):
-    if not isinstance(a, np.ndarray):
-        raise ValueError(f"{name} must be a numpy.ndarray, got {type(a).__name__}")
-    if a.ndim != ndim:
-        raise ValueError(f"{name} must be {ndim}-D, got shape {a.shape}")
-    if a.dtype != np.float32:
-        raise ValueError(f"{name} must be float32, got {a.dtype}")
-    if not a.flags.c_contiguous:
-        raise ValueError(f"{name} must be C-contiguous (strided views are refused; pass a copy)")
-    if writable and not a.flags.writeable:
-        raise ValueError(f"{name} is written in place but is read-only")
-
-
-def _check_no_overlap(written, others):
-    """No written array may share memory with any other operand (tiles run in any order)."""
-    arrays = written + others
-    for i, (name, a) in enumerate(written):
-        for other, b in arrays[i + 1:]:
-            if np.may_share_memory(a, b):
-                raise ValueError(f"{name} and {other} overlap in memory; pass separate arrays")
-
-
-def _check_scalar(name, x):
-    try:
-        x = float(x)
-    except (TypeError, ValueError):
-        raise ValueError(f"{name} must be a real number, got {x!r}") from None
-    if not math.isfinite(x):
-        raise ValueError(f"{name} must be finite, got {x}")
-    return x
+    _check_array(name, a, writable, ndim)
 
 
 def _check_positive_int(name, x):
