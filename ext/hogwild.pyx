@@ -33,7 +33,20 @@ from cython.parallel cimport prange
 from libc.math cimport expf, logf, tanhf
 from libc.stdint cimport int64_t
 from libc.string cimport memcpy
+from libc.string cimport memset
 from scipy.linalg.cython_blas cimport sgemm
+
+cdef extern from "spmm.h" nogil:
+    ctypedef struct hp_plan:
+        int nb
+    size_t hp_zskip_ints(int nb, int n_in)
+    size_t hp_zskip_floats(int nb, int n_in)
+    int hp_zskip_available()
+    double hp_zskip_plan(hp_plan *pl, int nb, int n_in, const float *X, int *iscratch,
+                         float *fscratch)
+    void hp_zskip_forward(const hp_plan *pl, int n, const float *W, float *Z)
+    void hp_zskip_update(const hp_plan *pl, int n, const float *D, float alpha, float *W,
+                         float *W2)
 
 cdef enum:
     ALIGN = 16          # floats: every buffer starts on a 64-byte boundary
@@ -47,6 +60,7 @@ cdef enum:
     MODE_GRAD = 0       # write the gradient to a caller's buffer, do not update
     MODE_FUSED = 1      # params -= lr * grad, inside the GEMM
     MODE_DELTA = 2      # params -= lr * grad and delta -= lr * grad, via scratch
+    MODE_SUM = 3        # grad += sum over the examples of their gradients (no update)
 
 ACTIVATIONS = {"relu": ACT_RELU, "tanh": ACT_TANH, "sigmoid": ACT_SIGMOID}
 
@@ -88,6 +102,12 @@ cdef class HogwildEngine:
     cdef int64_t[:, ::1] labels      # (threads, batch)
     cdef double[::1] loss            # per-thread loss sum of the current call
     cdef int64_t[::1] seen           # per-thread example count of the current call
+    # zero-skipping first layer (ext/spmm.h): per-thread scratch for its plan
+    cdef readonly double sparse_below   # use it when the work left <= this (0: never)
+    cdef int[:, ::1] sp_int
+    cdef float[:, ::1] sp_val
+    cdef int64_t[::1] sparse_steps   # per thread: steps that took the zero-skipping path
+    cdef int run_mode                # mode of the current train()/gradient_sum() call
     # operands of the current train() call, read by every thread
     cdef float *p_params
     cdef float *p_delta
@@ -97,7 +117,8 @@ cdef class HogwildEngine:
     cdef Py_ssize_t n_order, steps
     cdef float lr
 
-    def __init__(self, sizes, str activation, int threads, int batch):
+    def __init__(self, sizes, str activation, int threads, int batch,
+                 double sparse_below=0.0):
         cdef Py_ssize_t l, off, widest
         sizes = [int(s) for s in sizes]
         self.n_layers = len(sizes) - 1
@@ -135,6 +156,14 @@ cdef class HogwildEngine:
         self.labels = np.zeros((threads, batch), dtype=np.int64)
         self.loss = np.zeros(threads, dtype=np.float64)
         self.seen = np.zeros(threads, dtype=np.int64)
+        self.sparse_below = sparse_below
+        self.sparse_steps = np.zeros(threads, dtype=np.int64)
+        if not hp_zskip_available():   # no AVX-512F on this CPU: BLAS for every layer
+            self.sparse_below = 0.0
+        if self.sparse_below > 0.0:
+            self.sp_int = np.zeros((threads, hp_zskip_ints(batch, sizes[0])), dtype=np.intc)
+            self.sp_val = np.zeros((threads, hp_zskip_floats(batch, sizes[0])),
+                                   dtype=np.float32)
 
     # -- one mini-batch, one thread ------------------------------------------------------
     cdef void _step(self, int t, float *params, const float *x, const int64_t *y,
@@ -158,6 +187,11 @@ cdef class HogwildEngine:
         cdef float *dl
         cdef float m, s, v, u, inv_nb = 1.0 / nb
         cdef double loss = 0.0
+        cdef hp_plan plan
+        cdef bint sparse = False
+
+        if mode == MODE_SUM:
+            inv_nb = 1.0    # sums over the examples, not means
 
         # gather the examples into the context (they become acts[0])
         n_in = self.sz[0]
@@ -166,6 +200,12 @@ cdef class HogwildEngine:
             k = rows[r] if rows != NULL else r
             memcpy(a + <Py_ssize_t> r * n_in, x + k * n_in, n_in * sizeof(float))
             lab[r] = y[k]
+        if self.sparse_below > 0.0:
+            # list the zeros of the batch; skip them in the first layer if that saves enough
+            sparse = hp_zskip_plan(&plan, nb, n_in, a, &self.sp_int[t, 0],
+                                   &self.sp_val[t, 0]) <= self.sparse_below
+            if sparse:
+                self.sparse_steps[t] += 1
 
         # forward: z = act(a @ W + b)
         for l in range(L):
@@ -177,7 +217,10 @@ cdef class HogwildEngine:
             b = params + self.b_off[l]
             for r in range(nb):
                 memcpy(z + <Py_ssize_t> r * n_out, b, n_out * sizeof(float))
-            _gemm(b'N', b'N', n_out, nb, n_in, 1.0, W, n_out, a, n_in, 1.0, z, n_out)
+            if l == 0 and sparse:
+                hp_zskip_forward(&plan, n_out, W, z)
+            else:
+                _gemm(b'N', b'N', n_out, nb, n_in, 1.0, W, n_out, a, n_in, 1.0, z, n_out)
             if l < L - 1:
                 n = <Py_ssize_t> nb * n_out
                 # branch-free forms: the compiler turns them into vector max/blend (a
@@ -247,14 +290,43 @@ cdef class HogwildEngine:
                     gb[j] = gb[j] + dl[j]
             # weight gradient a^T @ d, (n_in, n_out), and the update
             n = <Py_ssize_t> n_in * n_out
-            if mode == MODE_FUSED:
+            if l == 0 and sparse and mode != MODE_DELTA:
+                # a^T @ d from the nonzeros of a only, into W (fused) or the gradient
+                if mode == MODE_FUSED:
+                    hp_zskip_update(&plan, n_out, d, -lr, W, NULL)
+                    for j in range(n_out):
+                        b[j] = b[j] - lr * gb[j]
+                else:
+                    gW = grad + self.w_off[l]
+                    if mode == MODE_GRAD:
+                        memset(gW, 0, n * sizeof(float))
+                        memcpy(grad + self.b_off[l], gb, n_out * sizeof(float))
+                    else:
+                        dl = grad + self.b_off[l]
+                        for j in range(n_out):
+                            dl[j] = dl[j] + gb[j]
+                    hp_zskip_update(&plan, n_out, d, 1.0, gW, NULL)
+            elif l == 0 and sparse:
+                hp_zskip_update(&plan, n_out, d, -lr, W, delta + self.w_off[l])
+                dl = delta + self.b_off[l]
+                for j in range(n_out):
+                    u = -lr * gb[j]
+                    b[j] = b[j] + u
+                    dl[j] = dl[j] + u
+            elif mode == MODE_FUSED:
                 _gemm(b'N', b'T', n_out, n_in, nb, -lr, d, n_out, a, n_in, 1.0, W, n_out)
                 for j in range(n_out):
                     b[j] = b[j] - lr * gb[j]
-            elif mode == MODE_GRAD:
+            elif mode == MODE_GRAD or mode == MODE_SUM:
                 gW = grad + self.w_off[l]
-                _gemm(b'N', b'T', n_out, n_in, nb, 1.0, d, n_out, a, n_in, 0.0, gW, n_out)
-                memcpy(grad + self.b_off[l], gb, n_out * sizeof(float))
+                _gemm(b'N', b'T', n_out, n_in, nb, 1.0, d, n_out, a, n_in,
+                      0.0 if mode == MODE_GRAD else 1.0, gW, n_out)
+                dl = grad + self.b_off[l]
+                if mode == MODE_GRAD:
+                    memcpy(dl, gb, n_out * sizeof(float))
+                else:
+                    for j in range(n_out):
+                        dl[j] = dl[j] + gb[j]
             else:
                 gW = ctx + self.g_off
                 _gemm(b'N', b'T', n_out, n_in, nb, 1.0, d, n_out, a, n_in, 0.0, gW, n_out)
@@ -277,7 +349,11 @@ cdef class HogwildEngine:
         """Thread t's part of the order: [lo, hi), in mini-batches of ``batch``."""
         cdef Py_ssize_t lo, hi, pos, per, extra
         cdef int nb, s
-        cdef int mode = MODE_DELTA if self.p_delta != NULL else MODE_FUSED
+        cdef int mode = self.run_mode
+        cdef float *grad = NULL
+        if mode == MODE_SUM:   # each thread sums into its own scratch, added up after
+            grad = &self.work[t, 0] + self.g_off
+            memset(grad, 0, self.n_params * sizeof(float))
         if self.steps > 0:
             lo = t * self.steps * self.batch
             hi = lo + self.steps * self.batch
@@ -292,7 +368,7 @@ cdef class HogwildEngine:
         while pos < hi:
             nb = <int> (self.batch if hi - pos > self.batch else hi - pos)
             self._step(t, self.p_params, self.p_x, self.p_y, self.p_order + pos, nb,
-                       self.lr, NULL, self.p_delta, mode)
+                       self.lr, grad, self.p_delta, mode)
             pos += nb
 
     def _thread_main(self, int t):
@@ -319,8 +395,49 @@ cdef class HogwildEngine:
         self.n_order = order.shape[0]
         self.steps = steps_per_thread
         self.lr = lr
+        self.run_mode = MODE_DELTA if delta is not None else MODE_FUSED
         if order.shape[0] == 0:
             return 0.0, 0
+        self._launch(backend)
+        self.p_params = NULL
+        self.p_delta = NULL
+        return float(np.sum(self.loss)), int(np.sum(self.seen))
+
+    def gradient_sum(self, const float[::1] params, const float[:, ::1] x,
+                     const int64_t[::1] y, const int64_t[::1] order, float[::1] grad,
+                     str backend):
+        """Sum over the examples ``order`` of their loss and gradient, with T threads.
+
+        The order is split evenly into T parts; thread t walks its part in mini-batches
+        of ``batch`` and sums their gradients into its own scratch; the T sums are then
+        added into ``grad`` (overwritten) in thread order. Nothing is updated, so the
+        result does not depend on timing: the same T and batch give the same bits.
+        Returns (loss_sum, examples).
+        """
+        cdef int t, T = self.threads
+        cdef Py_ssize_t n = self.n_params
+        self.p_params = <float *> &params[0]
+        self.p_delta = NULL
+        self.p_x = &x[0, 0]
+        self.p_y = &y[0]
+        self.p_order = &order[0] if order.shape[0] > 0 else NULL
+        self.n_order = order.shape[0]
+        self.steps = 0
+        self.lr = 0.0
+        self.run_mode = MODE_SUM
+        grad[:] = 0.0
+        if order.shape[0] == 0:
+            return 0.0, 0
+        self._launch(backend)
+        self.p_params = NULL
+        acc = np.asarray(grad)
+        for t in range(T):
+            if self.seen[t] > 0:
+                acc += np.asarray(self.work[t, self.g_off:self.g_off + n])
+        return float(np.sum(self.loss)), int(np.sum(self.seen))
+
+    def _launch(self, str backend):
+        cdef int t, T = self.threads
         if T == 1:
             with nogil:
                 self._run(0)
@@ -335,9 +452,15 @@ cdef class HogwildEngine:
             self._thread_main(0)
             for w in workers:
                 w.join()
-        self.p_params = NULL
-        self.p_delta = NULL
-        return float(np.sum(self.loss)), int(np.sum(self.seen))
+
+    def sparse_step_count(self):
+        """Steps, over all threads and calls so far, whose first layer used the nonzeros."""
+        return int(np.sum(self.sparse_steps))
+
+    @staticmethod
+    def zero_skipping_available():
+        """True when this CPU runs the zero-skipping kernels (AVX-512F)."""
+        return bool(hp_zskip_available())
 
     def loss_and_grad(self, const float[::1] params, const float[:, ::1] x,
                       const int64_t[::1] y, float[::1] grad):

@@ -1,0 +1,140 @@
+"""The zero-skipping first layer (ext/spmm.h) against BLAS, in every engine mode, and the
+threaded gradient sum Sandblaster uses.
+
+Each test runs the same engine call twice, with ``zero_skip=1`` (skip zeros whenever there
+is any) and ``zero_skip=0`` (BLAS only), and against ``hpcps.model.MLP``; shapes are odd on
+purpose: inputs not a multiple of the 4-input blocks, outputs not a multiple of the
+64-column panels or of 16 lanes, batches not a multiple of the 4-row blocks.
+"""
+import numpy as np
+import pytest
+
+from hpcps import hogwild
+from hpcps.errors import ConfigError
+from hpcps.hogwild import HogwildEngine
+from hpcps.model import MLP
+
+pytestmark = pytest.mark.skipif(
+    not hogwild.HAVE_EXTENSION or not HogwildEngine((2, 2), threads=1, batch=1).zero_skipping,
+    reason="zero skipping needs the compiled engine on a CPU with AVX-512F",
+)
+
+SHAPES = [((13, 70, 5, 7), 9), ((7, 3), 1), ((31, 129, 2), 11), ((64, 64, 10), 16),
+          ((787, 200, 10), 37)]
+
+
+def _sparse_data(n, n_in, n_out, density, seed=0):
+    """Inputs with about ``density`` nonzeros, clustered like image strokes, plus one
+    all-zero row and one all-zero column so whole blocks are skipped."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((n, n_in), dtype=np.float32)
+    x[rng.random((n, n_in)) >= density] = 0.0
+    x[:, n_in // 2] = 0.0
+    if n > 1:
+        x[n // 2] = 0.0
+    y = rng.integers(0, n_out, n)
+    return x, y
+
+
+def _engines(sizes, threads=1, batch=16, activation="relu"):
+    return (HogwildEngine(sizes, activation, threads=threads, batch=batch, zero_skip=1.0),
+            HogwildEngine(sizes, activation, threads=threads, batch=batch, zero_skip=0.0))
+
+
+@pytest.mark.parametrize("sizes,rows", SHAPES)
+@pytest.mark.parametrize("density", [0.0, 0.05, 0.3, 1.0])
+def test_gradient_matches_blas_and_mlp(sizes, rows, density):
+    model = MLP(sizes, "relu")
+    params = model.init_params(3)
+    x, y = _sparse_data(rows, sizes[0], sizes[-1], density, seed=rows)
+    skip, dense = _engines(sizes, batch=rows)
+    loss_s, g_s = skip.loss_and_grad(params, x, y)
+    loss_d, g_d = dense.loss_and_grad(params, x, y)
+    loss_m, g_m = model.loss_and_grad(params, x, y)
+    assert skip.zero_skip_steps == 1 and dense.zero_skip_steps == 0
+    assert loss_s == pytest.approx(loss_d, rel=1e-6)
+    assert loss_s == pytest.approx(loss_m, rel=1e-5)
+    scale = max(float(np.abs(g_m).max()), 1e-12)
+    np.testing.assert_allclose(g_s, g_d, rtol=1e-5, atol=1e-6 * scale)
+    np.testing.assert_allclose(g_s, g_m, rtol=1e-4, atol=1e-5 * scale)
+    # the first layer's gradient is exactly zero where the input column is all zero
+    W0 = model.views(g_s)[model.layout[0][0]]
+    assert not W0[sizes[0] // 2].any()
+
+
+@pytest.mark.parametrize("with_delta", [False, True])
+@pytest.mark.parametrize("sizes", [(31, 129, 2), (787, 200, 10)])
+def test_one_thread_training_matches_blas(sizes, with_delta):
+    """One thread is sequential SGD, so zero skipping must give the BLAS run's weights."""
+    x, y = _sparse_data(300, sizes[0], sizes[-1], 0.2, seed=4)
+    start = MLP(sizes, "relu").init_params(5)
+    out = {}
+    for name, engine in zip(("skip", "dense"), _engines(sizes, batch=13)):
+        p = start.copy()
+        d = np.zeros_like(p) if with_delta else None
+        loss, n = engine.train(p, x, y, np.arange(300), 0.05, delta=d)
+        out[name] = (p, d, loss, n, engine.zero_skip_steps)
+    p_s, d_s, loss_s, n_s, steps_s = out["skip"]
+    p_d, d_d, loss_d, n_d, steps_d = out["dense"]
+    assert n_s == n_d == 300 and steps_s == 24 and steps_d == 0   # ceil(300 / 13)
+    assert loss_s == pytest.approx(loss_d, rel=1e-5)
+    assert np.abs(p_s - start).max() > 1e-3                       # it trained
+    np.testing.assert_allclose(p_s, p_d, rtol=1e-4, atol=1e-6)
+    if with_delta:
+        np.testing.assert_allclose(d_s, p_s - start, rtol=1e-3, atol=1e-6)
+        np.testing.assert_allclose(d_s, d_d, rtol=1e-4, atol=1e-6)
+
+
+def test_threshold_decides_per_batch():
+    """zero_skip is the largest fraction of dense work for which zeros are skipped."""
+    sizes = (64, 32, 10)
+    dense_x, y = _sparse_data(8, 64, 10, 1.0, seed=1)
+    dense_x[:, 0] = 1.0                               # no zero column: nothing to skip
+    sparse_x = np.zeros_like(dense_x)
+    sparse_x[:, :8] = 1.0                             # 8 of 64 columns: 1/8 of the work
+    p = MLP(sizes, "relu").init_params(0)
+    engine = HogwildEngine(sizes, threads=1, batch=8, zero_skip=0.5)
+    engine.loss_and_grad(p, sparse_x, y)
+    assert engine.zero_skip_steps == 1
+    engine.loss_and_grad(p, np.ascontiguousarray(dense_x), y)
+    assert engine.zero_skip_steps == 1                # the dense batch used BLAS
+    with pytest.raises(ConfigError):
+        HogwildEngine(sizes, zero_skip=1.5)
+    with pytest.raises(ConfigError):
+        HogwildEngine(sizes, zero_skip="lots")
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("zero_skip", [0.0, 1.0])
+def test_gradient_sum_is_the_sum_of_example_gradients(threads, zero_skip):
+    sizes = (29, 40, 6)
+    model = MLP(sizes, "tanh")
+    params = model.init_params(2)
+    x, y = _sparse_data(200, 29, 6, 0.3, seed=7)
+    rows = np.random.default_rng(0).permutation(200)[:157]
+    engine = HogwildEngine(sizes, "tanh", threads=threads, batch=10, zero_skip=zero_skip)
+    loss_sum, grad, n = engine.gradient_sum(params, x, y, rows)
+    want_loss, want = model.loss_and_grad(params, x[rows], y[rows])
+    assert n == 157
+    assert loss_sum == pytest.approx(want_loss * 157, rel=1e-5)
+    np.testing.assert_allclose(grad, want * 157, rtol=1e-4,
+                               atol=1e-5 * float(np.abs(want * 157).max()))
+    # deterministic: nothing is updated, threads sum into their own buffers
+    again = engine.gradient_sum(params, x, y, rows)[1]
+    np.testing.assert_array_equal(again, grad)
+    # empty rows: zero gradient, nothing seen
+    loss0, g0, n0 = engine.gradient_sum(params, x, y, rows[:0], grad)
+    assert (loss0, n0) == (0.0, 0) and not g0.any()
+
+
+def test_gradient_sum_checks_inputs():
+    sizes = (5, 4, 3)
+    engine = HogwildEngine(sizes, threads=2, batch=4)
+    p = MLP(sizes, "relu").init_params(0)
+    x, y = _sparse_data(10, 5, 3, 0.5)
+    with pytest.raises(ValueError, match="outside"):
+        engine.gradient_sum(p, x, y, np.array([0, 10]))
+    with pytest.raises(ValueError, match="rows"):
+        engine.gradient_sum(p, x, y, np.array([0.5]))
+    with pytest.raises(ValueError, match="overlap"):
+        engine.gradient_sum(p, x, y, np.arange(3), grad=p)
