@@ -5,7 +5,8 @@ default MLP 784-512-512-10 and for 784-1024-1024-10, mini-batch 128, with T = 1 
 threads (Python-thread backend; T = 2 also with the OpenMP backend and with ``delta``, the
 accumulation a replica pushes), and, when ``torch`` imports, the same model trained by
 PyTorch in the same run (``torch.set_num_threads(T)``, ``nn.Linear`` layers, plain SGD,
-same batch, same gathered examples). Configurations are interleaved within each repeat so
+same batch, same gathered examples). ``hogwild_T*_no_zero_skip`` is the engine with
+``zero_skip=0`` (BLAS for the first layer too), to show what skipping zeros is worth. Configurations are interleaved within each repeat so
 load from other jobs on the machine hits all of them alike. ``examples_per_s`` is the
 median over repeats, ``best_examples_per_s`` the fastest repeat (the one least disturbed by
 other jobs); ratios are given for both and for examples per CPU-second.
@@ -56,6 +57,7 @@ def machine():
         "python": platform.python_version(),
         "numpy": np.__version__,
         "hogwild_compiled": hogwild.HAVE_EXTENSION,
+        "zero_skip_kernels": hogwild.HogwildEngine((2, 2), batch=1).zero_skipping,
         "OPENBLAS_NUM_THREADS": os.environ.get("OPENBLAS_NUM_THREADS"),
         "torch": torch.__version__ if torch is not None else None,
     }
@@ -88,9 +90,10 @@ class Timer:
         return False
 
 
-def hogwild_runner(sizes, threads, x, y, steps, backend="threads", with_delta=False):
+def hogwild_runner(sizes, threads, x, y, steps, backend="threads", with_delta=False,
+                   zero_skip=hogwild.ZERO_SKIP):
     engine = hogwild.HogwildEngine(sizes, "relu", threads=threads, batch=BATCH,
-                                   backend=backend)
+                                   backend=backend, zero_skip=zero_skip)
     params = MLP(sizes, "relu").init_params(0)
     delta = np.zeros_like(params) if with_delta else None
     rng = np.random.default_rng(threads)
@@ -172,6 +175,9 @@ def main():
             "hogwild_T2_openmp": hogwild_runner(sizes, 2, x, y, args.steps, backend="openmp"),
             "hogwild_T1_delta": hogwild_runner(sizes, 1, x, y, args.steps, with_delta=True),
             "hogwild_T2_delta": hogwild_runner(sizes, 2, x, y, args.steps, with_delta=True),
+            # BLAS for every layer: what zero skipping in the first layer is worth
+            "hogwild_T1_no_zero_skip": hogwild_runner(sizes, 1, x, y, args.steps, zero_skip=0),
+            "hogwild_T2_no_zero_skip": hogwild_runner(sizes, 2, x, y, args.steps, zero_skip=0),
         }
         if torch is not None:
             runners["torch_T1"] = torch_runner(sizes, 1, x, y, args.steps)
@@ -182,6 +188,9 @@ def main():
                            ("_per_cpu_s", "examples_per_cpu_s")):
             eps = {k: v[field] for k, v in res.items()}
             ratios["hogwild_T2_over_T1" + tag] = round(eps["hogwild_T2"] / eps["hogwild_T1"], 3)
+            for t in ("T1", "T2"):
+                ratios[f"zero_skip_gain_{t}{tag}"] = round(
+                    eps[f"hogwild_{t}"] / eps[f"hogwild_{t}_no_zero_skip"], 3)
             if torch is not None:
                 for t in ("T1", "T2"):
                     ratios[f"hogwild_over_torch_{t}{tag}"] = round(

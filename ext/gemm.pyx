@@ -16,6 +16,10 @@ them the public API uses):
     over each block while it is still in cache.
 ``sgemm_blas``
     ``op(A) @ B`` through the same sgemm, for the forward and weight-gradient layouts.
+``zero_skip_matmul``, ``zero_skip_update``
+    The Hogwild engine's first-layer products from ``ext/spmm.h`` (AVX-512F), which skip
+    inputs that are zero in a whole 4-row (4-column) block, exposed for tests and
+    ``bench/bench_gemm.py``.
 
 A packed, cache-blocked sgemm in Cython alone was measured here and removed: it reached
 12-18% of OpenBLAS at every training shape (figures in ``hpcps.kernels.gemm``).
@@ -25,6 +29,8 @@ OpenBLAS may start its own threads inside sgemm; the callers (server ranks) run 
 threads over tiles. Input is checked by ``hpcps.kernels.gemm``; these functions repeat
 only the shape checks that memory safety needs.
 """
+import numpy as np
+
 from cython.parallel cimport prange, parallel
 from libc.math cimport sqrtf, tanhf, expf
 from libc.stdlib cimport malloc, free
@@ -220,3 +226,69 @@ def sgemm_blas(const float[:, ::1] A, const float[:, ::1] B, float[:, ::1] out,
     with nogil:
         _sgemm_rm(trans_a, False, M, N, K, 1.0, &A[0, 0], lda, &B[0, 0], N, 0.0,
                   &out[0, 0], N)
+
+
+# -- zero skipping (ext/spmm.h; the Hogwild engine's first layer) --------------------------
+cdef extern from "spmm.h" nogil:
+    ctypedef struct hp_plan:
+        int nb
+    size_t hp_zskip_ints(int nb, int n_in)
+    size_t hp_zskip_floats(int nb, int n_in)
+    int hp_zskip_available()
+    double hp_zskip_plan(hp_plan *pl, int nb, int n_in, const float *X, int *iscratch,
+                         float *fscratch)
+    void hp_zskip_forward(const hp_plan *pl, int n, const float *W, float *Z)
+    void hp_zskip_update(const hp_plan *pl, int n, const float *D, float alpha, float *W,
+                         float *W2)
+
+
+def zero_skip_available():
+    """True when this CPU runs the zero-skipping kernels (AVX-512F)."""
+    return bool(hp_zskip_available())
+
+
+def zero_skip_matmul(const float[:, ::1] X, const float[:, ::1] W, float[:, ::1] Z):
+    """``Z += X @ W`` visiting only the inputs nonzero in each block of 4 rows of X.
+    Returns the fraction of the dense product's work done."""
+    cdef int nb = X.shape[0], n_in = X.shape[1], n = W.shape[1]
+    cdef hp_plan plan
+    cdef double frac
+    if W.shape[0] != n_in or Z.shape[0] != nb or Z.shape[1] != n:
+        raise ValueError("shape mismatch")
+    if not hp_zskip_available():
+        raise RuntimeError("zero skipping needs AVX-512F")
+    if nb == 0 or n_in == 0 or n == 0:
+        return 0.0
+    cdef int[::1] iscr = np.zeros(hp_zskip_ints(nb, n_in), dtype=np.intc)
+    cdef float[::1] fscr = np.zeros(hp_zskip_floats(nb, n_in), dtype=np.float32)
+    with nogil:
+        frac = hp_zskip_plan(&plan, nb, n_in, &X[0, 0], &iscr[0], &fscr[0])
+        hp_zskip_forward(&plan, n, &W[0, 0], &Z[0, 0])
+    return frac
+
+
+def zero_skip_update(const float[:, ::1] X, const float[:, ::1] D, float alpha,
+                     float[:, ::1] W, W2=None):
+    """``W += alpha * X.T @ D`` (and ``W2`` too, when given) visiting only the rows nonzero
+    in each block of 4 columns of X."""
+    cdef int nb = X.shape[0], n_in = X.shape[1], n = D.shape[1]
+    cdef hp_plan plan
+    cdef float[:, ::1] w2
+    cdef float *p2 = NULL
+    if D.shape[0] != nb or W.shape[0] != n_in or W.shape[1] != n:
+        raise ValueError("shape mismatch")
+    if W2 is not None:
+        w2 = W2
+        if w2.shape[0] != n_in or w2.shape[1] != n:
+            raise ValueError("shape mismatch")
+    if not hp_zskip_available():
+        raise RuntimeError("zero skipping needs AVX-512F")
+    if nb == 0 or n_in == 0 or n == 0:
+        return
+    if W2 is not None:
+        p2 = &w2[0, 0]
+    cdef int[::1] iscr = np.zeros(hp_zskip_ints(nb, n_in), dtype=np.intc)
+    cdef float[::1] fscr = np.zeros(hp_zskip_floats(nb, n_in), dtype=np.float32)
+    with nogil:
+        hp_zskip_plan(&plan, nb, n_in, &X[0, 0], &iscr[0], &fscr[0])
+        hp_zskip_update(&plan, n, &D[0, 0], alpha, &W[0, 0], p2)

@@ -230,3 +230,67 @@ def test_fallback_without_extension_agrees():
     s = gemm.sgemm(A, E, trans_a=True)
     want = np.concatenate([W.ravel(), acc.ravel(), out.ravel(), s.ravel()])
     np.testing.assert_allclose(got, want, rtol=GEMM_RTOL, atol=GEMM_ATOL)
+
+
+# -- zero skipping (ext/spmm.h) ------------------------------------------------------------
+needs_zero_skip = pytest.mark.skipif(not gemm.ZERO_SKIP_COMPILED,
+                                     reason="zero skipping needs the extension and AVX-512F")
+# odd on purpose: rows/inputs not multiples of the 4-blocks, outputs not of 64 or 16
+ZS_SHAPES = [(1, 1, 1), (3, 5, 10), (13, 70, 65), (37, 129, 200), (128, 784, 1024),
+             (130, 787, 1000)]
+
+
+def _zs_inputs(B, K, density, seed=0):
+    rng = np.random.default_rng(seed)
+    X = rng.standard_normal((B, K), dtype=np.float32)
+    X[rng.random((B, K)) >= density] = 0.0
+    return X
+
+
+@needs_zero_skip
+@pytest.mark.parametrize("density", [0.0, 0.19, 1.0])
+@pytest.mark.parametrize("B,K,N", ZS_SHAPES)
+def test_zero_skip_matmul_matches_numpy(B, K, N, density):
+    X = _zs_inputs(B, K, density, seed=B)
+    W = np.random.default_rng(1).standard_normal((K, N), dtype=np.float32)
+    out = np.full((B, N), np.nan, dtype=np.float32)   # must be overwritten, not added to
+    gemm.zero_skip_matmul(X, W, out)
+    want = X.astype(np.float64) @ W
+    np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-4 * (np.abs(want).max() + 1))
+
+
+@needs_zero_skip
+@pytest.mark.parametrize("with_w2", [False, True])
+@pytest.mark.parametrize("density", [0.0, 0.19, 1.0])
+@pytest.mark.parametrize("B,K,N", ZS_SHAPES)
+def test_zero_skip_update_matches_numpy(B, K, N, density, with_w2):
+    rng = np.random.default_rng(2)
+    X = _zs_inputs(B, K, density, seed=K)
+    D = rng.standard_normal((B, N), dtype=np.float32)
+    W = rng.standard_normal((K, N), dtype=np.float32)
+    W2 = rng.standard_normal((K, N), dtype=np.float32) if with_w2 else None
+    want = W.astype(np.float64) - 0.3 * (X.astype(np.float64).T @ D)
+    want2 = W2.astype(np.float64) - 0.3 * (X.astype(np.float64).T @ D) if with_w2 else None
+    gemm.zero_skip_update(W, X, D, -0.3, W2)
+    tol = 1e-4 * (np.abs(want).max() + 1)
+    np.testing.assert_allclose(W, want, rtol=1e-4, atol=tol)
+    if with_w2:
+        np.testing.assert_allclose(W2, want2, rtol=1e-4, atol=tol)
+
+
+def test_zero_skip_refuses_bad_input():
+    X = np.zeros((4, 6), np.float32)
+    W = np.zeros((6, 3), np.float32)
+    D = np.zeros((4, 3), np.float32)
+    with pytest.raises(ValueError, match="shape mismatch"):
+        gemm.zero_skip_matmul(X, W.T.copy())
+    with pytest.raises(ValueError, match="out must have shape"):
+        gemm.zero_skip_matmul(X, W, np.zeros((4, 4), np.float32))
+    with pytest.raises(ValueError, match="overlap"):
+        gemm.zero_skip_update(W, X, D, 1.0, W2=W)
+    with pytest.raises(ValueError, match="finite"):
+        gemm.zero_skip_update(W, X, D, float("nan"))
+    with pytest.raises(ValueError, match="shape mismatch"):
+        gemm.zero_skip_update(W, X, D[:3], 1.0)
+    with pytest.raises(ValueError):
+        gemm.zero_skip_update(W, X.astype(np.float64), D, 1.0)

@@ -40,6 +40,12 @@ thread, medians; this machine does ~150 GFLOP/s per core in sgemm when idle, and
 ``sgemm(A, B, out, trans_a=False)``
     ``op(A) @ B`` through ``scipy.linalg.cython_blas.sgemm`` (releases the GIL; OpenBLAS).
     The two layouts training needs: ``X @ W`` (forward) and ``X.T @ D`` (weight gradient).
+``zero_skip_matmul(X, W, out)``, ``zero_skip_update(W, X, D, alpha, W2=None)``
+    The first layer's two products for inputs with many zeros (``ext/spmm.h``; the
+    Hogwild engine uses them): register-blocked 4 x 64 AVX-512 micro-kernels that, per
+    block of 4 rows (forward) or 4 input columns (update), visit only the inputs nonzero
+    somewhere in the block. On CPUs without AVX-512F (``ZERO_SKIP_COMPILED`` False) the
+    NumPy references run. Figures: README, "Kernels"; ``bench/bench_gemm.py``.
 
 Not kept: a packed, cache-blocked sgemm in Cython alone (Goto/BLIS structure: packed A and
 B panels, KC=256, MC=96, NC=2048, a 4x8 register-blocked micro-kernel with constant trip
@@ -73,10 +79,13 @@ ACTIVATIONS = ("none", "relu", "tanh", "sigmoid")
 _COMPILED_ACTS = ("none", "relu")
 
 _gemm, HAVE_EXTENSION = load_extension("_gemm", None, "hpcps.kernels.gemm")
+ZERO_SKIP_COMPILED = _gemm is not None and _gemm.zero_skip_available()
 
 __all__ = [
-    "ACTIVATIONS", "HAVE_EXTENSION", "fused_outer_adagrad", "gemm_bias_act", "sgemm",
+    "ACTIVATIONS", "HAVE_EXTENSION", "ZERO_SKIP_COMPILED", "fused_outer_adagrad",
+    "gemm_bias_act", "sgemm", "zero_skip_matmul", "zero_skip_update",
     "outer_adagrad_reference", "gemm_bias_act_reference", "sgemm_reference",
+    "zero_skip_update_reference",
 ]
 
 
@@ -128,6 +137,14 @@ def gemm_bias_act_reference(X, W, b, act, out):
 def sgemm_reference(A, B, out, trans_a=False):
     """``out = op(A) @ B`` in NumPy; returns ``out``."""
     return np.matmul(A.T if trans_a else A, B, out=out)
+
+
+def zero_skip_update_reference(W, X, D, alpha, W2=None):
+    """``W += alpha * X.T @ D`` (and ``W2``) in NumPy."""
+    G = np.float32(alpha) * (X.T @ D)
+    W += G
+    if W2 is not None:
+        W2 += G
 
 
 # --------------------------------------------------------------------------- public API
@@ -287,3 +304,89 @@ def sgemm(A, B, out=None, trans_a=False):
         return sgemm_reference(A, B, out, trans_a)
     _gemm.sgemm_blas(A, B, out, trans_a)
     return out
+
+
+def zero_skip_matmul(X, W, out=None):
+    """``out = X @ W``, skipping the inputs that are zero in a whole block of 4 rows of X.
+
+    Parameters
+    ----------
+    X : numpy.ndarray
+        (B, K) float32 C-contiguous, typically mostly zeros (a mini-batch of images).
+    W : numpy.ndarray
+        (K, N) float32 C-contiguous.
+    out : numpy.ndarray, optional
+        (B, N) float32 C-contiguous; allocated when None.
+
+    Returns
+    -------
+    numpy.ndarray
+        ``out``.
+
+    Raises
+    ------
+    ValueError
+        On arrays that are not 2-D float32 C-contiguous, disagreeing shapes, or an ``out``
+        that is read-only or overlaps an input.
+    """
+    _check_matrix("X", X)
+    _check_matrix("W", W)
+    B, K = X.shape
+    if W.shape[0] != K:
+        raise ValueError(f"shape mismatch: X {X.shape} @ W {W.shape}")
+    N = W.shape[1]
+    if out is None:
+        out = np.empty((B, N), dtype=np.float32)
+    else:
+        _check_matrix("out", out, writable=True)
+        if out.shape != (B, N):
+            raise ValueError(f"out must have shape {(B, N)}, got {out.shape}")
+        _check_no_overlap([("out", out)], [("X", X), ("W", W)])
+    if not ZERO_SKIP_COMPILED:
+        return np.matmul(X, W, out=out)
+    out[...] = 0.0
+    _gemm.zero_skip_matmul(X, W, out)
+    return out
+
+
+def zero_skip_update(W, X, D, alpha, W2=None):
+    """``W += alpha * X.T @ D`` (and the same into ``W2``), skipping, for each block of 4
+    columns of X, the rows where all 4 are zero. The gradient is never formed.
+
+    Parameters
+    ----------
+    W : numpy.ndarray
+        (K, N) float32 C-contiguous, updated in place.
+    X : numpy.ndarray
+        (B, K) float32 C-contiguous inputs.
+    D : numpy.ndarray
+        (B, N) float32 C-contiguous error terms.
+    alpha : float
+        Scale, e.g. ``-lr``.
+    W2 : numpy.ndarray, optional
+        (K, N) float32, also updated (a replica's running delta).
+
+    Raises
+    ------
+    ValueError
+        On arrays that are not 2-D float32 C-contiguous, disagreeing shapes, a non-finite
+        ``alpha``, a read-only ``W``/``W2`` or one that overlaps another array.
+    """
+    _check_matrix("W", W, writable=True)
+    _check_matrix("X", X)
+    _check_matrix("D", D)
+    alpha = _check_scalar("alpha", alpha)
+    B, K = X.shape
+    if D.shape[0] != B or W.shape != (K, D.shape[1]):
+        raise ValueError(f"shape mismatch: W {W.shape} += X.T {X.shape[::-1]} @ D {D.shape}")
+    outs = [("W", W)]
+    if W2 is not None:
+        _check_matrix("W2", W2, writable=True)
+        if W2.shape != W.shape:
+            raise ValueError(f"W2 must have shape {W.shape}, got {W2.shape}")
+        outs.append(("W2", W2))
+    _check_no_overlap(outs, [("X", X), ("D", D)])
+    if not ZERO_SKIP_COMPILED:
+        zero_skip_update_reference(W, X, D, alpha, W2)
+        return
+    _gemm.zero_skip_update(X, D, alpha, W, W2)
