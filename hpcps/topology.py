@@ -145,6 +145,27 @@ def world_comm():
     return MPI.COMM_WORLD.Dup()
 
 
+def check_thread_support(threads: int, partitions: int, provided: int | None = None) -> None:
+    """Refuse ``--threads T --partitions P`` (T, P > 1) unless MPI gives MPI_THREAD_MULTIPLE:
+    then T threads of one rank each run collectives with the other partitions at once.
+    ``provided`` is the thread level to judge (default: what this process got)."""
+    if threads <= 1 or partitions <= 1:
+        return
+    from mpi4py import MPI
+    if provided is None:
+        provided = MPI.Query_thread()
+    if provided < MPI.THREAD_MULTIPLE:
+        names = {MPI.THREAD_SINGLE: "MPI_THREAD_SINGLE", MPI.THREAD_FUNNELED:
+                 "MPI_THREAD_FUNNELED", MPI.THREAD_SERIALIZED: "MPI_THREAD_SERIALIZED"}
+        raise ConfigError(
+            f"--threads {threads} with --partitions {partitions} needs an MPI library with "
+            f"MPI_THREAD_MULTIPLE (each of the {threads} threads exchanges activations with "
+            f"the other partitions at the same time), but this one provides only "
+            f"{names.get(provided, provided)}: use an MPI built with thread support (MPICH "
+            "--enable-threads=multiple, Open MPI --enable-mpi-thread-multiple), or "
+            "--threads 1, or --partitions 1")
+
+
 def abort(code: int) -> None:
     """End every rank of the job now (one failing rank must never leave the others hanging)."""
     from mpi4py import MPI

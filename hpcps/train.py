@@ -38,7 +38,7 @@ from hpcps.model import MLP, PartitionedMLP, SingleExchange
 from hpcps.strategies import HAS_COORDINATOR, NEEDS_SERVERS, STRATEGIES
 from hpcps.strategies.common import (Context, ReplicaExchange, barrier, host,
                                      make_optimizer, state_from_checkpoint)
-from hpcps.topology import Layout, abort, build_grid, world_comm
+from hpcps.topology import Layout, abort, build_grid, check_thread_support, world_comm
 
 
 def _agree(world, fn, *args):
@@ -110,6 +110,7 @@ def _setup(cfg: config.Config, world, layout: Layout, info, ckpt, run_dir: Path)
     P = layout.partitions
     if P > 1:  # refuse a layer narrower than P on every rank before any communication
         PartitionedMLP(cfg.layers, cfg.activation, P, 0)
+    check_thread_support(cfg.threads, P)
     grid = build_grid(world, layout)
     opt = make_optimizer(cfg)
     if ckpt is not None:

@@ -89,6 +89,14 @@ def test_partitions_default_one_shard_each():
     assert config.parse(["--partitions", "2", "--strategy", "sync"]).servers == 0
 
 
+def test_threads_go_with_partitions_in_every_sgd_strategy():
+    for strategy in ("sync", "downpour", "deadreckon"):
+        cfg = config.parse(["--strategy", strategy, "--partitions", "2", "--threads", "2"])
+        assert (cfg.threads, cfg.partitions) == (2, 2)
+    with pytest.raises(ConfigError, match="--threads > 1 is available for"):
+        config.parse(["--strategy", "sandblaster", "--threads", "2"])
+
+
 def test_round_trip_dict():
     cfg = config.parse(["--layers", "64,10"])
     assert config.from_dict(cfg.to_dict()) == cfg

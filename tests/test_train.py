@@ -366,11 +366,41 @@ def test_hogwild_threads_in_every_sgd_strategy(strategy, digits_h5, tmp_path):
     assert s["step"] >= 900 and s["steps_trained"] <= 900 + 2 * 2 * n
 
 
+@pytest.mark.parametrize("strategy,n", [("sync", 4), ("downpour", 4), ("deadreckon", 2)])
+def test_hogwild_threads_in_partitioned_replicas_learn(strategy, n, digits_h5, tmp_path):
+    """--threads 2 --partitions 2: thread t of each partition rank runs its own mini-batch
+    through the replica, over its own duplicate of the replica communicator."""
+    extra = {"sync": [], "downpour": ["--warmup-steps", "20"],
+             "deadreckon": ["--tau", "0.003", "--lr", "0.05"]}[strategy]
+    run = train(n, "--strategy", strategy, "--partitions", "2", "--threads", "2", "--data",
+                str(digits_h5), "--run-dir", str(tmp_path), "--steps", "900", *extra, *QUICK)
+    s = assert_learned(run, tmp_path, digits_h5)
+    assert "x 2 partition(s)" in run.stdout
+    assert s["step"] >= 900 and s["steps_trained"] <= 900 + 2 * 2 * n
+    # the threads' exchanges are counted per mini-batch, as with one thread: 64,32,10 at
+    # batch 16 over 2 partitions sends (16 + 5 + 16) * 16 floats per mini-batch and rank
+    assert s["replica_bytes_per_step"] == 4 * 16 * (16 + 5 + 16), s
+    progress = records(tmp_path, "progress")
+    assert all(p["replica_bytes_per_step"] == s["replica_bytes_per_step"]
+               for p in progress), progress
+
+
+def test_failing_hogwild_thread_of_a_partition_aborts_the_job(digits_h5, tmp_path):
+    run = run_mpi(4, [str(ROOT / "tests" / "scripts" / "failing_hogwild_thread.py"),
+                      "--strategy", "sync", "--partitions", "2", "--threads", "2", "--data",
+                      str(digits_h5), "--run-dir", str(tmp_path), "--steps", "900", *QUICK],
+                  timeout=60)
+    assert run.returncode != 0, run.output
+    assert "rank 1 of 4" in run.stderr and "injected failure on purpose" in run.stderr, \
+        run.output
+    assert "hpcps-hogwild-1" in run.stderr and "in Hogwild thread 1 of 2" in run.stderr
+    assert run.seconds < 30, run.output
+
+
 def test_threads_refused_where_not_wired(digits_h5):
-    for args in (["--strategy", "sandblaster"], ["--strategy", "sync", "--partitions", "2"]):
-        run = train(2, *args, "--threads", "2", "--data", str(digits_h5), "--layers", LAYERS,
-                    timeout=60)
-        assert run.returncode == 2 and "--threads > 1 is available for" in run.stderr
+    run = train(2, "--strategy", "sandblaster", "--threads", "2", "--data", str(digits_h5),
+                "--layers", LAYERS, timeout=60)
+    assert run.returncode == 2 and "--threads > 1 is available for" in run.stderr
 
 
 def test_sandblaster_with_batches_smaller_than_the_training_set(digits_h5, tmp_path):

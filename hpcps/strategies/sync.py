@@ -103,7 +103,7 @@ def run(ctx: Context) -> dict:
     result = {"step": step, "train_s": train_s,
               "examples_per_s": rate((step - ctx.start_step) * cfg.batch_size, train_s),
               "bytes_per_step": bytes_per_update}
-    result.update(model_parallel_figures(ctx, updates, train_s))
+    result.update(model_parallel_figures(ctx, updates * T, train_s))
     if replica == 0:
         full, full_state = gather_state(ctx, params, state)
         if grid.is_chief:
