@@ -161,7 +161,8 @@ HELP = {
     "threads": "Hogwild threads per replica rank (Project Adam): T threads each train on their "
                "own mini-batch, lock-free, in compiled nogil code (with --partitions > 1: "
                "NumPy, thread t of every partition exchanging over its own communicator); "
-               "one replica step then covers T mini-batches (default 1: the plain NumPy path)",
+               "one replica step then covers T mini-batches; sandblaster: T threads sum each portion's "
+               "exact gradient (default 1: the plain NumPy path)",
     "prefetch": "mini-batches a background thread prepares ahead of training (default 2; 0: "
                 "none)",
     "data": "HDF5 dataset (layout in the README); data/mnist.h5 is prepared automatically",
@@ -326,9 +327,6 @@ def validate(cfg: Config) -> Config:
         raise ConfigError(f"--prefetch must be >= 0, got {cfg.prefetch}")
     if cfg.threads < 1:
         raise ConfigError(f"--threads must be at least 1, got {cfg.threads}")
-    if cfg.threads > 1 and cfg.strategy == "sandblaster":
-        raise ConfigError("--threads > 1 is available for downpour, sync and deadreckon in "
-                          "this version")
     if cfg.strategy == "sandblaster" and cfg.lr is not None:
         raise ConfigError("--lr does not apply to --strategy sandblaster: L-BFGS chooses each "
                           "step's length by its line search")

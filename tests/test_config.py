@@ -89,12 +89,11 @@ def test_partitions_default_one_shard_each():
     assert config.parse(["--partitions", "2", "--strategy", "sync"]).servers == 0
 
 
-def test_threads_go_with_partitions_in_every_sgd_strategy():
+def test_threads_go_with_every_strategy():
     for strategy in ("sync", "downpour", "deadreckon"):
         cfg = config.parse(["--strategy", strategy, "--partitions", "2", "--threads", "2"])
         assert (cfg.threads, cfg.partitions) == (2, 2)
-    with pytest.raises(ConfigError, match="--threads > 1 is available for"):
-        config.parse(["--strategy", "sandblaster", "--threads", "2"])
+    assert config.parse(["--strategy", "sandblaster", "--threads", "3"]).threads == 3
 
 
 def test_round_trip_dict():

@@ -397,12 +397,6 @@ def test_failing_hogwild_thread_of_a_partition_aborts_the_job(digits_h5, tmp_pat
     assert run.seconds < 30, run.output
 
 
-def test_threads_refused_where_not_wired(digits_h5):
-    run = train(2, "--strategy", "sandblaster", "--threads", "2", "--data", str(digits_h5),
-                "--layers", LAYERS, timeout=60)
-    assert run.returncode == 2 and "--threads > 1 is available for" in run.stderr
-
-
 def test_sandblaster_with_batches_smaller_than_the_training_set(digits_h5, tmp_path):
     """Each iteration takes the next batch; its line search stays on that batch."""
     run = train(4, "--data", str(digits_h5), "--run-dir", str(tmp_path), "--steps", "40",
