@@ -154,8 +154,14 @@ def model_parallel_figures(ctx: Context, steps: int, seconds: float) -> dict:
 
 
 class GradientSource:
-    """Where a replica's gradient comes from: one mini-batch through ``model.loss_and_grad``,
-    or with ``--threads T`` (T > 1) T mini-batches trained by T Hogwild threads.
+    """Where a replica's gradient comes from: one mini-batch, or with ``--threads T``
+    (T > 1) T mini-batches trained by T Hogwild threads.
+
+    One mini-batch (T = 1) goes through the compiled engine's forward and backward pass
+    (:meth:`hpcps.hogwild.HogwildEngine.loss_and_grad`: BLAS without temporaries, the first
+    layer skipping zero inputs) when the model is whole and the engine is built, else
+    through ``model.loss_and_grad`` (NumPy; always so with P > 1). Both compute the same
+    gradient, to float32 rounding.
 
     The threads each take one SGD step (rate ``--lr``) on a scratch copy of the parameters,
     lock-free, and record the updates they applied; the mean gradient they stand for,
@@ -200,10 +206,18 @@ class GradientSource:
             self.engine = HogwildEngine(cfg.layers, cfg.activation, threads=self.threads,
                                         batch=cfg.batch_size)
             self.order = np.arange(self.batch)
+        self.compiled_one = None
+        if self.threads == 1 and not ctx.partitioned:
+            from hpcps import hogwild
+            if hogwild.HAVE_EXTENSION:
+                self.compiled_one = hogwild.HogwildEngine(cfg.layers, cfg.activation,
+                                                          threads=1, batch=cfg.batch_size)
 
     def __call__(self, params: np.ndarray, x: np.ndarray, y: np.ndarray,
                  grad: np.ndarray) -> float:
         """Mean loss over the examples; ``grad`` receives the mean gradient."""
+        if self.compiled_one is not None:
+            return self.compiled_one.loss_and_grad(params, x, y, grad=grad)[0]
         if self.threads == 1:
             return self.model.loss_and_grad(params, x, y, grad=grad)[0]
         self.scratch[...] = params
