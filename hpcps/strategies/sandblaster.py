@@ -22,10 +22,11 @@ Roles: S server shards, R replicas and one coordinator (the last rank).
 
 A step, for ``--steps`` and the progress line, is one evaluation of a batch.
 
-With ``--threads T`` a replica computes each portion's gradient with T threads of the
-compiled engine (:meth:`hpcps.hogwild.HogwildEngine.gradient_sum`): the portion is split in
-T parts, each thread sums its part's gradients into its own buffer, and the sums are added
-in thread order. There are no Hogwild updates here — L-BFGS needs the exact gradient at the
+A replica computes each portion's gradient with the compiled engine
+(:meth:`hpcps.hogwild.HogwildEngine.gradient_sum`; NumPy's ``model.loss_and_grad`` where the
+engine is not built), with ``--threads T`` in T threads: the portion is split in T parts,
+each thread sums its part's gradients into its own buffer, and the sums are added in thread
+order. There are no Hogwild updates here — L-BFGS needs the exact gradient at the
 point it chose — so the result is deterministic for a given T, and equal to the one-thread
 gradient to rounding.
 """
@@ -368,10 +369,10 @@ def run_replica(ctx: Context) -> dict:
     task = np.zeros(TASK_SLOTS, dtype=np.int64)
     result = np.zeros(RESULT_SLOTS, dtype=np.float64)
     engine = None
-    if cfg.threads > 1:   # T threads sum each portion's gradient (see the module docstring)
-        from hpcps.hogwild import HogwildEngine
-        engine = HogwildEngine(cfg.layers, cfg.activation, threads=cfg.threads,
-                               batch=PORTION_CHUNK)
+    from hpcps import hogwild
+    if cfg.threads > 1 or hogwild.HAVE_EXTENSION:   # see the module docstring
+        engine = hogwild.HogwildEngine(cfg.layers, cfg.activation, threads=cfg.threads,
+                                       batch=PORTION_CHUNK)
     fetch = [Message(hi - lo) for lo, hi in slices]
     push = [Message(hi - lo) for lo, hi in slices]
     ask, ack = Message(0), Message(0)
