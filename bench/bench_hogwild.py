@@ -9,7 +9,9 @@ same batch, same gathered examples). ``hogwild_T*_no_zero_skip`` is the engine w
 ``zero_skip=0`` (BLAS for the first layer too), to show what skipping zeros is worth. Configurations are interleaved within each repeat so
 load from other jobs on the machine hits all of them alike. ``examples_per_s`` is the
 median over repeats, ``best_examples_per_s`` the fastest repeat (the one least disturbed by
-other jobs); ratios are given for both and for examples per CPU-second.
+other jobs); ratios are given for both and for examples per CPU-second, and
+``paired_ratios_median`` is the median over repeats of each repeat's own ratio (the two
+configurations ran back to back, so load that drifts between repeats cancels).
 
 Besides wall-clock examples/s each entry gives examples per CPU-second of this process
 (``time.process_time``, all threads), which shows efficiency even when other jobs take cores away.
@@ -196,7 +198,22 @@ def main():
                     ratios[f"hogwild_over_torch_{t}{tag}"] = round(
                         eps[f"hogwild_{t}"] / eps[f"torch_{t}"], 3)
                 ratios["torch_T2_over_T1" + tag] = round(eps["torch_T2"] / eps["torch_T1"], 3)
-        out["models"][key] = {"results": res, "ratios": ratios}
+        # per-repeat ratios: the two configurations of a ratio ran back to back in the same
+        # repeat, so load that drifts between repeats cancels; their median is the most
+        # robust figure on a shared machine
+        paired = {}
+        samples = {k: v["samples_examples_per_s"] for k, v in res.items()}
+
+        def pair(a, b):
+            return round(statistics.median(x / y for x, y in zip(samples[a], samples[b])), 3)
+
+        paired["hogwild_T2_over_T1"] = pair("hogwild_T2", "hogwild_T1")
+        for t in ("T1", "T2"):
+            paired[f"zero_skip_gain_{t}"] = pair(f"hogwild_{t}", f"hogwild_{t}_no_zero_skip")
+            if torch is not None:
+                paired[f"hogwild_over_torch_{t}"] = pair(f"hogwild_{t}", f"torch_{t}")
+        out["models"][key] = {"results": res, "ratios": ratios,
+                              "paired_ratios_median": paired}
     out["machine"]["loadavg_end"] = os.getloadavg()
     print(json.dumps(out, indent=1))
 
