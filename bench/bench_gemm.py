@@ -4,7 +4,8 @@ At the training shapes (MLP 784-1024-1024-10, batch 128), on one core (OpenBLAS 
 one thread with threadpoolctl, or OPENBLAS_NUM_THREADS=1 set before NumPy is imported):
 
 - sgemm GFLOP/s: NumPy (``np.matmul``), ``scipy.linalg.cython_blas.sgemm`` through
-  ``hpcps.kernels.gemm.sgemm``, and the packed Cython sgemm if the build still has it;
+  ``hpcps.kernels.gemm.sgemm``, the same with Intel MKL's sgemm (``mkl``, when MKL loads:
+  ``hpcps.kernels.blas``), and the packed Cython sgemm if the build still has it;
   forward layouts ``X @ W`` and weight-gradient layouts ``X.T @ D``;
 - ``act(X @ W + b)``: NumPy, the compiled pass for every activation, the public API;
 - the zero-skipping first-layer kernels (``zero_skip_matmul``, ``zero_skip_update``) on
@@ -19,7 +20,8 @@ one thread with threadpoolctl, or OPENBLAS_NUM_THREADS=1 set before NumPy is imp
 
 Every figure is a median over ``--repeats`` calls after one warm-up; ``frac_of_150`` is the
 fraction of 150 GFLOP/s, this machine's single-core sgemm when idle. The machine is shared,
-so compare figures of one run.
+so compare figures of one run. Everything but the sgemm section's ``mkl`` column runs with
+OpenBLAS (``hpcps.kernels.blas.use("openblas")``), whatever ``HPCPS_BLAS`` says.
 
 Usage::
 
@@ -41,7 +43,7 @@ import numpy as np  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from hpcps.kernels import gemm  # noqa: E402
+from hpcps.kernels import blas, gemm  # noqa: E402
 from machine import cpu_model  # noqa: E402  (bench/machine.py)
 
 try:
@@ -57,6 +59,13 @@ try:  # after every BLAS-linking import: threadpoolctl limits only loaded librar
     _LIMIT = threadpool_limits(1)
 except ImportError:
     threadpool_info = None
+
+try:
+    blas.use("mkl")
+    HAVE_MKL = True
+except blas.ConfigError:   # hpcps.errors.ConfigError
+    HAVE_MKL = False
+blas.use("openblas")    # every figure but the sgemm section's mkl column is OpenBLAS's
 
 PEAK = 150e9
 LR, EPS = 0.01, 1e-8
@@ -83,6 +92,23 @@ def median_time(fn, repeats):
     return statistics.median(times)
 
 
+def paired_times(fn, repeats):
+    """``fn`` timed with OpenBLAS and with MKL in alternation, one call each per round (the
+    switch is outside the timed call): medians of both, and the median over rounds of
+    OpenBLAS's time over MKL's (MKL's speedup; load that drifts between rounds cancels)."""
+    t = {"openblas": [], "mkl": []}
+    for r in range(repeats + 1):
+        for name in ("openblas", "mkl") if r % 2 else ("mkl", "openblas"):
+            blas.use(name)
+            t0 = time.perf_counter()
+            fn()
+            t[name].append(time.perf_counter() - t0)
+    blas.use("openblas")
+    ob, mk = t["openblas"][1:], t["mkl"][1:]   # the first round warms up
+    return (statistics.median(ob), statistics.median(mk),
+            statistics.median(a / b for a, b in zip(ob, mk)))
+
+
 def bench_sgemm(repeats, rng):
     rows = []
     for M, K, N, trans_a, what in GEMM_SHAPES:
@@ -94,11 +120,18 @@ def bench_sgemm(repeats, rng):
         impls = {"numpy": lambda: np.matmul(opA, B, out=out)}
         if _gemm is not None:
             impls["cython_blas"] = lambda: gemm.sgemm(A, B, out, trans_a)
+            if HAVE_MKL:   # timed with cython_blas, interleaved: see paired_times
+                impls["mkl"] = None
             if hasattr(_gemm, "sgemm_blocked"):
                 impls["blocked_cython"] = lambda: _gemm.sgemm_blocked(A, B, out, trans_a)
         row = {"shape": what, "M": M, "K": K, "N": N, "trans_a": trans_a}
+        times = {}
+        if "mkl" in impls:
+            times["cython_blas"], times["mkl"], ratio = paired_times(impls["cython_blas"],
+                                                                     repeats)
+            row["mkl_over_cython_blas"] = round(ratio, 3)
         for name, fn in impls.items():
-            t = median_time(fn, repeats)
+            t = times[name] if name in times else median_time(fn, repeats)
             row[name] = {"ms": round(t * 1e3, 4), "gflops": round(flops / t / 1e9, 2),
                          "frac_of_150": round(flops / t / PEAK, 3)}
         rows.append(row)
@@ -255,6 +288,8 @@ def main():
                                             "num_threads")}
                       for d in threadpool_info()] if threadpool_info else None),
             "load_avg_at_start": os.getloadavg(),
+            "mkl": ({k: v for k, v in blas.info().items() if k != "blas"} if HAVE_MKL
+                    else {"mkl_error": blas.mkl_error}),
         },
         "have_extension": gemm.HAVE_EXTENSION,
         "blocked_cython_sgemm_built": _gemm is not None and hasattr(_gemm, "sgemm_blocked"),

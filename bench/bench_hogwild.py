@@ -6,7 +6,10 @@ threads (Python-thread backend; T = 2 also with the OpenMP backend and with ``de
 accumulation a replica pushes), and, when ``torch`` imports, the same model trained by
 PyTorch in the same run (``torch.set_num_threads(T)``, ``nn.Linear`` layers, plain SGD,
 same batch, same gathered examples). ``hogwild_T*_no_zero_skip`` is the engine with
-``zero_skip=0`` (BLAS for the first layer too), to show what skipping zeros is worth. Configurations are interleaved within each repeat so
+``zero_skip=0`` (BLAS for the first layer too), to show what skipping zeros is worth.
+Every ``hogwild_*`` runs with OpenBLAS's sgemm except ``hogwild_T*_mkl``, the engine with
+Intel MKL's (``hpcps.kernels.blas``; present when MKL loads; each run switches the
+kernels' sgemm before its timer starts). Configurations are interleaved within each repeat so
 load from other jobs on the machine hits all of them alike. ``examples_per_s`` is the
 median over repeats, ``best_examples_per_s`` the fastest repeat (the one least disturbed by
 other jobs); ratios are given for both and for examples per CPU-second, and
@@ -37,6 +40,7 @@ import numpy as np  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hpcps import hogwild  # noqa: E402
+from hpcps.kernels import blas  # noqa: E402
 from hpcps.model import MLP  # noqa: E402
 from machine import cpu_model  # noqa: E402  (bench/machine.py)
 
@@ -62,6 +66,7 @@ def machine():
         "zero_skip_kernels": hogwild.HogwildEngine((2, 2), batch=1).zero_skipping,
         "OPENBLAS_NUM_THREADS": os.environ.get("OPENBLAS_NUM_THREADS"),
         "torch": torch.__version__ if torch is not None else None,
+        "mkl": {k: v for k, v in blas.info().items() if k != "blas"},
     }
     try:
         import scipy
@@ -93,7 +98,7 @@ class Timer:
 
 
 def hogwild_runner(sizes, threads, x, y, steps, backend="threads", with_delta=False,
-                   zero_skip=hogwild.ZERO_SKIP):
+                   zero_skip=hogwild.ZERO_SKIP, blas_name="openblas"):
     engine = hogwild.HogwildEngine(sizes, "relu", threads=threads, batch=BATCH,
                                    backend=backend, zero_skip=zero_skip)
     params = MLP(sizes, "relu").init_params(0)
@@ -102,6 +107,7 @@ def hogwild_runner(sizes, threads, x, y, steps, backend="threads", with_delta=Fa
 
     def run(n_steps):
         order = rng.permutation(len(y))[:threads * n_steps * BATCH]
+        blas.use(blas_name)
         with Timer() as t:
             _, n = engine.train(params, x, y, order, LR, steps_per_thread=n_steps, delta=delta)
         return n, t
@@ -166,6 +172,12 @@ def main():
     log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
 
     x, y = load_mnist(args.data)
+    try:   # after `import torch` (top of this file): see hpcps.kernels.blas, "PyTorch"
+        blas.use("mkl")
+        have_mkl = True
+    except blas.ConfigError:   # hpcps.errors.ConfigError
+        have_mkl = False
+    blas.use("openblas")
     out = {"machine": machine(), "batch": BATCH, "lr": LR, "repeats": args.repeats,
            "steps_per_thread": args.steps, "models": {}}
     for sizes in MODELS:
@@ -181,6 +193,11 @@ def main():
             "hogwild_T1_no_zero_skip": hogwild_runner(sizes, 1, x, y, args.steps, zero_skip=0),
             "hogwild_T2_no_zero_skip": hogwild_runner(sizes, 2, x, y, args.steps, zero_skip=0),
         }
+        if have_mkl:
+            runners["hogwild_T1_mkl"] = hogwild_runner(sizes, 1, x, y, args.steps,
+                                                       blas_name="mkl")
+            runners["hogwild_T2_mkl"] = hogwild_runner(sizes, 2, x, y, args.steps,
+                                                       blas_name="mkl")
         if torch is not None:
             runners["torch_T1"] = torch_runner(sizes, 1, x, y, args.steps)
             runners["torch_T2"] = torch_runner(sizes, 2, x, y, args.steps)
@@ -212,6 +229,11 @@ def main():
             paired[f"zero_skip_gain_{t}"] = pair(f"hogwild_{t}", f"hogwild_{t}_no_zero_skip")
             if torch is not None:
                 paired[f"hogwild_over_torch_{t}"] = pair(f"hogwild_{t}", f"torch_{t}")
+            if have_mkl:
+                paired[f"mkl_gain_{t}"] = pair(f"hogwild_{t}_mkl", f"hogwild_{t}")
+                if torch is not None:
+                    paired[f"hogwild_mkl_over_torch_{t}"] = pair(f"hogwild_{t}_mkl",
+                                                                 f"torch_{t}")
         out["models"][key] = {"results": res, "ratios": ratios,
                               "paired_ratios_median": paired}
     out["machine"]["loadavg_end"] = os.getloadavg()

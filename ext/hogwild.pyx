@@ -34,7 +34,7 @@ from libc.math cimport expf, logf, tanhf
 from libc.stdint cimport int64_t
 from libc.string cimport memcpy
 from libc.string cimport memset
-from scipy.linalg.cython_blas cimport sgemm
+from scipy.linalg.cython_blas cimport sgemm as _scipy_sgemm
 
 cdef extern from "spmm.h" nogil:
     ctypedef struct hp_plan:
@@ -67,6 +67,29 @@ ACTIVATIONS = {"relu": ACT_RELU, "tanh": ACT_TANH, "sigmoid": ACT_SIGMOID}
 
 cdef inline Py_ssize_t _aligned(Py_ssize_t n) noexcept nogil:
     return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+# sgemm's Fortran interface (column-major, every argument by pointer, 32-bit ints).
+ctypedef void (*sgemm_fn)(char *transa, char *transb, int *m, int *n, int *k, float *alpha,
+                          float *a, int *lda, float *b, int *ldb, float *beta, float *c,
+                          int *ldc) noexcept nogil
+
+# The sgemm every thread calls: scipy's (OpenBLAS) unless hpcps.kernels.blas points it at
+# another library's (MKL's) with _set_sgemm.
+cdef sgemm_fn sgemm = _scipy_sgemm
+
+
+def _set_sgemm(size_t address):
+    """Make the engine call the Fortran ``sgemm`` at ``address`` (LP64, single-threaded);
+    0 goes back to ``scipy.linalg.cython_blas.sgemm``. Used by ``hpcps.kernels.blas``;
+    not while an engine runs."""
+    global sgemm
+    sgemm = _scipy_sgemm if address == 0 else <sgemm_fn>address
+
+
+def _get_sgemm():
+    """Address of the sgemm the engine calls (``_set_sgemm``'s argument, or scipy's)."""
+    return <size_t>sgemm
 
 
 cdef inline void _gemm(char ta, char tb, int m, int n, int k, float alpha,

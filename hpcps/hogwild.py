@@ -58,7 +58,9 @@ Threads and BLAS
 Every thread calls ``sgemm`` itself, so BLAS must not start threads of its own (T threads
 each asking OpenBLAS for 2 would oversubscribe the cores and serialize on its pool). Set
 ``OPENBLAS_NUM_THREADS=1`` before numpy/scipy load; where ``threadpoolctl`` is installed,
-``train`` also limits BLAS to one thread for the duration of the call.
+``train`` also limits BLAS to one thread for the duration of the call. That sgemm is
+OpenBLAS's (scipy's) or Intel MKL's, loaded sequential, when ``hpcps.kernels.blas`` chooses
+it (``HPCPS_BLAS``, read when the first engine is created).
 
 Zero skipping
 -------------
@@ -87,7 +89,7 @@ import operator
 import numpy as np
 
 from hpcps.errors import ConfigError
-from hpcps.kernels import load_extension
+from hpcps.kernels import blas, load_extension
 from hpcps.model import MLP
 
 _compiled, _ = load_extension("_hogwild", None, "hpcps.hogwild")
@@ -191,6 +193,7 @@ class HogwildEngine:
         self.n_params = self.model.n_params
         self.compiled = HAVE_EXTENSION
         if self.compiled:
+            blas.ensure()                            # HPCPS_BLAS, at the first engine
             self._engine = _compiled.HogwildEngine(self.sizes, activation, self.threads,
                                                    self.batch, zero_skip)
         else:

@@ -38,7 +38,7 @@ thread, medians; this machine does ~150 GFLOP/s per core in sgemm when idle, and
     bias+act while a block is hot measured ~2x slower at N=1024 (OpenBLAS re-packs W per
     block) and is not used by default.
 ``sgemm(A, B, out, trans_a=False)``
-    ``op(A) @ B`` through ``scipy.linalg.cython_blas.sgemm`` (releases the GIL; OpenBLAS).
+    ``op(A) @ B`` through the kernels' sgemm (releases the GIL; see "BLAS" below).
     The two layouts training needs: ``X @ W`` (forward) and ``X.T @ D`` (weight gradient).
 ``zero_skip_matmul(X, W, out)``, ``zero_skip_update(W, X, D, alpha, W2=None)``
     The first layer's two products for inputs with many zeros (``ext/spmm.h``; the
@@ -57,6 +57,10 @@ better (6-11 GFLOP/s; before a guard was added, GCC 12 vectorized the k loop as 
 reductions with gathers, ~2 GFLOP/s), and a 6x16 block was worse still (~1 GFLOP/s,
 spills). It lost at every shape, so it was removed, and ``sgemm`` above calls OpenBLAS.
 
+BLAS: the compiled kernels call ``scipy.linalg.cython_blas.sgemm`` (OpenBLAS), or Intel
+MKL's sgemm (LP64, sequential) when ``hpcps.kernels.blas`` chooses it (``HPCPS_BLAS``, read
+at the first call of a function below; the figures above are OpenBLAS's).
+
 OpenBLAS may start its own threads inside sgemm. Server ranks run with
 ``OPENBLAS_NUM_THREADS=1`` (``hpcps.train`` sets it); ``threads`` here are OpenMP threads
 over tiles, and with both set above 1 the two multiply.
@@ -73,6 +77,7 @@ import operator
 import numpy as np
 
 from . import _check_array, _check_no_overlap, _check_scalar, load_extension, reference
+from . import blas as _blas
 
 ACTIVATIONS = ("none", "relu", "tanh", "sigmoid")
 # Activations whose compiled pass beats NumPy's (see the module docstring).
@@ -203,6 +208,7 @@ def fused_outer_adagrad(W, accum, A, E, lr, eps, threads=1, tile_m=512, tile_n=5
     if _gemm is None:
         outer_adagrad_reference(W, accum, A, E, lr, eps)
     else:
+        _blas.ensure()
         _gemm.fused_outer_adagrad(W, accum, A, E, lr, eps, threads, tile_m, tile_n)
 
 
@@ -251,6 +257,7 @@ def gemm_bias_act(X, W, b, act, out=None):
         _check_no_overlap([("out", out)], [("X", X), ("W", W), ("b", b)])
     if _gemm is None:
         return gemm_bias_act_reference(X, W, b, act, out)
+    _blas.ensure()
     if act in _COMPILED_ACTS:
         _gemm.gemm_bias_act(X, W, b, act, out)
     else:
@@ -260,7 +267,8 @@ def gemm_bias_act(X, W, b, act, out=None):
 
 
 def sgemm(A, B, out=None, trans_a=False):
-    """``out = op(A) @ B`` in float32 through OpenBLAS's sgemm, without the GIL.
+    """``out = op(A) @ B`` in float32 through BLAS sgemm (OpenBLAS, or MKL: see
+    ``hpcps.kernels.blas``), without the GIL.
 
     Parameters
     ----------
@@ -302,6 +310,7 @@ def sgemm(A, B, out=None, trans_a=False):
         _check_no_overlap([("out", out)], [("A", A), ("B", B)])
     if _gemm is None:
         return sgemm_reference(A, B, out, trans_a)
+    _blas.ensure()
     _gemm.sgemm_blas(A, B, out, trans_a)
     return out
 
