@@ -17,10 +17,13 @@ mixes with a user's own.
 """
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 from hpcps.data import block_range
 from hpcps.errors import ConfigError
+
+ABORT_GRACE_S = 0.5  # seconds a failing rank's last output gets before the job is killed
 
 
 @dataclass(frozen=True)
@@ -167,8 +170,21 @@ def check_thread_support(threads: int, partitions: int, provided: int | None = N
 
 
 def abort(code: int) -> None:
-    """End every rank of the job now (one failing rank must never leave the others hanging)."""
+    """End every rank of the job now (one failing rank must never leave the others hanging).
+
+    Output is flushed and given a moment to travel first: mpiexec forwards each rank's
+    stdout/stderr through its process manager, and an abort that kills the job at once
+    lost the failing rank's last message in about one run in five (measured with a test
+    whose Hogwild thread fails)."""
+    import time
+
     from mpi4py import MPI
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    time.sleep(ABORT_GRACE_S)
     MPI.COMM_WORLD.Abort(code)
 
 
