@@ -30,7 +30,8 @@ def kernel(name: str) -> Extension:
         f"hpcps.kernels._{name}",
         [f"ext/{name}.pyx"],
         include_dirs=[np.get_include(), "ext"],
-        depends=["ext/spmm.h"] if name in ("hogwild", "gemm") else [],
+        depends=(["ext/spmm.h", "ext/spmm.pxd", "ext/sgemm_ptr.pxi"]
+                 if name in ("hogwild", "gemm") else []),
         extra_compile_args=compile_args,
         extra_link_args=link_args,
         define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],

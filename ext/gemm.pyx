@@ -35,29 +35,8 @@ from cython.parallel cimport prange, parallel
 from libc.math cimport sqrtf, tanhf, expf
 from libc.stdlib cimport malloc, free
 from libc.string cimport memset
-from scipy.linalg.cython_blas cimport sgemm as _scipy_sgemm
 
-# sgemm's Fortran interface (column-major, every argument by pointer, 32-bit ints).
-ctypedef void (*sgemm_fn)(char *transa, char *transb, int *m, int *n, int *k, float *alpha,
-                          float *a, int *lda, float *b, int *ldb, float *beta, float *c,
-                          int *ldc) noexcept nogil
-
-# The sgemm every kernel here calls: scipy's (OpenBLAS) unless hpcps.kernels.blas points it
-# at another library's (MKL's) with _set_sgemm.
-cdef sgemm_fn _f_sgemm = _scipy_sgemm
-
-
-def _set_sgemm(size_t address):
-    """Make the kernels call the Fortran ``sgemm`` at ``address`` (LP64, single-threaded);
-    0 goes back to ``scipy.linalg.cython_blas.sgemm``. Used by ``hpcps.kernels.blas``;
-    not while a kernel runs."""
-    global _f_sgemm
-    _f_sgemm = _scipy_sgemm if address == 0 else <sgemm_fn>address
-
-
-def _get_sgemm():
-    """Address of the sgemm the kernels call (``_set_sgemm``'s argument, or scipy's)."""
-    return <size_t>_f_sgemm
+include "sgemm_ptr.pxi"
 
 
 cdef enum:
@@ -251,17 +230,8 @@ def sgemm_blas(const float[:, ::1] A, const float[:, ::1] B, float[:, ::1] out,
 
 
 # -- zero skipping (ext/spmm.h; the Hogwild engine's first layer) --------------------------
-cdef extern from "spmm.h" nogil:
-    ctypedef struct hp_plan:
-        int nb
-    size_t hp_zskip_ints(int nb, int n_in)
-    size_t hp_zskip_floats(int nb, int n_in)
-    int hp_zskip_available()
-    double hp_zskip_plan(hp_plan *pl, int nb, int n_in, const float *X, int *iscratch,
-                         float *fscratch)
-    void hp_zskip_forward(const hp_plan *pl, int n, const float *W, float *Z)
-    void hp_zskip_update(const hp_plan *pl, int n, const float *D, float alpha, float *W,
-                         float *W2)
+from spmm cimport (hp_plan, hp_zskip_available, hp_zskip_floats, hp_zskip_forward,
+                   hp_zskip_ints, hp_zskip_plan, hp_zskip_update)
 
 
 def zero_skip_available():

@@ -34,19 +34,9 @@ from libc.math cimport expf, logf, tanhf
 from libc.stdint cimport int64_t
 from libc.string cimport memcpy
 from libc.string cimport memset
-from scipy.linalg.cython_blas cimport sgemm as _scipy_sgemm
 
-cdef extern from "spmm.h" nogil:
-    ctypedef struct hp_plan:
-        int nb
-    size_t hp_zskip_ints(int nb, int n_in)
-    size_t hp_zskip_floats(int nb, int n_in)
-    int hp_zskip_available()
-    double hp_zskip_plan(hp_plan *pl, int nb, int n_in, const float *X, int *iscratch,
-                         float *fscratch)
-    void hp_zskip_forward(const hp_plan *pl, int n, const float *W, float *Z)
-    void hp_zskip_update(const hp_plan *pl, int n, const float *D, float alpha, float *W,
-                         float *W2)
+from spmm cimport (hp_plan, hp_zskip_available, hp_zskip_floats, hp_zskip_forward,
+                   hp_zskip_ints, hp_zskip_plan, hp_zskip_update)
 
 cdef enum:
     ALIGN = 16          # floats: every buffer starts on a 64-byte boundary
@@ -69,35 +59,15 @@ cdef inline Py_ssize_t _aligned(Py_ssize_t n) noexcept nogil:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
-# sgemm's Fortran interface (column-major, every argument by pointer, 32-bit ints).
-ctypedef void (*sgemm_fn)(char *transa, char *transb, int *m, int *n, int *k, float *alpha,
-                          float *a, int *lda, float *b, int *ldb, float *beta, float *c,
-                          int *ldc) noexcept nogil
-
-# The sgemm every thread calls: scipy's (OpenBLAS) unless hpcps.kernels.blas points it at
-# another library's (MKL's) with _set_sgemm.
-cdef sgemm_fn sgemm = _scipy_sgemm
-
-
-def _set_sgemm(size_t address):
-    """Make the engine call the Fortran ``sgemm`` at ``address`` (LP64, single-threaded);
-    0 goes back to ``scipy.linalg.cython_blas.sgemm``. Used by ``hpcps.kernels.blas``;
-    not while an engine runs."""
-    global sgemm
-    sgemm = _scipy_sgemm if address == 0 else <sgemm_fn>address
-
-
-def _get_sgemm():
-    """Address of the sgemm the engine calls (``_set_sgemm``'s argument, or scipy's)."""
-    return <size_t>sgemm
+include "sgemm_ptr.pxi"
 
 
 cdef inline void _gemm(char ta, char tb, int m, int n, int k, float alpha,
                        const float *a, int lda, const float *b, int ldb,
                        float beta, float *c, int ldc) noexcept nogil:
     # cython_blas takes non-const pointers; sgemm does not write a or b.
-    sgemm(&ta, &tb, &m, &n, &k, &alpha, <float *> a, &lda, <float *> b, &ldb,
-          &beta, c, &ldc)
+    _f_sgemm(&ta, &tb, &m, &n, &k, &alpha, <float *> a, &lda, <float *> b, &ldb,
+             &beta, c, &ldc)
 
 
 cdef class HogwildEngine:

@@ -212,6 +212,15 @@ class HogwildEngine:
                              f"{self.sizes[0]}")
         return _labels(y, x.shape[0], self.sizes[-1])
 
+    def _grad_out(self, params, grad):
+        """``grad``, checked (or a new vector when None), separate from ``params``."""
+        if grad is None:
+            return np.empty(self.n_params, dtype=np.float32)
+        _vector("grad", grad, self.n_params, writable=True)
+        if np.may_share_memory(params, grad):
+            raise ValueError("params and grad overlap in memory; pass separate arrays")
+        return grad
+
     def _blas_one_thread(self):
         if self._blas is None:
             return contextlib.nullcontext()
@@ -325,11 +334,7 @@ class HogwildEngine:
         rows = np.ascontiguousarray(rows, dtype=np.int64)
         if rows.size and (rows.min() < 0 or rows.max() >= x.shape[0]):
             raise ValueError(f"rows holds indices outside 0..{x.shape[0] - 1}")
-        if grad is None:
-            grad = np.empty(self.n_params, dtype=np.float32)
-        _vector("grad", grad, self.n_params, writable=True)
-        if np.may_share_memory(params, grad):
-            raise ValueError("params and grad overlap in memory; pass separate arrays")
+        grad = self._grad_out(params, grad)
         if not self.compiled:
             grad[...] = 0.0
             loss_sum = 0.0
@@ -374,11 +379,7 @@ class HogwildEngine:
         y = self._inputs(x, y)
         if not 1 <= x.shape[0] <= self.batch:
             raise ValueError(f"x has {x.shape[0]} rows; loss_and_grad takes 1..{self.batch}")
-        if grad is None:
-            grad = np.empty(self.n_params, dtype=np.float32)
-        _vector("grad", grad, self.n_params, writable=True)
-        if np.may_share_memory(params, grad):
-            raise ValueError("params and grad overlap in memory; pass separate arrays")
+        grad = self._grad_out(params, grad)
         if not self.compiled:
             return self.model.loss_and_grad(params, x, y, grad)
         with self._blas_one_thread():

@@ -100,6 +100,18 @@ def _check_matrix(name, a, ndim=2, writable=False):
     _check_array(name, a, writable, ndim)
 
 
+def _out_matrix(out, shape, inputs):
+    """``out`` checked (2-D float32 C-contiguous, writable, ``shape``, separate from every
+    input), or a new matrix when None."""
+    if out is None:
+        return np.empty(shape, dtype=np.float32)
+    _check_matrix("out", out, writable=True)
+    if out.shape != shape:
+        raise ValueError(f"out must have shape {shape}, got {out.shape}")
+    _check_no_overlap([("out", out)], inputs)
+    return out
+
+
 def _check_positive_int(name, x):
     try:
         x = operator.index(x)
@@ -247,14 +259,7 @@ def gemm_bias_act(X, W, b, act, out=None):
     B, K = X.shape
     if W.shape[0] != K or b.shape != (W.shape[1],):
         raise ValueError(f"shape mismatch: X {X.shape} @ W {W.shape} + b {b.shape}")
-    N = W.shape[1]
-    if out is None:
-        out = np.empty((B, N), dtype=np.float32)
-    else:
-        _check_matrix("out", out, writable=True)
-        if out.shape != (B, N):
-            raise ValueError(f"out must have shape {(B, N)}, got {out.shape}")
-        _check_no_overlap([("out", out)], [("X", X), ("W", W), ("b", b)])
+    out = _out_matrix(out, (B, W.shape[1]), [("X", X), ("W", W), ("b", b)])
     if _gemm is None:
         return gemm_bias_act_reference(X, W, b, act, out)
     _blas.ensure()
@@ -301,13 +306,7 @@ def sgemm(A, B, out=None, trans_a=False):
             f"shape mismatch: {'A.T' if trans_a else 'A'} is ({M}, {K}), B is {B.shape}"
         )
     N = B.shape[1]
-    if out is None:
-        out = np.empty((M, N), dtype=np.float32)
-    else:
-        _check_matrix("out", out, writable=True)
-        if out.shape != (M, N):
-            raise ValueError(f"out must have shape {(M, N)}, got {out.shape}")
-        _check_no_overlap([("out", out)], [("A", A), ("B", B)])
+    out = _out_matrix(out, (M, N), [("A", A), ("B", B)])
     if _gemm is None:
         return sgemm_reference(A, B, out, trans_a)
     _blas.ensure()
@@ -343,14 +342,7 @@ def zero_skip_matmul(X, W, out=None):
     B, K = X.shape
     if W.shape[0] != K:
         raise ValueError(f"shape mismatch: X {X.shape} @ W {W.shape}")
-    N = W.shape[1]
-    if out is None:
-        out = np.empty((B, N), dtype=np.float32)
-    else:
-        _check_matrix("out", out, writable=True)
-        if out.shape != (B, N):
-            raise ValueError(f"out must have shape {(B, N)}, got {out.shape}")
-        _check_no_overlap([("out", out)], [("X", X), ("W", W)])
+    out = _out_matrix(out, (B, W.shape[1]), [("X", X), ("W", W)])
     if not ZERO_SKIP_COMPILED:
         return np.matmul(X, W, out=out)
     out[...] = 0.0

@@ -1,0 +1,13 @@
+# Declarations of ext/spmm.h (the zero-skipping first-layer kernels) for the extensions
+# that call them: ``from spmm cimport ...``.
+cdef extern from "spmm.h" nogil:
+    ctypedef struct hp_plan:
+        int nb
+    size_t hp_zskip_ints(int nb, int n_in)
+    size_t hp_zskip_floats(int nb, int n_in)
+    int hp_zskip_available()
+    double hp_zskip_plan(hp_plan *pl, int nb, int n_in, const float *X, int *iscratch,
+                         float *fscratch)
+    void hp_zskip_forward(const hp_plan *pl, int n, const float *W, float *Z)
+    void hp_zskip_update(const hp_plan *pl, int n, const float *D, float alpha, float *W,
+                         float *W2)
