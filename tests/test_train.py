@@ -43,6 +43,7 @@ def assert_learned(run, run_dir, digits_h5, min_acc=0.85):
     assert summary["test_accuracy"] > max(min_acc, acc0 + 0.5), (acc0, summary)
     assert records(run_dir, "progress"), "no progress line"
     assert "final test accuracy" in run.stdout
+    assert summary["blas"] in ("mkl", "openblas", "numpy"), summary
     return summary
 
 
