@@ -161,8 +161,8 @@ HELP = {
     "threads": "Hogwild threads per replica rank (Project Adam): T threads each train on their "
                "own mini-batch, lock-free, in compiled nogil code (with --partitions > 1: "
                "NumPy, thread t of every partition exchanging over its own communicator); "
-               "one replica step then covers T mini-batches; sandblaster: T threads sum each portion's "
-               "exact gradient (default 1: the plain NumPy path)",
+               "one replica step then covers T mini-batches; sandblaster: T threads sum each "
+               "portion's exact gradient (default 1: one thread, the same compiled engine)",
     "prefetch": "mini-batches a background thread prepares ahead of training (default 2; 0: "
                 "none)",
     "data": "HDF5 dataset (layout in the README); data/mnist.h5 is prepared automatically",
