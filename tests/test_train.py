@@ -280,11 +280,11 @@ SB = ["--strategy", "sandblaster", "--layers", LAYERS, "--progress-every", "0.01
       "--eval-every", "0", "--checkpoint-every", "0"]
 
 
-def reference_lbfgs(digits_h5, iterations):
+def reference_lbfgs(digits_h5, iterations, layers=LAYERS):
     """The same L-BFGS on plain arrays in one process: full-batch loss and gradient."""
     from hpcps import optim
     x, y = load_split(digits_h5, "train")
-    model = MLP((64, 32, 10))
+    model = MLP(tuple(int(n) for n in layers.split(",")))
     space = optim.ArraySpace(lambda p, g: model.loss_and_grad(p, x, y, grad=g)[0],
                              model.n_params, optim.LBFGS.vector_names(10))
     space.v["x"][...] = model.init_params(0)
@@ -327,14 +327,20 @@ def test_sandblaster_slow_replica_does_not_set_the_pace(digits_h5, tmp_path):
 
 
 def test_sandblaster_goes_on_without_a_dead_replica(digits_h5, tmp_path):
-    run = train(5, "--data", str(digits_h5), "--run-dir", str(tmp_path), "--steps", "12",
+    """Replica rank 1 stops answering after its first portion. It is declared lost only once
+    a task has waited --replica-timeout on it, so the run must outlast that: with the small
+    model the compiled engine finishes 12 evaluations in about 0.3 s and the loss went
+    unnoticed in some runs; the wider model and 20 evaluations take about 4 s."""
+    layers = "64,512,512,10"
+    run = train(5, "--data", str(digits_h5), "--run-dir", str(tmp_path), "--steps", "20",
                 "--portions", "16", "--inject-slow", "1:stall", "--replica-timeout", "1",
-                *SB)
+                *SB, "--layers", layers)
     assert run.returncode == 0, run.output
     s = records(tmp_path, "summary")[-1]
-    assert s["lost_replicas"] == [1] and s["portions_requeued"] >= 1
-    ref = reference_lbfgs(digits_h5, 12)
-    np.testing.assert_allclose(sb_losses(tmp_path)[:8], ref[:8], rtol=1e-5)
+    assert s["lost_replicas"] == [1] and s["portions_requeued"] >= 1, s
+    ref = reference_lbfgs(digits_h5, 12, layers)
+    # float32 sums over 16x more weights than the small model drift further from NumPy's
+    np.testing.assert_allclose(sb_losses(tmp_path)[:8], ref[:8], rtol=1e-4)
 
 
 def test_sandblaster_resume_takes_the_same_next_step(digits_h5, tmp_path):
