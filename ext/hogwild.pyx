@@ -181,7 +181,7 @@ cdef class HogwildEngine:
         cdef float m, s, v, u, inv_nb = 1.0 / nb
         cdef double loss = 0.0
         cdef hp_plan plan
-        cdef bint sparse = False
+        cdef bint sparse = False, skip
 
         if mode == MODE_SUM:
             inv_nb = 1.0    # sums over the examples, not means
@@ -281,39 +281,26 @@ cdef class HogwildEngine:
                 dl = d + <Py_ssize_t> r * n_out
                 for j in range(n_out):
                     gb[j] = gb[j] + dl[j]
-            # weight gradient a^T @ d, (n_in, n_out), and the update
+            # weight gradient a^T @ d, (n_in, n_out), and the update; in the first layer
+            # of a sparse batch the zero-skipping kernel replaces the GEMM
             n = <Py_ssize_t> n_in * n_out
-            if l == 0 and sparse and mode != MODE_DELTA:
-                # a^T @ d from the nonzeros of a only, into W (fused) or the gradient
-                if mode == MODE_FUSED:
+            skip = l == 0 and sparse
+            if mode == MODE_FUSED:
+                if skip:
                     hp_zskip_update(&plan, n_out, d, -lr, W, NULL)
-                    for j in range(n_out):
-                        b[j] = b[j] - lr * gb[j]
                 else:
-                    gW = grad + self.w_off[l]
-                    if mode == MODE_GRAD:
-                        memset(gW, 0, n * sizeof(float))
-                        memcpy(grad + self.b_off[l], gb, n_out * sizeof(float))
-                    else:
-                        dl = grad + self.b_off[l]
-                        for j in range(n_out):
-                            dl[j] = dl[j] + gb[j]
-                    hp_zskip_update(&plan, n_out, d, 1.0, gW, NULL)
-            elif l == 0 and sparse:
-                hp_zskip_update(&plan, n_out, d, -lr, W, delta + self.w_off[l])
-                dl = delta + self.b_off[l]
-                for j in range(n_out):
-                    u = -lr * gb[j]
-                    b[j] = b[j] + u
-                    dl[j] = dl[j] + u
-            elif mode == MODE_FUSED:
-                _gemm(b'N', b'T', n_out, n_in, nb, -lr, d, n_out, a, n_in, 1.0, W, n_out)
+                    _gemm(b'N', b'T', n_out, n_in, nb, -lr, d, n_out, a, n_in, 1.0, W, n_out)
                 for j in range(n_out):
                     b[j] = b[j] - lr * gb[j]
             elif mode == MODE_GRAD or mode == MODE_SUM:
                 gW = grad + self.w_off[l]
-                _gemm(b'N', b'T', n_out, n_in, nb, 1.0, d, n_out, a, n_in,
-                      0.0 if mode == MODE_GRAD else 1.0, gW, n_out)
+                if skip:
+                    if mode == MODE_GRAD:
+                        memset(gW, 0, n * sizeof(float))
+                    hp_zskip_update(&plan, n_out, d, 1.0, gW, NULL)
+                else:
+                    _gemm(b'N', b'T', n_out, n_in, nb, 1.0, d, n_out, a, n_in,
+                          0.0 if mode == MODE_GRAD else 1.0, gW, n_out)
                 dl = grad + self.b_off[l]
                 if mode == MODE_GRAD:
                     memcpy(dl, gb, n_out * sizeof(float))
@@ -321,13 +308,17 @@ cdef class HogwildEngine:
                     for j in range(n_out):
                         dl[j] = dl[j] + gb[j]
             else:
-                gW = ctx + self.g_off
-                _gemm(b'N', b'T', n_out, n_in, nb, 1.0, d, n_out, a, n_in, 0.0, gW, n_out)
                 dl = delta + self.w_off[l]
-                for i in range(n):
-                    u = -lr * gW[i]
-                    W[i] = W[i] + u
-                    dl[i] = dl[i] + u
+                if skip:
+                    hp_zskip_update(&plan, n_out, d, -lr, W, dl)
+                else:
+                    gW = ctx + self.g_off
+                    _gemm(b'N', b'T', n_out, n_in, nb, 1.0, d, n_out, a, n_in, 0.0, gW,
+                          n_out)
+                    for i in range(n):
+                        u = -lr * gW[i]
+                        W[i] = W[i] + u
+                        dl[i] = dl[i] + u
                 dl = delta + self.b_off[l]
                 for j in range(n_out):
                     u = -lr * gb[j]
@@ -379,7 +370,6 @@ cdef class HogwildEngine:
         ``backend`` is ``threads`` (Python threads, each entering nogil code) or
         ``openmp`` (one ``prange`` over the threads).
         """
-        cdef int t, T = self.threads
         self.p_params = &params[0]
         self.p_delta = &delta[0] if delta is not None else NULL
         self.p_x = &x[0, 0]
