@@ -23,8 +23,8 @@ Roles: S server shards, R replicas and one coordinator (the last rank).
 A step, for ``--steps`` and the progress line, is one evaluation of a batch.
 
 A replica computes each portion's gradient with the compiled engine
-(:meth:`hpcps.hogwild.HogwildEngine.gradient_sum`; NumPy's ``model.loss_and_grad`` where the
-engine is not built), with ``--threads T`` in T threads: the portion is split in T parts,
+(:meth:`hpcps.hogwild.HogwildEngine.gradient_sum`, which falls back to NumPy where the engine
+is not built), with ``--threads T`` in T threads: the portion is split in T parts,
 each thread sums its part's gradients into its own buffer, and the sums are added in thread
 order. There are no Hogwild updates here — L-BFGS needs the exact gradient at the
 point it chose — so the result is deterministic for a given T, and equal to the one-thread
@@ -50,7 +50,7 @@ from hpcps.topology import shard_range
 
 TASK_SLOTS = 8     # kind, evaluation, portion, lo, hi, accept previous, vector id, data batch
 RESULT_SLOTS = 6   # kind, batch, portion, loss sum (or test loss), examples (or accuracy), spare
-PORTION_CHUNK = 256  # rows per engine step when --threads > 1 sums a portion's gradient
+PORTION_CHUNK = 256  # rows per engine step when a replica sums a portion's gradient
 
 
 def run(ctx: Context) -> dict:
@@ -368,11 +368,9 @@ def run_replica(ctx: Context) -> dict:
         slow = factor if who == grid.rank else 1.0
     task = np.zeros(TASK_SLOTS, dtype=np.int64)
     result = np.zeros(RESULT_SLOTS, dtype=np.float64)
-    engine = None
-    from hpcps import hogwild
-    if cfg.threads > 1 or hogwild.HAVE_EXTENSION:   # see the module docstring
-        engine = hogwild.HogwildEngine(cfg.layers, cfg.activation, threads=cfg.threads,
-                                       batch=PORTION_CHUNK)
+    from hpcps.hogwild import HogwildEngine
+    engine = HogwildEngine(cfg.layers, cfg.activation, threads=cfg.threads,
+                           batch=PORTION_CHUNK)   # see the module docstring
     fetch = [Message(hi - lo) for lo, hi in slices]
     push = [Message(hi - lo) for lo, hi in slices]
     ask, ack = Message(0), Message(0)
@@ -406,13 +404,9 @@ def run_replica(ctx: Context) -> dict:
                 break
             t = time.perf_counter()
             rows = order[lo:hi]
-            if engine is not None:
-                loss_sum, _, _ = engine.gradient_sum(x, ctx.train_x, ctx.train_y, rows, pg)
-                loss = loss_sum / max(len(rows), 1)
-            else:
-                loss, _ = model.loss_and_grad(x, ctx.train_x[rows], ctx.train_y[rows],
-                                              grad=pg)
-                pg *= np.float32(len(rows))  # sums, so portions of any size add up exactly
+            # sums, not means, so portions of any size add up exactly
+            loss_sum, _, _ = engine.gradient_sum(x, ctx.train_x, ctx.train_y, rows, pg)
+            loss = loss_sum / max(len(rows), 1)
             elapsed = time.perf_counter() - t
             compute_s += elapsed
             if 1.0 < slow < math.inf:
