@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from test_hogwild import check_gradient_matches_mlp
 
 from hpcps import hogwild
 from hpcps.errors import ConfigError
@@ -156,16 +157,7 @@ def test_two_threads_call_sgemm_at_once(backend):
 @pytest.mark.parametrize("activation", ["relu", "tanh", "sigmoid"])
 @pytest.mark.parametrize("sizes,rows", [((13, 17, 5, 7), 9), ((784, 256, 128, 10), 64)])
 def test_engine_gradient_matches_mlp(backend, activation, sizes, rows):
-    model = MLP(sizes, activation)
-    params = model.init_params(3)
-    params += np.random.default_rng(1).normal(0, 0.05, params.shape).astype(np.float32)
-    x, y = _data(rows, sizes[0], sizes[-1], seed=2)
-    want_loss, want = model.loss_and_grad(params, x, y)
-    engine = HogwildEngine(sizes, activation, threads=1, batch=rows + 2)
-    loss, grad = engine.loss_and_grad(params, x, y)
-    assert loss == pytest.approx(want_loss, rel=1e-5)
-    scale = float(np.abs(want).max())
-    np.testing.assert_allclose(grad, want, rtol=1e-4, atol=1e-5 * scale)
+    check_gradient_matches_mlp(activation, sizes, rows)
 
 
 @needs_extension

@@ -37,6 +37,12 @@ def _data(n, n_in, n_out, seed=0):
 @pytest.mark.parametrize("activation", ["relu", "tanh", "sigmoid"])
 @pytest.mark.parametrize("sizes,rows", [((13, 17, 5, 7), 9), ((7, 3), 1), ((31, 64, 2), 11)])
 def test_gradient_matches_mlp(activation, sizes, rows):
+    check_gradient_matches_mlp(activation, sizes, rows)
+
+
+def check_gradient_matches_mlp(activation, sizes, rows):
+    """The engine's loss and gradient equal MLP's on random data (also run per BLAS by
+    tests/test_blas.py)."""
     model = MLP(sizes, activation)
     params = model.init_params(3)
     params += np.random.default_rng(1).normal(0, 0.05, params.shape).astype(np.float32)
