@@ -196,11 +196,8 @@ def test_sgemm_refuses_bad_input():
 
 def test_fallback_without_extension_agrees():
     """HPCPS_NO_EXTENSION=1: the references run, and give the compiled results."""
-    code = textwrap.dedent("""
-        import sys
-        import numpy as np
-        from hpcps.kernels import gemm
-        assert not gemm.HAVE_EXTENSION
+    # the same calls run in a subprocess without the extension and here with it
+    calls = textwrap.dedent("""
         rng = np.random.default_rng(0)
         W = rng.standard_normal((37, 129)).astype(np.float32)
         acc = np.ones_like(W)
@@ -211,24 +208,19 @@ def test_fallback_without_extension_agrees():
         out = gemm.gemm_bias_act(X, W, np.ones(129, np.float32), "tanh")
         s = gemm.sgemm(A, E, trans_a=True)
         got = np.concatenate([W.ravel(), acc.ravel(), out.ravel(), s.ravel()])
-        sys.stdout.buffer.write(got.astype(np.float32).tobytes())
     """)
+    code = ("import sys\nimport numpy as np\nfrom hpcps.kernels import gemm\n"
+            "assert not gemm.HAVE_EXTENSION\n" + calls
+            + "sys.stdout.buffer.write(got.astype(np.float32).tobytes())\n")
     env = {**os.environ, "HPCPS_NO_EXTENSION": "1", "PYTHONPATH": str(REPO)}
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
                           timeout=60, check=True)
     got = np.frombuffer(proc.stdout, dtype=np.float32)
     if not gemm.HAVE_EXTENSION:
         return
-    rng = np.random.default_rng(0)
-    W = rng.standard_normal((37, 129)).astype(np.float32)
-    acc = np.ones_like(W)
-    A = rng.standard_normal((5, 37)).astype(np.float32)
-    E = rng.standard_normal((5, 129)).astype(np.float32)
-    gemm.fused_outer_adagrad(W, acc, A, E, 0.05, 1e-7)
-    X = rng.standard_normal((3, 37)).astype(np.float32)
-    out = gemm.gemm_bias_act(X, W, np.ones(129, np.float32), "tanh")
-    s = gemm.sgemm(A, E, trans_a=True)
-    want = np.concatenate([W.ravel(), acc.ravel(), out.ravel(), s.ravel()])
+    here = {"np": np, "gemm": gemm}
+    exec(calls, here)
+    want = here["got"]
     np.testing.assert_allclose(got, want, rtol=GEMM_RTOL, atol=GEMM_ATOL)
 
 
