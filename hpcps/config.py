@@ -313,11 +313,12 @@ def validate(cfg: Config) -> Config:
         for name in ("tau", "golomb"):
             if getattr(cfg, name) is not None:
                 raise ConfigError(f"--{name} applies to downpour only with --compress threshold")
-    if cfg.strategy != "downpour" and cfg.servers not in (None, 0):
+    if cfg.strategy not in ("downpour", "sandblaster") and cfg.servers not in (None, 0):
         raise ConfigError(f"--strategy {cfg.strategy} uses no parameter servers; "
                           f"got --servers {cfg.servers}")
-    if cfg.strategy == "downpour" and cfg.servers == 0:
-        raise ConfigError("--strategy downpour needs at least one server shard (--servers >= 1)")
+    if cfg.strategy in ("downpour", "sandblaster") and cfg.servers == 0:
+        raise ConfigError(f"--strategy {cfg.strategy} needs at least one server shard "
+                          "(--servers >= 1)")
     if (cfg.strategy == "sandblaster") != (cfg.optimizer in (None, "lbfgs")) \
             and cfg.optimizer is not None:
         raise ConfigError("--optimizer lbfgs goes with --strategy sandblaster, and sandblaster "

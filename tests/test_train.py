@@ -423,3 +423,27 @@ def test_downpour_pushing_activations_learns_and_sends_less(digits_h5, tmp_path)
     assert s["test_accuracy"] > 0.9
     assert s["push_bytes_per_step"] < 0.5 * s["dense_push_bytes_per_step"]
     assert "of layer inputs and errors instead of" in run.stdout
+
+
+# -- layouts that combine features ---------------------------------------------------------------
+def test_downpour_partitions_and_replicas_with_the_default_warm_start(digits_h5, tmp_path):
+    """P = 2 partitions, R = 2 replicas, S = 2 shards and the warm start on: partition 1 of
+    replica 1 must be released by partition 1 of replica 0 (it used to wait for rank 0 and
+    hang until --timeout)."""
+    run = train(6, "--servers", "2", "--partitions", "2", "--warmup-steps", "100",
+                "--timeout", "60", "--data", str(digits_h5), "--run-dir", str(tmp_path),
+                "--steps", "900", *QUICK)
+    s = assert_learned(run, tmp_path, digits_h5)
+    assert s["replicas"] == 2 and s["servers"] == 2 and s["step"] == 900
+    assert "warm start done" in run.stdout
+
+
+def test_sandblaster_with_three_shards(digits_h5, tmp_path):
+    """S = 3 vector shards: the same L-BFGS as the reference, each shard a slice."""
+    run = train(6, "--servers", "3", "--data", str(digits_h5), "--run-dir", str(tmp_path),
+                "--steps", "12", "--portions", "16", *SB)
+    assert run.returncode == 0, run.output
+    s = records(tmp_path, "summary")[-1]
+    assert s["servers"] == 3 and s["replicas"] == 2
+    np.testing.assert_allclose(sb_losses(tmp_path)[:8], reference_lbfgs(digits_h5, 10)[:8],
+                               rtol=1e-5)

@@ -183,16 +183,18 @@ def run_replica(ctx: Context) -> dict:
     released = r != 0 or R == 1 or warmup == 0
     if r != 0 and warmup > 0:
         m.message(f"replica {r} waits for replica 0's warm start")
-        req = grid.world.Irecv(flag.buf, source=layout.replica_rank(0), tag=Tag.WARMUP_DONE)
-        wait_all([req], cfg.timeout, f"replica 0 (rank {layout.replica_rank(0)}) to finish "
+        # partition p of replica 0 releases partition p of every other replica
+        leader = layout.replica_rank(0, grid.role.partition)
+        req = grid.world.Irecv(flag.buf, source=leader, tag=Tag.WARMUP_DONE)
+        wait_all([req], cfg.timeout, f"replica 0 (rank {leader}) to finish "
                  f"its {warmup}-step warm start")
     elif r == 0 and warmup > 0 and R > 1:
         m.message(f"warm start: replica 0 trains alone for {warmup} steps")
 
     def release():
         for other in range(1, R):
-            warmup_reqs.append(grid.world.Isend(flag.buf, dest=layout.replica_rank(other),
-                                                tag=Tag.WARMUP_DONE))
+            dest = layout.replica_rank(other, grid.role.partition)
+            warmup_reqs.append(grid.world.Isend(flag.buf, dest=dest, tag=Tag.WARMUP_DONE))
 
     t0 = time.perf_counter()
     last_t, last_step = t0, ctx.start_step
