@@ -32,12 +32,11 @@ from pathlib import Path
 import numpy as np
 
 from hpcps import checkpoint, config, data
-from hpcps.errors import CheckpointError, ConfigError, HpcpsError
+from hpcps.comm import ReplicaExchange, barrier, host
+from hpcps.errors import ConfigError, HpcpsError
 from hpcps.metrics import Metrics
 from hpcps.model import MLP, PartitionedMLP, SingleExchange
-from hpcps.strategies import HAS_COORDINATOR, NEEDS_SERVERS, STRATEGIES
-from hpcps.strategies.common import (Context, ReplicaExchange, barrier, host,
-                                     make_optimizer, state_from_checkpoint)
+from hpcps.strategies.common import Context, make_optimizer, state_from_checkpoint
 from hpcps.topology import Layout, abort, build_grid, check_thread_support, world_comm
 
 
@@ -86,11 +85,8 @@ def _load_resume(cfg: config.Config, info: data.DatasetInfo):
     if not cfg.resume:
         return None, []
     ckpt = checkpoint.load(cfg.resume)
-    lbfgs = ckpt.metrics.get("lbfgs")
-    if cfg.strategy == "sandblaster" and lbfgs and lbfgs.get("m") != cfg.lbfgs_history:
-        raise CheckpointError(f"checkpoint {cfg.resume} holds an L-BFGS history of "
-                              f"{lbfgs.get('m')} pairs; resume with --lbfgs-history "
-                              f"{lbfgs.get('m')}")
+    if cfg.spec.check_resume is not None:
+        cfg.spec.check_resume(cfg, ckpt)
     warnings = checkpoint.check_compatible(ckpt, list(cfg.layers), optimizer=cfg.optimizer,
                                            dataset=info.to_dict())
     return ckpt, warnings
@@ -140,8 +136,8 @@ def _setup(cfg: config.Config, world, layout: Layout, info, ckpt, run_dir: Path)
                   dataset=info, params=params, opt_state=state, start_step=start,
                   total_steps=cfg.total_steps(info.n_train), run_dir=run_dir, metrics=metrics,
                   reporter=reporter,
-                  lbfgs_state=ckpt.metrics.get("lbfgs") if ckpt is not None else None)
-    if grid.role.is_replica and cfg.strategy == "sandblaster":
+                  resumed=ckpt.metrics if ckpt is not None else None)
+    if grid.role.is_replica and cfg.spec.replica_data == "whole":
         # any replica may be handed any portion: each holds the whole training set
         ctx.train_x, ctx.train_y = data.load_split(cfg.data, "train")
     elif grid.role.is_replica:
@@ -156,77 +152,42 @@ def _setup(cfg: config.Config, world, layout: Layout, info, ckpt, run_dir: Path)
     return ctx
 
 
+def plan(cfg: config.Config, n_world: int) -> Layout:
+    """The grid of ranks ``cfg`` asks for on ``n_world`` ranks (ConfigError if it cannot fit)."""
+    return Layout.plan(n_world, cfg.servers, cfg.partitions, int(cfg.spec.coordinator))
+
+
 def _describe(cfg, layout: Layout) -> str:
     reps = f"{layout.replicas} replica(s) x {layout.partitions} partition(s)"
     coord = ", 1 coordinator" if layout.coordinator else ""
-    if NEEDS_SERVERS[cfg.strategy]:
-        return (f"{cfg.strategy} on {layout.n_world} ranks: {layout.servers} server shard(s)"
-                f"{coord}, {reps}")
-    return f"{cfg.strategy} on {layout.n_world} ranks: {reps}"
+    shards = f"{layout.servers} server shard(s){coord}, " if layout.servers else ""
+    return f"{cfg.strategy} on {layout.n_world} ranks: {shards}{reps}"
 
 
 def _summary(ctx: Context, results: list[dict], wall_s: float) -> None:
-    m, cfg = ctx.metrics, ctx.cfg
+    """The summary record and lines: common figures, then the strategy's own."""
+    m, cfg, spec = ctx.metrics, ctx.cfg, ctx.cfg.spec
     mine = results[ctx.reporter]
     step = mine.get("step", ctx.start_step)
     trained = step - ctx.start_step
-    extra = {k: mine[k] for k in ("updates_per_step", "compression_ratio", "bits_per_update",
-                                  "raw_bits_per_update", "payload_bits_per_update",
-                                  "gap_entropy_bits", "replica_bytes_per_step",
-                                  "exchange_s_per_step", "compute_s_per_step",
-                                  "iterations", "final_train_loss", "loss_monotone",
-                                  "median_batch_s", "coordinator_bytes_per_iteration",
-                                  "commands_per_iteration", "portions_reissued",
-                                  "duplicates_discarded", "portions_requeued", "lost_replicas",
-                                  "replicas_identical", "replica_checksums") if k in mine}
-    if cfg.strategy == "downpour":
-        reps = [r for r in results if "replica_steps" in r]
-        shards = [r for r in results if "shard" in r]
-        moved = sum(r["bytes_sent"] + r["bytes_received"] for r in reps)
-        bytes_per_step = moved / max(1, trained)
-        staleness = sum(s["mean_staleness"] for s in shards) / max(1, len(shards))
-        if cfg.push == "activations":
-            pushed = sum(r["bytes_sent"] for r in reps) / max(1, trained)
-            extra.update(push_bytes_per_step=round(pushed),
-                         dense_push_bytes_per_step=4 * ctx.full_model.n_params)
-        if cfg.compress == "threshold":
-            pushed = sum(r["bytes_sent"] for r in reps) / max(1, trained)
-            words = sum(r["words_sent"] for r in reps)
-            extra.update(push_bytes_per_step=round(pushed),
-                         updates_per_step=words / max(1, trained),
-                         compression_ratio=4 * ctx.full_model.n_params / max(1.0, pushed),
-                         bits_per_update=8 * pushed * trained / max(1, words))
-    else:
-        bytes_per_step = mine.get("bytes_per_step", 0.0)
-        staleness = mine.get("mean_staleness", 0.0)
+    figures = dict(spec.summarize(ctx, results) if spec.summarize else mine.get("figures", {}))
+    bytes_per_step = figures.pop("bytes_per_step", 0.0)
+    staleness = figures.pop("mean_staleness", 0.0)
     rec = m.record("summary", echo=False, strategy=cfg.strategy, ranks=ctx.grid.layout.n_world,
                    servers=ctx.grid.layout.servers, replicas=ctx.grid.layout.replicas,
+                   partitions=ctx.grid.layout.partitions, threads=cfg.threads,
                    step=step, epoch=round(ctx.epochs(step), 3), steps_trained=trained,
                    train_s=round(mine.get("train_s", 0.0), 3), wall_s=round(wall_s, 3),
                    examples_per_s=round(mine.get("examples_per_s", float("nan")), 1),
                    bytes_per_step=round(bytes_per_step), mean_staleness=round(staleness, 3),
                    test_accuracy=mine.get("test_accuracy"), test_loss=mine.get("test_loss"),
-                   checkpoint=mine.get("checkpoint"), blas=_blas_in_use(), **extra)
+                   checkpoint=mine.get("checkpoint"), blas=_blas_in_use(), **figures)
     m.message(f"finished {_describe(cfg, ctx.grid.layout)}")
     m.message(f"  {trained} steps this run (global step {step}, {rec['epoch']:.2f} epochs) in "
               f"{rec['train_s']:.1f} s: {rec['examples_per_s']:.0f} examples/s, "
               f"{rec['bytes_per_step']:.0f} bytes moved per step")
-    if "compression_ratio" in extra:
-        same = (f"; replicas identical after draining: {extra['replicas_identical']}"
-                if "replicas_identical" in extra else "")
-        m.message(f"  {extra['updates_per_step']:.0f} updates per step, "
-                  f"{extra['bits_per_update']:.1f} bits per update, compression "
-                  f"{extra['compression_ratio']:.0f}x of the dense gradient{same}")
-    if "dense_push_bytes_per_step" in extra:
-        m.message(f"  pushed {extra['push_bytes_per_step']:.0f} bytes per step of layer inputs "
-                  f"and errors instead of {extra['dense_push_bytes_per_step']} of gradient")
-    if "iterations" in extra:
-        m.message(f"  {extra['iterations']} L-BFGS iterations, training loss "
-                  f"{extra['final_train_loss']:.4f}, {extra['median_batch_s']:.2f} s per batch, "
-                  f"{extra['coordinator_bytes_per_iteration']:.0f} bytes of commands per "
-                  f"iteration; {extra['portions_reissued']} portions re-issued as backups, "
-                  f"{extra['duplicates_discarded']} late duplicates discarded, "
-                  f"{len(extra['lost_replicas'])} replica(s) lost")
+    for line in (spec.summary_lines(rec) if spec.summary_lines else []):
+        m.message("  " + line)
     m.message(f"  final test accuracy: {100 * rec['test_accuracy']:.2f}% "
               f"(test loss {rec['test_loss']:.4f})")
     m.message(f"  checkpoint: {rec['checkpoint']}   metrics: {m.path}")
@@ -267,8 +228,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     t_start = time.perf_counter()
     cfg = _agree(world, config.parse, argv)
-    layout = _agree(world, Layout.plan, size, cfg.servers, cfg.partitions,
-                    int(cfg.strategy in HAS_COORDINATOR))
+    layout = _agree(world, plan, cfg, size)
     _agree(world, _ensure_dataset, cfg, rank)
     info = _agree(world, _check_dataset, cfg)
     ckpt, warnings = _agree(world, _load_resume, cfg, info)
@@ -278,9 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     run_dir = _run_dir(cfg, world)
     ctx = _agree(world, _setup, cfg, world, layout, info, ckpt, run_dir)
     m = ctx.metrics
-    how = (f"L-BFGS m={cfg.lbfgs_history}, batch {cfg.batch(info.n_train)} examples in "
-           f"{cfg.portions} portions" if cfg.strategy == "sandblaster" else
-           f"{cfg.optimizer} lr={cfg.lr}, batch {cfg.batch_size}/replica")
+    how = cfg.spec.describe(cfg, info.n_train) if cfg.spec.describe else cfg.optimizer
     m.message(_describe(cfg, layout) + f"; model {','.join(map(str, cfg.layers))} "
               f"({ctx.full_model.n_params} parameters), {how}, {ctx.total_steps} steps "
               f"({ctx.epochs(ctx.total_steps):.2f} epochs) of {info.name}")
@@ -290,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
              start_step=ctx.start_step, total_steps=ctx.total_steps, ranks=size)
 
     def train_and_report():
-        result = STRATEGIES[cfg.strategy].run(ctx)
+        result = cfg.spec.run(ctx)
         barrier(world, cfg.timeout, "every rank to finish training")
         results = world.gather(result, root=ctx.reporter)
         if world.Get_rank() == ctx.reporter:

@@ -9,11 +9,11 @@ import json
 import h5py
 import numpy as np
 import pytest
+from mpirun import ROOT, run_mpi, train
 
 from hpcps import checkpoint
 from hpcps.data import load_split
 from hpcps.model import MLP
-from mpirun import ROOT, run_mpi, train
 
 LAYERS = "64,32,10"
 QUICK = ["--layers", LAYERS, "--batch-size", "16", "--progress-every", "0.2",

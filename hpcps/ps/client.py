@@ -9,8 +9,8 @@ from __future__ import annotations
 import numpy as np
 from mpi4py import MPI
 
-from hpcps.protocol import H, ByteMessage, Message, Tag
-from hpcps.ps.waiting import wait_all
+from hpcps.comm import wait_all
+from hpcps.protocol import ByteMessage, H, Message, Tag
 
 
 class Client:

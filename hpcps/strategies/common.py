@@ -7,21 +7,21 @@ returns a dict of final figures for the summary.
 from __future__ import annotations
 
 import math
-import socket
-import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-from mpi4py import MPI
 
 from hpcps import checkpoint, optim
-from hpcps.config import Config
+from hpcps.comm import ReplicaExchange, dup_comm, gather_to_root
 from hpcps.data import DatasetInfo, block_range
 from hpcps.metrics import Metrics
 from hpcps.model import MLP
-from hpcps.ps.waiting import wait_all
 from hpcps.topology import Grid
+
+if TYPE_CHECKING:  # annotations only: config reads the strategy registry
+    from hpcps.config import Config
 
 CHECKPOINT_NAME = "checkpoint.h5"
 
@@ -59,7 +59,7 @@ class Context:
     test_x: np.ndarray | None = None
     test_y: np.ndarray | None = None
     reporter: int = 0                  # the rank that logs and prints the summary
-    lbfgs_state: dict | None = None    # sandblaster: L-BFGS scalars from --resume
+    resumed: dict | None = None        # the metrics saved in the --resume checkpoint
 
     @property
     def remaining_steps(self) -> int:
@@ -90,57 +90,10 @@ class Context:
         the other partitions. With P = 1, just ``vec``."""
         if not self.partitioned:
             return vec
-        comm = self.grid.replica_comm
-        sizes = self.model.part_sizes
-        out = np.empty(sum(sizes), np.float32) if comm.Get_rank() == 0 else None
-        recv = [out, sizes, list(np.cumsum([0] + sizes[:-1])), MPI.FLOAT] \
-            if out is not None else None
-        wait_all([comm.Igatherv(vec, recv, root=0)], self.cfg.timeout,
-                 "the partitions of this replica to join a gather of the model")
+        out = gather_to_root(self.grid.replica_comm, vec, self.model.part_sizes,
+                             self.cfg.timeout,
+                             "the partitions of this replica to join a gather of the model")
         return self.global_to_full(out) if out is not None else None
-
-
-class ReplicaExchange:
-    """Model parallelism's traffic inside one replica, over its replica communicator.
-
-    ``gather``: every partition's block of a layer's activations to every partition (an
-    allgather: each value is sent once to each of the P-1 other ranks). ``scatter_sum``: the
-    partitions' contributions to the previous layer's error terms summed, each partition
-    receiving the rows it owns (a reduce-scatter). Counts the bytes this rank sends and the
-    seconds it spends in these exchanges (waiting included), for the progress line.
-    """
-
-    def __init__(self, comm, timeout: float):
-        self.comm = comm
-        self.rank = comm.Get_rank()
-        self.parts = comm.Get_size()
-        self.timeout = timeout
-        self.bytes_sent = 0
-        self.wait_s = 0.0
-
-    def _run(self, req, what: str) -> None:
-        t = time.perf_counter()
-        wait_all([req], self.timeout, f"the other partitions of this replica ({what})")
-        self.wait_s += time.perf_counter() - t
-
-    def gather(self, local_t: np.ndarray, widths) -> np.ndarray:
-        batch = local_t.shape[1]
-        counts = [w * batch for w in widths]
-        displs = [int(d) for d in np.cumsum([0] + counts[:-1])]
-        out = np.empty((sum(widths), batch), dtype=np.float32)
-        self._run(self.comm.Iallgatherv(local_t, [out, counts, displs, MPI.FLOAT]),
-                  "activation exchange")
-        self.bytes_sent += local_t.nbytes * (self.parts - 1)
-        return out
-
-    def scatter_sum(self, partial_t: np.ndarray, widths) -> np.ndarray:
-        batch = partial_t.shape[1]
-        counts = [w * batch for w in widths]
-        out = np.empty((widths[self.rank], batch), dtype=np.float32)
-        self._run(self.comm.Ireduce_scatter(partial_t, out, counts, op=MPI.SUM),
-                  "error-term exchange")
-        self.bytes_sent += partial_t.nbytes - out.nbytes
-        return out
 
 
 def model_parallel_figures(ctx: Context, steps: int, seconds: float) -> dict:
@@ -244,17 +197,6 @@ class GradientSource:
         self._seen = (sent, waited)
 
 
-def dup_comm(comm, copies: int, timeout: float, what: str) -> list:
-    """``copies`` duplicates of ``comm`` (collective over it: every rank asks for the same
-    number, in the same order), each waited on with ``timeout``."""
-    out = []
-    for _ in range(copies):
-        new, req = comm.Idup()
-        wait_all([req], timeout, what)
-        out.append(new)
-    return out
-
-
 def gather_state(ctx: Context, params: np.ndarray, state: dict) -> tuple:
     """(whole params, whole optimizer state) on partition 0 of this replica; (None, {...None})
     on its other partitions. Collective over the replica's ranks."""
@@ -303,21 +245,24 @@ def evaluate(ctx: Context, params: np.ndarray) -> tuple[float, float]:
     return ctx.full_model.evaluate(params, ctx.test_x, ctx.test_y)
 
 
+def finish_on_chief(ctx: Context, params: np.ndarray, state: dict, step: int,
+                    train_s: float) -> dict:
+    """The chief's end of a run: evaluate the final whole model, write the final checkpoint,
+    and return the summary's common figures."""
+    test_loss, test_acc = evaluate(ctx, params)
+    path = save_checkpoint(ctx, params, state, step,
+                           {"test_accuracy": test_acc, "test_loss": test_loss})
+    return {"step": step, "test_accuracy": test_acc, "test_loss": test_loss,
+            "checkpoint": str(path),
+            "examples_per_s": rate((step - ctx.start_step) * ctx.cfg.batch_size, train_s)}
+
+
 def steps_for_replica(total: int, replicas: int, replica: int, warmup: int = 0) -> int:
     """Mini-batches replica ``replica`` runs: replica 0 does the warm start alone, then the
     rest of the work is split as evenly as possible."""
     warmup = min(warmup, total)
     lo, hi = block_range(total - warmup, replicas, replica) if total > warmup else (0, 0)
     return (hi - lo) + (warmup if replica == 0 else 0)
-
-
-def barrier(comm, timeout: float, what: str) -> None:
-    """A barrier that fails after ``timeout`` seconds instead of hanging."""
-    wait_all([comm.Ibarrier()], timeout, what)
-
-
-def host() -> str:
-    return socket.gethostname()
 
 
 def rate(examples: float, seconds: float) -> float:

@@ -20,7 +20,6 @@ as in the paper: it is at most tau per weight.
 """
 from __future__ import annotations
 
-import time
 import zlib
 from collections import deque
 
@@ -28,13 +27,13 @@ import numpy as np
 from mpi4py import MPI
 
 from hpcps import compress
-from hpcps.data import Batches, Prefetcher
+from hpcps.comm import barrier, wait_all
+from hpcps.options import GOLOMB, PREFETCH, TAU
 from hpcps.protocol import Tag
-from hpcps.ps.waiting import Poller, PeerTimeout, wait_all
-from hpcps.strategies.common import (Context, GradientSource, barrier, crossed, evaluate,
-                                     model_parallel_figures, rate, save_checkpoint,
-                                     steps_for_replica)
-
+from hpcps.ps.serve import serve
+from hpcps.strategies.common import Context, finish_on_chief, steps_for_replica
+from hpcps.strategies.loop import ReplicaLoop
+from hpcps.strategies.registry import Strategy
 
 STEP_BYTES = 8  # int64 sender step in front of each update message
 ENTROPY_EVERY = 16  # measure the index-gap entropy of every 16th message (for the metrics)
@@ -125,163 +124,148 @@ class Peers:
     def finish(self, on_words) -> None:
         """Tell every peer we are done, then apply messages until every peer said the same."""
         done_reqs = [self.comm.Isend(self.rx[:0], dest=p, tag=Tag.DR_DONE) for p in self.peers]
-        deadline = time.monotonic() + self.timeout
-        poll = Poller()
-        st = self._status
-        while len(self.done_from) < len(self.peers):
-            if self.comm.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG, st):
-                self._receive(st, on_words)
-                poll.reset()
-                deadline = time.monotonic() + self.timeout
-                continue
-            if time.monotonic() > deadline:
-                missing = sorted(set(self.peers) - self.done_from)
-                raise PeerTimeout(f"waited {self.timeout:.0f} s for replicas {missing} of the "
-                                  "partition communicator to finish sending their updates")
-            poll.pause()
+
+        def receive(src: int, status) -> bool:
+            self._receive(status, on_words)
+            return len(self.done_from) >= len(self.peers)
+
+        if len(self.done_from) < len(self.peers):
+            serve(self.comm, {Tag.DR_UPDATE: receive, Tag.DR_DONE: receive}, self.timeout,
+                  lambda: f"replicas {sorted(set(self.peers) - self.done_from)} of the "
+                          "partition communicator to finish sending their updates")
         wait_all(done_reqs + [r for reqs, _ in self.pending for r in reqs], self.timeout,
                  "peer replicas to take the last updates")
         self.pending.clear()
 
 
+class DeadReckonReplica(ReplicaLoop):
+    """Apply what peers sent, step, threshold the step into a message, send it, apply it."""
+
+    def __init__(self, ctx: Context):
+        comm = ctx.grid.partition_comm
+        self.comm = comm
+        self.R = comm.Get_size()
+        super().__init__(ctx, steps_for_replica(ctx.remaining_steps, self.R, comm.Get_rank()))
+        cfg, n = ctx.cfg, ctx.model.n_params
+        self.n = n
+        self.reckon = Reckoner(ctx.params, cfg.tau)
+        self.params = self.reckon.params
+        self.comp = compress.Compressor(n, cfg.tau, golomb=cfg.golomb == "on")
+        self.peers = Peers(comm, n, cfg.timeout)
+        self.grad = np.empty(n, dtype=np.float32)
+        self.step_scale = -np.float32(cfg.lr) * np.float32(self.T)
+        # totals of this rank's messages, and the index-gap entropy over a sample of them
+        self.sent = np.zeros(5)  # words, bytes, messages, entropy sum, entropy words
+        self._win = [0, 0, 0]    # words, bytes, iterations since the last progress record
+        self._lag_mark = (0, 0)  # (lag_sum, received) at the last progress record
+
+    def before_step(self) -> None:
+        self.peers.poll(self.reckon.apply)
+
+    def step(self, x, y) -> float:
+        loss = self.source(self.params, x, y, self.grad)
+        self.grad *= self.step_scale  # the SGD steps (T with threads) this replica would take
+        msg, words = self.comp.compress(self.grad)
+        t = self.done // self.T + 1
+        self.peers.local_step = t
+        self.peers.send(msg, t)
+        self.reckon.apply(words)
+        self.sent[:3] += (len(words), len(msg), 1)
+        if (t - 1) % ENTROPY_EVERY == 0 and len(words) > 1:
+            self.sent[3:] += (compress.gap_entropy_bits(words) * len(words), len(words))
+        self._win = [self._win[0] + len(words), self._win[1] + len(msg), self._win[2] + 1]
+        return loss
+
+    def global_step(self) -> int:
+        # every message from a peer stands for one of its iterations (partition 0's count:
+        # the partitions of a replica run the same steps)
+        return self.ctx.start_step + self.done + self.peers.received * self.T
+
+    def progress_fields(self) -> dict:
+        words, nbytes, iters = self._win
+        lag, got = self._lag_mark
+        per = max(1, iters * self.T)
+        out = {"staleness": round((self.peers.lag_sum - lag)
+                                  / max(1, self.peers.received - got), 2),
+               "updates_per_step": round(words / per, 1),
+               # each message goes to the R-1 peers; compression: this rank's slice of the
+               # dense gradient over its message
+               "bytes_per_step": round(nbytes / per * (self.R - 1)),
+               "compression": round(4 * self.n / max(1.0, nbytes / max(1, iters)), 1)}
+        self._win = [0, 0, 0]
+        self._lag_mark = (self.peers.lag_sum, self.peers.received)
+        return out
+
+    def checkpoint_state(self) -> dict:
+        return {}  # plain SGD: replica 0's copy, every delta it has applied so far
+
+    def after_loop(self) -> None:
+        self.peers.finish(self.reckon.apply)
+
+    def finish(self, train_s: float) -> dict:
+        """Every replica drained: compare checksums, add up the message figures."""
+        ctx, comm, grid = self.ctx, self.comm, self.ctx.grid
+        barrier(comm, self.cfg.timeout, "every replica to drain its messages")
+        checksums = comm.gather(zlib.crc32(self.params.tobytes()), root=0)
+        steps_all = comm.reduce(self.done, op=MPI.SUM, root=0)
+        totals = comm.reduce(np.array([*self.sent, self.peers.lag_sum, self.peers.received],
+                                      np.float64), op=MPI.SUM, root=0)
+        if not self.first:
+            return {}
+        # replica 0's ranks hold the totals of their partition; add up the partitions
+        identical = len(set(checksums)) == 1
+        if ctx.partitioned:
+            rc = grid.replica_comm
+            totals = rc.reduce(totals, op=MPI.SUM, root=0)
+            identical = rc.allreduce(identical, op=MPI.LAND)
+            checksums = rc.gather(checksums, root=0)
+            checksums = [c for part in checksums for c in part] if checksums else checksums
+        full = ctx.gather_full(self.params)
+        if not grid.is_chief:
+            return {}
+        out = finish_on_chief(ctx, full, {}, ctx.start_step + steps_all, train_s)
+        out["figures"] = message_figures(totals, steps_all, self.R, 4 * ctx.full_model.n_params)
+        out["figures"].update(replicas_identical=bool(identical),
+                              replica_checksums=[f"{c:08x}" for c in checksums])
+        return out
+
+
+def message_figures(totals, steps: int, replicas: int, dense_bytes: int) -> dict:
+    """Summary figures of every replica's messages (``totals`` as :meth:`finish` adds them)."""
+    words, nbytes, msgs, ent_sum, ent_words, lag, received = totals
+    return {
+        # every message goes to R-1 peers
+        "bytes_per_step": nbytes / max(1, steps) * (replicas - 1),
+        "updates_per_step": words / max(1, steps),
+        "compression_ratio": dense_bytes * msgs / nbytes if nbytes else float("inf"),
+        "bits_per_update": 8 * nbytes / max(1, words),
+        # without the 16-byte message headers: what compares with the gap entropy
+        "payload_bits_per_update": 8 * (nbytes - compress.HEADER_BYTES * msgs) / max(1, words),
+        # the same messages as raw 32-bit words: header + 4 bytes per word
+        "raw_bits_per_update": 8 * (compress.HEADER_BYTES * msgs + 4 * words) / max(1, words),
+        "gap_entropy_bits": ent_sum / ent_words if ent_words else float("nan"),
+        "mean_staleness": lag / max(1, received)}
+
+
 def run(ctx: Context) -> dict:
-    cfg, model, grid = ctx.cfg, ctx.model, ctx.grid
-    comm = grid.partition_comm
-    R, me = comm.Get_size(), comm.Get_rank()
-    n = model.n_params
-    source = GradientSource(ctx)
-    T = source.threads  # mini-batches per iteration (Hogwild threads)
-    iterations = -(-steps_for_replica(ctx.remaining_steps, R, me) // T)
-    my_steps = iterations * T
-    batches = Prefetcher(Batches(ctx.train_x, ctx.train_y, source.batch,
-                                 ctx.batch_seed(grid.role.replica)), cfg.prefetch)
-    reckon = Reckoner(ctx.params, cfg.tau)
-    comp = compress.Compressor(n, cfg.tau, golomb=cfg.golomb == "on")
-    peers = Peers(comm, n, cfg.timeout)
-    grad = np.empty(n, dtype=np.float32)
-    lr = np.float32(cfg.lr)
-    m = ctx.metrics
-    dense_bytes = 4 * ctx.full_model.n_params  # a replica's dense gradient, all partitions
-    sent_words = sent_bytes = sent_msgs = 0
-    entropy_sum = entropy_words = 0.0  # gap entropy over a sample of this replica's messages
-    t0 = time.perf_counter()
-    last_t, last_step = t0, ctx.start_step
-    loss_win = n_win = words_win = bytes_win = 0
-    lag_mark = [0, 0]  # (lag_sum, received) at the last report
+    return DeadReckonReplica(ctx).run()
 
-    def global_step() -> int:
-        # (partition 0's count: the partitions of a replica run the same steps)
-        # every message from a peer stands for one of its mini-batches
-        return ctx.start_step + t_done + peers.received * T
+def _summary_lines(f: dict) -> list[str]:
+    return [f"{f['updates_per_step']:.0f} updates per step, {f['bits_per_update']:.1f} bits per "
+            f"update, compression {f['compression_ratio']:.0f}x of the dense gradient; "
+            f"replicas identical after draining: {f['replicas_identical']}"]
 
-    def report() -> None:
-        nonlocal last_t, last_step, loss_win, n_win, words_win, bytes_win
-        step, now = global_step(), time.perf_counter()
-        m.record("progress", step=step, epoch=round(ctx.epochs(step), 3),
-                 examples_per_s=round(rate((step - last_step) * cfg.batch_size, now - last_t), 1),
-                 loss=loss_win / max(1, n_win),
-                 staleness=round((peers.lag_sum - lag_mark[0])
-                                 / max(1, peers.received - lag_mark[1]), 2),
-                 updates_per_step=round(words_win / max(1, n_win * T), 1),
-                 # each message goes to the R-1 peers; compression: this rank's slice of the
-                 # dense gradient over its message
-                 bytes_per_step=round(bytes_win / max(1, n_win * T) * (R - 1)),
-                 compression=round(4 * n / max(1.0, bytes_win / max(1, n_win)), 1),
-                 **model_parallel_figures(ctx, t_done, now - t0))
-        last_t, last_step = now, step
-        loss_win = n_win = words_win = bytes_win = 0
-        lag_mark[:] = [peers.lag_sum, peers.received]
 
-    # replica 0 evaluates and checkpoints every eval_every/R (checkpoint_every/R) of its own
-    # steps: a schedule all its partitions compute alike, so they can gather the model together
-    eval_local = max(1, -(-cfg.eval_every // R)) if cfg.eval_every else 0
-    ckpt_local = max(1, -(-cfg.checkpoint_every // R)) if cfg.checkpoint_every else 0
-    first = grid.role.replica == 0
-    t_done = 0
-    step_scale = -lr * np.float32(T)
-    for t in range(iterations):
-        peers.poll(reckon.apply)
-        x, y = next(batches)
-        loss = source(reckon.params, x, y, grad)
-        grad *= step_scale  # the SGD steps (T with Hogwild threads) this replica would take
-        msg, words = comp.compress(grad)
-        peers.local_step = t + 1
-        peers.send(msg, t + 1)
-        reckon.apply(words)
-        sent_words += len(words)
-        sent_bytes += len(msg)
-        sent_msgs += 1
-        if t % ENTROPY_EVERY == 0 and len(words) > 1:
-            entropy_sum += compress.gap_entropy_bits(words) * len(words)
-            entropy_words += len(words)
-        loss_win += loss
-        n_win += 1
-        words_win += len(words)
-        bytes_win += len(msg)
-        t_done = (t + 1) * T
-        if grid.is_chief and m.due():
-            report()
-        evaluating = first and crossed(t_done, T, eval_local)
-        saving = first and crossed(t_done, T, ckpt_local)
-        if evaluating or saving:
-            full = ctx.gather_full(reckon.params)
-            if grid.is_chief:
-                step = global_step()
-                if evaluating:
-                    test_loss, test_acc = evaluate(ctx, full)
-                    m.record("eval", step=step, epoch=round(ctx.epochs(step), 3),
-                             test_accuracy=test_acc, test_loss=test_loss)
-                if saving:
-                    # replica 0's copy: every delta it has applied so far (not yet drained)
-                    path = save_checkpoint(ctx, full, {}, step, {"train_loss": loss})
-                    m.record("checkpoint", echo=False, step=step, path=str(path))
-    if n_win and grid.is_chief:
-        report()
-    peers.finish(reckon.apply)
-    train_s = time.perf_counter() - t0
-    batches.close()
-    barrier(comm, cfg.timeout, "every replica to drain its messages")
-    checksums = comm.gather(zlib.crc32(reckon.params.tobytes()), root=0)
-    steps_all = comm.reduce(my_steps, op=MPI.SUM, root=0)
-    totals = comm.reduce(np.array([sent_words, sent_bytes, sent_msgs, entropy_sum,
-                                   entropy_words, peers.lag_sum, peers.received], np.float64),
-                         op=MPI.SUM, root=0)
-    result = {"train_s": train_s, **model_parallel_figures(ctx, my_steps, train_s)}
-    if not first:
-        return result
-    # replica 0's ranks hold the totals of their partition; add up the partitions
-    identical = len(set(checksums)) == 1
-    if ctx.partitioned:
-        rc = grid.replica_comm
-        totals = rc.reduce(totals, op=MPI.SUM, root=0)
-        identical = rc.allreduce(identical, op=MPI.LAND)
-        checksums = rc.gather(checksums, root=0)
-        checksums = [c for part in checksums for c in part] if checksums else checksums
-    full = ctx.gather_full(reckon.params)
-    if grid.is_chief:
-        words_all, bytes_all, msgs_all, ent_sum, ent_words, lag_all, received_all = totals
-        step = ctx.start_step + steps_all
-        test_loss, test_acc = evaluate(ctx, full)
-        path = save_checkpoint(ctx, full, {}, step,
-                               {"test_accuracy": test_acc, "test_loss": test_loss})
-        ent = (ent_sum, ent_words)
-        per_step = bytes_all / max(1, steps_all)
-        result.update(
-            step=step, test_accuracy=test_acc, test_loss=test_loss, checkpoint=str(path),
-            examples_per_s=rate(steps_all * cfg.batch_size, train_s),
-            # every message goes to R-1 peers
-            bytes_per_step=per_step * (R - 1),
-            updates_per_step=words_all / max(1, steps_all),
-            compression_ratio=dense_bytes * msgs_all / bytes_all if bytes_all else float("inf"),
-            bits_per_update=8 * bytes_all / max(1, words_all),
-            # without the 16-byte message headers: what compares with the gap entropy
-            payload_bits_per_update=8 * (bytes_all - compress.HEADER_BYTES * msgs_all)
-            / max(1, words_all),
-            # the same messages as raw 32-bit words: header + 4 bytes per word
-            raw_bits_per_update=8 * (compress.HEADER_BYTES * msgs_all + 4 * words_all)
-            / max(1, words_all),
-            gap_entropy_bits=ent[0] / ent[1] if ent[1] else float("nan"),
-            mean_staleness=lag_all / max(1, received_all),
-            replicas_identical=bool(identical),
-            replica_checksums=[f"{c:08x}" for c in checksums])
-    return result
+STRATEGY = Strategy(
+    name="deadreckon",
+    help="Strom's thresholded 1-bit weight deltas sent peer to peer, each replica applying "
+         "every replica's deltas (dead reckoning); no servers",
+    roles={"replica": run},
+    options=(TAU, GOLOMB, PREFETCH),
+    defaults={"lr": 0.1, "tau": 0.002, "golomb": "on", "batch_size": 32, "prefetch": 2},
+    # an Adagrad state would differ between replicas, so their weights would drift apart
+    optimizers=("sgd",),
+    describe=lambda cfg, n_train: f"sgd lr={cfg.lr}, batch {cfg.batch_size}/replica, "
+                                  f"tau={cfg.tau}",
+    summary_lines=_summary_lines,
+)

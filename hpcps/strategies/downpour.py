@@ -19,21 +19,24 @@ written by shard 0 while training goes on.
 """
 from __future__ import annotations
 
-import time
-
 import numpy as np
-from mpi4py import MPI
 
 from hpcps import compress
-from hpcps.data import Batches, Prefetcher
+from hpcps.comm import gather_to_root, wait_all
+from hpcps.errors import ConfigError
+from hpcps.options import GOLOMB, PREFETCH, TAU, Option
 from hpcps.protocol import H, Message, Tag
 from hpcps.ps import activations
 from hpcps.ps.client import Client
-from hpcps.ps.server import ShardServer
-from hpcps.ps.waiting import wait_all
-from hpcps.strategies.common import (Context, GradientSource, evaluate,
-                                     model_parallel_figures, rate, save_checkpoint,
-                                     steps_for_replica)
+from hpcps.ps.gradient_shard import GradientShard
+from hpcps.strategies.common import (
+    Context,
+    finish_on_chief,
+    save_checkpoint,
+    steps_for_replica,
+)
+from hpcps.strategies.loop import ReplicaLoop
+from hpcps.strategies.registry import SERVERS, Strategy
 from hpcps.topology import shard_range
 
 
@@ -123,157 +126,153 @@ def shard_activation_handler(ctx: Context, lo: int, hi: int, params, state):
     return bound, Tag.PUSH_ACTIVATIONS, handle
 
 
-def run(ctx: Context) -> dict:
-    if ctx.grid.role.is_server:
-        return run_server(ctx)
-    return run_replica(ctx)
-
-
 # -- replicas ----------------------------------------------------------------------------------
-def run_replica(ctx: Context) -> dict:
-    cfg, model, grid = ctx.cfg, ctx.model, ctx.grid
-    layout = grid.layout
-    r, R = grid.role.replica, layout.replicas
-    warmup = cfg.warmup_steps if ctx.start_step == 0 else 0
-    my_steps = steps_for_replica(ctx.remaining_steps, R, r, warmup)
-    packed = cfg.compress == "threshold" or cfg.push == "activations"
-    mine = shards_of_partition(ctx, grid.role.partition)
-    ranks = [layout.server_rank(shard) for shard, _, _ in mine]
-    ranges = [(lo, hi) for _, lo, hi in mine]
-    pusher = PackedPusher(model.n_params, ranges, cfg.tau, cfg.golomb == "on") \
-        if cfg.compress == "threshold" else None
-    if cfg.push == "activations":
-        chunks = [activations.pieces(model, lo, hi) for lo, hi in ranges]
-        k_max = cfg.batch_size * cfg.n_push
-        bounds = [activations.max_message_bytes(model, c, k_max) for c in chunks]
-    else:
-        bounds = [compress.max_message_bytes(hi - lo) for lo, hi in ranges]
-    client = Client(grid.world, ranks, ranges, r, cfg.timeout,
-                    packed_bytes=bounds if packed else None)
-    rows_in, rows_err = [], []  # activation push: layer inputs and errors since the last push
+class DownpourReplica(ReplicaLoop):
+    """Fetch every ``n_fetch`` steps, push every ``n_push``; never wait for another replica.
 
-    def push(grad: np.ndarray, steps: int, loss_sum: float) -> None:
-        if cfg.push == "activations":
-            ins = [np.concatenate([a[l] for a in rows_in]) for l in range(model.n_layers)]
-            errs = [np.concatenate([e[l] for e in rows_err]) for l in range(model.n_layers)]
+    Replica 0 trains alone for the warm start, then partition p of replica 0 releases
+    partition p of every other replica (each partition rank waits only for its own
+    counterpart, so every partition of every replica is released).
+    """
+
+    saves_checkpoints = False  # shard 0 writes them from the shards' state
+
+    def __init__(self, ctx: Context):
+        cfg, model, grid = ctx.cfg, ctx.model, ctx.grid
+        layout = grid.layout
+        r, R = grid.role.replica, layout.replicas
+        self.warmup = cfg.warmup_steps if ctx.start_step == 0 else 0
+        super().__init__(ctx, steps_for_replica(ctx.remaining_steps, R, r, self.warmup))
+        self.layout = layout
+        mine = shards_of_partition(ctx, grid.role.partition)
+        ranks = [layout.server_rank(shard) for shard, _, _ in mine]
+        ranges = [(lo, hi) for _, lo, hi in mine]
+        self.pusher = PackedPusher(model.n_params, ranges, cfg.tau, cfg.golomb == "on") \
+            if cfg.compress == "threshold" else None
+        self.activations = cfg.push == "activations"
+        if self.activations:
+            self.chunks = [activations.pieces(model, lo, hi) for lo, hi in ranges]
+            k_max = cfg.batch_size * cfg.n_push
+            bounds = [activations.max_message_bytes(model, c, k_max) for c in self.chunks]
+        else:
+            bounds = [compress.max_message_bytes(hi - lo) for lo, hi in ranges]
+        packed = self.pusher is not None or self.activations
+        self.client = Client(grid.world, ranks, ranges, r, cfg.timeout,
+                             packed_bytes=bounds if packed else None)
+        self.rows_in, self.rows_err = [], []  # activation pushes: since the last push
+        self.params = np.empty(model.n_params, dtype=np.float32)
+        self.grad = np.empty(model.n_params, dtype=np.float32)
+        self.acc = np.zeros(model.n_params, dtype=np.float32)
+        self.acc_steps, self.loss_sum = 0, 0.0
+        self.fetch_every = max(1, cfg.n_fetch // self.T)
+        self.info = {"step": ctx.start_step}
+        self.flag = Message(0)
+        self.release_reqs = []
+        self.released = r != 0 or R == 1 or self.warmup == 0
+
+    def run(self) -> dict:
+        if self.replica != 0 and self.warmup > 0:
+            self._wait_for_release()
+        elif not self.released:
+            self.ctx.metrics.message(f"warm start: replica 0 trains alone for {self.warmup} "
+                                     "steps")
+        return super().run()
+
+    def _wait_for_release(self) -> None:
+        self.ctx.metrics.message(f"replica {self.replica} waits for replica 0's warm start")
+        leader = self.layout.replica_rank(0, self.ctx.grid.role.partition)
+        req = self.ctx.grid.world.Irecv(self.flag.buf, source=leader, tag=Tag.WARMUP_DONE)
+        wait_all([req], self.cfg.timeout, f"replica 0 (rank {leader}) to finish its "
+                 f"{self.warmup}-step warm start")
+
+    def _release(self) -> None:
+        part = self.ctx.grid.role.partition
+        for other in range(1, self.layout.replicas):
+            dest = self.layout.replica_rank(other, part)
+            self.release_reqs.append(self.ctx.grid.world.Isend(self.flag.buf, dest=dest,
+                                                               tag=Tag.WARMUP_DONE))
+        self.released = True
+
+    def _push(self) -> None:
+        model, client = self.ctx.model, self.client
+        if self.activations:
+            ins = [np.concatenate([a[i] for a in self.rows_in]) for i in range(model.n_layers)]
+            errs = [np.concatenate([e[i] for e in self.rows_err])
+                    for i in range(model.n_layers)]
             k = len(ins[0])
             modes = activations.activation_layers(model, k)
             client.push_packed([activations.pack(model, c, modes, ins, errs).view(np.uint8)
-                                for c in chunks], steps, loss_sum,
+                                for c in self.chunks], self.acc_steps, self.loss_sum,
                                tag=Tag.PUSH_ACTIVATIONS, rows=k)
-            rows_in.clear()
-            rows_err.clear()
-        elif pusher is None:
-            client.push(grad, steps, loss_sum)
+            self.rows_in.clear()
+            self.rows_err.clear()
+        elif self.pusher is None:
+            client.push(self.acc, self.acc_steps, self.loss_sum)
         else:
-            client.push_packed(pusher.bodies(grad), steps, loss_sum)
+            client.push_packed(self.pusher.bodies(self.acc), self.acc_steps, self.loss_sum)
+        self.acc[:] = 0.0
+        self.acc_steps, self.loss_sum = 0, 0.0
 
-    source = GradientSource(ctx)
-    T = source.threads  # mini-batches per iteration (Hogwild threads)
-    batches = Prefetcher(Batches(ctx.train_x, ctx.train_y, source.batch, ctx.batch_seed(r)),
-                         cfg.prefetch)
-    params = np.empty(model.n_params, dtype=np.float32)
-    grad = np.empty(model.n_params, dtype=np.float32)
-    acc = np.zeros(model.n_params, dtype=np.float32)
-    acc_steps, loss_sum = 0, 0.0
-    m = ctx.metrics
-    flag = Message(0)
+    # -- hooks ---------------------------------------------------------------------------------
+    def before_step(self) -> None:
+        if (self.done // self.T) % self.fetch_every == 0:
+            self.info = self.client.fetch(self.params)
 
-    warmup_reqs = []
-    released = r != 0 or R == 1 or warmup == 0
-    if r != 0 and warmup > 0:
-        m.message(f"replica {r} waits for replica 0's warm start")
-        # partition p of replica 0 releases partition p of every other replica
-        leader = layout.replica_rank(0, grid.role.partition)
-        req = grid.world.Irecv(flag.buf, source=leader, tag=Tag.WARMUP_DONE)
-        wait_all([req], cfg.timeout, f"replica 0 (rank {leader}) to finish "
-                 f"its {warmup}-step warm start")
-    elif r == 0 and warmup > 0 and R > 1:
-        m.message(f"warm start: replica 0 trains alone for {warmup} steps")
-
-    def release():
-        for other in range(1, R):
-            dest = layout.replica_rank(other, grid.role.partition)
-            warmup_reqs.append(grid.world.Isend(flag.buf, dest=dest, tag=Tag.WARMUP_DONE))
-
-    t0 = time.perf_counter()
-    last_t, last_step = t0, ctx.start_step
-    # replica 0 evaluates every eval_every/R of its own steps: a schedule every partition of
-    # the replica computes alike, so they can gather the model together
-    eval_local = max(1, -(-cfg.eval_every // R)) if cfg.eval_every else 0
-    info = {"step": ctx.start_step}
-
-    def report(done_steps: int) -> None:
-        nonlocal last_t, last_step
-        step, now = info["step"], time.perf_counter()
-        m.record("progress", step=step, epoch=round(ctx.epochs(step), 3),
-                 examples_per_s=round(rate((step - last_step) * cfg.batch_size, now - last_t), 1),
-                 loss=info.get("loss", float("nan")),
-                 staleness=round(info.get("staleness", 0.0), 2),
-                 max_staleness=info.get("max_staleness", 0.0),
-                 bytes_per_step=round((client.bytes_sent + client.bytes_received)
-                                      / max(1, done_steps)),
-                 bytes_sent_per_step=round(client.bytes_sent / max(1, done_steps)),
-                 **({"updates_per_step": round(pusher.words_sent / max(1, done_steps), 1)}
-                    if pusher else {}),
-                 **model_parallel_figures(ctx, done_steps, now - t0))
-        last_t, last_step = now, step
-
-    fetch_every = max(1, cfg.n_fetch // T)
-    eval_iters = max(1, eval_local // T) if eval_local else 0
-    iterations = -(-my_steps // T)
-    for it in range(iterations):
-        done = (it + 1) * T  # this replica's mini-batches so far
-        if it % fetch_every == 0:
-            info = client.fetch(params)
-        x, y = next(batches)
-        if cfg.push == "activations":  # keep what the gradient is made of, not the gradient
-            loss, ins, errs = model.loss_and_parts(params, x, y)
-            rows_in.append(ins)
-            rows_err.append(errs)
+    def step(self, x, y) -> float:
+        T = self.T
+        if self.activations:  # keep what the gradient is made of, not the gradient
+            loss, ins, errs = self.ctx.model.loss_and_parts(self.params, x, y)
+            self.rows_in.append(ins)
+            self.rows_err.append(errs)
         else:
-            loss = source(params, x, y, grad)
-        if T > 1:
-            grad *= np.float32(T)  # the sum over the T mini-batches, as n_push sums steps
-        if cfg.push != "activations":
-            acc += grad
-        acc_steps += T
-        loss_sum += loss * T
-        if acc_steps >= cfg.n_push:
-            push(acc, acc_steps, loss_sum)
-            acc[:] = 0.0
-            acc_steps, loss_sum = 0, 0.0
-        if not released and done >= warmup:
-            release()
-            released = True
-            m.message("warm start done: all replicas train now")
-        if grid.is_chief and m.due():
-            report(done)
-        if r == 0 and eval_iters and (it + 1) % eval_iters == 0:
-            full = ctx.gather_full(params)
-            if grid.is_chief:
-                test_loss, test_acc = evaluate(ctx, full)
-                step = info["step"]
-                m.record("eval", step=step, epoch=round(ctx.epochs(step), 3),
-                         test_accuracy=test_acc, test_loss=test_loss)
-    if acc_steps:
-        push(acc, acc_steps, loss_sum)
-    my_steps = iterations * T  # rounded up to whole iterations
-    if grid.is_chief and my_steps:
-        report(my_steps)  # the last window, so every run's metrics hold a progress record
-    if not released:
-        release()
-    wait_all(warmup_reqs, cfg.timeout, "other replicas to take the warm-start release")
-    client.done()
-    train_s = time.perf_counter() - t0
-    batches.close()
-    result = {"replica_steps": my_steps, "train_s": train_s,
-              "bytes_sent": client.bytes_sent, "bytes_received": client.bytes_received,
-              "words_sent": pusher.words_sent if pusher else None,
-              **model_parallel_figures(ctx, my_steps, train_s)}
-    if grid.is_chief:
-        result.update(_finish_chief(ctx, train_s))
-    return result
+            loss = self.source(self.params, x, y, self.grad)
+            if T > 1:
+                self.grad *= np.float32(T)  # the sum over the T mini-batches, as n_push sums
+            self.acc += self.grad
+        self.acc_steps += T
+        self.loss_sum += loss * T
+        if self.acc_steps >= self.cfg.n_push:
+            self._push()
+        if not self.released and self.done + T >= self.warmup:
+            self._release()
+            self.ctx.metrics.message("warm start done: all replicas train now")
+        return loss
+
+    def global_step(self) -> int:
+        return self.info["step"]
+
+    def progress_fields(self) -> dict:
+        c, done = self.client, max(1, self.done)
+        out = {"loss": self.info.get("loss", float("nan")),
+               "staleness": round(self.info.get("staleness", 0.0), 2),
+               "max_staleness": self.info.get("max_staleness", 0.0),
+               "bytes_per_step": round((c.bytes_sent + c.bytes_received) / done),
+               "bytes_sent_per_step": round(c.bytes_sent / done)}
+        if self.pusher:
+            out["updates_per_step"] = round(self.pusher.words_sent / done, 1)
+        return out
+
+    def after_loop(self) -> None:
+        if self.acc_steps:
+            self._push()
+        if not self.released:
+            self._release()
+        wait_all(self.release_reqs, self.cfg.timeout,
+                 "other replicas to take the warm-start release")
+        self.client.done()
+
+    def finish(self, train_s: float) -> dict:
+        c = self.client
+        out = {"replica_steps": self.done, "bytes_sent": c.bytes_sent,
+               "bytes_received": c.bytes_received,
+               "words_sent": self.pusher.words_sent if self.pusher else None}
+        if self.ctx.grid.is_chief:
+            out.update(_finish_chief(self.ctx, train_s))
+        return out
+
+
+def run_replica(ctx: Context) -> dict:
+    return DownpourReplica(ctx).run()
 
 
 def _final_message(ctx: Context) -> Message:
@@ -290,16 +289,9 @@ def _finish_chief(ctx: Context, train_s: float) -> dict:
     wait_all([req], ctx.cfg.timeout, f"the final parameters from server shard 0 "
              f"(rank {layout.server_rank(0)})")
     n = ctx.full_model.n_params
-    params = msg.payload[:n]
     state = {k: msg.payload[(i + 1) * n:(i + 2) * n]
              for i, k in enumerate(ctx.optimizer.state_keys)}
-    step = int(msg.header[H.STEPS])
-    test_loss, test_acc = evaluate(ctx, params)
-    path = save_checkpoint(ctx, params, state, step,
-                           {"test_accuracy": test_acc, "test_loss": test_loss})
-    return {"step": step, "test_accuracy": test_acc, "test_loss": test_loss,
-            "checkpoint": str(path),
-            "examples_per_s": rate((step - ctx.start_step) * ctx.cfg.batch_size, train_s)}
+    return finish_on_chief(ctx, msg.payload[:n], state, int(msg.header[H.STEPS]), train_s)
 
 
 # -- server shards -----------------------------------------------------------------------------
@@ -315,17 +307,10 @@ def run_server(ctx: Context) -> dict:
     def gather() -> tuple[np.ndarray, dict] | None:
         """The whole model (MLP layout) and optimizer state on shard 0, from every shard's
         chunk; None on the other shards. Collective over the server communicator."""
-        comm = grid.server_comm
         counts = [h - l for l, h in ranges]
-        displs = [l for l, _ in ranges]
-        n_global = ranges[-1][1]
-        gathered = []
-        for local in [params] + [state[k] for k in keys]:
-            whole = np.empty(n_global, np.float32) if s == 0 else None
-            recv = [whole, counts, displs, MPI.FLOAT] if s == 0 else None
-            wait_all([comm.Igatherv(local, recv, root=0)], cfg.timeout,
-                     "the other server shards to join a gather of the model")
-            gathered.append(whole)
+        gathered = [gather_to_root(grid.server_comm, local, counts, cfg.timeout,
+                                   "the other server shards to join a gather of the model")
+                    for local in [params] + [state[k] for k in keys]]
         if s != 0:
             return None
         full = [ctx.global_to_full(v) for v in gathered]
@@ -337,7 +322,7 @@ def run_server(ctx: Context) -> dict:
             path = save_checkpoint(ctx, got[0], got[1], step)
             print(f"[hpcps] server shard 0 wrote checkpoint {path} at step {step}", flush=True)
 
-    server = ShardServer(grid.world, params, state, ctx.optimizer.apply,
+    server = GradientShard(grid.world, params, state, ctx.optimizer.apply,
                          n_replicas=grid.layout.replicas, step=ctx.start_step,
                          timeout=cfg.timeout, on_boundary=on_boundary,
                          boundary_every=cfg.checkpoint_every,
@@ -360,3 +345,107 @@ def run_server(ctx: Context) -> dict:
             "bytes_in": stats.bytes_in, "bytes_out": stats.bytes_out,
             "mean_staleness": stats.staleness_sum / max(1, stats.pushes),
             "max_staleness": stats.staleness_max, "step": server.step}
+
+
+# -- declaration --------------------------------------------------------------------------------
+DOWNPOUR_TAU = 0.01  # default threshold of compressed pushes (gradient units, not weight units)
+
+
+def _defaults(cfg) -> dict:
+    d = {"servers": cfg.partitions,  # one shard per partition
+         "lr": 0.01, "n_fetch": 1, "n_push": 1, "warmup_steps": 200, "compress": "none",
+         "batch_size": 32, "prefetch": 2, "push": "gradients"}
+    if cfg.compress == "threshold":
+        d.update(tau=DOWNPOUR_TAU, golomb="on")
+    return d
+
+
+def _validate(cfg) -> None:
+    if cfg.push == "activations" and (cfg.compress == "threshold" or cfg.partitions > 1
+                                      or cfg.threads > 1):
+        raise ConfigError("--push activations goes with dense pushes of whole replicas: not "
+                          "with --compress threshold, --partitions > 1 or --threads > 1")
+    if cfg.compress != "threshold":
+        for name in ("tau", "golomb"):
+            if getattr(cfg, name) is not None:
+                raise ConfigError(f"--{name} applies to downpour only with --compress threshold")
+    if cfg.servers is not None and cfg.servers % cfg.partitions:
+        raise ConfigError(f"--servers {cfg.servers} does not divide among --partitions "
+                          f"{cfg.partitions}: each partition talks to its own server shards, so "
+                          f"S must be a multiple of P (e.g. --servers {cfg.partitions})")
+
+
+def _describe(cfg, n_train: int) -> str:
+    how = f"{cfg.optimizer} lr={cfg.lr} on the shards, batch {cfg.batch_size}/replica"
+    if cfg.compress == "threshold":
+        how += f", pushes thresholded at tau={cfg.tau}"
+    if cfg.push == "activations":
+        how += ", pushes of layer inputs and errors"
+    return how
+
+
+def _summarize(ctx: Context, results: list[dict]) -> dict:
+    """Traffic of every replica and staleness seen by every shard, added up."""
+    cfg = ctx.cfg
+    reps = [r for r in results if "replica_steps" in r]
+    shards = [r for r in results if "shard" in r]
+    trained = max(1, results[ctx.reporter].get("step", ctx.start_step) - ctx.start_step)
+    moved = sum(r["bytes_sent"] + r["bytes_received"] for r in reps)
+    out = {"bytes_per_step": moved / trained,
+           "mean_staleness": sum(s["mean_staleness"] for s in shards) / max(1, len(shards)),
+           "max_staleness": max((s["max_staleness"] for s in shards), default=0.0)}
+    out.update(results[ctx.reporter].get("figures", {}))  # the chief's model-parallel figures
+    pushed = sum(r["bytes_sent"] for r in reps) / trained
+    if cfg.push == "activations":
+        out.update(push_bytes_per_step=round(pushed),
+                   dense_push_bytes_per_step=4 * ctx.full_model.n_params)
+    if cfg.compress == "threshold":
+        words = sum(r["words_sent"] for r in reps)
+        out.update(push_bytes_per_step=round(pushed), updates_per_step=words / trained,
+                   compression_ratio=4 * ctx.full_model.n_params / max(1.0, pushed),
+                   bits_per_update=8 * pushed * trained / max(1, words))
+    return out
+
+
+def _summary_lines(f: dict) -> list[str]:
+    lines = []
+    if "compression_ratio" in f:
+        lines.append(f"{f['updates_per_step']:.0f} updates per step, {f['bits_per_update']:.1f} "
+                     f"bits per update, compression {f['compression_ratio']:.0f}x of the dense "
+                     "gradient")
+    if "dense_push_bytes_per_step" in f:
+        lines.append(f"pushed {f['push_bytes_per_step']:.0f} bytes per step of layer inputs and "
+                     f"errors instead of {f['dense_push_bytes_per_step']} of gradient")
+    lines.append(f"staleness: mean {f['mean_staleness']:.2f}, max {f['max_staleness']:.0f} "
+                 "shard updates between a replica's fetch and its push")
+    return lines
+
+
+STRATEGY = Strategy(
+    name="downpour",
+    help="asynchronous replicas fetch parameters from and push gradients to a sharded "
+         "parameter server that runs the optimizer (DistBelief's Downpour SGD; the default); "
+         "S defaults to P, one shard per partition",
+    roles={"replica": run_replica, "server": run_server},
+    servers=SERVERS,
+    options=(
+        Option("n_fetch", int, "fetch fresh parameters from the shards every n_fetch steps "
+               "(default 1)", check="positive"),
+        Option("n_push", int, "push the accumulated gradient every n_push steps (default 1)",
+               check="positive"),
+        Option("warmup_steps", int, "steps replica 0 trains alone before the others join "
+               "(default 200; not applied when resuming)", check="nonneg"),
+        Option("compress", str, "'threshold' pushes Strom-compressed gradients (residual kept "
+               "on the replica) instead of dense ones; default 'none'",
+               choices=("none", "threshold")),
+        Option("push", str, "'activations' sends, for fully connected layers where it is fewer "
+               "numbers, the k rows of layer inputs and errors since the last push and lets the "
+               "shard compute the update (Project Adam); default 'gradients'",
+               choices=("gradients", "activations")),
+        TAU, GOLOMB, PREFETCH),
+    defaults=_defaults,
+    validate=_validate,
+    describe=_describe,
+    summarize=_summarize,
+    summary_lines=_summary_lines,
+)

@@ -39,27 +39,20 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from hpcps.config import parse_inject_slow
+from hpcps.comm import PeerTimeout, Poller, gather_to_root, wait_all
+from hpcps.errors import CheckpointError, ConfigError
 from hpcps.optim import LBFGS
+from hpcps.options import Option, parse_inject_slow
 from hpcps.protocol import H, Message, Op, Tag, Task
-from hpcps.ps.vectors import CMD_SLOTS, VectorShard
-from hpcps.ps.waiting import PeerTimeout, Poller, wait_all
+from hpcps.ps.lbfgs_shard import CMD_SLOTS, VectorShard
 from hpcps.schedule import PortionScheduler
 from hpcps.strategies.common import Context, rate, save_checkpoint
+from hpcps.strategies.registry import SERVERS, Strategy
 from hpcps.topology import shard_range
 
 TASK_SLOTS = 8     # kind, evaluation, portion, lo, hi, accept previous, vector id, data batch
 RESULT_SLOTS = 6   # kind, batch, portion, loss sum (or test loss), examples (or accuracy), spare
 PORTION_CHUNK = 256  # rows per engine step when a replica sums a portion's gradient
-
-
-def run(ctx: Context) -> dict:
-    role = ctx.grid.role
-    if role.is_server:
-        return run_shard(ctx)
-    if role.is_replica:
-        return run_replica(ctx)
-    return run_coordinator(ctx)
 
 
 def vector_names(ctx: Context) -> list[str]:
@@ -274,8 +267,8 @@ def run_coordinator(ctx: Context) -> dict:
     runner = BatchRunner(ctx)
     space = ShardSpace(ctx, names, runner)
     opt = LBFGS(space, cfg.lbfgs_history)
-    if ctx.lbfgs_state:
-        opt.load_state(ctx.lbfgs_state)
+    if ctx.resumed and ctx.resumed.get("lbfgs"):
+        opt.load_state(ctx.resumed["lbfgs"])
     batch_n = cfg.batch(ctx.dataset.n_train)
     whole = batch_n >= ctx.dataset.n_train
     t0 = time.perf_counter()
@@ -323,21 +316,20 @@ def run_coordinator(ctx: Context) -> dict:
                 {"train_loss": opt.f, "test_accuracy": test_acc, "test_loss": test_loss})
     runner.stop()
     monotone = all(b <= a for a, b in zip(losses, losses[1:])) if whole else None
+    figures = {
+        "iterations": opt.iterations, "final_train_loss": opt.f, "loss_monotone": monotone,
+        "median_batch_s": statistics.median(runner.stats["batch_s"] or [math.nan]),
+        "coordinator_bytes_per_iteration": space.bytes_sent / max(1, opt.iterations),
+        # what moves per step (one batch evaluation) between coordinator and shards
+        "bytes_per_step": (space.bytes_sent + space.bytes_received) / max(1, space.evaluations),
+        "commands_per_iteration": space.commands / max(1, opt.iterations),
+        "portions_reissued": runner.stats["reissued"],
+        "duplicates_discarded": runner.stats["duplicates"],
+        "portions_requeued": runner.stats["requeued"],
+        "lost_replicas": runner.stats["lost_replicas"]}
     return {"step": step, "train_s": train_s, "test_accuracy": test_acc, "test_loss": test_loss,
             "checkpoint": str(ctx.run_dir / "checkpoint.h5"),
-            "examples_per_s": rate(batch_n * space.evaluations, train_s),
-            "iterations": opt.iterations, "final_train_loss": opt.f,
-            "loss_monotone": monotone,
-            "median_batch_s": statistics.median(runner.stats["batch_s"] or [math.nan]),
-            "coordinator_bytes_per_iteration": space.bytes_sent / max(1, opt.iterations),
-            # what moves per step (one batch evaluation) between coordinator and shards
-            "bytes_per_step": (space.bytes_sent + space.bytes_received)
-            / max(1, space.evaluations),
-            "commands_per_iteration": space.commands / max(1, opt.iterations),
-            "portions_reissued": runner.stats["reissued"],
-            "duplicates_discarded": runner.stats["duplicates"],
-            "portions_requeued": runner.stats["requeued"],
-            "lost_replicas": runner.stats["lost_replicas"]}
+            "examples_per_s": rate(batch_n * space.evaluations, train_s), "figures": figures}
 
 
 def _next(step: int, every: int) -> int:
@@ -466,16 +458,11 @@ def run_shard(ctx: Context) -> dict:
     saved = ["x", "g"] + [f"{k}{i}" for k in "sy" for i in range(cfg.lbfgs_history)]
 
     def on_gather(op: int, step: int) -> None:
-        comm = grid.server_comm
         counts = [b - a for a, b in slices]
-        displs = [a for a, _ in slices]
-        whole = {}
-        for name in saved:
-            out = np.empty(ctx.full_model.n_params, np.float32) if s == 0 else None
-            recv = [out, counts, displs, MPI.FLOAT] if s == 0 else None
-            wait_all([comm.Igatherv(shard.vec[ids[name]], recv, root=0)], cfg.timeout,
-                     "the other server shards to join a checkpoint gather")
-            whole[name] = out
+        whole = {name: gather_to_root(grid.server_comm, shard.vec[ids[name]], counts,
+                                      cfg.timeout,
+                                      "the other server shards to join a checkpoint gather")
+                 for name in saved}
         if s != 0:
             return
         extra = shard.note  # sent by the coordinator just before this command
@@ -491,3 +478,67 @@ def run_shard(ctx: Context) -> dict:
         shard.vec[ids[name]] = full[lo:hi]
     shard.serve()
     return {"shard": s, "commands": shard.commands}
+
+
+# -- declaration --------------------------------------------------------------------------------
+def _validate(cfg) -> None:
+    if cfg.lr is not None:
+        raise ConfigError("--lr does not apply to --strategy sandblaster: L-BFGS chooses each "
+                          "step's length by its line search")
+    if cfg.inject_slow is not None:
+        parse_inject_slow(cfg.inject_slow)
+
+
+def _check_resume(cfg, ckpt) -> None:
+    lbfgs = ckpt.metrics.get("lbfgs")
+    if lbfgs and lbfgs.get("m") != cfg.lbfgs_history:
+        raise CheckpointError(f"checkpoint {cfg.resume} holds an L-BFGS history of "
+                              f"{lbfgs.get('m')} pairs; resume with --lbfgs-history "
+                              f"{lbfgs.get('m')}")
+
+
+def _describe(cfg, n_train: int) -> str:
+    return (f"L-BFGS m={cfg.lbfgs_history}, batch {cfg.batch(n_train)} examples in "
+            f"{cfg.portions} portions")
+
+
+def _summary_lines(f: dict) -> list[str]:
+    return [f"{f['iterations']} L-BFGS iterations, training loss {f['final_train_loss']:.4f}, "
+            f"{f['median_batch_s']:.2f} s per batch, {f['coordinator_bytes_per_iteration']:.0f} "
+            f"bytes of commands per iteration; {f['portions_reissued']} portions re-issued as "
+            f"backups, {f['duplicates_discarded']} late duplicates discarded, "
+            f"{len(f['lost_replicas'])} replica(s) lost"]
+
+
+STRATEGY = Strategy(
+    name="sandblaster",
+    help="batch L-BFGS run by a coordinator through vector commands to the server shards; "
+         "replicas compute portions of each batch, backup copies of the last ones "
+         "(DistBelief's Sandblaster)",
+    roles={"replica": run_replica, "server": run_shard, "coordinator": run_coordinator},
+    servers=SERVERS,
+    coordinator=True,
+    options=(
+        Option("lbfgs_history", int, "(s, y) pairs L-BFGS keeps (default 10)",
+               check="positive"),
+        Option("portions", int, "portions each batch is cut into and handed to free replicas "
+               "(default 64)", check="positive"),
+        Option("flush_every", int, "a replica pushes its accumulated gradient every this many "
+               "portions (default 4)", check="positive"),
+        Option("inject_slow", str, "for testing: RANK:FACTOR makes that replica rank FACTOR "
+               "times slower; RANK:stall makes it stop answering"),
+        Option("replica_timeout", float, "seconds without an answer before a replica's "
+               "portions go to the others (default 60)", check="positive"),
+    ),
+    defaults={"servers": 1, "batch_size": 0, "lbfgs_history": 10, "portions": 64,
+              "flush_every": 4, "replica_timeout": 60.0},
+    optimizers=("lbfgs",),
+    model_parallel=False,
+    whole_batch=True,
+    epochs=40.0,  # a step is one evaluation of a whole batch (by default the whole set)
+    replica_data="whole",  # any replica may be handed any portion
+    validate=_validate,
+    check_resume=_check_resume,
+    describe=_describe,
+    summary_lines=_summary_lines,
+)

@@ -14,16 +14,14 @@ partition sums its own slice of the gradient with the same partition of the othe
 """
 from __future__ import annotations
 
-import time
-
 import numpy as np
 from mpi4py import MPI
 
-from hpcps.data import Batches, Prefetcher
-from hpcps.ps.waiting import wait_all
-from hpcps.strategies.common import (Context, GradientSource, crossed, evaluate,
-                                     gather_state, model_parallel_figures, rate,
-                                     save_checkpoint)
+from hpcps.comm import wait_all
+from hpcps.options import PREFETCH
+from hpcps.strategies.common import Context, finish_on_chief, gather_state
+from hpcps.strategies.loop import ReplicaLoop
+from hpcps.strategies.registry import Strategy
 
 
 def sync_step(comm, gradient, optimizer, params, state, x, y, buf, timeout: float) -> float:
@@ -46,69 +44,57 @@ def sync_step(comm, gradient, optimizer, params, state, x, y, buf, timeout: floa
     return float(buf[n])
 
 
+class SyncReplica(ReplicaLoop):
+    """Every iteration: this replica's gradient, one allreduce, the same update everywhere.
+
+    One update consumes the R replicas' mini-batches (T each with threads): the global step
+    advances by R * T.
+    """
+
+    def __init__(self, ctx: Context):
+        self.comm = ctx.grid.partition_comm
+        self.R = self.comm.Get_size()
+        super().__init__(ctx, -(-ctx.remaining_steps // self.R))
+        self.state = ctx.opt_state
+        self.buf = np.zeros(ctx.model.n_params + 1, dtype=np.float32)
+        # Bytes each rank sends per update in a ring allreduce, 2 (R-1)/R of the buffer;
+        # summed over the R ranks and divided by the R mini-batches of an update, the same
+        # figure per step.
+        self.bytes_per_step = 2 * self.buf.nbytes * (self.R - 1) / self.R / self.T
+
+    def step(self, x, y) -> float:
+        return sync_step(self.comm, self.source, self.ctx.optimizer, self.params, self.state,
+                         x, y, self.buf, self.cfg.timeout)
+
+    def global_step(self) -> int:
+        return self.ctx.start_step + self.done * self.R
+
+    def progress_fields(self) -> dict:
+        return {"staleness": 0, "bytes_per_step": round(self.bytes_per_step)}
+
+    def checkpoint_state(self) -> dict:
+        return self.state
+
+    def finish(self, train_s: float) -> dict:
+        out = {"figures": {"bytes_per_step": self.bytes_per_step}}
+        if self.first:  # every replica holds the same weights
+            full, full_state = gather_state(self.ctx, self.params, self.state)
+            if self.ctx.grid.is_chief:
+                out.update(finish_on_chief(self.ctx, full, full_state, self.global_step(),
+                                           train_s))
+        return out
+
+
 def run(ctx: Context) -> dict:
-    cfg, model, grid = ctx.cfg, ctx.model, ctx.grid
-    comm = grid.partition_comm
-    n_rep = comm.Get_size()
-    replica = grid.role.replica
-    params, state = ctx.params, ctx.opt_state
-    source = GradientSource(ctx)
-    T = source.threads
-    updates = -(-ctx.remaining_steps // (n_rep * T))
-    batches = Prefetcher(Batches(ctx.train_x, ctx.train_y, source.batch,
-                                 ctx.batch_seed(replica)), cfg.prefetch)
-    buf = np.zeros(model.n_params + 1, dtype=np.float32)
-    step = ctx.start_step
-    m = ctx.metrics
-    # Bytes each rank sends per update in a ring allreduce, 2 (R-1)/R of the buffer; summed over
-    # the R ranks and divided by the R mini-batches of an update, the same figure per step.
-    bytes_per_update = 2 * buf.nbytes * (n_rep - 1) / n_rep / T
-    t0 = time.perf_counter()
-    last_t, last_step = t0, step
-    loss_win, n_win = 0.0, 0
+    return SyncReplica(ctx).run()
 
-    def report():
-        nonlocal last_t, last_step, loss_win, n_win
-        now = time.perf_counter()
-        m.record("progress", step=step, epoch=round(ctx.epochs(step), 3),
-                 examples_per_s=round(rate((step - last_step) * cfg.batch_size, now - last_t), 1),
-                 loss=loss_win / max(1, n_win), staleness=0,
-                 bytes_per_step=round(bytes_per_update),
-                 **model_parallel_figures(ctx, (step - ctx.start_step) // n_rep, now - t0))
-        last_t, last_step, loss_win, n_win = now, step, 0.0, 0
-
-    for _ in range(updates):
-        x, y = next(batches)
-        loss = sync_step(comm, source, ctx.optimizer, params, state, x, y, buf, cfg.timeout)
-        step += n_rep * T
-        loss_win += loss
-        n_win += 1
-        if m.due():
-            report()
-        evaluating = crossed(step, n_rep * T, cfg.eval_every)
-        saving = crossed(step, n_rep * T, cfg.checkpoint_every)
-        if (evaluating or saving) and replica == 0:  # every replica holds the same weights
-            full, full_state = gather_state(ctx, params, state if saving else {})
-            if grid.is_chief and evaluating:
-                test_loss, test_acc = evaluate(ctx, full)
-                m.record("eval", step=step, epoch=round(ctx.epochs(step), 3),
-                         test_accuracy=test_acc, test_loss=test_loss)
-            if grid.is_chief and saving:
-                path = save_checkpoint(ctx, full, full_state, step, {"train_loss": loss})
-                m.record("checkpoint", echo=False, step=step, path=str(path))
-    if n_win:
-        report()  # the last window, so every run's metrics hold at least one progress record
-    train_s = time.perf_counter() - t0
-    batches.close()
-    result = {"step": step, "train_s": train_s,
-              "examples_per_s": rate((step - ctx.start_step) * cfg.batch_size, train_s),
-              "bytes_per_step": bytes_per_update}
-    result.update(model_parallel_figures(ctx, updates * T, train_s))
-    if replica == 0:
-        full, full_state = gather_state(ctx, params, state)
-        if grid.is_chief:
-            test_loss, test_acc = evaluate(ctx, full)
-            path = save_checkpoint(ctx, full, full_state, step,
-                                   {"test_accuracy": test_acc, "test_loss": test_loss})
-            result.update(test_accuracy=test_acc, test_loss=test_loss, checkpoint=str(path))
-    return result
+STRATEGY = Strategy(
+    name="sync",
+    help="replicas allreduce their gradients every step and apply the same update: one "
+         "large-batch SGD, no servers, no staleness",
+    roles={"replica": run},
+    options=(PREFETCH,),
+    defaults={"lr": 0.01, "batch_size": 32, "prefetch": 2},
+    describe=lambda cfg, n_train: f"{cfg.optimizer} lr={cfg.lr}, batch "
+                                  f"{cfg.batch_size}/replica",
+)

@@ -11,7 +11,7 @@ import pytest
 from hpcps import optim
 from hpcps.model import MLP
 from hpcps.ps.client import Client
-from hpcps.ps.server import ShardServer
+from hpcps.ps.gradient_shard import GradientShard
 from hpcps.strategies.sync import sync_step
 from hpcps.topology import Layout, build_grid, shard_range, world_comm
 
@@ -75,7 +75,7 @@ def test_shard_applies_every_push_from_every_replica(comm):
     opt = optim.make("sgd", 1.0)
     if rank == server:
         params = init.copy()
-        srv = ShardServer(comm, params, {}, opt.apply, n_replicas=size - 1, timeout=TIMEOUT)
+        srv = GradientShard(comm, params, {}, opt.apply, n_replicas=size - 1, timeout=TIMEOUT)
         stats = srv.serve()
         expected = init - sum((r + 1) * pushes for r in range(size - 1))
         np.testing.assert_allclose(params, expected)
@@ -107,7 +107,7 @@ def test_two_shards_hold_their_own_slices(comm):
         s = servers.index(rank)
         lo, hi = ranges[s]
         params = np.zeros(hi - lo, np.float32)
-        srv = ShardServer(comm, params, opt.init_state(hi - lo), opt.apply,
+        srv = GradientShard(comm, params, opt.init_state(hi - lo), opt.apply,
                           n_replicas=size - 2, timeout=TIMEOUT)
         srv.serve()
         # every element got the same sign of update from every replica: adagrad moved each
@@ -126,8 +126,8 @@ def test_two_shards_hold_their_own_slices(comm):
 @pytest.mark.mpi
 def test_partitioned_model_over_mpi_equals_the_whole_model(comm):
     """All ranks form one replica of P = size partitions, exchanging over MPI."""
+    from hpcps.comm import ReplicaExchange
     from hpcps.model import PartitionedMLP
-    from hpcps.strategies.common import ReplicaExchange
     P, p = comm.Get_size(), comm.Get_rank()
     sizes = (16, 11, 9, 5)
     whole = MLP(sizes, "relu")

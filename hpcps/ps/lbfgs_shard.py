@@ -1,4 +1,4 @@
-"""A Sandblaster parameter-server shard: named vectors, operated on by small commands.
+"""Sandblaster's parameter-server shard: named vectors, operated on by small commands.
 
 The shard holds its slice of every vector L-BFGS needs (parameters ``x``, gradient ``g``,
 direction, trial point, the history pairs). The coordinator sends it one :class:`Op` at a
@@ -13,14 +13,12 @@ so a replica declared lost (BAN) cannot leave half its work in the gradient.
 """
 from __future__ import annotations
 
-import time
 from typing import Callable
 
 import numpy as np
-from mpi4py import MPI
 
 from hpcps.protocol import H, Message, Op, Tag
-from hpcps.ps.waiting import PeerTimeout, Poller
+from hpcps.ps.serve import serve
 
 CMD_SLOTS = 6  # op, a, b, alpha, step, spare (float64)
 
@@ -60,38 +58,35 @@ class VectorShard:
         self._ack = Message(0)
 
     def serve(self) -> None:
-        comm, st = self.comm, MPI.Status()
-        poll = Poller()
-        last = time.monotonic()
-        while True:
-            if not comm.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG, st):
-                if time.monotonic() - last > self.timeout:
-                    raise PeerTimeout(f"sandblaster shard heard nothing for {self.timeout:.0f} s "
-                                      f"(coordinator is rank {self.coordinator})")
-                poll.pause()
-                continue
-            poll.reset()
-            last = time.monotonic()
-            src, tag = st.Get_source(), st.Get_tag()
-            if tag == Tag.SB_CMD:
-                comm.Recv(self._cmd, source=src, tag=Tag.SB_CMD)
-                if self._command(self._cmd):
-                    return
-            elif tag == Tag.FETCH:
-                comm.Recv(self._ask.buf, source=src, tag=Tag.FETCH)
-                r = self._params
-                r.payload[:] = self.vec[int(self._ask.header[H.VECTOR])]
-                comm.Send(r.buf, dest=src, tag=Tag.PARAMS)
-            elif tag == Tag.SB_PUSH:
-                comm.Recv(self._push.buf, source=src, tag=Tag.SB_PUSH)
-                if src not in self.banned:
-                    buf = self.pending.setdefault(src, np.zeros(self.n, dtype=np.float32))
-                    buf += self._push.payload
-                comm.Send(self._ack.buf, dest=src, tag=Tag.SB_PUSH_ACK)
-            elif tag == Tag.SB_STATE:  # what the next checkpoint should record besides vectors
-                self.note = comm.recv(source=src, tag=Tag.SB_STATE)
-            else:
-                raise RuntimeError(f"sandblaster shard got unexpected tag {tag} from rank {src}")
+        """Serve commands, fetches and pushes until the coordinator sends FINISH."""
+        serve(self.comm, {Tag.SB_CMD: self._recv_command, Tag.FETCH: self._recv_fetch,
+                          Tag.SB_PUSH: self._recv_push, Tag.SB_STATE: self._recv_state},
+              self.timeout, lambda: f"the coordinator (rank {self.coordinator}) and the replicas")
+
+    def _recv_command(self, src: int, status) -> bool:
+        self.comm.Recv(self._cmd, source=src, tag=Tag.SB_CMD)
+        return self._command(self._cmd)
+
+    def _recv_fetch(self, src: int, status) -> bool:
+        self.comm.Recv(self._ask.buf, source=src, tag=Tag.FETCH)
+        r = self._params
+        r.payload[:] = self.vec[int(self._ask.header[H.VECTOR])]
+        self.comm.Send(r.buf, dest=src, tag=Tag.PARAMS)
+        return False
+
+    def _recv_push(self, src: int, status) -> bool:
+        """Gradients of accepted portions wait in the replica's pending buffer until COMMIT."""
+        self.comm.Recv(self._push.buf, source=src, tag=Tag.SB_PUSH)
+        if src not in self.banned:
+            buf = self.pending.setdefault(src, np.zeros(self.n, dtype=np.float32))
+            buf += self._push.payload
+        self.comm.Send(self._ack.buf, dest=src, tag=Tag.SB_PUSH_ACK)
+        return False
+
+    def _recv_state(self, src: int, status) -> bool:
+        """What the next checkpoint should record besides vectors (L-BFGS scalars)."""
+        self.note = self.comm.recv(source=src, tag=Tag.SB_STATE)
+        return False
 
     def _command(self, cmd: np.ndarray) -> bool:
         """Apply one command; reply; True when it was FINISH."""

@@ -1,0 +1,89 @@
+"""What one command-line option is: its name, type, help, allowed values and range.
+
+:mod:`hpcps.config` builds the parser, the TOML reader and the frozen :class:`Config` from
+these declarations: the options every run has are listed there, and each strategy declares
+the options that belong to it in its own module (``STRATEGY.options``, see
+:mod:`hpcps.strategies.registry`). Declaring an option once gives it a ``--flag``, a TOML key,
+a typed field, its help line and its range check. Pure: no MPI, no hpcps imports.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from hpcps.errors import ConfigError
+
+CHECKS = (None, "positive", "nonneg")
+
+
+@dataclass(frozen=True)
+class Option:
+    """One option: ``--name-with-dashes`` on the command line, ``name`` in TOML and Config.
+
+    Parameters
+    ----------
+    name : the field name (underscores).
+    type : ``int``, ``float``, ``str`` or ``"layers"`` (comma-separated widths).
+    help : one or two sentences for ``--help``.
+    default : the value when not given; ``None`` means "not given", and the strategy in use
+        fills its own default (see ``Strategy.defaults``).
+    choices : the allowed values, if the option is a choice.
+    check : ``"positive"`` (> 0) or ``"nonneg"`` (>= 0) for numbers.
+    """
+
+    name: str
+    type: Any
+    help: str
+    default: Any = None
+    choices: tuple | None = None
+    check: str | None = None
+
+    def __post_init__(self):
+        if self.check not in CHECKS:
+            raise ValueError(f"option {self.name}: check must be one of {CHECKS}")
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    def check_value(self, value: Any) -> None:
+        """Refuse a value outside the option's choices or range (None: not given, fine)."""
+        if value is None:
+            return
+        if self.choices is not None and value not in self.choices:
+            raise ConfigError(f"{self.flag} takes {' or '.join(map(str, self.choices))}, "
+                              f"got {value!r}")
+        if self.check == "positive" and not value > 0:
+            raise ConfigError(f"{self.flag} must be positive, got {value}")
+        if self.check == "nonneg" and not value >= 0:
+            raise ConfigError(f"{self.flag} must be >= 0, got {value}")
+
+
+def flag(name: str) -> str:
+    """``n_fetch`` -> ``--n-fetch``."""
+    return "--" + name.replace("_", "-")
+
+
+def parse_inject_slow(text: str) -> tuple[int, float]:
+    """``RANK:FACTOR`` -> (world rank, factor); FACTOR >= 1, or ``stall`` (inf): the replica
+    stops answering (it only waits for the end of the job)."""
+    try:
+        rank, factor = text.split(":")
+        rank = int(rank)
+        factor = math.inf if factor == "stall" else float(factor)
+    except ValueError:
+        raise ConfigError(f"--inject-slow wants RANK:FACTOR (e.g. 2:10 or 2:stall), got {text!r}")
+    if rank < 0 or not factor >= 1:
+        raise ConfigError(f"--inject-slow needs a rank >= 0 and a factor >= 1, got {text!r}")
+    return rank, factor
+
+
+# Options several strategies share: declared once here, listed by each strategy that takes them.
+PREFETCH = Option("prefetch", int, "mini-batches a background thread prepares ahead of "
+                  "training (default 2; 0: none)", check="nonneg")
+TAU = Option("tau", float, "threshold of the compressed updates: each sent element moves by "
+             "+-tau (deadreckon: weight units, default 0.002; downpour --compress threshold: "
+             "gradient units, default 0.01)", check="positive")
+GOLOMB = Option("golomb", str, "on: Golomb-Rice code the index gaps of compressed messages "
+                "(default); off: send the raw 32-bit words", choices=("on", "off"))

@@ -1,0 +1,223 @@
+"""A parameter-server shard that applies pushed gradients: Downpour's, and the base of the
+consistency models that differ only in when a push is applied or a fetch answered.
+
+The shard owns a contiguous slice of the flat parameter vector and the optimizer state for it.
+It is handed the update rule as a callable (``apply(w, g, state)``, from :mod:`hpcps.optim`)
+and knows nothing of its internals. It serves replicas through the polling loop of
+:mod:`hpcps.ps.serve` until every replica has sent DONE. Every message kind is a
+:class:`hpcps.protocol.Tag`.
+
+What a push and a fetch *do* is the shard's **policy** (:class:`ApplyNow` is Downpour's:
+apply every push on arrival, answer every fetch at once, so no replica waits for another).
+A policy may instead buffer pushes and apply their combination later, or hold a fetch reply
+until a condition holds (stale-synchronous parallel: until the slowest replica is close
+enough); held fetches are looked at again after every push and every DONE.
+
+Staleness of a push = updates this shard applied between the replica's fetch and its push.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+from mpi4py import MPI
+
+from hpcps.protocol import HEADER_BYTES, ByteMessage, H, Message, Tag
+from hpcps.ps.serve import serve
+
+
+@dataclass
+class ShardStats:
+    """What a shard saw, for metrics and the bench."""
+
+    pushes: int = 0
+    fetches: int = 0
+    held_fetches: int = 0
+    bytes_in: int = 0
+    bytes_out: int = 0
+    staleness_sum: float = 0.0
+    staleness_max: float = 0.0
+    wall_s: float = 0.0
+    done_replicas: list[int] = field(default_factory=list)
+
+
+class ApplyNow:
+    """Downpour's policy: apply each push as it arrives, answer each fetch at once."""
+
+    def on_push(self, shard: "GradientShard", sender: int, header: np.ndarray,
+                grad: np.ndarray | None) -> None:
+        shard.apply_push(header, grad)
+
+    def may_answer(self, shard: "GradientShard", sender: int) -> bool:
+        return True
+
+    def on_done(self, shard: "GradientShard", sender: int) -> None:
+        return None
+
+
+class GradientShard:
+    """Serve one shard's slice until all ``n_replicas`` replicas have sent DONE.
+
+    Parameters
+    ----------
+    comm : communicator shared with the replicas (the world duplicate).
+    params, state : this shard's slice of the parameters and of the optimizer state (updated
+        in place).
+    apply : ``apply(params, grad, state)``, the update rule.
+    n_replicas : how many replicas will send DONE.
+    step : global step (mini-batches applied) the shard starts from (non-zero on resume).
+    timeout : seconds without any message before failing, naming the replicas still expected.
+    on_boundary : called as ``on_boundary(step_boundary)`` each time the global step crosses a
+        multiple of ``boundary_every`` (used for checkpoints; every shard crosses the same
+        boundaries because every push goes to every shard, so a collective inside is safe).
+    packed : for variable-size pushes, ``(max_bytes, tag, handle(header, body))``: the largest
+        message body to accept, the tag such pushes carry, and a callable that turns a
+        received body into a dense gradient for ``apply`` (compressed pushes), or applies the
+        update itself and returns None (activation pushes). The strategy builds it; the
+        shard only knows bytes come in.
+    policy : what a push and a fetch do (default :class:`ApplyNow`).
+    """
+
+    def __init__(self, comm, params: np.ndarray, state: dict, apply: Callable,
+                 n_replicas: int, step: int = 0, timeout: float = 600.0,
+                 on_boundary: Callable[[int], None] | None = None, boundary_every: int = 0,
+                 packed: tuple[int, int, Callable] | None = None, policy=None):
+        self.comm = comm
+        self.params = params
+        self.state = state
+        self.apply = apply
+        self.n_replicas = n_replicas
+        self.step = int(step)
+        self.version = 0
+        self.timeout = timeout
+        self.on_boundary = on_boundary
+        self.boundary_every = boundary_every
+        self.policy = policy or ApplyNow()
+        self.stats = ShardStats()
+        self.done: set[int] = set()
+        self.held: list[tuple[int, int]] = []  # (rank, replica) of fetches not answered yet
+        n = len(params)
+        self._push = Message(n)
+        self._reply = Message(n)
+        self._small = Message(0)
+        self._packed = ByteMessage(packed[0]) if packed else None
+        self._packed_tag = packed[1] if packed else None
+        self._handle = packed[2] if packed else None
+        # recent-window figures reported back with each fetch reply
+        self._win_loss = 0.0
+        self._win_steps = 0
+        self._win_stale = 0.0
+        self._win_stale_max = 0.0
+        self._win_pushes = 0
+        self._last_loss = float("nan")
+
+    def serve(self) -> ShardStats:
+        handlers = {Tag.PUSH: self._recv_push, Tag.FETCH: self._recv_fetch,
+                    Tag.DONE: self._recv_done}
+        if self._packed_tag is not None:
+            handlers[self._packed_tag] = self._recv_packed
+        t0 = time.perf_counter()
+        if self.n_replicas > 0:
+            serve(self.comm, handlers, self.timeout, lambda: (
+                f"{self.n_replicas - len(self.done)} replica(s) to finish (done: "
+                f"{sorted(self.done)}; held fetches from ranks {[r for r, _ in self.held]})"))
+        self.stats.wall_s = time.perf_counter() - t0
+        self.stats.done_replicas = sorted(self.done)
+        return self.stats
+
+    # -- message handlers (hpcps.ps.serve calls them) ------------------------------------------
+    def _recv_push(self, src: int, status) -> bool:
+        self.comm.Recv(self._push.buf, source=src, tag=Tag.PUSH)
+        h = self._push.header
+        self.stats.bytes_in += self._push.buf.nbytes
+        self.policy.on_push(self, int(h[H.SENDER]), h, self._push.payload)
+        self._answer_held()
+        return False
+
+    def _recv_packed(self, src: int, status) -> bool:
+        size = status.Get_count(MPI.BYTE)
+        if size > len(self._packed.buf):
+            raise RuntimeError(f"push of {size} bytes from rank {src} is larger than any "
+                               "valid message for this shard")
+        self.comm.Recv(self._packed.buf[:size], source=src, tag=self._packed_tag)
+        h = self._packed.header
+        body = self._packed.body[:size - HEADER_BYTES]
+        self.stats.bytes_in += size
+        self.policy.on_push(self, int(h[H.SENDER]), h, self._handle(h, body))
+        self._answer_held()
+        return False
+
+    def _recv_fetch(self, src: int, status) -> bool:
+        self.comm.Recv(self._small.buf, source=src, tag=Tag.FETCH)
+        sender = int(self._small.header[H.SENDER])
+        if self.policy.may_answer(self, sender):
+            self.answer_fetch(src)
+        else:
+            self.held.append((src, sender))
+            self.stats.held_fetches += 1
+        return False
+
+    def _recv_done(self, src: int, status) -> bool:
+        self.comm.Recv(self._small.buf, source=src, tag=Tag.DONE)
+        sender = int(self._small.header[H.SENDER])
+        self.done.add(sender)
+        self.policy.on_done(self, sender)
+        self._answer_held()
+        return len(self.done) >= self.n_replicas
+
+    def _answer_held(self) -> None:
+        if not self.held:
+            return
+        still = []
+        for src, sender in self.held:
+            if self.policy.may_answer(self, sender):
+                self.answer_fetch(src)
+            else:
+                still.append((src, sender))
+        self.held = still
+
+    # -- what policies call --------------------------------------------------------------------
+    def apply_push(self, h: np.ndarray, grad: np.ndarray | None) -> None:
+        """Apply one push (``grad`` None: the packed handler applied it already) and account
+        for it: version, global step, staleness, the loss window, checkpoint boundaries."""
+        stale = self.version - h[H.VERSION]
+        if grad is not None:
+            self.apply(self.params, grad, self.state)
+        self.version += 1
+        steps = int(h[H.STEPS])
+        before = self.step
+        self.step += steps
+        self.stats.pushes += 1
+        self.stats.staleness_sum += stale
+        self.stats.staleness_max = max(self.stats.staleness_max, stale)
+        self._win_loss += h[H.LOSS_SUM]
+        self._win_steps += steps
+        self._win_stale += stale
+        self._win_stale_max = max(self._win_stale_max, stale)
+        self._win_pushes += 1
+        if self.on_boundary is not None and self.boundary_every > 0:
+            every = self.boundary_every
+            for b in range((before // every + 1) * every, self.step + 1, every):
+                self.on_boundary(b)
+
+    def answer_fetch(self, src: int) -> None:
+        """Send rank ``src`` this shard's parameters as they are now, with recent figures."""
+        r = self._reply
+        r.payload[:] = self.params
+        h = r.header
+        h[:] = 0.0
+        h[H.VERSION] = self.version
+        h[H.STEPS] = self.step
+        if self._win_steps:
+            self._last_loss = self._win_loss / self._win_steps
+        h[H.LOSS_SUM] = self._last_loss
+        h[H.STALENESS] = self._win_stale / self._win_pushes if self._win_pushes else 0.0
+        h[H.MAX_STALENESS] = self._win_stale_max
+        self._win_loss = self._win_stale = self._win_stale_max = 0.0
+        self._win_steps = self._win_pushes = 0
+        # The replica posted its receive before asking, so this send cannot deadlock.
+        self.comm.Send(r.buf, dest=src, tag=Tag.PARAMS)
+        self.stats.fetches += 1
+        self.stats.bytes_out += r.buf.nbytes

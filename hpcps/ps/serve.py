@@ -1,0 +1,53 @@
+"""The one polling loop every server-like rank runs: probe, wait with back-off, dispatch on tag.
+
+ps-lite keeps its server loop fixed and makes the request handler the plug-in; so does this:
+a shard hands :func:`serve` a handler per :class:`~hpcps.protocol.Tag`, and the loop receives
+nothing itself. A handler is called as ``handler(source, status)`` once a message with its tag
+is waiting (the status holds its size); it receives the message and returns True to end the
+loop. A tag with no handler is a protocol error, reported with its sender.
+
+The loop polls (``Iprobe``) rather than blocking in ``Recv``, so that it can fail after
+``timeout`` seconds without any message, naming what it still waits for, and between polls it
+yields the core (:class:`~hpcps.comm.Poller`): ranks are often oversubscribed.
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable, Mapping
+
+from mpi4py import MPI
+
+from hpcps.comm import PeerTimeout, Poller
+
+Handler = Callable[[int, MPI.Status], "bool | None"]
+
+
+def serve(comm, handlers: Mapping[int, Handler], timeout: float,
+          waiting_for: Callable[[], str]) -> None:
+    """Dispatch messages on ``comm`` to ``handlers[tag]`` until a handler returns True.
+
+    Parameters
+    ----------
+    comm : the communicator to listen on (any source, any tag).
+    handlers : ``{tag: handler(source, status)}``.
+    timeout : seconds without any message before raising PeerTimeout.
+    waiting_for : called for the timeout message: who and what the loop still waits for.
+    """
+    status = MPI.Status()
+    poll = Poller()
+    last = time.monotonic()
+    while True:
+        if not comm.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG, status):
+            if time.monotonic() - last > timeout:
+                raise PeerTimeout(f"heard nothing for {timeout:.0f} s while waiting for "
+                                  f"{waiting_for()}")
+            poll.pause()
+            continue
+        poll.reset()
+        last = time.monotonic()
+        source, tag = status.Get_source(), status.Get_tag()
+        handler = handlers.get(tag)
+        if handler is None:
+            raise RuntimeError(f"unexpected message tag {tag} from rank {source}")
+        if handler(source, status):
+            return

@@ -1,0 +1,164 @@
+"""The loop every SGD replica rank runs; each strategy supplies how a step combines its work.
+
+sync, downpour and deadreckon replicas differ only in what happens around one mini-batch's
+gradient (allreduce it; push it to the shards; threshold it and send it to the peers). The rest
+is here, once: drawing batches with background prefetch, Hogwild threads (T mini-batches per
+iteration), the progress record, evaluation and periodic checkpoints on replica 0, and the
+final figures. A strategy subclasses :class:`ReplicaLoop` and fills in the hooks.
+
+Schedules are counted in this replica's own mini-batches, so that every partition of a
+replica (they run the same steps) evaluates and checkpoints at the same iteration and can
+gather the model together: replica 0 evaluates every ``ceil(eval_every / R)`` of its
+mini-batches, about every ``eval_every`` global steps.
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from hpcps.data import Batches, Prefetcher
+from hpcps.strategies.common import (
+    Context,
+    GradientSource,
+    crossed,
+    evaluate,
+    gather_state,
+    model_parallel_figures,
+    rate,
+    save_checkpoint,
+)
+
+
+def per_replica(every: int, replicas: int) -> int:
+    """A global-step period as a period of one replica's own mini-batches (0 stays 0)."""
+    return max(1, -(-every // replicas)) if every else 0
+
+
+class ReplicaLoop:
+    """One replica rank's training: :meth:`run` calls the hooks below.
+
+    Hooks
+    -----
+    step(x, y) -> loss : one iteration on ``x, y`` (T mini-batches with T threads); required.
+    global_step() -> int : the run's global step as this rank knows it; required.
+    before_step() : at the start of each iteration (fetch, apply what peers sent, ...).
+    progress_fields() -> dict : the strategy's figures for a progress record.
+    checkpoint_state() -> dict : optimizer state vectors saved with periodic checkpoints.
+    after_loop() : after the last iteration (last push, drain messages, ...).
+    finish(train_s) -> dict : the final figures (collective parts included); the chief's
+        dict goes into the summary: ``step``, ``test_accuracy``, ``test_loss``,
+        ``checkpoint``, ``examples_per_s`` and ``figures`` (the strategy's own).
+
+    Attributes a subclass sets: ``params`` (the vector this rank computes with, evaluated
+    and checkpointed from replica 0), ``saves_checkpoints`` (False when the server shards
+    write the periodic checkpoints instead of replica 0).
+    """
+
+    saves_checkpoints = True
+
+    def __init__(self, ctx: Context, steps: int):
+        """``steps``: mini-batches this replica runs, rounded up to whole iterations of T."""
+        cfg, grid = ctx.cfg, ctx.grid
+        self.ctx = ctx
+        self.cfg = cfg
+        self.source = GradientSource(ctx)
+        self.T = self.source.threads
+        self.iterations = -(-steps // self.T)
+        self.replica = grid.role.replica
+        self.first = self.replica == 0
+        self.params: np.ndarray = ctx.params
+        R = grid.layout.replicas
+        self.eval_local = per_replica(cfg.eval_every, R)
+        self.ckpt_local = per_replica(cfg.checkpoint_every, R) if self.saves_checkpoints else 0
+        self.batches = Prefetcher(Batches(ctx.train_x, ctx.train_y, self.source.batch,
+                                          ctx.batch_seed(self.replica)), cfg.prefetch)
+        self.done = 0           # this replica's mini-batches so far
+        self.last_loss = float("nan")
+        self._loss_win = 0.0
+        self._n_win = 0
+        self._t0 = self._last_t = time.perf_counter()
+        self._last_step = ctx.start_step
+
+    # -- hooks ---------------------------------------------------------------------------------
+    def step(self, x: np.ndarray, y: np.ndarray) -> float:
+        raise NotImplementedError
+
+    def global_step(self) -> int:
+        raise NotImplementedError
+
+    def before_step(self) -> None:
+        return None
+
+    def progress_fields(self) -> dict:
+        return {}
+
+    def checkpoint_state(self) -> dict:
+        return {}
+
+    def after_loop(self) -> None:
+        return None
+
+    def finish(self, train_s: float) -> dict:
+        return {}
+
+    # -- the loop ------------------------------------------------------------------------------
+    def run(self) -> dict:
+        ctx = self.ctx
+        m, chief = ctx.metrics, ctx.grid.is_chief
+        self._t0 = self._last_t = time.perf_counter()
+        self._last_step = self.global_step()
+        try:
+            for _ in range(self.iterations):
+                self.before_step()
+                x, y = next(self.batches)
+                self.last_loss = self.step(x, y)
+                self.done += self.T
+                self._loss_win += self.last_loss
+                self._n_win += 1
+                if chief and m.due():
+                    self.report()
+                self._evaluate_and_save()
+            if chief and self._n_win:
+                self.report()  # the last window: every run's metrics hold a progress record
+            self.after_loop()
+        finally:
+            self.batches.close()
+        train_s = time.perf_counter() - self._t0
+        result = self.finish(train_s)
+        figures = {**model_parallel_figures(ctx, self.done, train_s), **result.get("figures", {})}
+        return {"train_s": train_s, **result, "figures": figures}
+
+    def report(self) -> None:
+        """One progress record: global step, rate, mean loss since the last, the strategy's."""
+        step, now = self.global_step(), time.perf_counter()
+        rec = {"step": step, "epoch": round(self.ctx.epochs(step), 3),
+               "examples_per_s": round(rate((step - self._last_step) * self.cfg.batch_size,
+                                            now - self._last_t), 1),
+               "loss": self._loss_win / max(1, self._n_win)}
+        rec.update(self.progress_fields())
+        rec.update(model_parallel_figures(self.ctx, self.done, now - self._t0))
+        self.ctx.metrics.record("progress", **rec)
+        self._last_t, self._last_step = now, step
+        self._loss_win, self._n_win = 0.0, 0
+
+    def _evaluate_and_save(self) -> None:
+        """Replica 0's periodic evaluation and checkpoint (all its partitions gather)."""
+        if not self.first:
+            return
+        evaluating = crossed(self.done, self.T, self.eval_local)
+        saving = crossed(self.done, self.T, self.ckpt_local)
+        if not (evaluating or saving):
+            return
+        ctx = self.ctx
+        full, state = gather_state(ctx, self.params, self.checkpoint_state() if saving else {})
+        if not ctx.grid.is_chief:
+            return
+        step = self.global_step()
+        if evaluating:
+            test_loss, test_acc = evaluate(ctx, full)
+            ctx.metrics.record("eval", step=step, epoch=round(ctx.epochs(step), 3),
+                               test_accuracy=test_acc, test_loss=test_loss)
+        if saving:
+            path = save_checkpoint(ctx, full, state, step, {"train_loss": self.last_loss})
+            ctx.metrics.record("checkpoint", echo=False, step=step, path=str(path))

@@ -1,0 +1,137 @@
+"""The strategy registry: each strategy module declares everything the program needs to know.
+
+A strategy is one module in ``hpcps/strategies/`` that exports ``STRATEGY``, a
+:class:`Strategy`. :func:`strategies` finds every such module (no list to edit elsewhere):
+``config`` builds the options, defaults and checks from the declarations, ``train`` plans the
+layout, dispatches each rank's role and prints the summary from them. No strategy name appears
+outside its own module and its tests.
+
+Adding a strategy: write ``hpcps/strategies/<name>.py`` with its ``run_*`` functions and a
+``STRATEGY = Strategy(...)`` at the bottom, its tests, and its section of the README.
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+import pkgutil
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Mapping
+
+from hpcps.options import Option
+
+if TYPE_CHECKING:  # only for annotations: config imports this module
+    from hpcps.config import Config
+    from hpcps.strategies.common import Context
+
+ROLES = ("replica", "server", "coordinator")
+NO_SERVERS, SERVERS = "none", "required"
+
+
+def _no_checks(cfg: "Config") -> None:
+    return None
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """One strategy's declaration.
+
+    Parameters
+    ----------
+    name : the value of ``--strategy``.
+    help : one sentence for ``--help``: what the replicas do and how they combine their work.
+    roles : the function each role runs, ``{"replica": run_replica, "server": ...,
+        "coordinator": ...}``; each takes the :class:`~hpcps.strategies.common.Context` and
+        returns a dict of figures (the reporter's goes into the summary).
+    servers : ``"none"`` (``--servers`` must be 0) or ``"required"`` (at least one shard).
+    coordinator : one extra rank, the last, runs the ``coordinator`` role.
+    options : the options that belong to this strategy (refused with the others). An option
+        several strategies share is the same :class:`~hpcps.options.Option` object in each.
+    defaults : values for options left unset: a dict, or a function of the config returning
+        one (for defaults that depend on other options, such as one shard per partition).
+    optimizers : the ``--optimizer`` values it runs; the first is the default.
+    model_parallel : accepts ``--partitions P > 1``.
+    whole_batch : accepts ``--batch-size 0`` (the whole training set per step).
+    epochs : default ``--epochs`` when neither ``--epochs`` nor ``--steps`` is given.
+    replica_data : ``"shard"`` (each replica reads its block of the training set) or
+        ``"whole"`` (each replica holds all of it).
+    validate : strategy-specific checks of a config (raise ConfigError), after the generic
+        ones and before defaults are filled.
+    check_resume : ``check_resume(cfg, checkpoint)``, raising CheckpointError when the
+        checkpoint cannot continue this strategy.
+    describe : ``describe(cfg, n_train) -> str``, how it trains, for the start line.
+    summarize : ``summarize(ctx, results) -> dict``: the strategy's own summary figures from
+        every rank's result (default: the reporter's ``figures``). ``bytes_per_step`` and
+        ``mean_staleness`` go into the summary's common columns.
+    summary_lines : ``summary_lines(figures) -> list[str]``, extra lines for the terminal.
+    """
+
+    name: str
+    help: str
+    roles: Mapping[str, Callable[["Context"], dict]]
+    servers: str = NO_SERVERS
+    coordinator: bool = False
+    options: tuple[Option, ...] = ()
+    defaults: Mapping[str, Any] | Callable[["Config"], Mapping[str, Any]] = \
+        field(default_factory=dict)
+    optimizers: tuple[str, ...] = ("adagrad", "sgd")
+    model_parallel: bool = True
+    whole_batch: bool = False
+    epochs: float = 4.0
+    replica_data: str = "shard"
+    validate: Callable[["Config"], None] = _no_checks
+    check_resume: Callable[["Config", Any], None] | None = None
+    describe: Callable[["Config", int], str] | None = None
+    summarize: Callable[["Context", list], dict] | None = None
+    summary_lines: Callable[[dict], list[str]] | None = None
+
+    def __post_init__(self):
+        unknown = set(self.roles) - set(ROLES)
+        if unknown or "replica" not in self.roles:
+            raise ValueError(f"strategy {self.name}: roles must include 'replica' and be among "
+                             f"{ROLES}, got {sorted(self.roles)}")
+        if self.servers not in (NO_SERVERS, SERVERS):
+            raise ValueError(f"strategy {self.name}: servers must be 'none' or 'required'")
+        if (self.servers == SERVERS) != ("server" in self.roles):
+            raise ValueError(f"strategy {self.name}: a 'server' role goes with servers='required'")
+        if self.coordinator != ("coordinator" in self.roles):
+            raise ValueError(f"strategy {self.name}: coordinator=True goes with a "
+                             "'coordinator' role")
+        if self.replica_data not in ("shard", "whole"):
+            raise ValueError(f"strategy {self.name}: replica_data is 'shard' or 'whole'")
+
+    @property
+    def uses_servers(self) -> bool:
+        return self.servers == SERVERS
+
+    def default_values(self, cfg: "Config") -> dict[str, Any]:
+        d = self.defaults(cfg) if callable(self.defaults) else self.defaults
+        return {"optimizer": self.optimizers[0], **d}
+
+    def run(self, ctx: "Context") -> dict:
+        """Run this rank's role."""
+        return self.roles[ctx.grid.role.kind](ctx)
+
+
+# The strategy run when --strategy is not given.
+DEFAULT = "downpour"
+
+
+@functools.cache
+def strategies() -> dict[str, Strategy]:
+    """Every strategy module's ``STRATEGY``, by name (the default first, then by name)."""
+    import hpcps.strategies as package
+    found = {}
+    for mod in pkgutil.iter_modules(package.__path__):
+        module = importlib.import_module(f"{package.__name__}.{mod.name}")
+        spec = getattr(module, "STRATEGY", None)
+        if isinstance(spec, Strategy):
+            if spec.name in found:
+                raise ValueError(f"two strategies named {spec.name!r}")
+            found[spec.name] = spec
+    if DEFAULT not in found:
+        raise ValueError(f"the default strategy {DEFAULT!r} is not installed")
+    return {DEFAULT: found.pop(DEFAULT), **dict(sorted(found.items()))}
+
+
+def get(name: str) -> Strategy:
+    return strategies()[name]
