@@ -96,6 +96,51 @@ def test_shard_applies_every_push_from_every_replica(comm):
         assert client.bytes_sent > pushes * 4 * n
 
 
+class HoldUntilVersion:
+    """A toy shard policy: answer a fetch only once the shard has applied ``n`` pushes."""
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def on_push(self, shard, sender, header, grad):
+        shard.apply_push(header, grad)
+
+    def may_answer(self, shard, sender) -> bool:
+        return shard.version >= self.n
+
+    def on_done(self, shard, sender):
+        return None
+
+
+@pytest.mark.mpi(min_size=2)
+def test_shard_policy_holds_a_fetch_until_it_may_answer(comm):
+    """Replica 0 pushes and fetches at once; the others push 0.3 s later. The policy holds
+    replica 0's fetch until every replica has pushed, so what it sees includes every push
+    (answered at once, it would see only its own)."""
+    import time
+    size, rank = comm.Get_size(), comm.Get_rank()
+    n, server, replicas = 64, size - 1, size - 1
+    init = np.zeros(n, dtype=np.float32)
+    if rank == server:
+        params = init.copy()
+        srv = GradientShard(comm, params, {}, optim.make("sgd", 1.0).apply,
+                            n_replicas=replicas, timeout=TIMEOUT,
+                            policy=HoldUntilVersion(replicas))
+        stats = srv.serve()
+        assert stats.fetches == replicas and not srv.held
+        if replicas > 1:
+            assert stats.held_fetches >= 1
+    else:
+        client = Client(comm, [server], [shard_range(n, 1, 0)], rank, TIMEOUT)
+        if rank > 0:
+            time.sleep(0.3)
+        client.push(np.ones(n, np.float32), steps=1, loss_sum=0.0)
+        seen = np.empty(n, np.float32)
+        client.fetch(seen)
+        np.testing.assert_array_equal(seen, init - replicas)
+        client.done()
+
+
 @pytest.mark.mpi(min_size=3)
 def test_two_shards_hold_their_own_slices(comm):
     size, rank = comm.Get_size(), comm.Get_rank()
