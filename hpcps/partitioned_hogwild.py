@@ -6,7 +6,7 @@ With P > 1 every forward and backward pass needs the other P-1 ranks of the repl
 layer, so each of the T threads here runs its own mini-batch through its own
 :class:`~hpcps.model.PartitionedMLP`, whose exchange is the thread's own: thread t of every
 partition rank talks only to thread t of the others (over its own duplicate of the replica
-communicator, see :class:`hpcps.strategies.common.GradientSource`), so the collectives of
+communicator, see :class:`hpcps.strategies.gradients.GradientSource`), so the collectives of
 different threads never mix. Each partition rank splits the rows it is given the same way
 (thread t takes the t-th block), and every rank of a replica is given the same rows, so
 thread t computes one mini-batch jointly across the P ranks.

@@ -31,7 +31,7 @@ from hpcps.comm import barrier, wait_all
 from hpcps.options import GOLOMB, PREFETCH, TAU
 from hpcps.protocol import Tag
 from hpcps.ps.serve import serve
-from hpcps.strategies.common import Context, finish_on_chief, steps_for_replica
+from hpcps.strategies.context import Context, finish_on_chief, steps_for_replica
 from hpcps.strategies.loop import ReplicaLoop
 from hpcps.strategies.registry import Strategy
 

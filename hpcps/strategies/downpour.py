@@ -29,7 +29,7 @@ from hpcps.protocol import H, Message, Tag
 from hpcps.ps import activations
 from hpcps.ps.client import Client
 from hpcps.ps.gradient_shard import GradientShard
-from hpcps.strategies.common import (
+from hpcps.strategies.context import (
     Context,
     finish_on_chief,
     save_checkpoint,

@@ -18,16 +18,9 @@ import time
 import numpy as np
 
 from hpcps.data import Batches, Prefetcher
-from hpcps.strategies.common import (
-    Context,
-    GradientSource,
-    crossed,
-    evaluate,
-    gather_state,
-    model_parallel_figures,
-    rate,
-    save_checkpoint,
-)
+from hpcps.strategies.context import (Context, crossed, evaluate, gather_state,
+                                      model_parallel_figures, rate, save_checkpoint)
+from hpcps.strategies.gradients import GradientSource
 
 
 def per_replica(every: int, replicas: int) -> int:

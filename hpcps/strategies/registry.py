@@ -21,7 +21,7 @@ from hpcps.options import Option
 
 if TYPE_CHECKING:  # only for annotations: config imports this module
     from hpcps.config import Config
-    from hpcps.strategies.common import Context
+    from hpcps.strategies.context import Context
 
 ROLES = ("replica", "server", "coordinator")
 NO_SERVERS, SERVERS = "none", "required"
@@ -40,7 +40,7 @@ class Strategy:
     name : the value of ``--strategy``.
     help : one sentence for ``--help``: what the replicas do and how they combine their work.
     roles : the function each role runs, ``{"replica": run_replica, "server": ...,
-        "coordinator": ...}``; each takes the :class:`~hpcps.strategies.common.Context` and
+        "coordinator": ...}``; each takes the :class:`~hpcps.strategies.context.Context` and
         returns a dict of figures (the reporter's goes into the summary).
     servers : ``"none"`` (``--servers`` must be 0) or ``"required"`` (at least one shard).
     coordinator : one extra rank, the last, runs the ``coordinator`` role.

@@ -46,7 +46,7 @@ from hpcps.options import Option, parse_inject_slow
 from hpcps.protocol import H, Message, Op, Tag, Task
 from hpcps.ps.lbfgs_shard import CMD_SLOTS, VectorShard
 from hpcps.schedule import PortionScheduler
-from hpcps.strategies.common import Context, rate, save_checkpoint
+from hpcps.strategies.context import Context, rate, save_checkpoint
 from hpcps.strategies.registry import SERVERS, Strategy
 from hpcps.topology import shard_range
 

@@ -19,7 +19,7 @@ from mpi4py import MPI
 
 from hpcps.comm import wait_all
 from hpcps.options import PREFETCH
-from hpcps.strategies.common import Context, finish_on_chief, gather_state
+from hpcps.strategies.context import Context, finish_on_chief, gather_state
 from hpcps.strategies.loop import ReplicaLoop
 from hpcps.strategies.registry import Strategy
 

@@ -1,0 +1,98 @@
+"""Where a replica's gradient comes from: the compiled engine, NumPy, or Hogwild threads."""
+from __future__ import annotations
+
+import numpy as np
+
+from hpcps.comm import ReplicaExchange, dup_comm
+from hpcps.strategies.context import Context
+
+
+class GradientSource:
+    """Where a replica's gradient comes from: one mini-batch, or with ``--threads T``
+    (T > 1) T mini-batches trained by T Hogwild threads.
+
+    One mini-batch (T = 1) goes through the compiled engine's forward and backward pass
+    (:meth:`hpcps.hogwild.HogwildEngine.loss_and_grad`: BLAS without temporaries, the first
+    layer skipping zero inputs) when the model is whole and the engine is built, else
+    through ``model.loss_and_grad`` (NumPy; always so with P > 1). Both compute the same
+    gradient, to float32 rounding.
+
+    The threads each take one SGD step (rate ``--lr``) on a scratch copy of the parameters,
+    lock-free, and record the updates they applied; the mean gradient they stand for,
+    ``-updates / (lr * T)``, is what the strategy pushes, allreduces or thresholds, exactly
+    where it used one mini-batch's gradient. Each thread's gradient is taken where the shared
+    copy stood when it looked (Hogwild: possibly moved by the other threads' steps), so with
+    T > 1 results are no longer bit-reproducible.
+
+    With P = 1 the threads are :mod:`hpcps.hogwild`'s compiled nogil engine on the whole
+    model. With P > 1 they are :class:`hpcps.partitioned_hogwild.PartitionedHogwild`: thread
+    t of every partition rank of the replica computes one mini-batch (rows t*batch ..
+    (t+1)*batch of the T*batch the strategy hands over, the same rows on every partition)
+    through its own :class:`ReplicaExchange`, over its own duplicate of the replica
+    communicator (made here, once, in thread order, on every partition rank alike), so
+    the collectives of different threads never mix. That needs ``MPI_THREAD_MULTIPLE``
+    (``train.py`` refuses the run without it).
+    """
+
+    def __init__(self, ctx: Context):
+        cfg = ctx.cfg
+        self.model = ctx.model
+        self.threads = cfg.threads
+        self.batch = cfg.batch_size * self.threads  # examples per call
+        self.partitioned = ctx.partitioned and self.threads > 1
+        if self.threads > 1:
+            n = ctx.model.n_params
+            self.scratch = np.empty(n, dtype=np.float32)
+            self.delta = np.empty(n, dtype=np.float32)
+            self.lr = float(cfg.lr)
+        if self.partitioned:
+            from hpcps.partitioned_hogwild import PartitionedHogwild
+            comms = dup_comm(ctx.grid.replica_comm, self.threads, cfg.timeout,
+                             "the other partitions of this replica to duplicate the replica "
+                             "communicator (one per Hogwild thread)")
+            self.exchanges = [ReplicaExchange(c, cfg.timeout) for c in comms]
+            self.engine = PartitionedHogwild(
+                cfg.layers, cfg.activation, ctx.model.parts, ctx.model.part, self.exchanges,
+                timeout=cfg.timeout * 2 * ctx.model.n_layers)
+            self._seen = (0, 0.0)  # the threads' exchange figures already reported
+        elif self.threads > 1:
+            from hpcps.hogwild import HogwildEngine
+            self.engine = HogwildEngine(cfg.layers, cfg.activation, threads=self.threads,
+                                        batch=cfg.batch_size)
+            self.order = np.arange(self.batch)
+        self.compiled_one = None
+        if self.threads == 1 and not ctx.partitioned:
+            from hpcps import hogwild
+            if hogwild.HAVE_EXTENSION:
+                self.compiled_one = hogwild.HogwildEngine(cfg.layers, cfg.activation,
+                                                          threads=1, batch=cfg.batch_size)
+
+    def __call__(self, params: np.ndarray, x: np.ndarray, y: np.ndarray,
+                 grad: np.ndarray) -> float:
+        """Mean loss over the examples; ``grad`` receives the mean gradient."""
+        if self.compiled_one is not None:
+            return self.compiled_one.loss_and_grad(params, x, y, grad=grad)[0]
+        if self.threads == 1:
+            return self.model.loss_and_grad(params, x, y, grad=grad)[0]
+        self.scratch[...] = params
+        self.delta[...] = 0.0
+        if self.partitioned:
+            loss_sum, n = self.engine.train(self.scratch, x, y, self.lr, delta=self.delta)
+            self._report_exchange()
+        else:
+            loss_sum, n = self.engine.train(self.scratch, x, y, self.order, self.lr,
+                                            steps_per_thread=1, delta=self.delta)
+        np.multiply(self.delta, np.float32(-1.0 / (self.lr * self.threads)), out=grad)
+        return loss_sum / n
+
+    def _report_exchange(self) -> None:
+        """Add the threads' exchange traffic to the replica's exchange (the figures of the
+        progress line): every byte sent, and the seconds spent waiting averaged over the
+        threads (they wait at the same time, so that is the wall time lost to waiting)."""
+        ex = getattr(self.model, "exchange", None)
+        sent = sum(e.bytes_sent for e in self.exchanges)
+        waited = sum(e.wait_s for e in self.exchanges) / self.threads
+        if isinstance(ex, ReplicaExchange):
+            ex.bytes_sent += sent - self._seen[0]
+            ex.wait_s += waited - self._seen[1]
+        self._seen = (sent, waited)
