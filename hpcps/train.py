@@ -36,7 +36,7 @@ from hpcps.comm import ReplicaExchange, barrier, host
 from hpcps.errors import ConfigError, HpcpsError
 from hpcps.metrics import Metrics
 from hpcps.model import MLP, PartitionedMLP, SingleExchange
-from hpcps.strategies.common import Context, make_optimizer, state_from_checkpoint
+from hpcps.strategies.context import Context, make_optimizer, state_from_checkpoint
 from hpcps.topology import Layout, abort, build_grid, check_thread_support, world_comm
 
 
