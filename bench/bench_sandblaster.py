@@ -2,10 +2,12 @@
 
 Prints one JSON object:
 
-* ``scaling``: for R = 1, 2, 3 replicas (plus 1 server shard and the coordinator, so
-  N = R + 2 ranks), a short run of whole-training-set batches: median seconds per batch,
-  bytes the coordinator sends per L-BFGS iteration (commands only: it never holds a vector),
-  commands per iteration, portions re-issued as backup tasks, late duplicates discarded;
+* ``scaling``: for R = 1, 2, 3 replicas and S = 1, 2, 3 server shards (plus the
+  coordinator, so N = S + R + 1 ranks; ``--shards`` picks the S values), a short run of
+  whole-training-set batches: median seconds per batch, bytes the coordinator sends per
+  L-BFGS iteration (commands only: it never holds a vector; it grows with S, one command per
+  shard), commands per iteration, portions re-issued as backup tasks, late duplicates
+  discarded;
 * ``slow_replica``: R = 3 with one replica made 10x slower (``--inject-slow``), next to the
   healthy R = 3 run: the batch time should stay close to it;
 * ``accuracy``: a full default run (40 whole-set evaluations, R = 2): final test accuracy,
@@ -49,6 +51,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="digits dataset, seconds")
     p.add_argument("--steps", type=int, default=8, help="evaluations per scaling run")
+    p.add_argument("--shards", type=int, nargs="+", default=[1, 2, 3],
+                   help="server shard counts S of the scaling runs")
     p.add_argument("--timeout", type=float, default=1800.0)
     p.add_argument("--out", help="also write the JSON here")
     a = p.parse_args(argv)
@@ -63,15 +67,18 @@ def main(argv=None) -> int:
     out = {"machine": bench_train.machine(mpiexec), "scaling": []}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        for replicas in (1, 2, 3):
-            bench_train.log(f"sandblaster R={replicas}")
-            out["scaling"].append({"replicas": replicas, "ranks": replicas + 2,
-                                   **run(mpiexec, replicas + 2,
-                                         [*common, "--steps", str(a.steps)], tmp, a.timeout)})
-        bench_train.log("sandblaster R=3, replica rank 1 slowed 10x")
+        for shards in a.shards:
+            for replicas in (1, 2, 3):
+                n = shards + replicas + 1
+                bench_train.log(f"sandblaster S={shards} R={replicas} (N={n})")
+                out["scaling"].append({"servers": shards, "replicas": replicas, "ranks": n,
+                                       **run(mpiexec, n, [*common, "--servers", str(shards),
+                                                          "--steps", str(a.steps)],
+                                             tmp, a.timeout)})
+        bench_train.log("sandblaster S=1 R=3, replica rank 1 slowed 10x")
         slowed = run(mpiexec, 5, [*common, "--steps", str(a.steps), "--inject-slow", "1:10"],
                      tmp, a.timeout)
-        healthy = out["scaling"][-1]
+        healthy = next(r for r in out["scaling"] if r["servers"] == 1 and r["replicas"] == 3)
         out["slow_replica"] = {"healthy_median_batch_s": healthy["median_batch_s"],
                                "slowed": slowed,
                                "ratio": slowed["median_batch_s"] / healthy["median_batch_s"]}
