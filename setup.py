@@ -30,7 +30,7 @@ def kernel(name: str) -> Extension:
         f"hpcps.kernels._{name}",
         [f"ext/{name}.pyx"],
         include_dirs=[np.get_include(), "ext"],
-        depends=(["ext/spmm.h", "ext/spmm.pxd", "ext/sgemm_ptr.pxi"]
+        depends=(["ext/zero_skip.h", "ext/zero_skip.pxd", "ext/sgemm_ptr.pxi"]
                  if name in ("hogwild", "gemm") else []),
         extra_compile_args=compile_args,
         extra_link_args=link_args,

@@ -17,7 +17,7 @@ them the public API uses):
 ``sgemm_blas``
     ``op(A) @ B`` through the same sgemm, for the forward and weight-gradient layouts.
 ``zero_skip_matmul``, ``zero_skip_update``
-    The Hogwild engine's first-layer products from ``ext/spmm.h`` (AVX-512F), which skip
+    The Hogwild engine's first-layer products from ``ext/zero_skip.h`` (AVX-512F), which skip
     inputs that are zero in a whole 4-row (4-column) block, exposed for tests and
     ``bench/bench_gemm.py``.
 
@@ -229,9 +229,9 @@ def sgemm_blas(const float[:, ::1] A, const float[:, ::1] B, float[:, ::1] out,
                   &out[0, 0], N)
 
 
-# -- zero skipping (ext/spmm.h; the Hogwild engine's first layer) --------------------------
-from spmm cimport (hp_plan, hp_zskip_available, hp_zskip_floats, hp_zskip_forward,
-                   hp_zskip_ints, hp_zskip_plan, hp_zskip_update)
+# -- zero skipping (ext/zero_skip.h; the Hogwild engine's first layer) ---------------------
+from zero_skip cimport (hp_plan, hp_zskip_available, hp_zskip_floats, hp_zskip_forward,
+                        hp_zskip_ints, hp_zskip_plan, hp_zskip_update)
 
 
 def zero_skip_available():

@@ -35,8 +35,8 @@ from libc.stdint cimport int64_t
 from libc.string cimport memcpy
 from libc.string cimport memset
 
-from spmm cimport (hp_plan, hp_zskip_available, hp_zskip_floats, hp_zskip_forward,
-                   hp_zskip_ints, hp_zskip_plan, hp_zskip_update)
+from zero_skip cimport (hp_plan, hp_zskip_available, hp_zskip_floats, hp_zskip_forward,
+                        hp_zskip_ints, hp_zskip_plan, hp_zskip_update)
 
 cdef enum:
     ALIGN = 16          # floats: every buffer starts on a 64-byte boundary
@@ -95,7 +95,7 @@ cdef class HogwildEngine:
     cdef int64_t[:, ::1] labels      # (threads, batch)
     cdef double[::1] loss            # per-thread loss sum of the current call
     cdef int64_t[::1] seen           # per-thread example count of the current call
-    # zero-skipping first layer (ext/spmm.h): per-thread scratch for its plan
+    # zero-skipping first layer (ext/zero_skip.h): per-thread scratch for its plan
     cdef readonly double sparse_below   # use it when the work left <= this (0: never)
     cdef int[:, ::1] sp_int
     cdef float[:, ::1] sp_val
@@ -341,7 +341,7 @@ cdef class HogwildEngine:
         if self.steps > 0:
             lo = t * self.steps * self.batch
             hi = lo + self.steps * self.batch
-        else:   # the whole order, split as evenly as possible
+        else:   # the whole order, split by hpcps.blocks.block_range's rule (no Python here)
             per = self.n_order // self.threads
             extra = self.n_order % self.threads
             lo = t * per + (t if t < extra else extra)

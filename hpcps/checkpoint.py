@@ -64,7 +64,6 @@ from __future__ import annotations
 import datetime
 import hashlib
 import json
-import math
 import os
 import re
 from dataclasses import dataclass, field
@@ -87,7 +86,8 @@ DESCRIPTION = (
     "'python -m hpcps.inspect FILE' prints a summary."
 )
 
-_PARAM_NAME = re.compile(r"^layer(0|[1-9][0-9]*)/(W|b)$")
+# The name of a parameter under /params (and a key of Checkpoint.params).
+PARAM_NAME = re.compile(r"^layer(0|[1-9][0-9]*)/(W|b)$")
 _OPT_KEY_PART = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*$")
 
 # What a known optimizer-state kind means, for the description attribute of its datasets.
@@ -150,7 +150,7 @@ def layer_sizes(params: dict[str, np.ndarray]) -> list[int]:
         raise CheckpointError("params must be a non-empty dict like {'layer0/W': .., 'layer0/b': ..}")
     layers: dict[int, set[str]] = {}
     for name, value in params.items():
-        m = _PARAM_NAME.match(name) if isinstance(name, str) else None
+        m = PARAM_NAME.match(name) if isinstance(name, str) else None
         if m is None:
             raise CheckpointError(f"param name {name!r} is not of the form 'layer{{i}}/W' or 'layer{{i}}/b'")
         if not isinstance(value, np.ndarray) or value.dtype != np.float32:
@@ -298,18 +298,20 @@ def _human_attr(value: Any) -> Any:
     return _fixed_str(json.dumps(value))  # empty or mixed lists: the JSON text says it best
 
 
-def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
+def flatten_keys(d: dict, prefix: str = "") -> dict[str, Any]:
+    """``d`` as one level, nested keys joined with ``"."``: the attribute names of ``/config``,
+    ``/dataset`` and ``/metrics`` (an empty dict stays a value, so it is not lost)."""
     out: dict[str, Any] = {}
     for k, v in d.items():
         if isinstance(v, dict) and v:
-            out.update(_flatten(v, f"{prefix}{k}."))
+            out.update(flatten_keys(v, f"{prefix}{k}."))
         else:
             out[f"{prefix}{k}"] = v
     return out
 
 
 def _write_attrs(group: h5py.Group, d: dict) -> None:
-    for k, v in _flatten(d).items():
+    for k, v in flatten_keys(d).items():
         group.attrs[k or "(empty key)"] = _human_attr(v)  # HDF5 refuses an empty attribute name
 
 
@@ -457,8 +459,23 @@ def _datasets(group: h5py.Group) -> dict[str, h5py.Dataset]:
     return found
 
 
-def _read(path: str | os.PathLike) -> tuple[Checkpoint, dict[str, Any]]:
-    """Load ``path`` fully; return the checkpoint and header facts (created, hpcps_version)."""
+def load_with_header(path: str | os.PathLike) -> tuple[Checkpoint, dict[str, Any]]:
+    """Read a checkpoint fully, as :func:`load` does, and the facts about the file itself.
+
+    Returns
+    -------
+    ckpt : Checkpoint
+        What :func:`load` returns.
+    header : dict
+        ``format``, ``layout_version``, ``hpcps_version`` and ``created`` (None when the file
+        lacks them) and ``file_size`` in bytes: what ``python -m hpcps.inspect`` shows besides
+        the state itself.
+
+    Raises
+    ------
+    CheckpointError
+        As :func:`load`.
+    """
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f"checkpoint not found: {path}")
@@ -560,7 +577,7 @@ def load(path: str | os.PathLike) -> Checkpoint:
         If the file is missing, not HDF5, truncated or corrupt (a failed checksum), not an hpcps
         checkpoint, of a layout version this hpcps does not read, or lacks a piece (named).
     """
-    return _read(path)[0]
+    return load_with_header(path)[0]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -621,103 +638,3 @@ def check_compatible(ckpt: Checkpoint, layer_sizes: list[int], optimizer: str | 
                 )
     return warnings
 
-
-# ---------------------------------------------------------------------------------------------
-# inspection
-
-
-def _stats(a: np.ndarray) -> dict[str, Any]:
-    out: dict[str, Any] = {"shape": list(a.shape), "dtype": str(a.dtype)}
-    if a.size == 0:
-        return out
-    finite = np.isfinite(a)
-    n_bad = int(a.size - np.count_nonzero(finite))
-    good = a if n_bad == 0 else a[finite]
-    if good.size:
-        out.update(min=float(good.min()), max=float(good.max()),
-                   mean=float(good.mean(dtype=np.float64)), std=float(good.std(dtype=np.float64)))
-    if n_bad:
-        out["non_finite"] = n_bad
-    return out
-
-
-def summarize(path: str | os.PathLike) -> dict[str, Any]:
-    """The facts :func:`describe` prints, as a JSON-able dict (non-finite floats as strings)."""
-    ckpt, header = _read(path)
-    sizes = _sizes_of(ckpt.params)
-    n_params = sum(int(v.size) for v in ckpt.params.values())
-    facts = {
-        "path": str(path),
-        **header,
-        "step": ckpt.step,
-        "layer_sizes": sizes,
-        "n_params": n_params,
-        "params": {k: _stats(ckpt.params[k]) for k in sorted(ckpt.params, key=_param_order)},
-        "optimizer": ckpt.optimizer,
-        "opt_state": {k: _stats(v) for k, v in sorted(ckpt.opt_state.items())},
-        "config": ckpt.config,
-        "dataset": ckpt.dataset,
-        "metrics": ckpt.metrics,
-    }
-    return _json_safe(facts)
-
-
-def _param_order(name: str) -> tuple[int, str]:
-    m = _PARAM_NAME.match(name)
-    return (int(m.group(1)), m.group(2)) if m else (-1, name)
-
-
-def _json_safe(value: Any) -> Any:
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)  # "nan", "inf": strict JSON has no such numbers
-    if isinstance(value, dict):
-        return {k: _json_safe(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_json_safe(v) for v in value]
-    return value
-
-
-def _fmt_stats(name: str, s: dict[str, Any], width: int) -> str:
-    shape = "(" + ", ".join(map(str, s["shape"])) + ("," if len(s["shape"]) == 1 else "") + ")"
-    line = f"  {name:<{width}}  {shape:<14} {s['dtype']:<8}"
-    if "min" in s:
-        line += "  " + " ".join(f"{k} {s[k]: <11.4g}" for k in ("min", "max", "mean", "std"))
-    if "non_finite" in s:
-        line += f"  NON-FINITE {s['non_finite']}"
-    return line.rstrip()
-
-
-def _fmt_size(n: int) -> str:
-    if n < 1000:
-        return f"{n} B"
-    exp = min(int(math.log10(n)) // 3, 3)
-    return f"{n / 1000 ** exp:.1f} {'KMG'[exp - 1]}B"
-
-
-def describe(path: str | os.PathLike) -> str:
-    """Return a multi-line, human-readable summary of the checkpoint at ``path``.
-
-    Raises
-    ------
-    CheckpointError
-        As :func:`load`.
-    """
-    s = summarize(path)
-    lines = [
-        f"hpcps checkpoint {s['path']}",
-        f"  format        {s['format']}, layout_version {s['layout_version']}",
-        f"  written by    hpcps {s['hpcps_version']} at {s['created']}",
-        f"  file size     {_fmt_size(s['file_size'])}",
-        f"  step          {s['step']}",
-        f"  layer sizes   {' -> '.join(map(str, s['layer_sizes']))}  ({s['n_params']:,} parameters)",
-        "params",
-    ]
-    width = max(len(k) for k in list(s["params"]) + list(s["opt_state"]))
-    lines += [_fmt_stats(k, v, width) for k, v in s["params"].items()]
-    lines.append(f"optimizer {s['optimizer']}" + ("" if s["opt_state"] else " (no state)"))
-    lines += [_fmt_stats(k, v, width) for k, v in s["opt_state"].items()]
-    for section in ("config", "dataset", "metrics"):
-        lines.append(section + ("" if s[section] else " (empty)"))
-        for k, v in _flatten(s[section]).items():
-            lines.append(f"  {k} = {json.dumps(v, ensure_ascii=False)}")
-    return "\n".join(lines)

@@ -16,6 +16,7 @@ import time
 import numpy as np
 from mpi4py import MPI
 
+from hpcps.blocks import displacements
 from hpcps.errors import HpcpsError
 
 
@@ -79,7 +80,7 @@ def gather_to_root(comm, local: np.ndarray, counts, timeout: float, what: str,
     over ``comm``.
     """
     counts = [int(c) for c in counts]
-    displs = [int(d) for d in np.cumsum([0] + counts[:-1])]
+    displs = displacements(counts)
     mine = comm.Get_rank() == root
     out = np.empty(sum(counts), np.float32) if mine else None
     recv = [out, counts, displs, MPI.FLOAT] if mine else None
@@ -118,7 +119,7 @@ class ReplicaExchange:
     def gather(self, local_t: np.ndarray, widths) -> np.ndarray:
         batch = local_t.shape[1]
         counts = [w * batch for w in widths]
-        displs = [int(d) for d in np.cumsum([0] + counts[:-1])]
+        displs = displacements(counts)
         out = np.empty((sum(widths), batch), dtype=np.float32)
         self._run(self.comm.Iallgatherv(local_t, [out, counts, displs, MPI.FLOAT]),
                   "activation exchange")

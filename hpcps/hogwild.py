@@ -66,7 +66,7 @@ Zero skipping
 -------------
 Many inputs are mostly zeros (81% of MNIST's pixels), and a dense GEMM multiplies them all.
 On CPUs with AVX-512F the first layer's forward product and weight update use the kernels
-of ``ext/spmm.h`` instead of BLAS: register-blocked 4 x 64 GEMM micro-kernels that visit,
+of ``ext/zero_skip.h`` instead of BLAS: register-blocked 4 x 64 GEMM micro-kernels that visit,
 for each block of 4 rows (forward) or 4 input columns (update), only the inputs nonzero
 somewhere in the block. Each step lists the blocks' nonzero patterns once (a few percent of
 a step) and uses the kernels when they do at most ``zero_skip`` of the dense work
@@ -88,6 +88,7 @@ import operator
 
 import numpy as np
 
+from hpcps.blocks import block_range
 from hpcps.errors import ConfigError
 from hpcps.kernels import blas, load_extension
 from hpcps.model import MLP
@@ -242,8 +243,9 @@ class HogwildEngine:
             1-D integer indices into x/y, in the order to visit them. Thread t takes the
             t-th part: with ``steps_per_thread = S`` it is ``order[t*S*batch:(t+1)*S*batch]``
             (S full mini-batches; ``order`` needs at least ``T*S*batch`` entries); with
-            ``None`` the whole order is split as evenly as possible into T parts, each
-            walked in mini-batches of ``batch`` (the last may be smaller).
+            ``None`` the whole order is split into T parts by
+            :func:`hpcps.blocks.block_range`, each walked in mini-batches of ``batch``
+            (the last may be smaller).
         lr : float
             Learning rate; finite, >= 0. Each step applies ``params -= lr * grad`` of
             the mean loss over the mini-batch.
@@ -354,7 +356,7 @@ class HogwildEngine:
         if steps:
             parts = [order[t * steps * B:(t + 1) * steps * B] for t in range(T)]
         else:
-            parts = np.array_split(order, T)
+            parts = [order[slice(*block_range(len(order), T, t))] for t in range(T)]
         loss_sum, g = 0.0, self._grad
         lr32 = np.float32(lr)
         for part in parts:

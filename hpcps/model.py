@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from hpcps.blocks import block_range
 from hpcps.errors import ConfigError
 
 ACTIVATIONS = ("relu", "tanh", "sigmoid")
@@ -177,19 +178,14 @@ class MLP:
 def partition_widths(width: int, parts: int, layer: int) -> list[tuple[int, int]]:
     """Columns [lo, hi) of a layer of ``width`` neurons held by each of ``parts`` partitions.
 
-    Split as evenly as possible (sizes differ by at most one, the first partitions larger);
-    a layer narrower than ``parts`` cannot give every partition a neuron and is refused.
+    Split by :func:`hpcps.blocks.block_range` (sizes differ by at most one, the first
+    partitions larger); a layer narrower than ``parts`` cannot give every partition a neuron
+    and is refused.
     """
     if width < parts:
         raise ConfigError(f"layer {layer} has {width} neurons, fewer than --partitions {parts}: "
                           "every partition must hold at least one neuron of every layer")
-    base, extra = divmod(width, parts)
-    cols, lo = [], 0
-    for p in range(parts):
-        hi = lo + base + (1 if p < extra else 0)
-        cols.append((lo, hi))
-        lo = hi
-    return cols
+    return [block_range(width, parts, p) for p in range(parts)]
 
 
 class SingleExchange:

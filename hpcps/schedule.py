@@ -17,7 +17,7 @@ Portions
 Data affinity
     The portions are pre-split into contiguous regions, one per replica, in the order the
     replicas are given (balanced, the first regions one portion larger, as
-    :func:`hpcps.data.block_range` splits everything else). A replica is always given the lowest
+    :func:`hpcps.blocks.block_range` splits everything else). A replica is always given the lowest
     unassigned portion of its own region, so it reads its rows sequentially and its prefetching
     pays off. Once its region is exhausted it helps the region with the most unassigned portions
     left, taking from that region's *end*: the owner keeps its consecutive run and the helper
@@ -53,7 +53,7 @@ from __future__ import annotations
 import bisect
 from typing import Sequence
 
-from hpcps.data import block_range
+from hpcps.blocks import block_range
 
 
 class PortionScheduler:

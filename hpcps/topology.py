@@ -20,7 +20,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 
-from hpcps.data import block_range
+from hpcps.blocks import block_range
 from hpcps.errors import ConfigError
 
 ABORT_GRACE_S = 0.5  # seconds a failing rank's last output gets before the job is killed

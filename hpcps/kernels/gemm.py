@@ -41,7 +41,7 @@ thread, medians; this machine does ~150 GFLOP/s per core in sgemm when idle, and
     ``op(A) @ B`` through the kernels' sgemm (releases the GIL; see "BLAS" below).
     The two layouts training needs: ``X @ W`` (forward) and ``X.T @ D`` (weight gradient).
 ``zero_skip_matmul(X, W, out)``, ``zero_skip_update(W, X, D, alpha, W2=None)``
-    The first layer's two products for inputs with many zeros (``ext/spmm.h``; the
+    The first layer's two products for inputs with many zeros (``ext/zero_skip.h``; the
     Hogwild engine uses them): register-blocked 4 x 64 AVX-512 micro-kernels that, per
     block of 4 rows (forward) or 4 input columns (update), visit only the inputs nonzero
     somewhere in the block. On CPUs without AVX-512F (``ZERO_SKIP_COMPILED`` False) the

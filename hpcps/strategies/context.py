@@ -15,7 +15,8 @@ import numpy as np
 
 from hpcps import checkpoint, optim
 from hpcps.comm import ReplicaExchange, gather_to_root
-from hpcps.data import DatasetInfo, block_range
+from hpcps.blocks import block_range
+from hpcps.data import DatasetInfo
 from hpcps.metrics import Metrics
 from hpcps.model import MLP
 from hpcps.topology import Grid

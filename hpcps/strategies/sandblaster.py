@@ -39,6 +39,7 @@ import time
 import numpy as np
 from mpi4py import MPI
 
+from hpcps.blocks import block_range
 from hpcps.comm import PeerTimeout, Poller, gather_to_root, wait_all
 from hpcps.errors import CheckpointError, ConfigError
 from hpcps.optim import LBFGS
@@ -161,7 +162,8 @@ class BatchRunner:
         the shards. Returns (sum of the per-example losses, number of examples)."""
         t0 = time.perf_counter()
         order_len = len(batch_order(self.ctx, self.data_batch))
-        cuts = np.linspace(0, order_len, self.portions + 1).astype(int)
+        cuts = [block_range(order_len, self.portions, p)[0] for p in range(self.portions)]
+        cuts.append(order_len)
         sched = PortionScheduler(self.portions, self.live)
         losses = np.zeros(self.portions)
         self.evaluation += 1

@@ -27,8 +27,8 @@
  * was not kept: compiled for baseline x86-64 it ran 3-5x slower than OpenBLAS's dense
  * sgemm even at MNIST's density, so it would lose everywhere.
  */
-#ifndef HPCPS_SPMM_H
-#define HPCPS_SPMM_H
+#ifndef HPCPS_ZERO_SKIP_H
+#define HPCPS_ZERO_SKIP_H
 
 #include <stddef.h>
 #include <string.h>

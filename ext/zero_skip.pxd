@@ -1,6 +1,6 @@
-# Declarations of ext/spmm.h (the zero-skipping first-layer kernels) for the extensions
-# that call them: ``from spmm cimport ...``.
-cdef extern from "spmm.h" nogil:
+# Declarations of ext/zero_skip.h (the zero-skipping first-layer kernels) for the extensions
+# that call them: ``from zero_skip cimport ...``.
+cdef extern from "zero_skip.h" nogil:
     ctypedef struct hp_plan:
         int nb
     size_t hp_zskip_ints(int nb, int n_in)

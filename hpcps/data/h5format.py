@@ -1,0 +1,287 @@
+"""The HDF5 dataset layout: its constants, writing it, checking a file against it, reading shards.
+
+Every rank of a job reads its own rows straight from one file, so the file format is the
+contract between preparing a dataset (:mod:`hpcps.data.sources`, run once, on a machine with
+network) and training (run on compute nodes that may have none). This module owns that
+contract. It does no MPI: callers pass the shard index and shard count they got from
+``topology.py``.
+
+Layout (``layout_version`` 1)
+-----------------------------
+Root attributes::
+
+    format          "hpcps-dataset"
+    layout_version  1
+    name            short name, e.g. "mnist"
+    n_classes       number of classes; labels are 0 .. n_classes-1
+    description     what the examples are
+    source          where the data came from (package, file, checksum)
+
+Datasets, each with a ``description`` attribute saying what it holds::
+
+    /train/x   float32 (N, D)   one flattened example per row, features in [0, 1]
+    /train/y   int64   (N,)     class label of each row of /train/x
+    /test/x    float32 (M, D)
+    /test/y    int64   (M,)
+
+Datasets are stored uncompressed and contiguous, so that reading rows ``lo:hi`` is one read
+and any HDF5 reader can open the file without filter plugins.
+
+Bring your own data: any HDF5 file with ``train/x``, ``train/y``, ``test/x``, ``test/y`` is
+accepted when x is 2-D floating point, y is 1-D integer, x and y have the same number of
+rows, train and test have the same D, and labels are >= 0. ``n_classes`` is optional (then
+it is max label + 1); ``format`` and ``layout_version`` are optional for such files.
+x is converted to float32 on read.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import h5py
+import numpy as np
+
+from hpcps.blocks import block_range
+from hpcps.errors import DataError
+
+FORMAT = "hpcps-dataset"
+LAYOUT_VERSION = 1
+SPLITS = ("train", "test")
+
+_FINGERPRINT_ROWS = 8
+_PREPARE_HINT = "prepare it with: python -m hpcps.data prepare mnist"
+
+
+# --------------------------------------------------------------------------------------------
+# Writing
+
+
+def write_dataset(
+    out_path: str | os.PathLike,
+    *,
+    name: str,
+    description: str,
+    source: str,
+    n_classes: int,
+    x_description: str,
+    train: tuple[np.ndarray, np.ndarray],
+    test: tuple[np.ndarray, np.ndarray],
+) -> Path:
+    """Write one dataset file in layout 1, atomically.
+
+    The file is written to ``out_path.tmp-<pid>`` and renamed over ``out_path`` only when
+    complete, so a crash or a full disk never leaves a half-written file where training
+    would find it, and a file being read by a running job is never modified in place.
+    """
+    out_path = Path(out_path)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    tmp_path = out_path.with_name(f"{out_path.name}.tmp-{os.getpid()}")
+    try:
+        with h5py.File(tmp_path, "w") as f:
+            f.attrs["format"] = FORMAT
+            f.attrs["layout_version"] = LAYOUT_VERSION
+            f.attrs["name"] = name
+            f.attrs["n_classes"] = int(n_classes)
+            f.attrs["description"] = description
+            f.attrs["source"] = source
+            for split, (x, y) in zip(SPLITS, (train, test)):
+                group = f.create_group(split)
+                group.attrs["description"] = f"{split} split of {name}"
+                dx = group.create_dataset("x", data=np.ascontiguousarray(x, dtype=np.float32))
+                dx.attrs["description"] = f"{split} examples, one per row: {x_description}"
+                dy = group.create_dataset("y", data=np.ascontiguousarray(y, dtype=np.int64))
+                dy.attrs["description"] = (
+                    f"class label (0..{n_classes - 1}) of each row of /{split}/x"
+                )
+        with open(tmp_path, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp_path, out_path)
+    except BaseException:
+        tmp_path.unlink(missing_ok=True)
+        raise
+    return out_path
+
+
+# --------------------------------------------------------------------------------------------
+# Reading
+
+
+@dataclass(frozen=True)
+class DatasetInfo:
+    """What a dataset file holds, checked; ``to_dict()`` is its identity in checkpoints.
+
+    ``fingerprint`` changes when the labels, the shapes or the ends of x change, so a
+    checkpoint resumed on other data is caught cheaply (without hashing all of x).
+    """
+
+    path: str
+    name: str
+    n_train: int
+    n_test: int
+    n_features: int
+    n_classes: int
+    fingerprint: str
+
+    def to_dict(self) -> dict:
+        """Plain JSON-able dict of the fields."""
+        return asdict(self)
+
+
+def _open_h5(path: str | os.PathLike) -> h5py.File:
+    path = Path(path)
+    if not path.exists():
+        raise DataError(f"dataset not found: {path} ({_PREPARE_HINT})")
+    if not path.is_file():
+        raise DataError(f"dataset {path} is not a file")
+    try:
+        return h5py.File(path, "r")
+    except OSError as exc:
+        raise DataError(f"cannot open dataset {path}: not a readable HDF5 file ({exc})") from exc
+
+
+def _dataset(f: h5py.File, path: Path, key: str) -> h5py.Dataset:
+    obj = f.get(key)
+    if not isinstance(obj, h5py.Dataset):
+        what = "missing" if obj is None else "not a dataset"
+        raise DataError(f"{path}: /{key} is {what}; a dataset file needs "
+                        "/train/x, /train/y, /test/x, /test/y")
+    return obj
+
+
+def _check_layout(f: h5py.File, path: Path) -> tuple[dict[str, tuple], int]:
+    """Check shapes, dtypes and labels; return {split: (x_shape, y)} and n_classes.
+
+    Reads the labels (small) but of x only its metadata.
+    """
+    fmt = f.attrs.get("format")
+    if fmt is not None and _attr_str(fmt) != FORMAT:
+        raise DataError(f"{path}: format attribute is {_attr_str(fmt)!r}, expected {FORMAT!r}")
+    version = f.attrs.get("layout_version")
+    if version is not None:
+        if not np.issubdtype(np.asarray(version).dtype, np.integer):
+            raise DataError(f"{path}: layout_version attribute {version!r} is not an integer")
+        if int(version) > LAYOUT_VERSION:
+            raise DataError(f"{path}: layout_version {int(version)} is newer than this hpcps "
+                            f"understands ({LAYOUT_VERSION}); upgrade hpcps")
+    splits = {}
+    n_features = None
+    for split in SPLITS:
+        dx = _dataset(f, path, f"{split}/x")
+        dy = _dataset(f, path, f"{split}/y")
+        if dx.ndim != 2:
+            raise DataError(f"{path}: /{split}/x has shape {dx.shape}; expected 2-D (N, D)")
+        if not np.issubdtype(dx.dtype, np.floating):
+            raise DataError(f"{path}: /{split}/x has dtype {dx.dtype}; expected floating point")
+        if dx.shape[0] == 0 or dx.shape[1] == 0:
+            raise DataError(f"{path}: /{split}/x has shape {dx.shape}; expected N >= 1, D >= 1")
+        if n_features is None:
+            n_features = dx.shape[1]
+        elif dx.shape[1] != n_features:
+            raise DataError(f"{path}: /{split}/x has shape {dx.shape}; expected "
+                            f"({dx.shape[0]}, {n_features}), the same D as /train/x")
+        if dy.shape != (dx.shape[0],):
+            raise DataError(f"{path}: /{split}/y has shape {dy.shape}; expected "
+                            f"({dx.shape[0]},), one label per row of /{split}/x")
+        if not np.issubdtype(dy.dtype, np.integer):
+            raise DataError(f"{path}: /{split}/y has dtype {dy.dtype}; expected integer labels")
+        y = dy[()].astype(np.int64, copy=False)
+        if y.min() < 0:
+            raise DataError(f"{path}: /{split}/y has negative labels (min {y.min()}); "
+                            "labels must be 0 .. n_classes-1")
+        splits[split] = (dx.shape, y)
+
+    max_label = max(int(y.max()) for _, y in splits.values())
+    n_classes = f.attrs.get("n_classes")
+    if n_classes is None:
+        n_classes = max_label + 1
+    else:
+        try:
+            n_classes = int(n_classes)
+        except (TypeError, ValueError):
+            raise DataError(f"{path}: n_classes attribute {n_classes!r} is not an integer")
+        if n_classes <= max_label:
+            raise DataError(f"{path}: label {max_label} found but n_classes is {n_classes}")
+    return splits, n_classes
+
+
+def _attr_str(value: object) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def open_dataset(path: str | os.PathLike) -> DatasetInfo:
+    """Check that ``path`` is a usable dataset file and describe it.
+
+    Reads the labels and the first and last rows of x, never all of x, so it is cheap to
+    call on every rank before training starts.
+
+    Raises
+    ------
+    DataError
+        The file is missing, not HDF5, truncated or unreadable, or not in the layout
+        described in this module's docstring; the message names the offending dataset and
+        the shape or dtype found versus expected.
+    """
+    path = Path(path)
+    with _open_h5(path) as f:
+        try:
+            splits, n_classes = _check_layout(f, path)
+            digest = hashlib.sha256()
+            for split in SPLITS:
+                x_shape, y = splits[split]
+                n = x_shape[0]
+                dx = f[f"{split}/x"]
+                digest.update(f"{split}/x{tuple(x_shape)};".encode())
+                digest.update(y.astype("<i8", copy=False).tobytes())
+                for lo, hi in ((0, min(n, _FINGERPRINT_ROWS)), (max(0, n - _FINGERPRINT_ROWS), n)):
+                    digest.update(np.asarray(dx[lo:hi], dtype="<f4").tobytes())
+            name = _attr_str(f.attrs.get("name", path.stem))
+        except OSError as exc:
+            raise DataError(f"cannot read dataset {path}: {exc} (truncated or corrupt?)") from exc
+    return DatasetInfo(
+        path=str(path),
+        name=name,
+        n_train=splits["train"][0][0],
+        n_test=splits["test"][0][0],
+        n_features=splits["train"][0][1],
+        n_classes=n_classes,
+        fingerprint=digest.hexdigest()[:16],
+    )
+
+
+def load_split(
+    path: str | os.PathLike, split: str, shard: int = 0, n_shards: int = 1
+) -> tuple[np.ndarray, np.ndarray]:
+    """Read shard ``shard`` of ``n_shards`` of a split: rows ``block_range(N, n_shards, shard)``.
+
+    Only those rows are read from disk, so each rank holds 1/n_shards of the data.
+
+    Returns
+    -------
+    x : ndarray, float32, C-contiguous, shape (rows, D)
+    y : ndarray, int64, shape (rows,)
+
+    Raises
+    ------
+    DataError
+        Unknown split, a bad file (see :func:`open_dataset`), or more shards than rows (a
+        rank with no data would have nothing to train on).
+    """
+    if split not in SPLITS:
+        raise DataError(f"unknown split {split!r}; known: {', '.join(SPLITS)}")
+    path = Path(path)
+    with _open_h5(path) as f:
+        try:
+            splits, _ = _check_layout(f, path)
+            x_shape, y = splits[split]
+            n = x_shape[0]
+            lo, hi = block_range(n, n_shards, shard)
+            if lo == hi:
+                raise DataError(f"{path}: /{split} has {n} rows, too few for {n_shards} shards "
+                                f"(shard {shard} would be empty)")
+            x = np.ascontiguousarray(f[f"{split}/x"][lo:hi], dtype=np.float32)
+        except OSError as exc:
+            raise DataError(f"cannot read dataset {path}: {exc} (truncated or corrupt?)") from exc
+    return x, np.ascontiguousarray(y[lo:hi])
