@@ -78,6 +78,11 @@ def test_missing_toml(tmp_path):
     (["--epochs", "1", "--steps", "5"], "not both"),
     (["--partitions", "2", "--servers", "3"], "multiple of P"),
     (["--checkpoint-every", "-1"], ">= 0"),
+    (["--strategy", "sync", "--average-every", "2"], "applies only to --strategy averaging"),
+    (["--strategy", "averaging", "--average-every", "0"], "must be positive"),
+    (["--strategy", "averaging", "--optimizer", "lbfgs"], "runs only --optimizer adagrad or sgd"),
+    (["--strategy", "sandblaster", "--partitions", "2"], "replicas of one rank each"),
+    (["--strategy", "sync", "--batch-size", "0"], "--batch-size 0"),
 ])
 def test_bad_cli(argv, needle):
     with pytest.raises(ConfigError, match=needle):

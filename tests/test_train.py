@@ -447,3 +447,31 @@ def test_sandblaster_with_three_shards(digits_h5, tmp_path):
     assert s["servers"] == 3 and s["replicas"] == 2
     np.testing.assert_allclose(sb_losses(tmp_path)[:8], reference_lbfgs(digits_h5, 10)[:8],
                                rtol=1e-5)
+
+
+# -- parameter averaging ------------------------------------------------------------------------
+@pytest.mark.parametrize("n", [2, 3])
+def test_averaging_every_step_with_sgd_is_sync(n, digits_h5, tmp_path):
+    """k = 1, plain SGD, equal mini-batches: averaging w - lr g_r over r is sync's step."""
+    args = ["--data", str(digits_h5), "--steps", "300", "--optimizer", "sgd", "--lr", "0.1",
+            *QUICK]
+    a = train(n, "--strategy", "averaging", "--average-every", "1", "--run-dir",
+              str(tmp_path / "a"), *args)
+    s = train(n, "--strategy", "sync", "--run-dir", str(tmp_path / "s"), *args)
+    assert a.returncode == 0 and s.returncode == 0, a.output + s.output
+    pa = checkpoint.load(tmp_path / "a" / "checkpoint.h5").params
+    ps = checkpoint.load(tmp_path / "s" / "checkpoint.h5").params
+    for k in ps:
+        np.testing.assert_allclose(pa[k], ps[k], rtol=1e-4, atol=1e-5)
+    summary = records(tmp_path / "a", "summary")[-1]
+    assert summary["averaging_rounds"] == 300 // n and summary["mean_spread"] > 0
+
+
+@pytest.mark.parametrize("n,parts,state", [(3, 1, "on"), (4, 2, "off")])
+def test_averaging_learns(n, parts, state, digits_h5, tmp_path):
+    run = train(n, "--strategy", "averaging", "--partitions", str(parts), "--average-state",
+                state, "--average-every", "4", "--lr", "0.05", "--data", str(digits_h5),
+                "--run-dir", str(tmp_path), "--steps", "900", *QUICK)
+    s = assert_learned(run, tmp_path, digits_h5)
+    assert s["averaging_rounds"] >= 900 // (n // parts) // 4
+    assert "averages, replicas' mean RMS distance" in run.stdout
