@@ -55,12 +55,17 @@ COMMON = (
     Option("activation", str, "hidden-layer activation: relu, tanh or sigmoid", default="relu",
            choices=ACTIVATIONS),
     Option("optimizer", str, "update rule applied where the parameters live: adagrad "
-           "(DistBelief's per-parameter eta/sqrt(sum g^2)), sgd, or lbfgs; each strategy "
-           "runs some of them (its default: below)", choices=_optimizer_names()),
+           "(DistBelief's per-parameter eta/sqrt(sum g^2)), sgd, momentum (SGD with "
+           "momentum) or lbfgs; each strategy runs some of them (its default: below)",
+           choices=_optimizer_names()),
     Option("lr", float, "learning rate eta (default: the strategy's, below)",
            check="positive"),
     Option("adagrad_eps", float, "added to sqrt(sum g^2) to avoid dividing by zero",
            default=1e-8, check="positive"),
+    Option("momentum", float, "--optimizer momentum: the velocity's decay mu, in [0, 1) "
+           "(default 0.9)", check="nonneg"),
+    Option("nesterov", str, "--optimizer momentum: on for Nesterov's variant (default off)",
+           choices=("on", "off")),
     Option("epochs", float, "passes over the training set, counted over all replicas together "
            "(default: the strategy's, below)", check="positive"),
     Option("steps", int, "total mini-batches over all replicas (instead of --epochs)",
@@ -262,6 +267,13 @@ def _check_generic(cfg, spec: Strategy) -> None:
     if cfg.optimizer is not None and cfg.optimizer not in spec.optimizers:
         raise ConfigError(f"--strategy {cfg.strategy} runs only --optimizer "
                           f"{' or '.join(spec.optimizers)}, got --optimizer {cfg.optimizer}")
+    optimizer = cfg.optimizer or spec.optimizers[0]
+    for name in ("momentum", "nesterov"):
+        if getattr(cfg, name) is not None and optimizer != "momentum":
+            raise ConfigError(f"{flag(name)} applies only to --optimizer momentum, not "
+                              f"{optimizer}")
+    if cfg.momentum is not None and not cfg.momentum < 1:
+        raise ConfigError(f"--momentum must be below 1, got {cfg.momentum}")
     if cfg.partitions > 1 and not spec.model_parallel:
         raise ConfigError(f"--strategy {cfg.strategy} runs replicas of one rank each: use "
                           "--partitions 1")
@@ -287,6 +299,8 @@ def validate(cfg):
     _check_generic(cfg, spec)
     spec.validate(cfg)
     defaults = {"servers": 0, **spec.default_values(cfg)}
+    if (cfg.optimizer or defaults["optimizer"]) == "momentum":
+        defaults.update(momentum=0.9, nesterov="off")
     fill = {k: v for k, v in defaults.items() if getattr(cfg, k) is None}
     return dataclasses.replace(cfg, **fill)
 

@@ -54,6 +54,39 @@ class Adagrad:
         kernels.adagrad_update(w, g, state["accum"], self.lr, self.eps)
 
 
+class Momentum:
+    """SGD with momentum (heavy ball), optionally Nesterov's variant.
+
+    ``v = mu * v + g``; then ``w -= lr * v``, or with Nesterov ``w -= lr * (g + mu * v)``
+    (the formulation of PyTorch and Sutskever et al. 2013, on the gradient at ``w``). The
+    velocity ``v`` is the state, as long as the slice, so a shard keeps its own part.
+    """
+
+    name = "momentum"
+    state_keys = ("velocity",)
+
+    def __init__(self, lr: float, momentum: float = 0.9, nesterov: bool = False):
+        if not 0.0 <= momentum < 1.0:
+            raise ConfigError(f"--momentum must be in [0, 1), got {momentum}")
+        self.lr = float(lr)
+        self.mu = np.float32(momentum)
+        self.nesterov = bool(nesterov)
+        self._step = np.float32(-self.lr)
+
+    def init_state(self, n: int) -> dict[str, np.ndarray]:
+        return {"velocity": np.zeros(n, dtype=np.float32)}
+
+    def apply(self, w: np.ndarray, g: np.ndarray, state: dict[str, np.ndarray]) -> None:
+        v = state["velocity"]
+        v *= self.mu
+        v += g
+        if self.nesterov:  # w -= lr * (g + mu * v)
+            w += self._step * g
+            w += (self._step * self.mu) * v
+        else:
+            w += self._step * v
+
+
 class LBFGSState:
     """What L-BFGS keeps per parameter, for checkpoints: the gradient at x and the m history
     pairs (the vectors live on Sandblaster's shards; :class:`LBFGS` drives them)."""
@@ -69,15 +102,18 @@ class LBFGSState:
         return {k: np.zeros(n, dtype=np.float32) for k in self.state_keys}
 
 
-def make(name: str, lr: float | None, eps: float = 1e-8, history: int = 10):
-    """The optimizer called ``name`` ("sgd", "adagrad" or "lbfgs")."""
+def make(name: str, lr: float | None, eps: float = 1e-8, history: int = 10,
+         momentum: float = 0.9, nesterov: bool = False):
+    """The optimizer called ``name`` ("sgd", "adagrad", "momentum" or "lbfgs")."""
     if name == "sgd":
         return SGD(lr)
     if name == "adagrad":
         return Adagrad(lr, eps)
+    if name == "momentum":
+        return Momentum(lr, momentum, nesterov)
     if name == "lbfgs":
         return LBFGSState(history)
-    raise ConfigError(f"unknown optimizer {name!r}; choose sgd, adagrad or lbfgs")
+    raise ConfigError(f"unknown optimizer {name!r}; choose sgd, adagrad, momentum or lbfgs")
 
 
 # -- L-BFGS, written against named vectors so the same code drives local arrays or shards ----

@@ -83,6 +83,10 @@ def test_missing_toml(tmp_path):
     (["--strategy", "averaging", "--optimizer", "lbfgs"], "runs only --optimizer adagrad or sgd"),
     (["--strategy", "sandblaster", "--partitions", "2"], "replicas of one rank each"),
     (["--strategy", "sync", "--batch-size", "0"], "--batch-size 0"),
+    (["--momentum", "0.5"], "applies only to --optimizer momentum, not adagrad"),
+    (["--strategy", "sync", "--nesterov", "on"], "applies only to --optimizer momentum"),
+    (["--optimizer", "momentum", "--momentum", "1"], "below 1"),
+    (["--strategy", "deadreckon", "--optimizer", "momentum"], "only --optimizer sgd"),
 ])
 def test_bad_cli(argv, needle):
     with pytest.raises(ConfigError, match=needle):

@@ -48,3 +48,44 @@ def test_adagrad_on_slices_equals_whole_vector():
 def test_unknown_optimizer():
     with pytest.raises(ConfigError, match="unknown optimizer"):
         optim.make("adam", 0.1)
+
+
+@pytest.mark.parametrize("nesterov", [False, True])
+def test_momentum_against_float64_reference(nesterov):
+    rng = np.random.default_rng(1)
+    n, lr, mu = 257, 0.05, 0.9
+    opt = optim.make("momentum", lr, momentum=mu, nesterov=nesterov)
+    w = rng.standard_normal(n).astype(np.float32)
+    ref, v = w.astype(np.float64), np.zeros(n)
+    st = opt.init_state(n)
+    for _ in range(6):
+        g = rng.standard_normal(n).astype(np.float32)
+        opt.apply(w, g, st)
+        v = mu * v + g
+        ref -= lr * (g + mu * v) if nesterov else lr * v
+    np.testing.assert_allclose(w, ref, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(st["velocity"], v, rtol=1e-5, atol=1e-6)
+
+
+def test_momentum_zero_is_sgd_and_slices_equal_whole():
+    rng = np.random.default_rng(2)
+    g = rng.standard_normal(100).astype(np.float32)
+    w0 = rng.standard_normal(100).astype(np.float32)
+    a, b = w0.copy(), w0.copy()
+    m = optim.make("momentum", 0.1, momentum=0.0)
+    m.apply(a, g, m.init_state(100))
+    optim.make("sgd", 0.1).apply(b, g, {})
+    np.testing.assert_allclose(a, b, rtol=1e-6)
+    whole, parts = w0.copy(), w0.copy()
+    opt = optim.make("momentum", 0.1, momentum=0.5, nesterov=True)
+    st_whole, st_parts = opt.init_state(100), [opt.init_state(40), opt.init_state(60)]
+    for _ in range(3):
+        opt.apply(whole, g, st_whole)
+        opt.apply(parts[:40], np.ascontiguousarray(g[:40]), st_parts[0])
+        opt.apply(parts[40:], np.ascontiguousarray(g[40:]), st_parts[1])
+    np.testing.assert_array_equal(whole, parts)
+
+
+def test_momentum_range_is_checked():
+    with pytest.raises(ConfigError, match="momentum"):
+        optim.make("momentum", 0.1, momentum=1.0)

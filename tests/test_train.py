@@ -475,3 +475,21 @@ def test_averaging_learns(n, parts, state, digits_h5, tmp_path):
     s = assert_learned(run, tmp_path, digits_h5)
     assert s["averaging_rounds"] >= 900 // (n // parts) // 4
     assert "averages, replicas' mean RMS distance" in run.stdout
+
+
+# -- momentum -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("strategy,n,extra", [
+    ("sync", 2, []), ("downpour", 3, ["--warmup-steps", "50"]),
+    ("averaging", 3, ["--nesterov", "on"])])
+def test_momentum_learns_and_resumes(strategy, n, extra, digits_h5, tmp_path):
+    args = ["--strategy", strategy, "--optimizer", "momentum", "--lr", "0.02",
+            "--data", str(digits_h5), *extra, *QUICK]
+    run = train(n, *args, "--run-dir", str(tmp_path / "a"), "--steps", "600")
+    assert_learned(run, tmp_path / "a", digits_h5)
+    ck = checkpoint.load(tmp_path / "a" / "checkpoint.h5")
+    assert ck.optimizer == "momentum" and "velocity/layer0/W" in ck.opt_state
+    assert np.abs(ck.opt_state["velocity/layer0/W"]).max() > 0
+    run = train(n, *args, "--run-dir", str(tmp_path / "b"), "--steps", "900",
+                "--resume", str(tmp_path / "a" / "checkpoint.h5"))
+    assert run.returncode == 0, run.output
+    assert records(tmp_path / "b", "start")[0]["start_step"] == 600

@@ -119,7 +119,8 @@ def crossed(step: int, advanced: int, every: int) -> bool:
 
 
 def make_optimizer(cfg: Config):
-    return optim.make(cfg.optimizer, cfg.lr, cfg.adagrad_eps, cfg.lbfgs_history or 10)
+    return optim.make(cfg.optimizer, cfg.lr, cfg.adagrad_eps, cfg.lbfgs_history or 10,
+                      momentum=cfg.momentum or 0.0, nesterov=cfg.nesterov == "on")
 
 
 def checkpoint_path(ctx: Context) -> Path:

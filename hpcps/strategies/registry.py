@@ -73,7 +73,7 @@ class Strategy:
     options: tuple[Option, ...] = ()
     defaults: Mapping[str, Any] | Callable[["Config"], Mapping[str, Any]] = \
         field(default_factory=dict)
-    optimizers: tuple[str, ...] = ("adagrad", "sgd")
+    optimizers: tuple[str, ...] = ("adagrad", "sgd", "momentum")
     model_parallel: bool = True
     whole_batch: bool = False
     epochs: float = 4.0
