@@ -69,6 +69,7 @@ class H(IntEnum):
     EXAMPLES = 5      # PUSH_ACTIVATIONS: rows k of inputs and errors in the message
     SENDER = 6        # replica index of the sender (for messages and error reports)
     VECTOR = 7        # sandblaster FETCH / SB_PUSH: which of the shard's vectors
+    CLOCK = 8         # PARAMS under a staleness bound: steps completed by the slowest live replica
 
 
 HEADER_SLOTS = len(H)

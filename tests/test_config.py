@@ -87,6 +87,9 @@ def test_missing_toml(tmp_path):
     (["--strategy", "sync", "--nesterov", "on"], "applies only to --optimizer momentum"),
     (["--optimizer", "momentum", "--momentum", "1"], "below 1"),
     (["--strategy", "deadreckon", "--optimizer", "momentum"], "only --optimizer sgd"),
+    (["--strategy", "sync", "--staleness-bound", "1"], "applies only to --strategy downpour"),
+    (["--staleness-bound", "1", "--n-fetch", "2"], "needs a fetch every step"),
+    (["--staleness-bound", "-1"], ">= 0"),
 ])
 def test_bad_cli(argv, needle):
     with pytest.raises(ConfigError, match=needle):

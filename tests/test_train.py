@@ -493,3 +493,21 @@ def test_momentum_learns_and_resumes(strategy, n, extra, digits_h5, tmp_path):
                 "--resume", str(tmp_path / "a" / "checkpoint.h5"))
     assert run.returncode == 0, run.output
     assert records(tmp_path / "b", "start")[0]["start_step"] == 600
+
+
+# -- stale-synchronous parallel -----------------------------------------------------------------
+@pytest.mark.parametrize("bound", [0, 1, 4])
+@pytest.mark.parametrize("replicas", [1, 2, 3, 4])
+def test_staleness_bound_holds(bound, replicas, digits_h5, tmp_path):
+    """Each replica measures its lead over the slowest replica at every fetch, from its own
+    count of pushed steps and the slowest clock the shard sends: never above the bound."""
+    run = train(replicas + 1, "--staleness-bound", str(bound), "--warmup-steps", "50",
+                "--data", str(digits_h5), "--run-dir", str(tmp_path), "--steps", "600",
+                *QUICK)
+    assert run.returncode == 0, run.output
+    s = records(tmp_path, "summary")[-1]
+    assert s["staleness_bound"] == bound and 0 <= s["clock_lead_max"] <= bound, s
+    assert all(p["clock_lead_max"] <= bound for p in records(tmp_path, "progress"))
+    assert s["test_accuracy"] > 0.8
+    if replicas > 1 and bound == 0:
+        assert s["ssp_held_fetches"] > 0

@@ -63,7 +63,8 @@ class Client:
         h = self._params[0].header
         self.last_reply = {"step": int(h[H.STEPS]), "loss": float(h[H.LOSS_SUM]),
                            "staleness": float(h[H.STALENESS]),
-                           "max_staleness": float(h[H.MAX_STALENESS])}
+                           "max_staleness": float(h[H.MAX_STALENESS]),
+                           "clock": float(h[H.CLOCK])}
         return self.last_reply
 
     def _slot_for(self, s: int, slot: int):

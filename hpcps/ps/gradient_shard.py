@@ -35,6 +35,7 @@ class ShardStats:
     pushes: int = 0
     fetches: int = 0
     held_fetches: int = 0
+    held_s: float = 0.0
     bytes_in: int = 0
     bytes_out: int = 0
     staleness_sum: float = 0.0
@@ -54,6 +55,10 @@ class ApplyNow:
         return True
 
     def on_done(self, shard: "GradientShard", sender: int) -> None:
+        return None
+
+    def on_answer(self, shard: "GradientShard", sender: int, header: np.ndarray) -> None:
+        """Called as a fetch is answered, to add the policy's figures to the reply header."""
         return None
 
 
@@ -97,7 +102,7 @@ class GradientShard:
         self.policy = policy or ApplyNow()
         self.stats = ShardStats()
         self.done: set[int] = set()
-        self.held: list[tuple[int, int]] = []  # (rank, replica) of fetches not answered yet
+        self.held: list[tuple[int, int, float]] = []  # (rank, replica, since) of held fetches
         n = len(params)
         self._push = Message(n)
         self._reply = Message(n)
@@ -122,7 +127,7 @@ class GradientShard:
         if self.n_replicas > 0:
             serve(self.comm, handlers, self.timeout, lambda: (
                 f"{self.n_replicas - len(self.done)} replica(s) to finish (done: "
-                f"{sorted(self.done)}; held fetches from ranks {[r for r, _ in self.held]})"))
+                f"{sorted(self.done)}; held fetches from ranks {[h[0] for h in self.held]})"))
         self.stats.wall_s = time.perf_counter() - t0
         self.stats.done_replicas = sorted(self.done)
         return self.stats
@@ -153,9 +158,9 @@ class GradientShard:
         self.comm.Recv(self._small.buf, source=src, tag=Tag.FETCH)
         sender = int(self._small.header[H.SENDER])
         if self.policy.may_answer(self, sender):
-            self.answer_fetch(src)
+            self.answer_fetch(src, sender)
         else:
-            self.held.append((src, sender))
+            self.held.append((src, sender, time.perf_counter()))
             self.stats.held_fetches += 1
         return False
 
@@ -171,11 +176,12 @@ class GradientShard:
         if not self.held:
             return
         still = []
-        for src, sender in self.held:
+        for src, sender, since in self.held:
             if self.policy.may_answer(self, sender):
-                self.answer_fetch(src)
+                self.stats.held_s += time.perf_counter() - since
+                self.answer_fetch(src, sender)
             else:
-                still.append((src, sender))
+                still.append((src, sender, since))
         self.held = still
 
     # -- what policies call --------------------------------------------------------------------
@@ -202,8 +208,9 @@ class GradientShard:
             for b in range((before // every + 1) * every, self.step + 1, every):
                 self.on_boundary(b)
 
-    def answer_fetch(self, src: int) -> None:
-        """Send rank ``src`` this shard's parameters as they are now, with recent figures."""
+    def answer_fetch(self, src: int, sender: int) -> None:
+        """Send rank ``src`` (replica ``sender``) this shard's parameters as they are now,
+        with recent figures."""
         r = self._reply
         r.payload[:] = self.params
         h = r.header
@@ -217,6 +224,7 @@ class GradientShard:
         h[H.MAX_STALENESS] = self._win_stale_max
         self._win_loss = self._win_stale = self._win_stale_max = 0.0
         self._win_steps = self._win_pushes = 0
+        self.policy.on_answer(self, sender, h)
         # The replica posted its receive before asking, so this send cannot deadlock.
         self.comm.Send(r.buf, dest=src, tag=Tag.PARAMS)
         self.stats.fetches += 1

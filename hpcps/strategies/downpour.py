@@ -28,6 +28,7 @@ from hpcps.options import GOLOMB, PREFETCH, TAU, Option
 from hpcps.protocol import H, Message, Tag
 from hpcps.ps import activations
 from hpcps.ps.client import Client
+from hpcps.ps.consistency import StaleSynchronous
 from hpcps.ps.gradient_shard import GradientShard
 from hpcps.strategies.context import (
     Context,
@@ -43,6 +44,13 @@ from hpcps.topology import shard_range
 def part_sizes(ctx: Context) -> list[int]:
     """Length of each partition's slice of the parameters (one entry when P = 1)."""
     return list(getattr(ctx.model, "part_sizes", [ctx.model.n_params]))
+
+
+def clock_offsets(ctx: Context) -> list[int]:
+    """Each replica's clock at start under a staleness bound: the replicas that join after
+    replica 0's warm start begin with its warm-start steps (they start from its parameters)."""
+    warmup = ctx.cfg.warmup_steps if ctx.start_step == 0 else 0
+    return [0] + [warmup] * (ctx.grid.layout.replicas - 1)
 
 
 def shards_of_partition(ctx: Context, part: int) -> list[tuple[int, int, int]]:
@@ -169,6 +177,10 @@ class DownpourReplica(ReplicaLoop):
         self.flag = Message(0)
         self.release_reqs = []
         self.released = r != 0 or R == 1 or self.warmup == 0
+        # stale-synchronous parallel: this replica's clock as the shards count it (steps
+        # pushed, from the warm-start offset), and its largest lead over the slowest replica
+        self.clock = clock_offsets(ctx)[r]
+        self.max_lead = 0
 
     def run(self) -> dict:
         if self.replica != 0 and self.warmup > 0:
@@ -210,6 +222,7 @@ class DownpourReplica(ReplicaLoop):
             client.push(self.acc, self.acc_steps, self.loss_sum)
         else:
             client.push_packed(self.pusher.bodies(self.acc), self.acc_steps, self.loss_sum)
+        self.clock += self.acc_steps
         self.acc[:] = 0.0
         self.acc_steps, self.loss_sum = 0, 0.0
 
@@ -217,6 +230,8 @@ class DownpourReplica(ReplicaLoop):
     def before_step(self) -> None:
         if (self.done // self.T) % self.fetch_every == 0:
             self.info = self.client.fetch(self.params)
+            if self.cfg.staleness_bound is not None:
+                self.max_lead = max(self.max_lead, self.clock - int(self.info["clock"]))
 
     def step(self, x, y) -> float:
         T = self.T
@@ -250,6 +265,8 @@ class DownpourReplica(ReplicaLoop):
                "bytes_sent_per_step": round(c.bytes_sent / done)}
         if self.pusher:
             out["updates_per_step"] = round(self.pusher.words_sent / done, 1)
+        if self.cfg.staleness_bound is not None:
+            out["clock_lead_max"] = self.max_lead
         return out
 
     def after_loop(self) -> None:
@@ -263,7 +280,8 @@ class DownpourReplica(ReplicaLoop):
 
     def finish(self, train_s: float) -> dict:
         c = self.client
-        out = {"replica_steps": self.done, "bytes_sent": c.bytes_sent,
+        out = {"replica_steps": self.done, "clock_lead_max": self.max_lead,
+               "bytes_sent": c.bytes_sent,
                "bytes_received": c.bytes_received,
                "words_sent": self.pusher.words_sent if self.pusher else None}
         if self.ctx.grid.is_chief:
@@ -326,6 +344,9 @@ def run_server(ctx: Context) -> dict:
                          n_replicas=grid.layout.replicas, step=ctx.start_step,
                          timeout=cfg.timeout, on_boundary=on_boundary,
                          boundary_every=cfg.checkpoint_every,
+                         policy=StaleSynchronous(cfg.staleness_bound, grid.layout.replicas,
+                                                 clock_offsets(ctx))
+                         if cfg.staleness_bound is not None else None,
                          packed=shard_expander(hi - lo, cfg.tau)
                          if cfg.compress == "threshold" else
                          shard_activation_handler(ctx, lo, hi, params, state)
@@ -344,6 +365,9 @@ def run_server(ctx: Context) -> dict:
     return {"shard": s, "pushes": stats.pushes, "fetches": stats.fetches,
             "bytes_in": stats.bytes_in, "bytes_out": stats.bytes_out,
             "mean_staleness": stats.staleness_sum / max(1, stats.pushes),
+            "held_fetches": stats.held_fetches, "held_s": stats.held_s,
+            "clock_lead_max": server.policy.max_lead
+            if isinstance(server.policy, StaleSynchronous) else None,
             "max_staleness": stats.staleness_max, "step": server.step}
 
 
@@ -369,6 +393,9 @@ def _validate(cfg) -> None:
         for name in ("tau", "golomb"):
             if getattr(cfg, name) is not None:
                 raise ConfigError(f"--{name} applies to downpour only with --compress threshold")
+    if cfg.staleness_bound is not None and cfg.n_fetch not in (None, 1):
+        raise ConfigError("--staleness-bound holds a replica at its fetches, so it needs a "
+                          f"fetch every step: use --n-fetch 1 (got {cfg.n_fetch})")
     if cfg.servers is not None and cfg.servers % cfg.partitions:
         raise ConfigError(f"--servers {cfg.servers} does not divide among --partitions "
                           f"{cfg.partitions}: each partition talks to its own server shards, so "
@@ -395,6 +422,11 @@ def _summarize(ctx: Context, results: list[dict]) -> dict:
            "mean_staleness": sum(s["mean_staleness"] for s in shards) / max(1, len(shards)),
            "max_staleness": max((s["max_staleness"] for s in shards), default=0.0)}
     out.update(results[ctx.reporter].get("figures", {}))  # the chief's model-parallel figures
+    if cfg.staleness_bound is not None:  # per shard, averaged over the shards
+        out.update(staleness_bound=cfg.staleness_bound,
+                   clock_lead_max=max(r["clock_lead_max"] for r in reps + shards),
+                   ssp_held_fetches=sum(s["held_fetches"] for s in shards) / len(shards),
+                   ssp_held_s=sum(s["held_s"] for s in shards) / len(shards))
     pushed = sum(r["bytes_sent"] for r in reps) / trained
     if cfg.push == "activations":
         out.update(push_bytes_per_step=round(pushed),
@@ -418,6 +450,10 @@ def _summary_lines(f: dict) -> list[str]:
                      f"errors instead of {f['dense_push_bytes_per_step']} of gradient")
     lines.append(f"staleness: mean {f['mean_staleness']:.2f}, max {f['max_staleness']:.0f} "
                  "shard updates between a replica's fetch and its push")
+    if "staleness_bound" in f:
+        lines.append(f"staleness bound {f['staleness_bound']}: largest lead over the slowest "
+                     f"replica {f['clock_lead_max']} steps; {f['ssp_held_fetches']:.0f} fetches "
+                     f"held per shard, {f['ssp_held_s']:.2f} s in all")
     return lines
 
 
@@ -442,6 +478,9 @@ STRATEGY = Strategy(
                "numbers, the k rows of layer inputs and errors since the last push and lets the "
                "shard compute the update (Project Adam); default 'gradients'",
                choices=("gradients", "activations")),
+        Option("staleness_bound", int, "stale-synchronous parallel: a replica may not start "
+               "step c while the slowest live replica has not completed step c - s - 1 (0: "
+               "bulk-synchronous; default: no bound, fully asynchronous)", check="nonneg"),
         TAU, GOLOMB, PREFETCH),
     defaults=_defaults,
     validate=_validate,
