@@ -90,6 +90,10 @@ def test_missing_toml(tmp_path):
     (["--strategy", "sync", "--staleness-bound", "1"], "applies only to --strategy downpour"),
     (["--staleness-bound", "1", "--n-fetch", "2"], "needs a fetch every step"),
     (["--staleness-bound", "-1"], ">= 0"),
+    (["--softsync", "2", "--push", "activations"], "use --push gradients"),
+    (["--staleness-lr", "on", "--staleness-bound", "2"], "choose one"),
+    (["--strategy", "deadreckon", "--softsync", "2"], "applies only to --strategy downpour"),
+    (["--softsync", "0"], "must be positive"),
 ])
 def test_bad_cli(argv, needle):
     with pytest.raises(ConfigError, match=needle):

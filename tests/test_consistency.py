@@ -62,3 +62,83 @@ def test_warm_start_offsets_and_multi_step_pushes():
 def test_negative_bound_is_refused():
     with pytest.raises(ValueError):
         StaleSynchronous(-1, 2)
+
+
+class OptimShard:
+    """A stand-in gradient shard with a real optimizer: version, staleness, accounting."""
+
+    def __init__(self, n, opt, n_replicas=2):
+        from hpcps import optim
+        self.opt = optim.make(*opt)
+        self.params = np.linspace(-1, 1, n).astype(np.float32)
+        self.state = self.opt.init_state(n)
+        self.version = 0
+        self.pushes = 0
+        self.done, self.n_replicas = set(), n_replicas
+
+    def staleness(self, h):
+        return self.version - h[H.VERSION]
+
+    def apply_update(self, grad):
+        self.opt.apply(self.params, grad, self.state)
+        self.version += 1
+
+    def account(self, h, stale):
+        self.pushes += 1
+
+    def apply_push(self, h, grad):
+        stale = self.staleness(h)
+        self.apply_update(grad)
+        self.account(h, stale)
+
+
+def header(version=0, sender=0):
+    h = np.zeros(HEADER_SLOTS)
+    h[H.VERSION], h[H.SENDER], h[H.STEPS] = version, sender, 1
+    return h
+
+
+@pytest.mark.parametrize("opt", [("sgd", 0.1), ("adagrad", 0.1)])
+def test_softsync_of_one_without_scaling_is_downpours_rule(opt):
+    from hpcps.ps.consistency import SoftSync
+    from hpcps.ps.gradient_shard import ApplyNow
+    rng = np.random.default_rng(4)
+    a, b = OptimShard(50, opt), OptimShard(50, opt)
+    soft, now = SoftSync(50, 1, False), ApplyNow()
+    for i in range(6):
+        g = rng.standard_normal(50).astype(np.float32)
+        soft.on_push(a, i % 2, header(version=max(0, i - 2)), g)
+        now.on_push(b, i % 2, header(version=max(0, i - 2)), g)
+    np.testing.assert_array_equal(a.params, b.params)
+    assert a.version == b.version == 6 and a.pushes == 6
+
+
+def test_staleness_scaling_gives_lr_over_tau():
+    from hpcps.ps.consistency import SoftSync
+    shard = OptimShard(8, ("sgd", 0.5))
+    shard.version = 4                       # 4 updates since the sender fetched: tau = 4
+    w0, g = shard.params.copy(), np.ones(8, np.float32)
+    SoftSync(8, 1, staleness_lr=True).on_push(shard, 0, header(version=0), g)
+    np.testing.assert_allclose(shard.params, w0 - 0.5 / 4 * g, rtol=1e-6)
+    fresh = OptimShard(8, ("sgd", 0.5))     # tau = 0 counts as 1: the full step
+    SoftSync(8, 1, staleness_lr=True).on_push(fresh, 0, header(version=0), g)
+    np.testing.assert_allclose(fresh.params, w0 - 0.5 * g, rtol=1e-6)
+
+
+def test_softsync_applies_the_mean_of_each_group_and_flushes_the_rest():
+    from hpcps.ps.consistency import SoftSync
+    shard = OptimShard(4, ("sgd", 1.0), n_replicas=2)
+    policy = SoftSync(4, 3, staleness_lr=False)
+    w0 = shard.params.copy()
+    grads = [np.full(4, v, np.float32) for v in (1.0, 2.0, 6.0, 4.0)]
+    for g in grads[:2]:
+        policy.on_push(shard, 0, header(), g)
+    assert shard.version == 0 and np.array_equal(shard.params, w0)   # still collecting
+    policy.on_push(shard, 1, header(), grads[2])
+    assert shard.version == 1
+    np.testing.assert_allclose(shard.params, w0 - 3.0)                # mean of 1, 2, 6
+    policy.on_push(shard, 1, header(), grads[3])
+    shard.done = {0, 1}
+    policy.on_done(shard, 1)                                         # the last replica ends
+    np.testing.assert_allclose(shard.params, w0 - 7.0)                # + the lone 4
+    assert (policy.updates, policy.combined, shard.pushes) == (2, 4, 4)

@@ -511,3 +511,14 @@ def test_staleness_bound_holds(bound, replicas, digits_h5, tmp_path):
     assert s["test_accuracy"] > 0.8
     if replicas > 1 and bound == 0:
         assert s["ssp_held_fetches"] > 0
+
+
+@pytest.mark.parametrize("extra", [["--softsync", "3"], ["--staleness-lr", "on"],
+                                   ["--softsync", "2", "--staleness-lr", "on", "--servers", "2",
+                                    "--compress", "threshold", "--tau", "0.02"]])
+def test_softsync_and_staleness_rates_learn(extra, digits_h5, tmp_path):
+    run = train(5, *extra, "--warmup-steps", "50", "--data", str(digits_h5), "--run-dir",
+                str(tmp_path), "--steps", "900", *QUICK)
+    s = assert_learned(run, tmp_path, digits_h5)
+    group = int(extra[1]) if extra[0] == "--softsync" else 1
+    assert s["softsync"] == group and s["pushes_per_update"] == pytest.approx(group, abs=0.05)

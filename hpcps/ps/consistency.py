@@ -59,3 +59,61 @@ class StaleSynchronous:
         slowest = self.slowest()
         self.max_lead = max(self.max_lead, self.clock[sender] - slowest)
         header[H.CLOCK] = slowest
+
+
+class SoftSync:
+    """Soft synchronization and staleness-dependent rates (Zhang, Gupta et al. 2016).
+
+    The shard collects ``group`` pushes, from any replicas, and applies their mean as one
+    update (``group`` = 1: every push at once, as Downpour). With ``staleness_lr`` each push
+    is first scaled by ``1 / max(1, tau)``, tau its staleness (updates the shard applied since
+    its sender fetched), so the step it takes is ``lambda0 / max(1, tau)`` with lambda0 the
+    optimizer's rate: exactly that for SGD and momentum; with Adagrad the scaled gradient also
+    enters the accumulator. Both go with any optimizer on the shard, and with each other.
+    Pushes still buffered when the last replica finishes are applied then.
+    """
+
+    def __init__(self, n: int, group: int = 1, staleness_lr: bool = False):
+        if group < 1:
+            raise ValueError(f"softsync group must be >= 1, got {group}")
+        self.group = int(group)
+        self.staleness_lr = bool(staleness_lr)
+        self.buf = np.zeros(n, dtype=np.float32)
+        self.count = 0
+        self.updates = 0       # combined updates applied
+        self.combined = 0      # pushes they held in all
+
+    def on_push(self, shard, sender: int, header: np.ndarray, grad) -> None:
+        stale = shard.staleness(header)
+        scale = 1.0 / max(1.0, stale) if self.staleness_lr else 1.0
+        if self.group == 1:
+            if scale != 1.0:
+                np.multiply(grad, np.float32(scale), out=self.buf)
+                grad = self.buf
+            shard.apply_update(grad)
+            self.updates += 1
+            self.combined += 1
+        else:
+            self.buf += np.float32(scale / self.group) * grad
+            self.count += 1
+            if self.count == self.group:
+                self._flush(shard)
+        shard.account(header, stale)
+
+    def _flush(self, shard) -> None:
+        shard.apply_update(self.buf)
+        self.updates += 1
+        self.combined += self.count
+        self.buf[...] = 0.0
+        self.count = 0
+
+    def may_answer(self, shard, sender: int) -> bool:
+        return True
+
+    def on_done(self, shard, sender: int) -> None:
+        if len(shard.done) >= shard.n_replicas and self.count:
+            self.buf *= np.float32(self.group / self.count)  # the mean of what is left
+            self._flush(shard)
+
+    def on_answer(self, shard, sender: int, header: np.ndarray) -> None:
+        return None

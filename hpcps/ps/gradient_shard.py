@@ -185,13 +185,27 @@ class GradientShard:
         self.held = still
 
     # -- what policies call --------------------------------------------------------------------
+    def staleness(self, h: np.ndarray) -> float:
+        """Updates this shard applied since the push's sender fetched the parameters."""
+        return self.version - h[H.VERSION]
+
     def apply_push(self, h: np.ndarray, grad: np.ndarray | None) -> None:
-        """Apply one push (``grad`` None: the packed handler applied it already) and account
-        for it: version, global step, staleness, the loss window, checkpoint boundaries."""
-        stale = self.version - h[H.VERSION]
+        """Apply one push now (``grad`` None: the packed handler applied it already) and
+        account for it."""
+        stale = self.staleness(h)
+        self.apply_update(grad)
+        self.account(h, stale)
+
+    def apply_update(self, grad: np.ndarray | None) -> None:
+        """Run the optimizer on ``grad`` (one push, or a policy's combination of several);
+        the shard's version counts these updates."""
         if grad is not None:
             self.apply(self.params, grad, self.state)
         self.version += 1
+
+    def account(self, h: np.ndarray, stale: float) -> None:
+        """Count a push (of staleness ``stale``, see :meth:`staleness`): global step,
+        staleness figures, the loss window, and the checkpoint boundaries its steps cross."""
         steps = int(h[H.STEPS])
         before = self.step
         self.step += steps

@@ -28,7 +28,7 @@ from hpcps.options import GOLOMB, PREFETCH, TAU, Option
 from hpcps.protocol import H, Message, Tag
 from hpcps.ps import activations
 from hpcps.ps.client import Client
-from hpcps.ps.consistency import StaleSynchronous
+from hpcps.ps.consistency import SoftSync, StaleSynchronous
 from hpcps.ps.gradient_shard import GradientShard
 from hpcps.strategies.context import (
     Context,
@@ -44,6 +44,17 @@ from hpcps.topology import shard_range
 def part_sizes(ctx: Context) -> list[int]:
     """Length of each partition's slice of the parameters (one entry when P = 1)."""
     return list(getattr(ctx.model, "part_sizes", [ctx.model.n_params]))
+
+
+def shard_policy(ctx: Context, n: int):
+    """What a push and a fetch do on this shard (None: apply and answer at once)."""
+    cfg = ctx.cfg
+    if cfg.staleness_bound is not None:
+        return StaleSynchronous(cfg.staleness_bound, ctx.grid.layout.replicas,
+                                clock_offsets(ctx))
+    if cfg.softsync is not None or cfg.staleness_lr == "on":
+        return SoftSync(n, cfg.softsync or 1, cfg.staleness_lr == "on")
+    return None
 
 
 def clock_offsets(ctx: Context) -> list[int]:
@@ -344,9 +355,7 @@ def run_server(ctx: Context) -> dict:
                          n_replicas=grid.layout.replicas, step=ctx.start_step,
                          timeout=cfg.timeout, on_boundary=on_boundary,
                          boundary_every=cfg.checkpoint_every,
-                         policy=StaleSynchronous(cfg.staleness_bound, grid.layout.replicas,
-                                                 clock_offsets(ctx))
-                         if cfg.staleness_bound is not None else None,
+                         policy=shard_policy(ctx, hi - lo),
                          packed=shard_expander(hi - lo, cfg.tau)
                          if cfg.compress == "threshold" else
                          shard_activation_handler(ctx, lo, hi, params, state)
@@ -366,6 +375,8 @@ def run_server(ctx: Context) -> dict:
             "bytes_in": stats.bytes_in, "bytes_out": stats.bytes_out,
             "mean_staleness": stats.staleness_sum / max(1, stats.pushes),
             "held_fetches": stats.held_fetches, "held_s": stats.held_s,
+            "combined_updates": getattr(server.policy, "updates", None),
+            "combined_pushes": getattr(server.policy, "combined", None),
             "clock_lead_max": server.policy.max_lead
             if isinstance(server.policy, StaleSynchronous) else None,
             "max_staleness": stats.staleness_max, "step": server.step}
@@ -393,6 +404,13 @@ def _validate(cfg) -> None:
         for name in ("tau", "golomb"):
             if getattr(cfg, name) is not None:
                 raise ConfigError(f"--{name} applies to downpour only with --compress threshold")
+    combining = cfg.softsync is not None or cfg.staleness_lr == "on"
+    if combining and cfg.push == "activations":
+        raise ConfigError("--softsync and --staleness-lr combine pushed gradients on the shard; "
+                          "--push activations applies each push itself: use --push gradients")
+    if combining and cfg.staleness_bound is not None:
+        raise ConfigError("--staleness-bound holds fetches, --softsync and --staleness-lr "
+                          "combine pushes: a shard runs one of the two, choose one")
     if cfg.staleness_bound is not None and cfg.n_fetch not in (None, 1):
         raise ConfigError("--staleness-bound holds a replica at its fetches, so it needs a "
                           f"fetch every step: use --n-fetch 1 (got {cfg.n_fetch})")
@@ -427,6 +445,10 @@ def _summarize(ctx: Context, results: list[dict]) -> dict:
                    clock_lead_max=max(r["clock_lead_max"] for r in reps + shards),
                    ssp_held_fetches=sum(s["held_fetches"] for s in shards) / len(shards),
                    ssp_held_s=sum(s["held_s"] for s in shards) / len(shards))
+    if shards and isinstance(shards[0].get("combined_updates"), int):
+        updates = sum(s["combined_updates"] for s in shards)
+        out.update(softsync=cfg.softsync or 1, staleness_lr=cfg.staleness_lr or "off",
+                   pushes_per_update=sum(s["combined_pushes"] for s in shards) / max(1, updates))
     pushed = sum(r["bytes_sent"] for r in reps) / trained
     if cfg.push == "activations":
         out.update(push_bytes_per_step=round(pushed),
@@ -450,6 +472,9 @@ def _summary_lines(f: dict) -> list[str]:
                      f"errors instead of {f['dense_push_bytes_per_step']} of gradient")
     lines.append(f"staleness: mean {f['mean_staleness']:.2f}, max {f['max_staleness']:.0f} "
                  "shard updates between a replica's fetch and its push")
+    if "softsync" in f:
+        lines.append(f"softsync {f['softsync']}: {f['pushes_per_update']:.2f} pushes combined per "
+                     f"shard update; staleness-scaled rates: {f['staleness_lr']}")
     if "staleness_bound" in f:
         lines.append(f"staleness bound {f['staleness_bound']}: largest lead over the slowest "
                      f"replica {f['clock_lead_max']} steps; {f['ssp_held_fetches']:.0f} fetches "
@@ -481,6 +506,11 @@ STRATEGY = Strategy(
         Option("staleness_bound", int, "stale-synchronous parallel: a replica may not start "
                "step c while the slowest live replica has not completed step c - s - 1 (0: "
                "bulk-synchronous; default: no bound, fully asynchronous)", check="nonneg"),
+        Option("softsync", int, "soft synchronization: a shard applies the mean of every s "
+               "pushes, from any replicas, as one update (default 1: each push at once)",
+               check="positive"),
+        Option("staleness_lr", str, "on: scale each push by 1/max(1, tau), tau its "
+               "staleness, so its step is lr/tau (default off)", choices=("on", "off")),
         TAU, GOLOMB, PREFETCH),
     defaults=_defaults,
     validate=_validate,
