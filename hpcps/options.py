@@ -85,5 +85,8 @@ PREFETCH = Option("prefetch", int, "mini-batches a background thread prepares ah
 TAU = Option("tau", float, "threshold of the compressed updates: each sent element moves by "
              "+-tau (deadreckon: weight units, default 0.002; downpour --compress threshold: "
              "gradient units, default 0.01)", check="positive")
+INJECT_SLOW = Option("inject_slow", str, "for testing: RANK:FACTOR makes that replica rank "
+                     "(world rank) FACTOR times slower, to show what one slow replica does "
+                     "to the others; RANK:stall (batch methods only) makes it stop answering")
 GOLOMB = Option("golomb", str, "on: Golomb-Rice code the index gaps of compressed messages "
                 "(default); off: send the raw 32-bit words", choices=("on", "off"))

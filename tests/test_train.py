@@ -522,3 +522,14 @@ def test_softsync_and_staleness_rates_learn(extra, digits_h5, tmp_path):
     s = assert_learned(run, tmp_path, digits_h5)
     group = int(extra[1]) if extra[0] == "--softsync" else 1
     assert s["softsync"] == group and s["pushes_per_update"] == pytest.approx(group, abs=0.05)
+
+
+@pytest.mark.parametrize("strategy", ["sync", "averaging", "deadreckon", "downpour"])
+def test_a_slowed_replica_in_every_sgd_strategy(strategy, digits_h5, tmp_path):
+    """--inject-slow RANK:FACTOR goes with every strategy (the last-executor effect)."""
+    # deadreckon learns reliably at 2 ranks here (see test_deadreckon_replicas_end_identical)
+    extra = ["--tau", "0.003", "--lr", "0.05"] if strategy == "deadreckon" else []
+    run = train(2 if strategy == "deadreckon" else 3, "--strategy", strategy,
+                "--inject-slow", "1:3", "--data", str(digits_h5),
+                "--run-dir", str(tmp_path), "--steps", "600", *extra, *QUICK)
+    assert_learned(run, tmp_path, digits_h5, min_acc=0.8)

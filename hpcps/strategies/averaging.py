@@ -24,9 +24,9 @@ import numpy as np
 from mpi4py import MPI
 
 from hpcps.comm import wait_all
-from hpcps.options import PREFETCH, Option
+from hpcps.options import INJECT_SLOW, PREFETCH, Option
 from hpcps.strategies.context import Context, finish_on_chief, gather_state
-from hpcps.strategies.loop import ReplicaLoop
+from hpcps.strategies.loop import ReplicaLoop, check_options
 from hpcps.strategies.registry import Strategy
 
 
@@ -123,7 +123,8 @@ STRATEGY = Strategy(
         Option("average_state", str, "on: average the optimizer state (Adagrad's sums) with "
                "the parameters (default: the replicas then take the same step sizes); off: "
                "each replica keeps its own", choices=("on", "off")),
-        PREFETCH),
+        PREFETCH, INJECT_SLOW),
+    validate=check_options,
     defaults={"lr": 0.01, "batch_size": 32, "prefetch": 2, "average_every": 4,
               "average_state": "on"},
     describe=lambda cfg, n_train: (f"{cfg.optimizer} lr={cfg.lr}, batch {cfg.batch_size}/"

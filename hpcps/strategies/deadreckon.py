@@ -28,11 +28,11 @@ from mpi4py import MPI
 
 from hpcps import compress
 from hpcps.comm import barrier, wait_all
-from hpcps.options import GOLOMB, PREFETCH, TAU
+from hpcps.options import INJECT_SLOW, GOLOMB, PREFETCH, TAU
 from hpcps.protocol import Tag
 from hpcps.ps.serve import serve
 from hpcps.strategies.context import Context, finish_on_chief, steps_for_replica
-from hpcps.strategies.loop import ReplicaLoop
+from hpcps.strategies.loop import ReplicaLoop, check_options
 from hpcps.strategies.registry import Strategy
 
 STEP_BYTES = 8  # int64 sender step in front of each update message
@@ -261,7 +261,8 @@ STRATEGY = Strategy(
     help="Strom's thresholded 1-bit weight deltas sent peer to peer, each replica applying "
          "every replica's deltas (dead reckoning); no servers",
     roles={"replica": run},
-    options=(TAU, GOLOMB, PREFETCH),
+    options=(TAU, GOLOMB, PREFETCH, INJECT_SLOW),
+    validate=check_options,
     defaults={"lr": 0.1, "tau": 0.002, "golomb": "on", "batch_size": 32, "prefetch": 2},
     # an Adagrad state would differ between replicas, so their weights would drift apart
     optimizers=("sgd",),

@@ -24,7 +24,7 @@ import numpy as np
 from hpcps import compress
 from hpcps.comm import gather_to_root, wait_all
 from hpcps.errors import ConfigError
-from hpcps.options import GOLOMB, PREFETCH, TAU, Option
+from hpcps.options import INJECT_SLOW, GOLOMB, PREFETCH, TAU, Option
 from hpcps.protocol import H, Message, Tag
 from hpcps.ps import activations
 from hpcps.ps.client import Client
@@ -36,7 +36,7 @@ from hpcps.strategies.context import (
     save_checkpoint,
     steps_for_replica,
 )
-from hpcps.strategies.loop import ReplicaLoop
+from hpcps.strategies.loop import ReplicaLoop, check_options
 from hpcps.strategies.registry import SERVERS, Strategy
 from hpcps.topology import shard_range
 
@@ -396,6 +396,7 @@ def _defaults(cfg) -> dict:
 
 
 def _validate(cfg) -> None:
+    check_options(cfg)
     if cfg.push == "activations" and (cfg.compress == "threshold" or cfg.partitions > 1
                                       or cfg.threads > 1):
         raise ConfigError("--push activations goes with dense pushes of whole replicas: not "
@@ -511,7 +512,7 @@ STRATEGY = Strategy(
                check="positive"),
         Option("staleness_lr", str, "on: scale each push by 1/max(1, tau), tau its "
                "staleness, so its step is lr/tau (default off)", choices=("on", "off")),
-        TAU, GOLOMB, PREFETCH),
+        TAU, GOLOMB, PREFETCH, INJECT_SLOW),
     defaults=_defaults,
     validate=_validate,
     describe=_describe,

@@ -13,14 +13,24 @@ mini-batches, about every ``eval_every`` global steps.
 """
 from __future__ import annotations
 
+import math
 import time
 
 import numpy as np
 
 from hpcps.data import Batches, Prefetcher
+from hpcps.errors import ConfigError
+from hpcps.options import parse_inject_slow
 from hpcps.strategies.context import (Context, crossed, evaluate, gather_state,
                                       model_parallel_figures, rate, save_checkpoint)
 from hpcps.strategies.gradients import GradientSource
+
+
+def check_options(cfg) -> None:
+    """Checks every strategy built on this loop shares (its ``validate``, or part of it)."""
+    if cfg.inject_slow is not None and math.isinf(parse_inject_slow(cfg.inject_slow)[1]):
+        raise ConfigError(f"--inject-slow {cfg.inject_slow}: a stalled replica would hang "
+                          f"--strategy {cfg.strategy} until --timeout; give a finite factor")
 
 
 def per_replica(every: int, replicas: int) -> int:
@@ -66,6 +76,10 @@ class ReplicaLoop:
         self.ckpt_local = per_replica(cfg.checkpoint_every, R) if self.saves_checkpoints else 0
         self.batches = Prefetcher(Batches(ctx.train_x, ctx.train_y, self.source.batch,
                                           ctx.batch_seed(self.replica)), cfg.prefetch)
+        self.slow = 1.0         # --inject-slow: this rank's steps take this many times longer
+        if cfg.inject_slow is not None:
+            who, factor = parse_inject_slow(cfg.inject_slow)
+            self.slow = factor if who == grid.rank else 1.0
         self.done = 0           # this replica's mini-batches so far
         self.last_loss = float("nan")
         self._loss_win = 0.0
@@ -105,7 +119,10 @@ class ReplicaLoop:
             for _ in range(self.iterations):
                 self.before_step()
                 x, y = next(self.batches)
+                t = time.perf_counter()
                 self.last_loss = self.step(x, y)
+                if self.slow > 1.0:
+                    time.sleep((self.slow - 1.0) * (time.perf_counter() - t))
                 self.done += self.T
                 self._loss_win += self.last_loss
                 self._n_win += 1

@@ -43,7 +43,7 @@ from hpcps.blocks import block_range
 from hpcps.comm import PeerTimeout, Poller, gather_to_root, wait_all
 from hpcps.errors import CheckpointError, ConfigError
 from hpcps.optim import LBFGS
-from hpcps.options import Option, parse_inject_slow
+from hpcps.options import INJECT_SLOW, Option, parse_inject_slow
 from hpcps.protocol import H, Message, Op, Tag, Task
 from hpcps.ps.lbfgs_shard import CMD_SLOTS, VectorShard
 from hpcps.schedule import PortionScheduler
@@ -527,8 +527,7 @@ STRATEGY = Strategy(
                "(default 64)", check="positive"),
         Option("flush_every", int, "a replica pushes its accumulated gradient every this many "
                "portions (default 4)", check="positive"),
-        Option("inject_slow", str, "for testing: RANK:FACTOR makes that replica rank FACTOR "
-               "times slower; RANK:stall makes it stop answering"),
+        INJECT_SLOW,
         Option("replica_timeout", float, "seconds without an answer before a replica's "
                "portions go to the others (default 60)", check="positive"),
     ),

@@ -18,9 +18,9 @@ import numpy as np
 from mpi4py import MPI
 
 from hpcps.comm import wait_all
-from hpcps.options import PREFETCH
+from hpcps.options import INJECT_SLOW, PREFETCH
 from hpcps.strategies.context import Context, finish_on_chief, gather_state
-from hpcps.strategies.loop import ReplicaLoop
+from hpcps.strategies.loop import ReplicaLoop, check_options
 from hpcps.strategies.registry import Strategy
 
 
@@ -93,7 +93,8 @@ STRATEGY = Strategy(
     help="replicas allreduce their gradients every step and apply the same update: one "
          "large-batch SGD, no servers, no staleness",
     roles={"replica": run},
-    options=(PREFETCH,),
+    options=(PREFETCH, INJECT_SLOW),
+    validate=check_options,
     defaults={"lr": 0.01, "batch_size": 32, "prefetch": 2},
     describe=lambda cfg, n_train: f"{cfg.optimizer} lr={cfg.lr}, batch "
                                   f"{cfg.batch_size}/replica",
