@@ -147,19 +147,28 @@ def layer_sizes(params: dict[str, np.ndarray]) -> list[int]:
         array is not float32, or the shapes do not chain (W_i is (n_i, n_{i+1}), b_i (n_{i+1},)).
     """
     if not isinstance(params, dict) or not params:
-        raise CheckpointError("params must be a non-empty dict like {'layer0/W': .., 'layer0/b': ..}")
+        raise CheckpointError(
+            "params must be a non-empty dict like "
+            "{'layer0/W': .., 'layer0/b': ..}"
+        )
     layers: dict[int, set[str]] = {}
     for name, value in params.items():
         m = PARAM_NAME.match(name) if isinstance(name, str) else None
         if m is None:
-            raise CheckpointError(f"param name {name!r} is not of the form 'layer{{i}}/W' or 'layer{{i}}/b'")
+            raise CheckpointError(
+                f"param name {name!r} is not of the form 'layer{{i}}/W' or "
+                f"'layer{{i}}/b'"
+            )
         if not isinstance(value, np.ndarray) or value.dtype != np.float32:
             kind = value.dtype if isinstance(value, np.ndarray) else type(value).__name__
             raise CheckpointError(f"param {name} must be a float32 ndarray, got {kind}")
         layers.setdefault(int(m.group(1)), set()).add(m.group(2))
     n_layers = len(layers)
     if sorted(layers) != list(range(n_layers)):
-        raise CheckpointError(f"layers must be numbered 0..{n_layers - 1} without gaps, got {sorted(layers)}")
+        raise CheckpointError(
+            f"layers must be numbered 0..{n_layers - 1} without gaps, got "
+            f"{sorted(layers)}"
+        )
     sizes: list[int] = []
     for i in range(n_layers):
         for part in ("W", "b"):
@@ -168,13 +177,15 @@ def layer_sizes(params: dict[str, np.ndarray]) -> list[int]:
         W, b = params[f"layer{i}/W"], params[f"layer{i}/b"]
         if W.ndim != 2 or b.ndim != 1 or b.shape[0] != W.shape[1]:
             raise CheckpointError(
-                f"layer{i}: W must be (fan_in, fan_out) and b (fan_out,), got W {W.shape} and b {b.shape}"
+                f"layer{i}: W must be (fan_in, fan_out) and b (fan_out,), got W {W.shape} and b "
+                f"{b.shape}"
             )
         if i == 0:
             sizes.append(int(W.shape[0]))
         elif W.shape[0] != sizes[-1]:
             raise CheckpointError(
-                f"layer{i}/W has fan_in {W.shape[0]} but layer{i - 1} has fan_out {sizes[-1]}: shapes do not chain"
+                f"layer{i}/W has fan_in {W.shape[0]} but layer{i - 1} has fan_out {sizes[-1]}: "
+                "shapes do not chain"
             )
         sizes.append(int(W.shape[1]))
     return sizes
@@ -190,7 +201,8 @@ def _check_opt_state(opt_state: dict[str, np.ndarray]) -> None:
         parts = key.split("/") if isinstance(key, str) else [""]
         if not all(_OPT_KEY_PART.match(p) for p in parts):
             raise CheckpointError(
-                f"opt_state key {key!r} must be '/'-separated names of letters, digits, '_', '.', '-'"
+                f"opt_state key {key!r} must be '/'-separated names of letters, digits, '_', '.', "
+                "'-'"
             )
         if not isinstance(value, np.ndarray) or value.dtype.kind not in "biuf":
             kind = value.dtype if isinstance(value, np.ndarray) else type(value).__name__
@@ -203,7 +215,8 @@ def _check_opt_state(opt_state: dict[str, np.ndarray]) -> None:
         for k in range(1, len(parts)):
             if "/".join(parts[:k]) in keys:
                 raise CheckpointError(
-                    f"opt_state keys {'/'.join(parts[:k])!r} and {key!r} clash: one would be a group of the other"
+                    f"opt_state keys {'/'.join(parts[:k])!r} and {key!r} clash: one would be a "
+                    "group of the other"
                 )
 
 
@@ -224,7 +237,10 @@ def _plain(value: Any, where: str) -> Any:
                 raise CheckpointError(f"{where}: key {k!r} is not a string (JSON keys are strings)")
             out[k] = _plain(v, f"{where}.{k}")
         return out
-    raise CheckpointError(f"{where} is a {type(value).__name__}, not a JSON value (str/int/float/bool/list/dict/None)")
+    raise CheckpointError(
+        f"{where} is a {type(value).__name__}, not a JSON value "
+        "(str/int/float/bool/list/dict/None)"
+    )
 
 
 def _checked(ckpt: Checkpoint) -> tuple[list[int], dict, dict, dict]:
@@ -232,7 +248,10 @@ def _checked(ckpt: Checkpoint) -> tuple[list[int], dict, dict, dict]:
         raise CheckpointError(f"save() needs a Checkpoint, got {type(ckpt).__name__}")
     sizes = layer_sizes(ckpt.params)
     if not isinstance(ckpt.optimizer, str) or not _OPT_KEY_PART.match(ckpt.optimizer):
-        raise CheckpointError(f"optimizer must be a name like 'sgd' or 'adagrad', got {ckpt.optimizer!r}")
+        raise CheckpointError(
+            "optimizer must be a name like 'sgd' or 'adagrad', got "
+            f"{ckpt.optimizer!r}"
+        )
     _check_opt_state(ckpt.opt_state)
     if isinstance(ckpt.step, bool) or not isinstance(ckpt.step, (int, np.integer)) or ckpt.step < 0:
         raise CheckpointError(f"step must be a non-negative int, got {ckpt.step!r}")
@@ -275,8 +294,12 @@ def _fixed_str(value: str | list[str]) -> np.ndarray:
     in an object's length made HDF5 loop forever on open; fixed-length strings sit inside the
     checksummed object headers. h5py returns them as bytes; ``.decode()`` gives the text.
     """
-    encoded = [v.encode("utf-8") for v in value] if isinstance(value, list) else value.encode("utf-8")
-    longest = max((len(e) for e in encoded), default=1) if isinstance(encoded, list) else len(encoded)
+    if isinstance(value, list):
+        encoded = [v.encode("utf-8") for v in value]
+        longest = max((len(e) for e in encoded), default=1)
+    else:
+        encoded = value.encode("utf-8")
+        longest = len(encoded)
     return np.array(encoded, dtype=h5py.string_dtype("utf-8", max(1, longest)))
 
 
@@ -333,7 +356,8 @@ def _write(path: Path, ckpt: Checkpoint) -> None:
     metrics_json = json.dumps(metrics)
     arrays = {f"params/{k}": (v.shape, v.dtype.str) for k, v in ckpt.params.items()}
     arrays.update({f"optimizer/{k}": (v.shape, v.dtype.str) for k, v in ckpt.opt_state.items()})
-    digest = _meta_digest(int(ckpt.step), ckpt.optimizer, arrays, config_json, dataset_json, metrics_json)
+    digest = _meta_digest(int(ckpt.step), ckpt.optimizer, arrays, config_json, dataset_json,
+                          metrics_json)
 
     with h5py.File(path, "w", libver=("v110", "latest"), track_order=True) as f:
         a = f.attrs
@@ -341,7 +365,8 @@ def _write(path: Path, ckpt: Checkpoint) -> None:
         a["layout_version"] = LAYOUT_VERSION
         a["hpcps_version"] = _fixed_str(__version__)
         a["step"] = np.int64(ckpt.step)
-        a["created"] = _fixed_str(datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+        now = datetime.datetime.now(datetime.timezone.utc)
+        a["created"] = _fixed_str(now.isoformat(timespec="seconds"))
         a["layer_sizes"] = np.array(sizes, dtype=np.int64)
         a["description"] = _fixed_str(DESCRIPTION)
         a["config_json"] = _fixed_str(config_json)
@@ -490,11 +515,15 @@ def load_with_header(path: str | os.PathLike) -> tuple[Checkpoint, dict[str, Any
             a = f.attrs
             if "format" not in a:
                 raise CheckpointError(
-                    f"{path} is an HDF5 file but not an hpcps checkpoint (no root attribute 'format')"
+                    f"{path} is an HDF5 file but not an hpcps checkpoint (no root attribute "
+                    "'format')"
                 )
             fmt = _attr_str(a, "format")
             if fmt != FORMAT:
-                raise CheckpointError(f"{path} is not an hpcps checkpoint: format is {fmt!r}, expected {FORMAT!r}")
+                raise CheckpointError(
+                    f"{path} is not an hpcps checkpoint: format is {fmt!r}, expected "
+                    f"{FORMAT!r}"
+                )
             if "layout_version" not in a:
                 raise missing("the root attribute 'layout_version'")
             version = a["layout_version"]
@@ -504,7 +533,8 @@ def load_with_header(path: str | os.PathLike) -> tuple[Checkpoint, dict[str, Any
                     f"checkpoint {path} has layout_version {shown}; this hpcps ({__version__}) "
                     f"reads layout_version {LAYOUT_VERSION} only"
                 )
-            for name in ("step", "layer_sizes", "config_json", "dataset_json", "metrics_json", "meta_sha256"):
+            for name in ("step", "layer_sizes", "config_json", "dataset_json", "metrics_json",
+                         "meta_sha256"):
                 if name not in a:
                     raise missing(f"the root attribute {name!r}")
             for name in ("params", "optimizer", "config", "dataset", "metrics"):
@@ -544,7 +574,10 @@ def load_with_header(path: str | os.PathLike) -> tuple[Checkpoint, dict[str, Any
     arrays = {f"params/{k}": (v.shape, v.dtype.str) for k, v in params.items()}
     arrays.update({f"optimizer/{k}": (v.shape, v.dtype.str) for k, v in opt_state.items()})
     if not isinstance(step, (int, np.integer)):
-        raise CheckpointError(f"checkpoint {path} is unreadable (truncated or corrupt): step is {step!r}")
+        raise CheckpointError(
+            f"checkpoint {path} is unreadable (truncated or corrupt): step is "
+            f"{step!r}"
+        )
     digest = _meta_digest(int(step), optimizer, arrays, config_json, dataset_json, metrics_json)
     if digest != stored_digest:
         raise CheckpointError(
@@ -552,9 +585,12 @@ def load_with_header(path: str | os.PathLike) -> tuple[Checkpoint, dict[str, Any
             f"meta_sha256 (names, shapes, step or JSON attributes were altered)"
         )
     try:
-        config, dataset, metrics = (json.loads(s) for s in (config_json, dataset_json, metrics_json))
+        config, dataset, metrics = (json.loads(s)
+                                    for s in (config_json, dataset_json, metrics_json))
     except ValueError as exc:
-        raise CheckpointError(f"checkpoint {path} is unreadable (truncated or corrupt): {exc}") from exc
+        raise CheckpointError(
+            f"checkpoint {path} is unreadable (truncated or corrupt): {exc}"
+        ) from exc
     ckpt = Checkpoint(params=params, optimizer=optimizer, opt_state=opt_state, step=int(step),
                       config=config, dataset=dataset, metrics=metrics, path=path)
     try:
@@ -614,11 +650,13 @@ def check_compatible(ckpt: Checkpoint, layer_sizes: list[int], optimizer: str | 
     want = [int(n) for n in layer_sizes]
     if have != want:
         raise CheckpointError(
-            f"{where} holds layers {','.join(map(str, have))} but this run asks for {','.join(map(str, want))}"
+            f"{where} holds layers {','.join(map(str, have))} but this run asks for "
+            f"{','.join(map(str, want))}"
         )
     if optimizer is not None and optimizer != ckpt.optimizer:
         raise CheckpointError(
-            f"{where} was written by optimizer {ckpt.optimizer!r} but this run asks for {optimizer!r}; "
+            f"{where} was written by optimizer {ckpt.optimizer!r} but this run asks for "
+            f"{optimizer!r}; "
             f"resuming with another optimizer is refused because its state would not match "
             f"(use optimizer {ckpt.optimizer!r}, or start a new run)"
         )

@@ -41,8 +41,8 @@ def _optimizer_names() -> tuple[str, ...]:
 
 # The options every run has, in --help order. None as default: the strategy fills it.
 COMMON = (
-    Option("strategy", str, "how replicas combine their work; each strategy is described below with its "
-           "own options and defaults",
+    Option("strategy", str, "how replicas combine their work; each strategy is described below "
+           "with its own options and defaults",
            default=DEFAULT, choices=_strategy_names()),
     Option("servers", int, "parameter-server shard ranks S, for the strategies that have "
            "shards (default: see each strategy's defaults below); the others take none",

@@ -115,7 +115,8 @@ def describe(path: str | os.PathLike) -> str:
         f"  written by    hpcps {s['hpcps_version']} at {s['created']}",
         f"  file size     {_fmt_size(s['file_size'])}",
         f"  step          {s['step']}",
-        f"  layer sizes   {' -> '.join(map(str, s['layer_sizes']))}  ({s['n_params']:,} parameters)",
+        f"  layer sizes   {' -> '.join(map(str, s['layer_sizes']))}  ({s['n_params']:,} "
+        "parameters)",
         "params",
     ]
     width = max(len(k) for k in list(s["params"]) + list(s["opt_state"]))

@@ -50,7 +50,8 @@ class Layout:
         rest = n_world - servers - coordinator
         replicas = rest // partitions if rest > 0 else 0
         if replicas < min_replicas or rest != replicas * partitions:
-            fits = [servers + coordinator + r * partitions for r in range(min_replicas, n_world + 2)]
+            fits = [servers + coordinator + r * partitions
+                    for r in range(min_replicas, n_world + 2)]
             below = [n for n in fits if n < n_world][-1:]
             above = [n for n in fits if n > n_world][:1]
             extra = f" + {coordinator} coordinator" if coordinator else ""

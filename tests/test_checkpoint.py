@@ -60,7 +60,8 @@ def test_round_trip_is_bit_exact(tmp_path):
     got = checkpoint.load(tmp_path / "c.h5")
     assert same(got, ck)
     assert got.config["resume"] is None and got.config["sync"] is True
-    assert isinstance(got.config["lr"], float) and got.config["model"] == {"act": "relu", "dropout": 0.0}
+    assert isinstance(got.config["lr"], float)
+    assert got.config["model"] == {"act": "relu", "dropout": 0.0}
     assert got.metrics["train_loss"] == 1 / 3  # float64 survives exactly
     assert type(got.step) is int and got.path == tmp_path / "c.h5"
     assert all(v.flags.writeable and v.dtype == np.float32 for v in got.params.values())
@@ -103,7 +104,8 @@ def test_plain_h5py_reads_the_documented_paths(tmp_path):
         assert c["lr"] == 0.01 and list(c["layers"]) == [6, 5, 3] and bool(c["sync"]) is True
         assert c["resume"].decode() == "none" and [t.decode() for t in c["tags"]] == ["a", "b"]
         assert c["model.act"].decode() == "relu" and c["empty"].decode() == "[]"
-        assert f["dataset"].attrs["n_features"] == 6 and f["dataset"].attrs["name"].decode() == "toy"
+        assert f["dataset"].attrs["n_features"] == 6
+        assert f["dataset"].attrs["name"].decode() == "toy"
         assert f["metrics"].attrs["test_accuracy"] == 0.5
 
 
@@ -242,7 +244,8 @@ def test_flipped_bytes_in_weights_are_detected(tmp_path):
         bias = f["params/layer1/b"].id.get_chunk_info(0)
     assert len(chunks) > 1
     raw = (tmp_path / "c.h5").read_bytes()
-    targets = [(c.byte_offset, c.size) for c in (chunks[0], chunks[len(chunks) // 2], chunks[-1], bias)]
+    targets = [(c.byte_offset, c.size)
+               for c in (chunks[0], chunks[len(chunks) // 2], chunks[-1], bias)]
     for start, size in targets:
         for offset in (0, 1, size // 2, size - 5, size - 1):  # the last 4 bytes are the checksum
             for mask in (0x01, 0x80, 0xFF):
@@ -277,7 +280,8 @@ for off in range(0, len(raw), stride):
         ref.config, ref.dataset, ref.metrics, ref.step, ref.optimizer) and all(
         got.params[k].tobytes() == ref.params[k].tobytes() for k in ref.params) and all(
         got.opt_state[k].tobytes() == ref.opt_state[k].tobytes() for k in ref.opt_state)
-    if same and got.params.keys() == ref.params.keys() and got.opt_state.keys() == ref.opt_state.keys():
+    if (same and got.params.keys() == ref.params.keys()
+            and got.opt_state.keys() == ref.opt_state.keys()):
         out["intact"] += 1
     else:
         out["silently_changed"].append(off)
