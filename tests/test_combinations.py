@@ -1,0 +1,170 @@
+"""The combination matrix: every strategy against layouts, thread counts and its own options.
+
+Dimensions, for every strategy the registry knows (a new strategy is included with no edit
+here; its own option values go in ``OWN`` below):
+
+* P (``--partitions``) 1, 2, 3; R (replicas) 1, 2, 3; S (``--servers``) 1, 2, 3 where the
+  strategy has shards, else none; one coordinator where it has one; N = S + C + R * P;
+* ``--threads`` 1, 2;
+* the strategy's own options (``OWN``), defaults included (downpour's warm start stays on
+  unless the row says ``--warmup-steps 0``).
+
+Each combination is first judged in this process the way every rank judges it at start
+(``config.parse``, then the layout plan). Accepted: ``mpiexec -n N python -m hpcps.train`` on
+the digits set must finish within its time limit, reach the requested step and learn (test
+accuracy at least 60%, against 10% for chance and about 20% for a model stopped early at this
+size; the runs reach 85-97%). Refused: the same command must end with exit code 2 within
+seconds, before any training (no progress record), with exactly one ``hpcps: error`` line
+holding the message the in-process check gave, and no traceback.
+
+The product has about 6,000 combinations (downpour alone 5,184), too many for every run, so
+the default run takes a fixed sample that covers every pair of dimension values of each
+strategy (a pairwise covering array, ``covering.pairwise``: the same rows every time), plus
+one 16-rank case that used to hang: about 60 combinations, 3-4 minutes on 2 cores.
+``HPCPS_FULL_MATRIX=1`` runs the whole product instead (many hours on 2 cores).
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import os
+
+import pytest
+from covering import covered_by, pairs_of, pairwise
+from mpirun import train
+
+from hpcps import config
+from hpcps.errors import ConfigError
+from hpcps.strategies.registry import strategies
+
+FULL = os.environ.get("HPCPS_FULL_MATRIX") == "1"
+MIN_ACCURACY = 0.6
+LAYERS = "64,32,10"
+COMMON = ["--layers", LAYERS, "--eval-every", "0", "--checkpoint-every", "0",
+          "--progress-every", "0.5", "--timeout", "60"]
+# run length: SGD steps are global mini-batches (enough for downpour's 200-step warm start to
+# end and the others to join); a batch method's step is one evaluation of its default batch,
+# the whole set
+SGD_RUN = ["--steps", "600", "--batch-size", "16"]
+BATCH_RUN = ["--steps", "10", "--portions", "8"]
+# settings under which each strategy learns reliably on digits, oversubscribed on 2 cores
+SETTINGS = {"deadreckon": ["--tau", "0.003", "--lr", "0.05"]}
+
+# Each strategy's own dimensions: name -> list of option lists (one value each).
+OWN = {
+    "downpour": {
+        "compress": [[], ["--compress", "threshold"]],
+        "push": [[], ["--push", "activations"]],
+        "periods": [[], ["--n-fetch", "2", "--n-push", "3"]],
+        "warmup": [[], ["--warmup-steps", "0"]],
+        "golomb": [[], ["--golomb", "off"]],
+        "consistency": [[], ["--staleness-bound", "1"], ["--softsync", "2", "--staleness-lr",
+                                                        "on"]],
+    },
+    "deadreckon": {"golomb": [[], ["--golomb", "off"]]},
+    "sync": {"prefetch": [[], ["--prefetch", "0"]],
+             "optimizer": [[], ["--optimizer", "momentum"]]},
+    "averaging": {"period": [["--average-every", "1"], []],
+                  "state": [[], ["--average-state", "off"]],
+                  "optimizer": [[], ["--optimizer", "momentum", "--nesterov", "on"]]},
+    "sandblaster": {"flush": [[], ["--flush-every", "1"]]},
+}
+
+
+def dimensions(name: str, spec) -> tuple[list[str], list[list]]:
+    names = ["P", "R", "S", "T"]
+    dims = [[1, 2, 3], [1, 2, 3], [1, 2, 3] if spec.uses_servers else [0], [1, 2]]
+    for option, values in OWN.get(name, {}).items():
+        names.append(option)
+        dims.append(values)
+    return names, dims
+
+
+def combination(name: str, spec, row) -> dict:
+    P, R, S, T, *own = row
+    n = S + int(spec.coordinator) + R * P
+    argv = ["--strategy", name, "--partitions", str(P), "--threads", str(T)]
+    if spec.uses_servers:
+        argv += ["--servers", str(S)]
+    for values in own:
+        argv += values
+    label = f"{name}-P{P}-R{R}-S{S}-T{T}" + "".join(
+        "-" + "=".join(v.lstrip("-") for v in values) for values in own if values)
+    return {"id": label, "n": n, "argv": argv + SETTINGS.get(name, [])}
+
+
+def matrix() -> list[dict]:
+    out = []
+    for name, spec in strategies().items():
+        names, dims = dimensions(name, spec)
+        rows = itertools.product(*dims) if FULL else pairwise(dims)
+        out += [combination(name, spec, row) for row in rows]
+    # the README's 16-rank downpour grid with the default warm start (it used to hang)
+    out.append({"id": "downpour-N16-S4-P2-default-warm-start", "n": 16,
+                "argv": ["--strategy", "downpour", "--servers", "4", "--partitions", "2"]})
+    return out
+
+
+def verdict(argv: list[str], n: int) -> str | None:
+    """None if hpcps accepts ``argv`` on ``n`` ranks, else the message it refuses it with."""
+    from hpcps.train import plan  # imports mpi4py: only when the tests run
+    try:
+        plan(config.parse(argv + COMMON), n)
+    except ConfigError as exc:
+        return str(exc)
+    return None
+
+
+def records(run_dir, kind):
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [r for r in map(json.loads, path.read_text().splitlines()) if r["kind"] == kind]
+
+
+CASES = matrix()
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c["id"] for c in CASES])
+def test_combination(case, digits_h5, tmp_path):
+    argv, n = case["argv"], case["n"]
+    steps = BATCH_RUN if strategies()[argv[1]].whole_batch else SGD_RUN
+    refused = verdict(argv + steps, n)
+    run = train(n, *argv, *COMMON, *steps, "--data", str(digits_h5), "--run-dir",
+                str(tmp_path), timeout=180)
+    if refused is not None:
+        assert run.returncode == 2, (refused, run.output[-3000:])
+        errors = [line for line in run.stderr.splitlines() if line.startswith("hpcps: error")]
+        assert len(errors) == 1 and refused.splitlines()[0] in errors[0], (refused, run.stderr)
+        assert "Traceback" not in run.output and not records(tmp_path, "progress")
+        assert run.seconds < 30, run.seconds
+        return
+    assert run.returncode == 0, run.output[-4000:]
+    summary = records(tmp_path, "summary")
+    assert summary, run.output[-3000:]
+    s = summary[-1]
+    assert s["step"] >= int(steps[1]), s
+    assert s["test_accuracy"] >= MIN_ACCURACY, (s["test_accuracy"], run.stdout[-2000:])
+
+
+def test_the_sample_covers_every_pair():
+    for name, spec in strategies().items():
+        _, dims = dimensions(name, spec)
+        index = [{repr(v): k for k, v in enumerate(d)} for d in dims]
+        rows = pairwise(dims)
+        covered = set()
+        for row in rows:
+            covered |= covered_by([index[k][repr(v)] for k, v in enumerate(row)])
+        assert covered == pairs_of(dims), name
+        full = 1
+        for d in dims:
+            full *= len(d)
+        assert len(rows) < full or full <= 4, (name, len(rows), full)
+
+
+def test_pairwise_is_small_and_deterministic():
+    dims = [[1, 2, 3], [1, 2, 3], [1, 2, 3], [1, 2], ["a", "b"], ["x", "y", "z"]]
+    rows = pairwise(dims)
+    assert rows == pairwise(dims) and 9 <= len(rows) <= 15
+    with pytest.raises(ValueError):
+        pairwise([[1, 2], []])
