@@ -142,3 +142,9 @@ def test_softsync_applies_the_mean_of_each_group_and_flushes_the_rest():
     policy.on_done(shard, 1)                                         # the last replica ends
     np.testing.assert_allclose(shard.params, w0 - 7.0)                # + the lone 4
     assert (policy.updates, policy.combined, shard.pushes) == (2, 4, 4)
+
+
+def test_staleness_histogram_bins():
+    from hpcps.ps.gradient_shard import STALENESS_BINS, staleness_bin
+    assert [staleness_bin(s) for s in (0, 1, 2, 3, 4, 7, 8, 255, 256, 10**6)] == \
+        [0, 1, 2, 2, 3, 3, 4, 8, 9, STALENESS_BINS - 1]

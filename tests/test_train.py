@@ -53,6 +53,8 @@ def test_downpour_learns(n, digits_h5, tmp_path):
                 "--warmup-steps", "50", *QUICK)
     s = assert_learned(run, tmp_path, digits_h5)
     assert s["replicas"] == n - 1 and s["servers"] == 1 and s["step"] == 900
+    hist = s["staleness_hist"]  # shard 0 saw every push once; one step per push (n_push 1)
+    assert len(hist) == 10 and sum(hist) == 900
     if n > 2:
         assert "warm start" in run.stdout
     evals = [r["test_accuracy"] for r in records(tmp_path, "eval")]

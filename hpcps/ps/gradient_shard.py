@@ -28,6 +28,14 @@ from hpcps.protocol import HEADER_BYTES, ByteMessage, H, Message, Tag
 from hpcps.ps.serve import serve
 
 
+STALENESS_BINS = 10  # histogram bins: 0, 1, 2-3, 4-7, ..., 128-255, 256 and more
+
+
+def staleness_bin(stale: float) -> int:
+    """Histogram bin of a staleness: 0 for 0, then one bin per power of two."""
+    return min(STALENESS_BINS - 1, int(stale).bit_length()) if stale > 0 else 0
+
+
 @dataclass
 class ShardStats:
     """What a shard saw, for metrics and the bench."""
@@ -40,6 +48,8 @@ class ShardStats:
     bytes_out: int = 0
     staleness_sum: float = 0.0
     staleness_max: float = 0.0
+    # pushes by staleness: 0, 1, 2-3, 4-7, ..., 2**(k-1) and more (STALENESS_BINS counts)
+    staleness_hist: list[int] = field(default_factory=lambda: [0] * STALENESS_BINS)
     wall_s: float = 0.0
     done_replicas: list[int] = field(default_factory=list)
 
@@ -212,6 +222,7 @@ class GradientShard:
         self.stats.pushes += 1
         self.stats.staleness_sum += stale
         self.stats.staleness_max = max(self.stats.staleness_max, stale)
+        self.stats.staleness_hist[staleness_bin(stale)] += 1
         self._win_loss += h[H.LOSS_SUM]
         self._win_steps += steps
         self._win_stale += stale

@@ -374,6 +374,7 @@ def run_server(ctx: Context) -> dict:
     return {"shard": s, "pushes": stats.pushes, "fetches": stats.fetches,
             "bytes_in": stats.bytes_in, "bytes_out": stats.bytes_out,
             "mean_staleness": stats.staleness_sum / max(1, stats.pushes),
+            "staleness_hist": stats.staleness_hist,
             "held_fetches": stats.held_fetches, "held_s": stats.held_s,
             "combined_updates": getattr(server.policy, "updates", None),
             "combined_pushes": getattr(server.policy, "combined", None),
@@ -439,7 +440,9 @@ def _summarize(ctx: Context, results: list[dict]) -> dict:
     moved = sum(r["bytes_sent"] + r["bytes_received"] for r in reps)
     out = {"bytes_per_step": moved / trained,
            "mean_staleness": sum(s["mean_staleness"] for s in shards) / max(1, len(shards)),
-           "max_staleness": max((s["max_staleness"] for s in shards), default=0.0)}
+           "max_staleness": max((s["max_staleness"] for s in shards), default=0.0),
+           # pushes by staleness as shard 0 saw them: bins 0, 1, 2-3, 4-7, ..., >= 256
+           "staleness_hist": next(s["staleness_hist"] for s in shards if s["shard"] == 0)}
     out.update(results[ctx.reporter].get("figures", {}))  # the chief's model-parallel figures
     if cfg.staleness_bound is not None:  # per shard, averaged over the shards
         out.update(staleness_bound=cfg.staleness_bound,
