@@ -101,10 +101,10 @@ def header(version=0, sender=0):
 @pytest.mark.parametrize("opt", [("sgd", 0.1), ("adagrad", 0.1)])
 def test_softsync_of_one_without_scaling_is_downpours_rule(opt):
     from hpcps.ps.consistency import SoftSync
-    from hpcps.ps.gradient_shard import ApplyNow
+    from hpcps.ps.gradient_shard import ShardPolicy
     rng = np.random.default_rng(4)
     a, b = OptimShard(50, opt), OptimShard(50, opt)
-    soft, now = SoftSync(50, 1, False), ApplyNow()
+    soft, now = SoftSync(50, 1, False), ShardPolicy()
     for i in range(6):
         g = rng.standard_normal(50).astype(np.float32)
         soft.on_push(a, i % 2, header(version=max(0, i - 2)), g)

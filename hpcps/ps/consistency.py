@@ -22,9 +22,10 @@ from __future__ import annotations
 import numpy as np
 
 from hpcps.protocol import H
+from hpcps.ps.gradient_shard import ShardPolicy
 
 
-class StaleSynchronous:
+class StaleSynchronous(ShardPolicy):
     """Hold a replica's fetch while it is more than ``bound`` steps ahead of the slowest.
 
     Parameters
@@ -61,7 +62,7 @@ class StaleSynchronous:
         header[H.CLOCK] = slowest
 
 
-class SoftSync:
+class SoftSync(ShardPolicy):
     """Soft synchronization and staleness-dependent rates (Zhang, Gupta et al. 2016).
 
     The shard collects ``group`` pushes, from any replicas, and applies their mean as one
@@ -107,13 +108,7 @@ class SoftSync:
         self.buf[...] = 0.0
         self.count = 0
 
-    def may_answer(self, shard, sender: int) -> bool:
-        return True
-
     def on_done(self, shard, sender: int) -> None:
         if len(shard.done) >= shard.n_replicas and self.count:
             self.buf *= np.float32(self.group / self.count)  # the mean of what is left
             self._flush(shard)
-
-    def on_answer(self, shard, sender: int, header: np.ndarray) -> None:
-        return None

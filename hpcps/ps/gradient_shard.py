@@ -7,7 +7,7 @@ and knows nothing of its internals. It serves replicas through the polling loop 
 :mod:`hpcps.ps.serve` until every replica has sent DONE. Every message kind is a
 :class:`hpcps.protocol.Tag`.
 
-What a push and a fetch *do* is the shard's **policy** (:class:`ApplyNow` is Downpour's:
+What a push and a fetch *do* is the shard's **policy** (:class:`ShardPolicy` itself is Downpour's:
 apply every push on arrival, answer every fetch at once, so no replica waits for another).
 A policy may instead buffer pushes and apply their combination later, or hold a fetch reply
 until a condition holds (stale-synchronous parallel: until the slowest replica is close
@@ -54,8 +54,9 @@ class ShardStats:
     done_replicas: list[int] = field(default_factory=list)
 
 
-class ApplyNow:
-    """Downpour's policy: apply each push as it arrives, answer each fetch at once."""
+class ShardPolicy:
+    """What a push and a fetch do on the shard. This base class is Downpour's policy: apply
+    each push as it arrives, answer each fetch at once. A policy overrides what it changes."""
 
     def on_push(self, shard: "GradientShard", sender: int, header: np.ndarray,
                 grad: np.ndarray | None) -> None:
@@ -92,7 +93,7 @@ class GradientShard:
         received body into a dense gradient for ``apply`` (compressed pushes), or applies the
         update itself and returns None (activation pushes). The strategy builds it; the
         shard only knows bytes come in.
-    policy : what a push and a fetch do (default :class:`ApplyNow`).
+    policy : what a push and a fetch do (default :class:`ShardPolicy`: Downpour's).
     """
 
     def __init__(self, comm, params: np.ndarray, state: dict, apply: Callable,
@@ -109,7 +110,7 @@ class GradientShard:
         self.timeout = timeout
         self.on_boundary = on_boundary
         self.boundary_every = boundary_every
-        self.policy = policy or ApplyNow()
+        self.policy = policy or ShardPolicy()
         self.stats = ShardStats()
         self.done: set[int] = set()
         self.held: list[tuple[int, int, float]] = []  # (rank, replica, since) of held fetches

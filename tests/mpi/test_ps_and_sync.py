@@ -11,7 +11,7 @@ import pytest
 from hpcps import optim
 from hpcps.model import MLP
 from hpcps.ps.client import Client
-from hpcps.ps.gradient_shard import GradientShard
+from hpcps.ps.gradient_shard import GradientShard, ShardPolicy
 from hpcps.strategies.sync import sync_step
 from hpcps.topology import Layout, build_grid, shard_range, world_comm
 
@@ -96,20 +96,14 @@ def test_shard_applies_every_push_from_every_replica(comm):
         assert client.bytes_sent > pushes * 4 * n
 
 
-class HoldUntilVersion:
+class HoldUntilVersion(ShardPolicy):
     """A toy shard policy: answer a fetch only once the shard has applied ``n`` pushes."""
 
     def __init__(self, n: int):
         self.n = n
 
-    def on_push(self, shard, sender, header, grad):
-        shard.apply_push(header, grad)
-
     def may_answer(self, shard, sender) -> bool:
         return shard.version >= self.n
-
-    def on_done(self, shard, sender):
-        return None
 
 
 @pytest.mark.mpi(min_size=2)
