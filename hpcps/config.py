@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import functools
 import math
 import tomllib
 from pathlib import Path
@@ -190,7 +191,13 @@ def _defaults_help(spec: Strategy) -> str:
     return f"{spec.help}. Defaults: {', '.join(parts)}."
 
 
+@functools.cache
 def build_parser(prog: str = "python -m hpcps.train") -> argparse.ArgumentParser:
+    """The command-line parser, built once from the option declarations."""
+    return _build_parser(prog)
+
+
+def _build_parser(prog: str) -> argparse.ArgumentParser:
     specs = strategies()
     p = _Parser(prog=prog, description="Train an MLP with hpcps under MPI: "
                 "mpiexec -n N python -m hpcps.train [options]",
