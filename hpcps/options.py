@@ -88,5 +88,10 @@ TAU = Option("tau", float, "threshold of the compressed updates: each sent eleme
 INJECT_SLOW = Option("inject_slow", str, "for testing: RANK:FACTOR makes that replica rank "
                      "(world rank) FACTOR times slower, to show what one slow replica does "
                      "to the others; RANK:stall (batch methods only) makes it stop answering")
+WARMUP_STEPS = Option("warmup_steps", int, "warm start: replica 0 trains alone for this "
+                      "many of its mini-batches, then the others start from its weights "
+                      "(Downpour's and Strom's recipe: fewer replicas early on); each strategy "
+                      "has its own default (downpour 200, deadreckon 100); 0: all start at "
+                      "once; not applied when resuming", check="nonneg")
 GOLOMB = Option("golomb", str, "on: Golomb-Rice code the index gaps of compressed messages "
                 "(default); off: send the raw 32-bit words", choices=("on", "off"))

@@ -24,7 +24,7 @@ import numpy as np
 from hpcps import compress
 from hpcps.comm import gather_to_root, wait_all
 from hpcps.errors import ConfigError
-from hpcps.options import INJECT_SLOW, GOLOMB, PREFETCH, TAU, Option
+from hpcps.options import INJECT_SLOW, GOLOMB, PREFETCH, TAU, WARMUP_STEPS, Option
 from hpcps.protocol import H, Message, Tag
 from hpcps.ps import activations
 from hpcps.ps.client import Client
@@ -498,8 +498,7 @@ STRATEGY = Strategy(
                "(default 1)", check="positive"),
         Option("n_push", int, "push the accumulated gradient every n_push steps (default 1)",
                check="positive"),
-        Option("warmup_steps", int, "steps replica 0 trains alone before the others join "
-               "(default 200; not applied when resuming)", check="nonneg"),
+        WARMUP_STEPS,
         Option("compress", str, "'threshold' pushes Strom-compressed gradients (residual kept "
                "on the replica) instead of dense ones; default 'none'",
                choices=("none", "threshold")),
