@@ -535,3 +535,16 @@ def test_a_slowed_replica_in_every_sgd_strategy(strategy, digits_h5, tmp_path):
                 "--inject-slow", "1:3", "--data", str(digits_h5),
                 "--run-dir", str(tmp_path), "--steps", "600", *extra, *QUICK)
     assert_learned(run, tmp_path, digits_h5, min_acc=0.8)
+
+
+def test_downpour_rate_counts_the_slowest_replica(digits_h5, tmp_path):
+    """Downpour's summary times the job until the last replica is done (shard 0's final
+    state arrives then), not until replica 0's own share ends: with a replica 6x slower,
+    replica 0 finishes far earlier, and its clock alone would overstate examples/s."""
+    run = train(3, "--strategy", "downpour", "--inject-slow", "1:6", "--warmup-steps", "0",
+                "--data", str(digits_h5), "--run-dir", str(tmp_path), "--steps", "1200",
+                *QUICK)
+    s = assert_learned(run, tmp_path, digits_h5, min_acc=0.8)
+    # the slow replica trains 600 steps at 6x the cost: nearly all of the job's wall time
+    assert s["train_s"] > 0.5 * s["wall_s"], (s["train_s"], s["wall_s"])
+    assert s["examples_per_s"] == pytest.approx(1200 * 16 / s["train_s"], rel=0.02)

@@ -19,6 +19,8 @@ written by shard 0 while training goes on.
 """
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 from hpcps import compress
@@ -296,7 +298,7 @@ class DownpourReplica(ReplicaLoop):
                "bytes_received": c.bytes_received,
                "words_sent": self.pusher.words_sent if self.pusher else None}
         if self.ctx.grid.is_chief:
-            out.update(_finish_chief(self.ctx, train_s))
+            out.update(_finish_chief(self.ctx, self._t0))
         return out
 
 
@@ -310,17 +312,23 @@ def _final_message(ctx: Context) -> Message:
     return Message(n * (1 + len(ctx.optimizer.state_keys)))
 
 
-def _finish_chief(ctx: Context, train_s: float) -> dict:
-    """Receive the final state from shard 0, evaluate it, write the final checkpoint."""
+def _finish_chief(ctx: Context, t0: float) -> dict:
+    """Receive the final state from shard 0, evaluate it, write the final checkpoint.
+
+    Shard 0 sends it once every replica is done, so the training time runs from ``t0`` (the
+    start of the chief's loop) to its arrival: replica 0's own loop may end long before a slow
+    replica's, and its rate would then overstate the job's."""
     layout = ctx.grid.layout
     msg = _final_message(ctx)
     req = ctx.grid.world.Irecv(msg.buf, source=layout.server_rank(0), tag=Tag.FINAL)
     wait_all([req], ctx.cfg.timeout, f"the final parameters from server shard 0 "
              f"(rank {layout.server_rank(0)})")
     n = ctx.full_model.n_params
+    train_s = time.perf_counter() - t0
     state = {k: msg.payload[(i + 1) * n:(i + 2) * n]
              for i, k in enumerate(ctx.optimizer.state_keys)}
-    return finish_on_chief(ctx, msg.payload[:n], state, int(msg.header[H.STEPS]), train_s)
+    out = finish_on_chief(ctx, msg.payload[:n], state, int(msg.header[H.STEPS]), train_s)
+    return {**out, "train_s": train_s}
 
 
 # -- server shards -----------------------------------------------------------------------------
