@@ -31,7 +31,8 @@ Bring your own data: any HDF5 file with ``train/x``, ``train/y``, ``test/x``, ``
 accepted when x is 2-D floating point, y is 1-D integer, x and y have the same number of
 rows, train and test have the same D, and labels are >= 0. ``n_classes`` is optional (then
 it is max label + 1); ``format`` and ``layout_version`` are optional for such files.
-x is converted to float32 on read.
+x is converted to float32 on read and must be finite: NaN or infinity in the rows a rank reads
+is refused (:class:`DataError`, exit code 3) with the count and the first such row.
 """
 
 from __future__ import annotations
@@ -256,7 +257,9 @@ def load_split(
 ) -> tuple[np.ndarray, np.ndarray]:
     """Read shard ``shard`` of ``n_shards`` of a split: rows ``block_range(N, n_shards, shard)``.
 
-    Only those rows are read from disk, so each rank holds 1/n_shards of the data.
+    Only those rows are read from disk, so each rank holds 1/n_shards of the data. They are
+checked once for NaN and infinity (:func:`check_finite_rows`), so each rank checks what it
+reads and no rank reads the whole file to check it.
 
     Returns
     -------
@@ -266,8 +269,8 @@ def load_split(
     Raises
     ------
     DataError
-        Unknown split, a bad file (see :func:`open_dataset`), or more shards than rows (a
-        rank with no data would have nothing to train on).
+        Unknown split, a bad file (see :func:`open_dataset`), more shards than rows (a
+        rank with no data would have nothing to train on), or non-finite features.
     """
     if split not in SPLITS:
         raise DataError(f"unknown split {split!r}; known: {', '.join(SPLITS)}")
@@ -281,7 +284,45 @@ def load_split(
             if lo == hi:
                 raise DataError(f"{path}: /{split} has {n} rows, too few for {n_shards} shards "
                                 f"(shard {shard} would be empty)")
-            x = np.ascontiguousarray(f[f"{split}/x"][lo:hi], dtype=np.float32)
+            dx = f[f"{split}/x"]
+            with np.errstate(over="ignore"):  # float64 beyond float32: inf, refused below
+                x = np.ascontiguousarray(dx[lo:hi], dtype=np.float32)
+            stored = dx.dtype
         except OSError as exc:
             raise DataError(f"cannot read dataset {path}: {exc} (truncated or corrupt?)") from exc
+    check_finite_rows(x, path, split, lo, stored)
     return x, np.ascontiguousarray(y[lo:hi])
+
+
+def check_finite_rows(x: np.ndarray, path, split: str, lo: int = 0, stored=np.float32) -> None:
+    """Refuse features holding NaN or infinity: they would make every loss NaN.
+
+    ``x`` holds rows ``lo ..`` of ``/{split}/x`` as read (float32); ``stored`` is the dtype
+    in the file (a float64 value beyond float32's range becomes infinite on reading). One
+    pass, no temporary: the sum of all values is finite exactly when no value is NaN or
+    infinite, unless finite values overflow the sum, in which case the rows are looked at
+    one by one before anything is refused.
+
+    Raises
+    ------
+    DataError
+        With the number of non-finite values and the first row and column holding one
+        (row numbers count from the start of the split, not of this rank's rows).
+    """
+    with np.errstate(over="ignore", invalid="ignore"):
+        if x.size == 0 or np.isfinite(np.sum(x, dtype=np.float32)):
+            return
+    bad = ~np.isfinite(x)
+    count = int(np.count_nonzero(bad))
+    if count == 0:
+        return  # the sum overflowed; every value is finite
+    row, col = (int(i) for i in np.argwhere(bad)[0])
+    value = x[row, col]
+    why = ""
+    if np.dtype(stored).itemsize > 4 and not np.isnan(value):
+        why = f" (the file stores {np.dtype(stored)}; values beyond float32's range " \
+              "become infinite when read)"
+    raise DataError(f"{path}: /{split}/x holds {count} non-finite value(s) (NaN or infinity) "
+                    f"in rows {lo}..{lo + len(x) - 1}; the first is row {lo + row}, column "
+                    f"{col} ({value}){why}. Training on it would make every loss NaN: replace "
+                    "or drop those values before training")
