@@ -19,9 +19,9 @@ Methods (``--methods``; each a list of ``hpcps.train`` options)
 ``downpour-softsync2-stalelr`` both
 ``deadreckon``                 Strom's thresholded 1-bit deltas, peer to peer
 
-Each method's own defaults apply otherwise (Adagrad lr 0.01; deadreckon SGD lr 0.1; downpour's
-200-step warm start). Strategies with server shards (downpour) run on N = R + 1 ranks with
-one shard, the others on N = R.
+Each method's own defaults apply otherwise (Adagrad lr 0.01; deadreckon SGD lr 0.1, a 100-step
+warm start and ``--lr-scaling sum``; downpour's 200-step warm start). Strategies with server
+shards (downpour) run on N = R + 1 ranks with one shard, the others on N = R.
 
 What it records
 ---------------
@@ -42,6 +42,9 @@ training seconds), ``examples_per_wall_s`` the same examples over the run's whol
 finishes before the others: downpour's replicas each run a fixed share of the steps, so with a
 straggler replica 0's clock stops while the straggler is still training, and only the second
 counts its tail.
+
+``many_replicas``: deadreckon, whose every replica applies every other replica's updates, also
+at R = 12 and 16 (``--many-replicas``; oversubscribed on small machines).
 
 ``slow_replica``: R = 4 with world rank 1 (a replica for every strategy: replicas take the
 first ranks) made 3x slower (``--inject-slow 1:3``) for sync, averaging-k4, downpour,
@@ -100,16 +103,22 @@ METHODS: dict[str, list[str]] = {
 }
 SLOW_METHODS = ("sync", "averaging-k4", "downpour", "downpour-ssp2", "deadreckon")
 SLOW_R, SLOW_RANK, SLOW_FACTOR = 4, 1, 3
+# Deadreckon is the method whose every replica applies every other's updates: it alone is
+# also run at the replica counts of --many-replicas.
+MANY_METHODS = ("deadreckon",)
 LEARN_FLOOR = 0.5   # final accuracy below this: "did not learn" (chance is 0.1)
 
 FULL = {"data": ROOT / "data" / "mnist.h5", "layers": "784,512,512,10", "epochs": 4.0,
-        "replicas": [2, 4, 8], "target": 0.97, "timeout": 1800.0, "strategy_options": {}}
+        "replicas": [2, 4, 8], "many_replicas": [12, 16], "target": 0.97, "timeout": 1800.0,
+        "strategy_options": {}}
 # --quick: scikit-learn's digits (1437 training images, an epoch is 45 steps) and a small
-# model; 2 epochs at R = 2 only, plus the slowed R = 4 runs. Downpour's warm start is cut to
-# 10 steps: the default 200 is longer than the whole run, which would leave replica 0 alone
-# and every downpour variant the same run.
-QUICK = {"data": None, "layers": "64,64,10", "epochs": 2.0, "replicas": [2], "target": 0.9,
-         "timeout": 120.0, "strategy_options": {"downpour": ["--warmup-steps", "10"]}}
+# model; 2 epochs at R = 2 only, plus the slowed R = 4 runs. Downpour's and deadreckon's warm
+# starts are cut to 10 steps: their defaults (200, 100) are longer than the whole run, which
+# would leave replica 0 alone and every downpour variant the same run.
+QUICK = {"data": None, "layers": "64,64,10", "epochs": 2.0, "replicas": [2],
+         "many_replicas": [], "target": 0.9, "timeout": 120.0,
+         "strategy_options": {"downpour": ["--warmup-steps", "10"],
+                              "deadreckon": ["--warmup-steps", "10"]}}
 BATCH = 32
 # Summary keys reported in every record; the rest of the summary goes to "figures".
 COMMON = ("examples_per_s", "bytes_per_step", "mean_staleness", "max_staleness",
@@ -254,6 +263,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="replica counts R (default 2 4 8; 2 with --quick)")
     p.add_argument("--methods", nargs="+", choices=list(METHODS), metavar="METHOD",
                    help=f"methods to run (default all): {', '.join(METHODS)}")
+    p.add_argument("--many-replicas", type=int, nargs="*",
+                   help=f"replica counts at which {', '.join(MANY_METHODS)} also runs "
+                        "(default 12 16; none with --quick; give no value for none)")
     p.add_argument("--no-slow", action="store_true", help="skip the slowed-replica runs")
     p.add_argument("--quick", action="store_true",
                    help="smoke test: digits (prepared in a temporary directory), layers "
@@ -264,20 +276,41 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default 0.97; 0.9 with --quick)")
     p.add_argument("--timeout", type=float, help="seconds one run may take before it is "
                    "killed and recorded as timeout (default 1800; 120 with --quick)")
+    p.add_argument("--lr", action="append", default=[], metavar="METHOD=LR",
+                   help="learning rate of one method (repeatable), e.g. averaging-k4=0.03; "
+                        "the others keep their strategy's default")
     p.add_argument("--out", type=Path, help="also write the JSON here (after every run)")
     return p
+
+
+def learning_rates(items: list[str], p: argparse.ArgumentParser) -> dict[str, str]:
+    """``METHOD=LR`` arguments as {method: lr}."""
+    out = {}
+    for item in items:
+        method, _, lr = item.partition("=")
+        try:
+            ok = method in METHODS and float(lr) > 0
+        except ValueError:
+            ok = False
+        if not ok:
+            p.error(f"--lr wants METHOD=LR with a method of {', '.join(METHODS)} and LR > 0, "
+                    f"got {item!r}")
+        out[method] = lr
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
     p = build_parser()
     a = p.parse_args(argv)
     prof = dict(QUICK if a.quick else FULL)
-    for key in ("epochs", "replicas", "target", "timeout", "data"):
+    for key in ("epochs", "replicas", "many_replicas", "target", "timeout", "data"):
         if getattr(a, key) is not None:
             prof[key] = getattr(a, key)
-    if prof["epochs"] <= 0 or min(prof["replicas"]) < 1 or prof["timeout"] <= 0:
-        p.error("--epochs and --timeout must be > 0 and --replicas >= 1")
+    if (prof["epochs"] <= 0 or min(prof["replicas"] + prof["many_replicas"]) < 1
+            or prof["timeout"] <= 0):
+        p.error("--epochs and --timeout must be > 0, --replicas and --many-replicas >= 1")
     methods = a.methods or list(METHODS)
+    lrs = learning_rates(a.lr, p)
     mpiexec = bench_train.find_mpiexec()
     shards = {name: t["shards"] for name, t in soak_ranks.strategy_traits().items()}
     t_start = time.monotonic()
@@ -302,10 +335,13 @@ def main(argv: list[str] | None = None) -> int:
                            "epochs": prof["epochs"], "eval_every": eval_every,
                            "target": prof["target"], "timeout_s": prof["timeout"],
                            "strategy_options": prof["strategy_options"],
+                           "learning_rates": lrs,
                            "slow": None if a.no_slow else
                            {"replicas": SLOW_R, "inject_slow": f"{SLOW_RANK}:{SLOW_FACTOR}"},
                            "nproc": os.cpu_count()}
-        doc["runs"], doc["slow_replica"] = [], []
+        doc["settings"]["many_replicas"] = {"replicas": prof["many_replicas"],
+                                            "methods": list(MANY_METHODS)}
+        doc["runs"], doc["slow_replica"], doc["many_replicas"] = [], [], []
         common = ["--data", str(data), "--layers", prof["layers"], "--batch-size", str(BATCH),
                   "--epochs", str(prof["epochs"]), "--eval-every", str(eval_every),
                   "--checkpoint-every", "0", "--progress-every", "60"]
@@ -315,11 +351,14 @@ def main(argv: list[str] | None = None) -> int:
             strategy = METHODS[method][1]
             servers = 1 if shards[strategy] else 0
             opts = [*METHODS[method], *(["--servers", "1"] if servers else []), *common,
-                    *prof["strategy_options"].get(strategy, []), *extra]
+                    *prof["strategy_options"].get(strategy, []),
+                    *(["--lr", lrs[method]] if method in lrs else []), *extra]
             work = Path(tempfile.mkdtemp(prefix=f"{method}-{R}-", dir=tmp))
             res = launch(mpiexec, R + servers, opts, work, prof["timeout"])
             rec = describe(method, R, R + servers, servers, res, prof["target"],
                            prof["epochs"])
+            if method in lrs:
+                rec["options"] = [*rec["options"], "--lr", lrs[method]]
             bad += rec["status"] != "completed"
             log(line(rec))
             return rec
@@ -331,6 +370,10 @@ def main(argv: list[str] | None = None) -> int:
         for R in prof["replicas"]:
             for method in methods:
                 doc["runs"].append(run(method, R, []))
+                save()
+        for R in prof["many_replicas"]:
+            for method in (m for m in MANY_METHODS if m in methods):
+                doc["many_replicas"].append(run(method, R, []))
                 save()
         slow = [] if a.no_slow else [m for m in SLOW_METHODS if m in methods]
         for method in slow:
@@ -355,7 +398,8 @@ def main(argv: list[str] | None = None) -> int:
          "problem": r["status"] if r["status"] != "completed" else
          f"did not learn (final accuracy {r['final_test_accuracy']})",
          "tail": r.get("tail")}
-        for slowed, part in ((False, doc["runs"]), (True, doc["slow_replica"])) for r in part
+        for slowed, part in ((False, doc["runs"]), (False, doc["many_replicas"]),
+                             (True, doc["slow_replica"])) for r in part
         if r["status"] != "completed" or (r["final_test_accuracy"] or 0.0) < LEARN_FLOOR]
     doc["total_s"] = round(time.monotonic() - t_start, 1)
     doc["complete"] = True
@@ -363,7 +407,8 @@ def main(argv: list[str] | None = None) -> int:
     print(text)
     if a.out:
         a.out.write_text(text + "\n")
-    log(f"{len(doc['runs']) + len(doc['slow_replica'])} runs in {doc['total_s']:.0f} s, "
+    n_runs = len(doc["runs"]) + len(doc["many_replicas"]) + len(doc["slow_replica"])
+    log(f"{n_runs} runs in {doc['total_s']:.0f} s, "
         f"{bad} failed or timed out, {len(doc['problems'])} problems")
     return 1 if bad else 0
 
