@@ -1,0 +1,180 @@
+"""``python -m hpcps.evaluate``: a checkpoint's figures on a dataset, on one process.
+
+One real training run (model-parallel, so the checkpoint was gathered from partitions) on
+digits; the evaluation must give exactly the accuracy the run's summary reported for its final
+checkpoint, and refuse bad checkpoints, datasets and options with the documented exit codes.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import h5py
+import numpy as np
+import pytest
+from mpirun import ROOT, train
+from test_train import QUICK, records
+
+from hpcps import checkpoint, data
+from hpcps.evaluate import main
+from hpcps.model import MLP
+
+
+@pytest.fixture(scope="module")
+def trained(digits_h5, tmp_path_factory):
+    """(checkpoint path, final summary record) of a 1 replica x 2 partitions sync run."""
+    run_dir = tmp_path_factory.mktemp("evaluate-run")
+    run = train(2, "--strategy", "sync", "--partitions", "2", "--data", str(digits_h5),
+                "--run-dir", str(run_dir), "--steps", "200", *QUICK)
+    assert run.returncode == 0, run.output
+    summary = records(run_dir, "summary")[-1]
+    assert summary["partitions"] == 2, summary
+    return run_dir / "checkpoint.h5", summary
+
+
+def evaluate_cli(*args: str) -> subprocess.CompletedProcess:
+    """Run the command's ``main`` in a fresh Python (no mpiexec) and say on stderr whether
+    mpi4py was imported."""
+    code = ("import sys; from hpcps.evaluate import main; rc = main(sys.argv[1:]); "
+            "print('mpi4py imported:', 'mpi4py' in sys.modules, file=sys.stderr); sys.exit(rc)")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "MPIR_", "HYDRA_"))}
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True,
+                          env=env, timeout=120)
+
+
+def test_matches_the_training_summary_on_one_process(trained, digits_h5, tmp_path):
+    ckpt, summary = trained
+    out = tmp_path / "pred.csv"
+    proc = evaluate_cli(str(ckpt), "--data", str(digits_h5), "--json", "--predict", str(out))
+    assert proc.returncode == 0, proc.stderr
+    assert "mpi4py imported: False" in proc.stderr
+    got = json.loads(proc.stdout)
+    _, y = data.load_split(digits_h5, "test")
+    assert got["n"] == len(y) == 360 and got["step"] == summary["step"] == 200
+    assert got["accuracy"] == pytest.approx(summary["test_accuracy"], abs=1e-12)
+    assert got["loss"] == pytest.approx(summary["test_loss"], rel=1e-5)
+    confusion = np.array(got["confusion"])
+    assert confusion.shape == (10, 10) and confusion.sum() == len(y)
+    assert np.trace(confusion) / len(y) == pytest.approx(got["accuracy"], abs=1e-12)
+    assert np.array_equal(confusion.sum(axis=1), np.bincount(y, minlength=10))
+
+    with open(out) as f:
+        header = f.readline().strip()
+    assert header == "row,label,predicted," + ",".join(f"p_{c}" for c in range(10))
+    table = np.loadtxt(out, delimiter=",", skiprows=1)
+    assert table.shape == (360, 13)
+    rows, labels, predicted = (table[:, i].astype(np.int64) for i in range(3))
+    probs = table[:, 3:]
+    assert np.array_equal(rows, np.arange(360)) and np.array_equal(labels, y)
+    np.testing.assert_allclose(probs.sum(axis=1), 1.0, atol=1e-4)
+    assert np.all(probs[np.arange(360), predicted] >= probs.max(axis=1) - 1e-6)
+    from_file = np.zeros((10, 10), dtype=np.int64)
+    np.add.at(from_file, (labels, predicted), 1)
+    assert np.array_equal(from_file, confusion)
+
+
+def test_text_report(trained, digits_h5, capsys):
+    ckpt, summary = trained
+    assert main([str(ckpt), "--data", str(digits_h5)]) == 0
+    out = capsys.readouterr().out
+    correct = round(summary["test_accuracy"] * 360)
+    assert f"accuracy    {100 * summary['test_accuracy']:.2f}% ({correct} of 360)" in out
+    assert f"loss        {summary['test_loss']:.4f}" in out
+    assert "layers 64 -> 32 -> 10" in out and "test split: 360 examples" in out
+    matrix = out.split("confusion matrix", 1)[1].splitlines()[2:]
+    assert len(matrix) == 10
+    counts = np.array([[int(v) for v in line.split()[1:11]] for line in matrix])
+    assert counts.sum() == 360 and np.trace(counts) == correct
+
+
+def test_hdf5_predictions_and_the_train_split(trained, digits_h5, tmp_path, capsys):
+    ckpt, _ = trained
+    out = tmp_path / "pred.h5"
+    assert main([str(ckpt), "--data", str(digits_h5), "--split", "train", "--batch", "100",
+                 "--predict", str(out), "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    x, y = data.load_split(digits_h5, "train")
+    # an independent forward pass of the checkpoint's weights
+    loaded = checkpoint.load(ckpt)
+    model = MLP((64, 32, 10))
+    logits = model.forward(model.flatten(loaded.params), x)[-1]
+    with h5py.File(out, "r") as f:
+        assert f["probabilities"].shape == (1437, 10) and f["probabilities"].dtype == np.float32
+        assert np.array_equal(f["label"][()], y)
+        assert np.array_equal(f["predicted"][()], np.argmax(logits, axis=1))
+        np.testing.assert_allclose(f["probabilities"][()].sum(axis=1), 1.0, rtol=1e-5)
+        assert f.attrs["split"] == "train" and f.attrs["step"] == loaded.step
+        assert f.attrs["accuracy"] == pytest.approx(got["accuracy"])
+    assert got["n"] == 1437
+    assert got["accuracy"] == pytest.approx(np.mean(np.argmax(logits, axis=1) == y), abs=1e-12)
+    assert not list(tmp_path.glob("*.tmp-*"))
+
+
+def small_dataset(path, n_features, n_classes, seed=0):
+    rng = np.random.default_rng(seed)
+
+    def split(n):
+        return (rng.random((n, n_features), dtype=np.float32),
+                np.arange(n, dtype=np.int64) % n_classes)
+
+    data.write_dataset(path, name="random", description="random test data", source="a test",
+                       n_classes=n_classes, x_description="uniform noise",
+                       train=split(40), test=split(20))
+    return path
+
+
+def test_another_dataset_of_the_same_shape_is_evaluated_with_a_note(trained, tmp_path, capsys):
+    ckpt, _ = trained
+    other = small_dataset(tmp_path / "noise.h5", 64, 10)
+    assert main([str(ckpt), "--data", str(other), "--json"]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["n"] == 20
+    assert "trained on digits" in captured.err and "another dataset" in captured.err
+
+
+def refusal_cases(ckpt, digits_h5, tmp):
+    """(label, argv, exit code, words the message must hold)."""
+    truncated = tmp / "truncated.h5"
+    blob = ckpt.read_bytes()
+    truncated.write_bytes(blob[:len(blob) // 2])
+    nan = tmp / "nan.h5"
+    state = checkpoint.load(ckpt)
+    state.params["layer1/W"][3, 4] = np.nan
+    checkpoint.save(nan, state)
+    wide = small_dataset(tmp / "wide.h5", 10, 10)
+    few = small_dataset(tmp / "few.h5", 64, 5)
+    d = ["--data", str(digits_h5)]
+    return [
+        ("missing checkpoint", [str(tmp / "nope.h5"), *d], 4, ["checkpoint not found"]),
+        ("truncated checkpoint", [str(truncated), *d], 4, ["truncated or corrupt"]),
+        ("not a checkpoint", [str(digits_h5), *d], 4, ["not an hpcps checkpoint"]),
+        ("non-finite checkpoint", [str(nan), *d], 4, ["1 NaN or infinite", "layer1/W"]),
+        ("missing dataset", [str(ckpt), "--data", str(tmp / "none.h5")], 3,
+         ["dataset not found"]),
+        ("other features", [str(ckpt), "--data", str(wide)], 3, ["n_features = 10", "64 inputs"]),
+        ("other classes", [str(ckpt), "--data", str(few)], 3, ["n_classes = 5", "10 outputs"]),
+        ("predict suffix", [str(ckpt), *d, "--predict", str(tmp / "p.txt")], 2,
+         [".csv, .h5, .hdf5"]),
+        ("predict directory", [str(ckpt), *d, "--predict", str(tmp / "no" / "p.csv")], 2,
+         ["does not exist"]),
+    ]
+
+
+def test_refusals(trained, digits_h5, tmp_path, capsys):
+    ckpt, _ = trained
+    for label, argv, code, words in refusal_cases(ckpt, digits_h5, tmp_path):
+        assert main(argv) == code, label
+        captured = capsys.readouterr()
+        assert captured.out == "", label
+        assert captured.err.startswith("hpcps.evaluate: error: "), (label, captured.err)
+        for w in words:
+            assert w in captured.err, (label, w, captured.err)
+    assert not (tmp_path / "p.txt").exists()
+    with pytest.raises(SystemExit) as exc:  # argparse: --data is required
+        main([str(ckpt)])
+    assert exc.value.code == 2
+    assert "--data" in capsys.readouterr().err
+
