@@ -5,6 +5,10 @@ its own slice as gradients arrive (``downpour``), a ``sync`` replica to its full
 allreduce. Its state (Adagrad's sum of squared gradients) is a dict of arrays the same length
 as the slice, so a shard keeps exactly the state of its own parameters and a checkpoint can
 gather and re-split it for any number of shards.
+
+``apply(w, g, state, lr_scale)`` takes one gradient at ``lr * lr_scale``: a per-gradient rate
+(staleness-dependent rates scale a late gradient's), which Adagrad applies to the step only,
+its accumulator taking the gradient as it is.
 """
 from __future__ import annotations
 
@@ -28,8 +32,9 @@ class SGD:
     def init_state(self, n: int) -> dict[str, np.ndarray]:
         return {}
 
-    def apply(self, w: np.ndarray, g: np.ndarray, state: dict[str, np.ndarray]) -> None:
-        kernels.sgd_update(w, g, self.lr)
+    def apply(self, w: np.ndarray, g: np.ndarray, state: dict[str, np.ndarray],
+              lr_scale: float = 1.0) -> None:
+        kernels.sgd_update(w, g, self.lr * lr_scale)
 
 
 class Adagrad:
@@ -50,8 +55,9 @@ class Adagrad:
     def init_state(self, n: int) -> dict[str, np.ndarray]:
         return {"accum": np.zeros(n, dtype=np.float32)}
 
-    def apply(self, w: np.ndarray, g: np.ndarray, state: dict[str, np.ndarray]) -> None:
-        kernels.adagrad_update(w, g, state["accum"], self.lr, self.eps)
+    def apply(self, w: np.ndarray, g: np.ndarray, state: dict[str, np.ndarray],
+              lr_scale: float = 1.0) -> None:
+        kernels.adagrad_update(w, g, state["accum"], self.lr * lr_scale, self.eps)
 
 
 class Momentum:
@@ -76,10 +82,15 @@ class Momentum:
     def init_state(self, n: int) -> dict[str, np.ndarray]:
         return {"velocity": np.zeros(n, dtype=np.float32)}
 
-    def apply(self, w: np.ndarray, g: np.ndarray, state: dict[str, np.ndarray]) -> None:
+    def apply(self, w: np.ndarray, g: np.ndarray, state: dict[str, np.ndarray],
+              lr_scale: float = 1.0) -> None:
         v = state["velocity"]
         v *= self.mu
-        v += g
+        if lr_scale == 1.0:
+            v += g
+        else:  # this gradient's rate is lr * lr_scale, in the velocity as in the step
+            g = np.float32(lr_scale) * g
+            v += g
         if self.nesterov:  # w -= lr * (g + mu * v)
             w += self._step * g
             w += (self._step * self.mu) * v

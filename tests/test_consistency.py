@@ -72,6 +72,7 @@ class OptimShard:
         self.opt = optim.make(*opt)
         self.params = np.linspace(-1, 1, n).astype(np.float32)
         self.state = self.opt.init_state(n)
+        self.apply = self.opt.apply
         self.version = 0
         self.pushes = 0
         self.done, self.n_replicas = set(), n_replicas
@@ -80,7 +81,8 @@ class OptimShard:
         return self.version - h[H.VERSION]
 
     def apply_update(self, grad):
-        self.opt.apply(self.params, grad, self.state)
+        if grad is not None:
+            self.opt.apply(self.params, grad, self.state)
         self.version += 1
 
     def account(self, h, stale):
@@ -123,6 +125,32 @@ def test_staleness_scaling_gives_lr_over_tau():
     fresh = OptimShard(8, ("sgd", 0.5))     # tau = 0 counts as 1: the full step
     SoftSync(8, 1, staleness_lr=True).on_push(fresh, 0, header(version=0), g)
     np.testing.assert_allclose(fresh.params, w0 - 0.5 * g, rtol=1e-6)
+    assert shard.version == 5 and fresh.version == 1  # each push is one update
+
+
+def test_staleness_scales_adagrads_rate_not_its_accumulator():
+    """Adagrad at tau = 4: the step is lr / 4 * g / sqrt(g^2), and the sum of squares takes
+    g^2 as it is (a scaled gradient would put g^2 / 16 there, and every later step would be
+    up to 4x too large)."""
+    from hpcps.ps.consistency import SoftSync
+    shard = OptimShard(8, ("adagrad", 0.2))
+    shard.version = 4
+    w0, g = shard.params.copy(), np.linspace(0.5, 2.0, 8).astype(np.float32)
+    SoftSync(8, 1, staleness_lr=True).on_push(shard, 0, header(version=0), g)
+    np.testing.assert_allclose(shard.params, w0 - 0.2 / 4 * np.sign(g), rtol=1e-5)
+    np.testing.assert_allclose(shard.state["accum"], g * g, rtol=1e-6)
+
+
+def test_a_softsync_group_takes_the_rate_of_its_mean_staleness():
+    """Two pushes of staleness 2 and 6: their mean gradient at lr / 4."""
+    from hpcps.ps.consistency import SoftSync
+    shard = OptimShard(4, ("sgd", 1.0))
+    shard.version = 6
+    w0 = shard.params.copy()
+    policy = SoftSync(4, 2, staleness_lr=True)
+    policy.on_push(shard, 0, header(version=4), np.full(4, 2.0, np.float32))   # tau 2
+    policy.on_push(shard, 1, header(version=0), np.full(4, 6.0, np.float32))   # tau 6
+    np.testing.assert_allclose(shard.params, w0 - 4.0 / 4)
 
 
 def test_softsync_applies_the_mean_of_each_group_and_flushes_the_rest():

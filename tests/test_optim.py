@@ -89,3 +89,30 @@ def test_momentum_zero_is_sgd_and_slices_equal_whole():
 def test_momentum_range_is_checked():
     with pytest.raises(ConfigError, match="momentum"):
         optim.make("momentum", 0.1, momentum=1.0)
+
+
+@pytest.mark.parametrize("name", ["sgd", "momentum", "adagrad"])
+def test_lr_scale_is_a_rate_for_this_gradient(name):
+    """``apply(..., lr_scale=c)``: SGD and momentum move as if the gradient were c * g (the
+    velocity keeps c * g); Adagrad steps at lr * c while its sum of squares takes g itself."""
+    rng = np.random.default_rng(7)
+    g1, g2 = (rng.standard_normal(40).astype(np.float32) for _ in range(2))
+    opt = optim.make(name, 0.1)
+    w_a = w_b = None
+    for scaled in (True, False):
+        w = np.linspace(-1, 1, 40).astype(np.float32)
+        st = opt.init_state(40)
+        if scaled:
+            opt.apply(w, g1, st, lr_scale=0.25)
+        elif name == "adagrad":  # reference by hand
+            acc = g1.astype(np.float64) ** 2
+            w = (w - 0.1 * 0.25 * g1 / (np.sqrt(acc) + 1e-8)).astype(np.float32)
+            st["accum"][:] = acc
+        else:
+            opt.apply(w, np.float32(0.25) * g1, st)
+        opt.apply(w, g2, st)  # a later, unscaled gradient sees the state the first left
+        if scaled:
+            w_a = w
+        else:
+            w_b = w
+    np.testing.assert_allclose(w_a, w_b, rtol=1e-5, atol=1e-6)

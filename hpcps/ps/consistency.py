@@ -66,12 +66,15 @@ class SoftSync(ShardPolicy):
     """Soft synchronization and staleness-dependent rates (Zhang, Gupta et al. 2016).
 
     The shard collects ``group`` pushes, from any replicas, and applies their mean as one
-    update (``group`` = 1: every push at once, as Downpour). With ``staleness_lr`` each push
-    is first scaled by ``1 / max(1, tau)``, tau its staleness (updates the shard applied since
-    its sender fetched), so the step it takes is ``lambda0 / max(1, tau)`` with lambda0 the
-    optimizer's rate: exactly that for SGD and momentum; with Adagrad the scaled gradient also
-    enters the accumulator. Both go with any optimizer on the shard, and with each other.
-    Pushes still buffered when the last replica finishes are applied then.
+    update (``group`` = 1: every push at once, as Downpour). With ``staleness_lr`` the update
+    is taken at the rate ``lambda0 / max(1, tau)``, lambda0 the optimizer's rate and tau the
+    push's staleness (updates the shard applied since its sender fetched), or for a group the
+    mean staleness of its pushes, as in the paper. It is the rate that is scaled, not the
+    gradient: Adagrad's accumulator takes the gradient as it is. (Scaling the gradient instead
+    would leave the accumulator about tau^2 times too small, and a fresh push, at the end of a
+    run when the other replicas have finished, would then take a step tau times too large.)
+    Both go with any optimizer on the shard, and with each other. Pushes still buffered when
+    the last replica finishes are applied then.
     """
 
     def __init__(self, n: int, group: int = 1, staleness_lr: bool = False):
@@ -81,32 +84,39 @@ class SoftSync(ShardPolicy):
         self.staleness_lr = bool(staleness_lr)
         self.buf = np.zeros(n, dtype=np.float32)
         self.count = 0
+        self.stale_sum = 0.0   # staleness of the pushes in the buffer
         self.updates = 0       # combined updates applied
         self.combined = 0      # pushes they held in all
 
     def on_push(self, shard, sender: int, header: np.ndarray, grad) -> None:
         stale = shard.staleness(header)
-        scale = 1.0 / max(1.0, stale) if self.staleness_lr else 1.0
         if self.group == 1:
-            if scale != 1.0:
-                np.multiply(grad, np.float32(scale), out=self.buf)
-                grad = self.buf
-            shard.apply_update(grad)
+            self._apply(shard, grad, stale)
             self.updates += 1
             self.combined += 1
         else:
-            self.buf += np.float32(scale / self.group) * grad
+            self.buf += np.float32(1.0 / self.group) * grad
             self.count += 1
+            self.stale_sum += stale
             if self.count == self.group:
                 self._flush(shard)
         shard.account(header, stale)
 
+    def _apply(self, shard, grad, stale: float) -> None:
+        """One update of the shard's optimizer, at the rate its staleness gives."""
+        if not self.staleness_lr or stale <= 1.0:
+            shard.apply_update(grad)
+        else:
+            shard.apply(shard.params, grad, shard.state, lr_scale=1.0 / stale)
+            shard.apply_update(None)  # applied: the shard only counts the update
+
     def _flush(self, shard) -> None:
-        shard.apply_update(self.buf)
+        self._apply(shard, self.buf, self.stale_sum / self.count)
         self.updates += 1
         self.combined += self.count
         self.buf[...] = 0.0
         self.count = 0
+        self.stale_sum = 0.0
 
     def on_done(self, shard, sender: int) -> None:
         if len(shard.done) >= shard.n_replicas and self.count:
