@@ -61,6 +61,7 @@ Usage::
     python bench/bench_consistency.py --data /path/mnist.h5 --out consistency.json
     python bench/bench_consistency.py --epochs 2 --replicas 2 4      # a reduced comparison
     python bench/bench_consistency.py --quick                        # digits, R = 2, a smoke test
+    python bench/bench_consistency.py --set 'averaging-k4=--optimizer momentum --lr 0.05'
 
 On a 2-core machine every R > 2 is oversubscribed (downpour already at R = 2), so examples/s
 shows the cost of time-sharing cores, not scaling; oversubscription also makes asynchronous
@@ -72,6 +73,7 @@ import argparse
 import json
 import math
 import os
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -276,26 +278,23 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default 0.97; 0.9 with --quick)")
     p.add_argument("--timeout", type=float, help="seconds one run may take before it is "
                    "killed and recorded as timeout (default 1800; 120 with --quick)")
-    p.add_argument("--lr", action="append", default=[], metavar="METHOD=LR",
-                   help="learning rate of one method (repeatable), e.g. averaging-k4=0.03; "
-                        "the others keep their strategy's default")
+    p.add_argument("--set", action="append", default=[], metavar="METHOD=OPTIONS",
+                   help="extra hpcps.train options of one method (repeatable), e.g. "
+                        "'averaging-k4=--optimizer momentum --lr 0.05'; recorded with each "
+                        "run")
     p.add_argument("--out", type=Path, help="also write the JSON here (after every run)")
     return p
 
 
-def learning_rates(items: list[str], p: argparse.ArgumentParser) -> dict[str, str]:
-    """``METHOD=LR`` arguments as {method: lr}."""
-    out = {}
+def method_options(items: list[str], p: argparse.ArgumentParser) -> dict[str, list[str]]:
+    """``METHOD=OPTIONS`` arguments as {method: [option, ...]}."""
+    out: dict[str, list[str]] = {}
     for item in items:
-        method, _, lr = item.partition("=")
-        try:
-            ok = method in METHODS and float(lr) > 0
-        except ValueError:
-            ok = False
-        if not ok:
-            p.error(f"--lr wants METHOD=LR with a method of {', '.join(METHODS)} and LR > 0, "
+        method, _, options = item.partition("=")
+        if method not in METHODS or not options.strip():
+            p.error(f"--set wants METHOD=OPTIONS with a method of {', '.join(METHODS)}, "
                     f"got {item!r}")
-        out[method] = lr
+        out[method] = out.get(method, []) + shlex.split(options)
     return out
 
 
@@ -310,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
             or prof["timeout"] <= 0):
         p.error("--epochs and --timeout must be > 0, --replicas and --many-replicas >= 1")
     methods = a.methods or list(METHODS)
-    lrs = learning_rates(a.lr, p)
+    extra_opts = method_options(a.set, p)
     mpiexec = bench_train.find_mpiexec()
     shards = {name: t["shards"] for name, t in soak_ranks.strategy_traits().items()}
     t_start = time.monotonic()
@@ -335,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
                            "epochs": prof["epochs"], "eval_every": eval_every,
                            "target": prof["target"], "timeout_s": prof["timeout"],
                            "strategy_options": prof["strategy_options"],
-                           "learning_rates": lrs,
+                           "method_options": extra_opts,
                            "slow": None if a.no_slow else
                            {"replicas": SLOW_R, "inject_slow": f"{SLOW_RANK}:{SLOW_FACTOR}"},
                            "nproc": os.cpu_count()}
@@ -352,13 +351,12 @@ def main(argv: list[str] | None = None) -> int:
             servers = 1 if shards[strategy] else 0
             opts = [*METHODS[method], *(["--servers", "1"] if servers else []), *common,
                     *prof["strategy_options"].get(strategy, []),
-                    *(["--lr", lrs[method]] if method in lrs else []), *extra]
+                    *extra_opts.get(method, []), *extra]
             work = Path(tempfile.mkdtemp(prefix=f"{method}-{R}-", dir=tmp))
             res = launch(mpiexec, R + servers, opts, work, prof["timeout"])
             rec = describe(method, R, R + servers, servers, res, prof["target"],
                            prof["epochs"])
-            if method in lrs:
-                rec["options"] = [*rec["options"], "--lr", lrs[method]]
+            rec["options"] = [*rec["options"], *extra_opts.get(method, [])]
             bad += rec["status"] != "completed"
             log(line(rec))
             return rec
