@@ -238,7 +238,7 @@ def table_rows(runs: list[Run]) -> list[dict[str, Any]]:
     rows = []
     for run in runs:
         summaries = run.of_kind("summary")
-        finished = bool(run.records) and _finished(run)
+        finished = _finished(run)
         row: dict[str, Any] = {"run": run.label, "strategy": run.strategy, "layout": _layout(run),
                                "status": "finished" if finished else "no summary (stopped?)"}
         final = summaries[-1] if summaries else None
