@@ -604,6 +604,51 @@ def load_with_header(path: str | os.PathLike) -> tuple[Checkpoint, dict[str, Any
     return ckpt, header
 
 
+def peek_step(path: str | os.PathLike) -> int | None:
+    """The step of the checkpoint at ``path`` from its root attribute alone (no arrays read),
+    or None when there is no readable checkpoint there. For messages about a stopped run."""
+    try:
+        with h5py.File(path, "r") as f:
+            step = f.attrs.get("step")
+            return int(step) if isinstance(step, (int, np.integer)) else None
+    except Exception:  # missing, not HDF5, damaged: there is no checkpoint to name
+        return None
+
+
+def nonfinite(arrays: dict[str, np.ndarray]) -> tuple[int, str] | None:
+    """None when every value of the named arrays is finite; else (how many values are NaN or
+    infinite, the name of the first array holding one). One pass over each array."""
+    total, first = 0, None
+    for name, a in arrays.items():
+        with np.errstate(over="ignore", invalid="ignore"):
+            if np.isfinite(np.sum(a, dtype=np.float64)):
+                continue  # a float64 sum of float32 values is finite only when every one is
+        bad = int(np.count_nonzero(~np.isfinite(a)))
+        total += bad
+        if bad and first is None:
+            first = name
+    return None if total == 0 else (total, first)
+
+
+def check_finite(ckpt: Checkpoint) -> None:
+    """Refuse to resume from parameters or optimizer state holding NaN or infinity.
+
+    :func:`load` reads such a file (a diverged state may be inspected); resuming from it
+    would train on NaN. Training never writes one (``hpcps.strategies.context``).
+
+    Raises
+    ------
+    CheckpointError
+        Naming the file, how many values are not finite and where the first is.
+    """
+    bad = nonfinite({**{f"params/{k}": v for k, v in ckpt.params.items()},
+                     **{f"optimizer/{k}": v for k, v in ckpt.opt_state.items()}})
+    if bad is not None:
+        raise CheckpointError(f"{_where(ckpt)} holds {bad[0]} NaN or infinite value(s), the "
+                              f"first in {bad[1]}: the run that wrote it had diverged; resume "
+                              "from an earlier checkpoint or start anew")
+
+
 def load(path: str | os.PathLike) -> Checkpoint:
     """Read a checkpoint fully into memory (the file is closed on return).
 

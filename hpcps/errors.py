@@ -1,7 +1,19 @@
 """The exceptions hpcps raises for bad input, each with the exit code the job ends with.
 
 Every module raises one of these (never ``assert``) for input it refuses; ``train.py`` turns
-them into one message and one exit code on every rank.
+them into one message and one exit code on every rank. The codes, in one place (the table in
+``docs/errors.md`` says what each means to a user):
+
+====  ===============================================================================
+ 1    a bug in hpcps (a Python traceback is printed), or an error outside hpcps's control
+ 2    :class:`ConfigError`: options, config files, layouts of ranks, the run directory
+ 3    :class:`DataError`: datasets (missing, not HDF5, wrong layout, non-finite features)
+ 4    :class:`CheckpointError`: checkpoints (missing, corrupt, incompatible, non-finite)
+ 5    ``hpcps.comm.PeerTimeout``: a rank waited longer than ``--timeout`` on another
+ 6    ``hpcps.compress.CodecError``: a corrupt compressed message
+ 7    :class:`NonFiniteError`: training produced a NaN or an infinity and was stopped
+130   interrupted (Ctrl-C)
+====  ===============================================================================
 """
 
 
@@ -27,3 +39,23 @@ class CheckpointError(HpcpsError):
     """Checkpoint missing, truncated, corrupt, or from an incompatible model."""
 
     exit_code = 4
+
+
+class NonFiniteError(HpcpsError):
+    """A training loss, gradient, update or parameter became NaN or infinite: the run diverged.
+
+    Whoever sees it raises ``NonFiniteError(step, what)``, ``what`` saying what was not finite
+    ("computed a training loss of nan on its own mini-batch"). ``train.py`` rewrites it with
+    the rank's role, the checkpoint left in the run directory and the usual causes
+    (``hpcps.strategies.context.explain_nonfinite``), prints it and aborts the job, so every
+    rank ends. When several ranks see the same divergence (every replica of a synchronous
+    step holds the same loss), all but the one that reports for the job wait ``defer_s``
+    seconds before printing: the reporting rank's abort ends them first, and the job prints
+    one message. A rank that is alone in seeing it still prints, ``defer_s`` later.
+    """
+
+    exit_code = 7
+
+    def __init__(self, step: int, what: str, text: str | None = None, defer_s: float = 0.0):
+        super().__init__(text or f"training diverged at step {step}: {what}")
+        self.step, self.what, self.defer_s = step, what, defer_s

@@ -2,10 +2,12 @@
 
 config -> checks every rank agrees on -> grid of ranks -> this rank's role in the strategy.
 
-Start-up checks (options, layout, dataset, checkpoint) run on every rank and end in one
-collective vote: if any rank refused its input, the lowest such rank prints the reason once
-and every rank exits with the same code (2 config, 3 data, 4 checkpoint), never a hang. Once
-training runs, a rank that fails prints its rank, host and reason and aborts the whole job.
+Start-up checks (options, layout, dataset, checkpoint, run directory) run on every rank and
+end in one collective vote: if any rank refused its input, the lowest such rank prints the
+reason once and every rank exits with the same code (2 config and run directory, 3 data, 4
+checkpoint), never a hang. Once training runs, a rank that fails prints its rank, host and
+reason and aborts the whole job; a NaN or infinity in training ends it with code 7 (the exit
+codes are listed in :mod:`hpcps.errors` and ``docs/errors.md``).
 
 Examples::
 
@@ -33,10 +35,11 @@ import numpy as np
 
 from hpcps import checkpoint, config, data
 from hpcps.comm import ReplicaExchange, barrier, host
-from hpcps.errors import ConfigError, HpcpsError
+from hpcps.errors import ConfigError, HpcpsError, NonFiniteError
 from hpcps.metrics import Metrics
 from hpcps.model import MLP, PartitionedMLP, SingleExchange
-from hpcps.strategies.context import Context, make_optimizer, state_from_checkpoint
+from hpcps.strategies.context import (Context, explain_nonfinite, make_optimizer,
+                                      state_from_checkpoint)
 from hpcps.topology import Layout, abort, build_grid, check_thread_support, world_comm
 
 
@@ -85,6 +88,7 @@ def _load_resume(cfg: config.Config, info: data.DatasetInfo):
     if not cfg.resume:
         return None, []
     ckpt = checkpoint.load(cfg.resume)
+    checkpoint.check_finite(ckpt)
     if cfg.spec.check_resume is not None:
         cfg.spec.check_resume(cfg, ckpt)
     warnings = checkpoint.check_compatible(ckpt, list(cfg.layers), optimizer=cfg.optimizer,
@@ -99,6 +103,31 @@ def _run_dir(cfg: config.Config, world) -> Path:
         return Path(cfg.resume).parent
     stamp = world.bcast(time.strftime("%Y%m%d-%H%M%S") if world.Get_rank() == 0 else None)
     return config.default_run_dir(cfg, stamp)
+
+
+def check_run_dir(run_dir: Path, given: bool) -> None:
+    """Create the run directory if needed and make sure this rank can write into it, so that
+    a run never trains for hours and then fails to write its metrics or checkpoint.
+
+    ``given``: the path came from ``--run-dir`` (else from ``--resume`` or the default).
+    Raises ConfigError with the path and the system's reason.
+    """
+    what = "--run-dir" if given else "run directory"
+    if run_dir.exists() and not run_dir.is_dir():
+        raise ConfigError(f"{what} {run_dir} is a file, not a directory: give a directory for "
+                          "metrics.jsonl and checkpoint.h5")
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"{what} {run_dir} cannot be created: {exc.strerror or exc}; give "
+                          "--run-dir a directory you can write to") from None
+    probe = run_dir / f".hpcps-write-test-{os.getpid()}"
+    try:
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise ConfigError(f"{what} {run_dir} is not writable: {exc.strerror or exc}; give "
+                          "--run-dir a directory you can write to") from None
 
 
 def _setup(cfg: config.Config, world, layout: Layout, info, ckpt, run_dir: Path) -> Context:
@@ -213,6 +242,8 @@ def guarded(world, role: str, fn, *args):
         if isinstance(exc, KeyboardInterrupt):
             code = 130
         detail = str(exc) if isinstance(exc, HpcpsError) else traceback.format_exc()
+        if isinstance(exc, NonFiniteError) and exc.defer_s > 0:
+            time.sleep(exc.defer_s)  # the reporting rank's abort usually ends us first
         print(f"hpcps: rank {world.Get_rank()} of {world.Get_size()} on {host()} ({role}) "
               f"failed: {detail}", file=sys.stderr, flush=True)
         abort(code)
@@ -236,6 +267,7 @@ def main(argv: list[str] | None = None) -> int:
         for w in warnings:
             print(f"[hpcps] warning: {w}", flush=True)
     run_dir = _run_dir(cfg, world)
+    _agree(world, check_run_dir, run_dir, bool(cfg.run_dir))
     ctx = _agree(world, _setup, cfg, world, layout, info, ckpt, run_dir)
     m = ctx.metrics
     how = cfg.spec.describe(cfg, info.n_train) if cfg.spec.describe else cfg.optimizer
@@ -248,7 +280,10 @@ def main(argv: list[str] | None = None) -> int:
              start_step=ctx.start_step, total_steps=ctx.total_steps, ranks=size)
 
     def train_and_report():
-        result = cfg.spec.run(ctx)
+        try:
+            result = cfg.spec.run(ctx)
+        except NonFiniteError as exc:  # say where, what is left, and the usual causes
+            raise explain_nonfinite(ctx, exc) from None
         barrier(world, cfg.timeout, "every rank to finish training")
         results = world.gather(result, root=ctx.reporter)
         if world.Get_rank() == ctx.reporter:

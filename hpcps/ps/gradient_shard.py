@@ -14,6 +14,12 @@ until a condition holds (stale-synchronous parallel: until the slowest replica i
 enough); held fetches are looked at again after every push and every DONE.
 
 Staleness of a push = updates this shard applied between the replica's fetch and its push.
+
+Numerical health, for every policy: a push whose training loss (a header scalar) is NaN or
+infinite is refused before anything is applied, naming the replica that sent it, and the
+shard's parameters are checked every ``HEALTH_EVERY`` updates (one pass over the slice,
+amortized to a small fraction of the updates' own passes). Either raises
+:class:`~hpcps.errors.NonFiniteError`, which ends the job.
 """
 from __future__ import annotations
 
@@ -21,14 +27,18 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+import math
+
 import numpy as np
 from mpi4py import MPI
 
+from hpcps.errors import NonFiniteError
 from hpcps.protocol import HEADER_BYTES, ByteMessage, H, Message, Tag
 from hpcps.ps.serve import serve
 
 
 STALENESS_BINS = 10  # histogram bins: 0, 1, 2-3, 4-7, ..., 128-255, 256 and more
+HEALTH_EVERY = 64    # updates between two checks that the shard's parameters are finite
 
 
 def staleness_bin(stale: float) -> int:
@@ -148,6 +158,7 @@ class GradientShard:
         self.comm.Recv(self._push.buf, source=src, tag=Tag.PUSH)
         h = self._push.header
         self.stats.bytes_in += self._push.buf.nbytes
+        self.check_push(h)
         self.policy.on_push(self, int(h[H.SENDER]), h, self._push.payload)
         self._answer_held()
         return False
@@ -161,6 +172,7 @@ class GradientShard:
         h = self._packed.header
         body = self._packed.body[:size - HEADER_BYTES]
         self.stats.bytes_in += size
+        self.check_push(h)
         self.policy.on_push(self, int(h[H.SENDER]), h, self._handle(h, body))
         self._answer_held()
         return False
@@ -195,6 +207,25 @@ class GradientShard:
                 still.append((src, sender, since))
         self.held = still
 
+    # -- numerical health ----------------------------------------------------------------------
+    def check_push(self, h: np.ndarray) -> None:
+        """Refuse a push whose training loss is not finite, before it is applied: its
+        gradient came from a NaN or infinite forward pass."""
+        loss = h[H.LOSS_SUM]
+        if not math.isfinite(loss):
+            raise NonFiniteError(self.step, f"received from replica {int(h[H.SENDER])} a "
+                                 f"gradient whose training loss is {loss} (not applied)")
+
+    def check_params(self) -> None:
+        """Stop if an update left a NaN or infinity in this shard's parameters."""
+        with np.errstate(over="ignore", invalid="ignore"):
+            if np.isfinite(np.sum(self.params, dtype=np.float64)):
+                return  # the float64 sum of float32 values is finite only if every one is
+        bad = int(np.count_nonzero(~np.isfinite(self.params)))
+        raise NonFiniteError(self.step, f"holds {bad} NaN or infinite parameter(s) after "
+                             f"{self.version} updates (a pushed gradient or the optimizer's "
+                             "update was not finite)")
+
     # -- what policies call --------------------------------------------------------------------
     def staleness(self, h: np.ndarray) -> float:
         """Updates this shard applied since the push's sender fetched the parameters."""
@@ -213,6 +244,8 @@ class GradientShard:
         if grad is not None:
             self.apply(self.params, grad, self.state)
         self.version += 1
+        if self.version % HEALTH_EVERY == 0:
+            self.check_params()
 
     def account(self, h: np.ndarray, stale: float) -> None:
         """Count a push (of staleness ``stale``, see :meth:`staleness`): global step,

@@ -1,8 +1,17 @@
-"""What every strategy role is handed, and what they share around it: checkpoints, evaluation.
+"""What every strategy role is handed, and what they share around it: checkpoints, evaluation,
+and what to say when training diverges.
 
 :class:`Context` is built once by ``train.py`` and holds the config, the grid, the model, the
 starting state (fresh or resumed) and the data this rank needs. A strategy's ``run(ctx)``
 returns a dict of final figures for the summary.
+
+Numerical health. Every checkpoint goes through :func:`save_checkpoint`, which refuses
+parameters or optimizer state holding NaN or infinity (:class:`~hpcps.errors.NonFiniteError`,
+exit code 7), so the last finite checkpoint is never overwritten by a diverged one. A rank
+that sees a non-finite value during training raises ``NonFiniteError(step, what)``
+(the parameter-server shard too, which knows no Context); ``train.py`` completes the message
+with :func:`explain_nonfinite`: the rank's role, the checkpoint left in the run directory and
+what usually causes it for the configuration in use (:func:`divergence_causes`).
 """
 from __future__ import annotations
 
@@ -17,6 +26,7 @@ from hpcps import checkpoint, optim
 from hpcps.comm import ReplicaExchange, gather_to_root
 from hpcps.blocks import block_range
 from hpcps.data import DatasetInfo
+from hpcps.errors import NonFiniteError
 from hpcps.metrics import Metrics
 from hpcps.model import MLP
 from hpcps.topology import Grid
@@ -129,8 +139,17 @@ def checkpoint_path(ctx: Context) -> Path:
 
 def save_checkpoint(ctx: Context, params: np.ndarray, opt_state: dict[str, np.ndarray],
                     step: int, metrics: dict | None = None) -> Path:
-    """Write the whole-model state (MLP layout vectors) as one HDF5 checkpoint, atomically."""
+    """Write the whole-model state (MLP layout vectors) as one HDF5 checkpoint, atomically.
+
+    Raises NonFiniteError, writing nothing, when the state holds NaN or infinity: the
+    checkpoint already in the run directory (the last finite one) stays as it was.
+    """
     views = ctx.full_model.views
+    bad = checkpoint.nonfinite({**{f"params/{k}": v for k, v in views(params).items()},
+                                **{f"optimizer/{k}": v for k, v in opt_state.items()}})
+    if bad is not None:
+        raise NonFiniteError(step, f"refused to write a checkpoint: its state holds {bad[0]} "
+                             f"NaN or infinite value(s), the first in {bad[1]}")
     state = {f"{key}/{name}": a for key, flat in opt_state.items()
              for name, a in views(flat).items()}
     ckpt = checkpoint.Checkpoint(
@@ -151,16 +170,28 @@ def state_from_checkpoint(model: MLP, ckpt: checkpoint.Checkpoint,
     return params, state
 
 
-def evaluate(ctx: Context, params: np.ndarray) -> tuple[float, float]:
-    """(test loss, test accuracy) of whole-model ``params`` on the chief's test set."""
-    return ctx.full_model.evaluate(params, ctx.test_x, ctx.test_y)
+def evaluate(ctx: Context, params: np.ndarray, step: int) -> tuple[float, float]:
+    """(test loss, test accuracy) of whole-model ``params`` on the chief's test set.
+
+    Raises NonFiniteError when the test loss is NaN or infinite: the data are finite
+    (checked at load), so the parameters overflow the forward pass, finite or not.
+    """
+    loss, acc = ctx.full_model.evaluate(params, ctx.test_x, ctx.test_y)
+    check_test_loss(loss, step)
+    return loss, acc
+
+
+def check_test_loss(loss: float, step: int) -> None:
+    if not math.isfinite(loss):
+        raise NonFiniteError(step, f"found a test loss of {loss}: the parameters overflow "
+                             "the forward pass")
 
 
 def finish_on_chief(ctx: Context, params: np.ndarray, state: dict, step: int,
                     train_s: float) -> dict:
     """The chief's end of a run: evaluate the final whole model, write the final checkpoint,
     and return the summary's common figures."""
-    test_loss, test_acc = evaluate(ctx, params)
+    test_loss, test_acc = evaluate(ctx, params, step)
     path = save_checkpoint(ctx, params, state, step,
                            {"test_accuracy": test_acc, "test_loss": test_loss})
     return {"step": step, "test_accuracy": test_acc, "test_loss": test_loss,
@@ -179,3 +210,100 @@ def steps_for_replica(total: int, replicas: int, replica: int, warmup: int = 0) 
 def rate(examples: float, seconds: float) -> float:
     return examples / seconds if seconds > 0 else math.nan
 
+
+
+# -- numerical health ------------------------------------------------------------------------
+# A rank that sees a NaN but should not report it waits this long, plus a second per rank, so
+# that the reporting rank's abort (after topology.ABORT_GRACE_S) ends it first.
+NONFINITE_DEFER_S = 1.0
+NONFINITE_DEFER_MAX_S = 5.0
+
+
+def role_name(ctx: Context) -> str:
+    """This rank's role in words, e.g. ``replica 1 (rank 1)`` or ``server shard 0 (rank 3)``."""
+    role, rank = ctx.grid.role, ctx.grid.rank
+    if role.is_replica:
+        part = f" partition {role.partition}" if ctx.partitioned else ""
+        return f"replica {role.replica}{part} (rank {rank})"
+    if role.is_server:
+        return f"server shard {role.shard} (rank {rank})"
+    return f"the coordinator (rank {rank})"
+
+
+def checkpoint_note(ctx: Context) -> str:
+    """What the run directory holds after a stop, for the message (reads one attribute)."""
+    path = checkpoint_path(ctx)
+    step = checkpoint.peek_step(path)
+    if step is not None:
+        return f"the last checkpoint, {path} (step {step}), is left as it was"
+    if ctx.cfg.resume:
+        return (f"no checkpoint was written to {ctx.run_dir}; the run started from "
+                f"{ctx.cfg.resume} (step {ctx.start_step}), left as it was")
+    return f"no checkpoint was written to {ctx.run_dir} (none was due yet)"
+
+
+def divergence_causes(ctx: Context) -> list[str]:
+    """What usually makes a run of this configuration diverge, the likeliest first.
+
+    Read from the options in use, not from strategy names: L-BFGS on small batches,
+    asynchronous replicas on parameter servers, thresholded updates (``--tau``), replicas
+    applying each other's steps unscaled, the learning rate, averaging rarely.
+    """
+    cfg, R = ctx.cfg, ctx.grid.layout.replicas
+    causes = []
+    if cfg.optimizer == "lbfgs":
+        causes.append(f"L-BFGS on batches of {cfg.batch(ctx.dataset.n_train)} examples: a "
+                      "noisy objective spoils its curvature pairs; use a larger --batch-size "
+                      "(0: the whole training set)")
+    elif ctx.cfg.spec.uses_servers and R > 1:
+        causes.append(f"too many replicas for asynchronous SGD: {R} replicas push gradients "
+                      "computed on parameters several updates old (the staleness in the "
+                      "progress lines); use fewer replicas, a longer --warmup-steps, "
+                      "--staleness-bound or --softsync, or a smaller --lr")
+    if cfg.tau is not None:
+        causes.append(f"--tau {cfg.tau:g} too large: each update moves an element by +-tau; "
+                      "try a smaller one")
+    if cfg.lr_scaling == "sum" and R > 1:
+        causes.append(f"every replica applying all {R} replicas' steps at the full rate "
+                      "(--lr-scaling sum): try sqrt or mean")
+    if cfg.lr is not None:
+        causes.append(f"a learning rate too large for {cfg.optimizer} (--lr {cfg.lr:g}): try "
+                      "a third of it")
+    if cfg.average_every is not None and cfg.average_every > 1 and R > 1:
+        causes.append(f"replicas drifting apart between averages (--average-every "
+                      f"{cfg.average_every}): average more often")
+    return causes
+
+
+def causes_text(ctx: Context) -> str:
+    causes = divergence_causes(ctx)
+    if not causes:
+        return ""
+    return (f"Usual cause{'s' if len(causes) > 1 else ''} with --strategy {ctx.cfg.strategy}: "
+            + "; or ".join(causes) + ".")
+
+
+def explain_nonfinite(ctx: Context, exc: NonFiniteError) -> NonFiniteError:
+    """``exc``, raised on this rank, as the job's message: the step, this rank's role, what
+    was not finite, the checkpoint left in the run directory and the usual causes.
+
+    The reporting rank's copy prints at once; the others are deferred (see
+    :class:`~hpcps.errors.NonFiniteError`), longer the higher their rank, so that when
+    several ranks see the same divergence one message is printed.
+    """
+    rank = ctx.grid.rank
+    defer = 0.0 if rank == ctx.reporter else \
+        min(NONFINITE_DEFER_MAX_S, NONFINITE_DEFER_S * (1 + rank))
+    text = (f"training diverged at step {exc.step}: {role_name(ctx)} {exc.what}; "
+            f"{checkpoint_note(ctx)}. {causes_text(ctx)}")
+    return NonFiniteError(exc.step, exc.what, text.rstrip(), defer)
+
+
+def warn_divergence(ctx: Context, watch, fired: dict, step: int) -> None:
+    """The divergence warning, once: a ``warning`` record in metrics.jsonl and one line on the
+    terminal, with the usual causes. ``watch`` is the :class:`~hpcps.metrics.DivergenceWatch`
+    that returned ``fired``. Training goes on: a warning, not a stop."""
+    text = f"{watch.describe(fired, step)}. {causes_text(ctx)}".rstrip()
+    ctx.metrics.record("warning", echo=False, step=step, reason="diverging", message=text,
+                       causes=divergence_causes(ctx), **fired)
+    ctx.metrics.message(f"warning: {text}")

@@ -6,6 +6,14 @@ is here, once: drawing batches with background prefetch, Hogwild threads (T mini
 iteration), the progress record, evaluation and periodic checkpoints on replica 0, and the
 final figures. A strategy subclasses :class:`ReplicaLoop` and fills in the hooks.
 
+Numerical health, checked here for every strategy built on the loop: the training loss, a
+scalar, every step (a non-finite one stops the job: :class:`~hpcps.errors.NonFiniteError`);
+the parameters at each progress record and each periodic evaluation or checkpoint (one pass
+over the vector, a few times a minute); and the chief feeds its loss to a
+:class:`~hpcps.metrics.DivergenceWatch`, which warns once when the loss climbs and stays high.
+A non-finite gradient or update shows in the next step's loss, so a diverged run stops within
+a step or two, before any checkpoint is written from it (and the writer refuses one besides).
+
 Schedules are counted in this replica's own mini-batches, so that every partition of a
 replica (they run the same steps) evaluates and checkpoints at the same iteration and can
 gather the model together: replica 0 evaluates every ``ceil(eval_every / R)`` of its
@@ -18,11 +26,14 @@ import time
 
 import numpy as np
 
+from hpcps import checkpoint
 from hpcps.data import Batches, Prefetcher
-from hpcps.errors import ConfigError
+from hpcps.errors import ConfigError, NonFiniteError
+from hpcps.metrics import DivergenceWatch
 from hpcps.options import parse_inject_slow
 from hpcps.strategies.context import (Context, crossed, evaluate, gather_state,
-                                      model_parallel_figures, rate, save_checkpoint)
+                                      model_parallel_figures, rate, save_checkpoint,
+                                      warn_divergence)
 from hpcps.strategies.gradients import GradientSource
 
 
@@ -52,6 +63,8 @@ class ReplicaLoop:
     finish(train_s) -> dict : the final figures (collective parts included); the chief's
         dict goes into the summary: ``step``, ``test_accuracy``, ``test_loss``,
         ``checkpoint``, ``examples_per_s`` and ``figures`` (the strategy's own).
+    loss_source() -> str : whose loss :meth:`step` returns, for the message when it is not
+        finite (default: this replica's own mini-batches).
 
     Attributes a subclass sets: ``params`` (the vector this rank computes with, evaluated
     and checkpointed from replica 0), ``saves_checkpoints`` (False when the server shards
@@ -86,6 +99,7 @@ class ReplicaLoop:
         self._n_win = 0
         self._t0 = self._last_t = time.perf_counter()
         self._last_step = ctx.start_step
+        self.watch = DivergenceWatch()
 
     # -- hooks ---------------------------------------------------------------------------------
     def step(self, x: np.ndarray, y: np.ndarray) -> float:
@@ -109,6 +123,9 @@ class ReplicaLoop:
     def finish(self, train_s: float) -> dict:
         return {}
 
+    def loss_source(self) -> str:
+        return "its own mini-batch" + ("es" if self.T > 1 else "")
+
     # -- the loop ------------------------------------------------------------------------------
     def run(self) -> dict:
         ctx = self.ctx
@@ -120,14 +137,22 @@ class ReplicaLoop:
                 self.before_step()
                 x, y = next(self.batches)
                 t = time.perf_counter()
-                self.last_loss = self.step(x, y)
+                self.last_loss = loss = self.step(x, y)
+                if not math.isfinite(loss):
+                    raise NonFiniteError(self.global_step(), f"computed a training loss of "
+                                         f"{loss} on {self.loss_source()}")
                 if self.slow > 1.0:
                     time.sleep((self.slow - 1.0) * (time.perf_counter() - t))
                 self.done += self.T
-                self._loss_win += self.last_loss
+                self._loss_win += loss
                 self._n_win += 1
-                if chief and m.due():
-                    self.report()
+                if chief:
+                    step = self.global_step()
+                    fired = self.watch.update(step, loss)
+                    if fired is not None:
+                        warn_divergence(ctx, self.watch, fired, step)
+                    if m.due():
+                        self.report()
                 self._evaluate_and_save()
             if chief and self._n_win:
                 self.report()  # the last window: every run's metrics hold a progress record
@@ -139,9 +164,18 @@ class ReplicaLoop:
         figures = {**model_parallel_figures(ctx, self.done, train_s), **result.get("figures", {})}
         return {"train_s": train_s, **result, "figures": figures}
 
+    def check_params(self, params: np.ndarray, step: int, where: str) -> None:
+        """Stop the job if ``params`` (this rank's vector, or the gathered whole model) holds
+        a NaN or infinity. One pass over the vector: call it at progress and checkpoint
+        time, not every step."""
+        bad = checkpoint.nonfinite({"parameters": params})
+        if bad is not None:
+            raise NonFiniteError(step, f"found {bad[0]} NaN or infinite value(s) in {where}")
+
     def report(self) -> None:
         """One progress record: global step, rate, mean loss since the last, the strategy's."""
         step, now = self.global_step(), time.perf_counter()
+        self.check_params(self.params, step, "its parameters")
         rec = {"step": step, "epoch": round(self.ctx.epochs(step), 3),
                "examples_per_s": round(rate((step - self._last_step) * self.cfg.batch_size,
                                             now - self._last_t), 1),
@@ -165,8 +199,9 @@ class ReplicaLoop:
         if not ctx.grid.is_chief:
             return
         step = self.global_step()
+        self.check_params(full, step, "the model gathered for evaluation or a checkpoint")
         if evaluating:
-            test_loss, test_acc = evaluate(ctx, full)
+            test_loss, test_acc = evaluate(ctx, full, step)
             ctx.metrics.record("eval", step=step, epoch=round(ctx.epochs(step), 3),
                                test_accuracy=test_acc, test_loss=test_loss)
         if saving:

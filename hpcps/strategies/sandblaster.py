@@ -22,6 +22,13 @@ Roles: S server shards, R replicas and one coordinator (the last rank).
 
 A step, for ``--steps`` and the progress line, is one evaluation of a batch.
 
+Numerical health: the coordinator checks the loss at the current point (a scalar) and
+``g . g``, one DOT command to the shards, after every iteration, and stops the job on NaN or
+infinity (the line search itself never accepts a non-finite trial point, so without the
+check a NaN gradient would only reset the history at every iteration); shard 0's checkpoints
+go through the writer that refuses non-finite state. A rising loss over mini-batches is
+watched as in the SGD strategies, per iteration.
+
 A replica computes each portion's gradient with the compiled engine
 (:meth:`hpcps.hogwild.HogwildEngine.gradient_sum`, which falls back to NumPy where the engine
 is not built), with ``--threads T`` in T threads: the portion is split in T parts,
@@ -41,13 +48,15 @@ from mpi4py import MPI
 
 from hpcps.blocks import block_range
 from hpcps.comm import PeerTimeout, Poller, gather_to_root, wait_all
-from hpcps.errors import CheckpointError, ConfigError
+from hpcps.errors import CheckpointError, ConfigError, NonFiniteError
+from hpcps.metrics import DivergenceWatch
 from hpcps.optim import LBFGS
 from hpcps.options import INJECT_SLOW, Option, parse_inject_slow
 from hpcps.protocol import H, Message, Op, Tag, Task
 from hpcps.ps.lbfgs_shard import CMD_SLOTS, VectorShard
 from hpcps.schedule import PortionScheduler
-from hpcps.strategies.context import Context, rate, save_checkpoint
+from hpcps.strategies.context import (Context, check_test_loss, rate, save_checkpoint,
+                                      warn_divergence)
 from hpcps.strategies.registry import SERVERS, Strategy
 from hpcps.topology import shard_range
 
@@ -277,9 +286,12 @@ def run_coordinator(ctx: Context) -> dict:
     losses = []
     runner.data_batch = opt.iterations
     fresh = opt.f is None
+    # each iteration's loss is of a whole batch: little noise, so a short window
+    watch = DivergenceWatch(span=1, window=5)
     if fresh:
         losses.append(opt.start())
         m.record("progress", step=ctx.start_step + space.evaluations, iteration=0, loss=opt.f)
+        _check_health(space, opt.f, ctx.start_step + space.evaluations)
     next_eval = _next(ctx.start_step, cfg.eval_every)
     next_ckpt = _next(ctx.start_step, cfg.checkpoint_every)
     while ctx.start_step + space.evaluations < ctx.total_steps:
@@ -301,10 +313,14 @@ def run_coordinator(ctx: Context) -> dict:
                  coordinator_bytes=space.bytes_sent - before[2],
                  reissued=runner.stats["reissued"], duplicates=runner.stats["duplicates"],
                  lost_replicas=len(runner.stats["lost_replicas"]))
+        _check_health(space, info["f"], step)
+        fired = watch.update(step, info["f"])
+        if fired is not None:
+            warn_divergence(ctx, watch, fired, step)
         if not info["accepted"]:
             m.message("line search found no acceptable step: history reset")
         if next_eval and step >= next_eval:
-            test_loss, test_acc = runner.evaluate_test()
+            test_loss, test_acc = _tested(runner, step)
             m.record("eval", step=step, epoch=round(ctx.epochs(step), 3),
                      test_accuracy=test_acc, test_loss=test_loss)
             next_eval = _next(step, cfg.eval_every)
@@ -313,7 +329,7 @@ def run_coordinator(ctx: Context) -> dict:
             next_ckpt = _next(step, cfg.checkpoint_every)
     train_s = time.perf_counter() - t0
     step = ctx.start_step + space.evaluations
-    test_loss, test_acc = runner.evaluate_test()
+    test_loss, test_acc = _tested(runner, step)
     _checkpoint(ctx, space, opt, Op.FINISH, step,
                 {"train_loss": opt.f, "test_accuracy": test_acc, "test_loss": test_loss})
     runner.stop()
@@ -332,6 +348,25 @@ def run_coordinator(ctx: Context) -> dict:
     return {"step": step, "train_s": train_s, "test_accuracy": test_acc, "test_loss": test_loss,
             "checkpoint": str(ctx.run_dir / "checkpoint.h5"),
             "examples_per_s": rate(batch_n * space.evaluations, train_s), "figures": figures}
+
+
+def _check_health(space: ShardSpace, f: float, step: int) -> None:
+    """Stop the job if the loss or the gradient at the current point is not finite."""
+    if not math.isfinite(f):
+        raise NonFiniteError(step, f"found the training loss at the current point to be {f}")
+    gg = space.dot("g", "g")  # float64 sums of float32 squares: finite iff every element is
+    if not math.isfinite(gg):
+        raise NonFiniteError(step, "found NaN or infinity in the gradient at the current point "
+                             f"(g . g = {gg})")
+
+
+def _tested(runner: BatchRunner, step: int) -> tuple[float, float]:
+    """Test loss and accuracy at x; a non-finite loss stops the job (NaN from a lost
+    replica 0 only means nobody could evaluate)."""
+    test_loss, test_acc = runner.evaluate_test()
+    if runner.replicas[0] in runner.live:
+        check_test_loss(test_loss, step)
+    return test_loss, test_acc
 
 
 def _next(step: int, every: int) -> int:

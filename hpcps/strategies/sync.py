@@ -69,6 +69,11 @@ class SyncReplica(ReplicaLoop):
     def global_step(self) -> int:
         return self.ctx.start_step + self.done * self.R
 
+    def loss_source(self) -> str:
+        # the loss rides in the allreduce: every replica holds the same mean, and rank 0
+        # reports it for the job
+        return f"the {self.R} replicas' mini-batches (their mean, allreduced)"
+
     def progress_fields(self) -> dict:
         return {"staleness": 0, "bytes_per_step": round(self.bytes_per_step)}
 
