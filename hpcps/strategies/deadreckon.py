@@ -116,7 +116,7 @@ class Peers:
         self.peers = [p for p in range(comm.Get_size()) if p != comm.Get_rank()]
         self.rx = np.empty(STEP_BYTES + compress.max_message_bytes(n), dtype=np.uint8)
         self.local_step = 0   # this replica's steps so far (set by the training loop)
-        self.lag_sum = 0      # sum over received messages of (our step - sender's step)
+        self.lag_sum = 0      # sum over received messages of max(0, our step - sender's step)
         self.pending: deque = deque()   # (requests, buffer) of sends still in flight
         self.done_from: set[int] = set()
         self.received = 0
@@ -175,7 +175,9 @@ class Peers:
                                       f"than any valid message for {self.n} weights")
         self.comm.Recv(self.rx[:size], source=src, tag=Tag.DR_UPDATE)
         on_words(compress.decode(self.rx[STEP_BYTES:size], self.n))
-        self.lag_sum += self.local_step - int(self.rx[:STEP_BYTES].view(np.int64)[0])
+        # an update is late by the steps we took since its sender's step; one from a sender
+        # ahead of us (we were descheduled, or still warming up) is not late at all
+        self.lag_sum += max(0, self.local_step - int(self.rx[:STEP_BYTES].view(np.int64)[0]))
         self.received += 1
         self.bytes_received += size
         return 1
