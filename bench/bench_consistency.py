@@ -283,7 +283,47 @@ def build_parser() -> argparse.ArgumentParser:
                         "'averaging-k4=--optimizer momentum --lr 0.05'; recorded with each "
                         "run")
     p.add_argument("--out", type=Path, help="also write the JSON here (after every run)")
+    p.add_argument("--table", type=Path, metavar="JSON",
+                   help="run nothing: print the markdown tables of a JSON this script wrote")
     return p
+
+
+def _num(x, fmt: str) -> str:
+    return "-" if x is None else format(x, fmt)
+
+
+def _label(rec: dict) -> str:
+    """Method name and the options --set gave it."""
+    extra = rec["options"][len(METHODS[rec["method"]]):]
+    return rec["method"] + (f" ({' '.join(extra)})" if extra else "")
+
+
+def tables(doc: dict) -> str:
+    """Markdown tables of a comparison: the runs (and the many-replica runs), then the slowed
+    replica's runs."""
+    out = ["| method | R | " + " | ".join(f"acc {i + 1}" for i in range(
+        max(len(r["accuracy_per_epoch"]) for r in doc["runs"]))) +
+        " | t97 s | examples/s | vs sync | bytes/step | staleness mean / max |",
+        ""]
+    out[1] = "|" + "---|" * (out[0].count("|") - 1)
+    for r in doc["runs"] + doc.get("many_replicas", []):
+        accs = " | ".join(_num(a, ".4f") for a in r["accuracy_per_epoch"])
+        stale = _num(r["mean_staleness"], ".2f")
+        if r["max_staleness"] is not None:
+            stale += f" / {r['max_staleness']:.0f}"
+        out.append(f"| {_label(r)} | {r['replicas']} | {accs} | "
+                   f"{_num(r['time_to_target_s'], '.1f')} | {_num(r['examples_per_s'], ',.0f')} "
+                   f"| {_num(r['examples_per_s_vs_sync'], '.2f')} | "
+                   f"{_num(r['bytes_per_step'], ',.0f')} | {stale} |")
+    if doc.get("slow_replica"):
+        out += ["", "| method | final acc | examples/s of wall time | vs sync | "
+                "vs the same method healthy |", "|---|---|---|---|---|"]
+        for r in doc["slow_replica"]:
+            out.append(f"| {_label(r)} | {_num(r['final_test_accuracy'], '.4f')} | "
+                       f"{_num(r['examples_per_wall_s'], ',.0f')} | "
+                       f"{_num(r['examples_per_wall_s_vs_sync'], '.2f')} | "
+                       f"{_num(r['examples_per_wall_s_vs_healthy'], '.2f')} |")
+    return "\n".join(out)
 
 
 def method_options(items: list[str], p: argparse.ArgumentParser) -> dict[str, list[str]]:
@@ -301,6 +341,9 @@ def method_options(items: list[str], p: argparse.ArgumentParser) -> dict[str, li
 def main(argv: list[str] | None = None) -> int:
     p = build_parser()
     a = p.parse_args(argv)
+    if a.table:
+        print(tables(json.loads(a.table.read_text())))
+        return 0
     prof = dict(QUICK if a.quick else FULL)
     for key in ("epochs", "replicas", "many_replicas", "target", "timeout", "data"):
         if getattr(a, key) is not None:
