@@ -17,9 +17,9 @@ them the public API uses):
 ``sgemm_blas``
     ``op(A) @ B`` through the same sgemm, for the forward and weight-gradient layouts.
 ``zero_skip_matmul``, ``zero_skip_update``
-    The Hogwild engine's first-layer products from ``ext/zero_skip.h`` (AVX-512F), which skip
-    inputs that are zero in a whole 4-row (4-column) block, exposed for tests and
-    ``bench/bench_gemm.py``.
+    The Hogwild engine's first-layer products from ``ext/zero_skip.h`` (AVX-512F or AVX2 +
+    FMA, as the caller asks and the CPU allows), which skip inputs that are zero in a whole
+    4-row (4-column) block, exposed for tests and ``bench/bench_gemm.py``.
 
 A packed, cache-blocked sgemm in Cython alone was measured here and removed: it reached
 12-18% of OpenBLAS at every training shape (figures in ``hpcps.kernels.gemm``).
@@ -230,39 +230,58 @@ def sgemm_blas(const float[:, ::1] A, const float[:, ::1] B, float[:, ::1] out,
 
 
 # -- zero skipping (ext/zero_skip.h; the Hogwild engine's first layer) ---------------------
-from zero_skip cimport (hp_plan, hp_zskip_available, hp_zskip_floats, hp_zskip_forward,
-                        hp_zskip_ints, hp_zskip_plan, hp_zskip_update)
+from zero_skip cimport (HP_ISA_AVX2, HP_ISA_AVX512, hp_plan, hp_zskip_cpu_isa,
+                        hp_zskip_floats, hp_zskip_forward, hp_zskip_ints, hp_zskip_plan,
+                        hp_zskip_supported, hp_zskip_update)
+
+# the kernels' instruction sets by name, in increasing order
+ZERO_SKIP_ISAS = {"avx2": HP_ISA_AVX2, "avx512": HP_ISA_AVX512}
 
 
-def zero_skip_available():
-    """True when this CPU runs the zero-skipping kernels (AVX-512F)."""
-    return bool(hp_zskip_available())
+def zero_skip_cpu_isa():
+    """The best instruction set this CPU runs the zero-skipping kernels with: ``"avx512"``
+    (AVX-512F), ``"avx2"`` (AVX2 and FMA) or None."""
+    cdef int isa = hp_zskip_cpu_isa()
+    for name, code in ZERO_SKIP_ISAS.items():
+        if code == isa:
+            return name
+    return None
 
 
-def zero_skip_matmul(const float[:, ::1] X, const float[:, ::1] W, float[:, ::1] Z):
-    """``Z += X @ W`` visiting only the inputs nonzero in each block of 4 rows of X.
-    Returns the fraction of the dense product's work done."""
+cdef int _isa_code(str isa) except -1:
+    code = ZERO_SKIP_ISAS.get(isa)
+    if code is None:
+        raise ValueError(f"unknown instruction set {isa!r}; one of {tuple(ZERO_SKIP_ISAS)}")
+    if not hp_zskip_supported(code):
+        raise RuntimeError(f"this CPU cannot run the {isa} zero-skipping kernels "
+                           f"(best: {zero_skip_cpu_isa()})")
+    return code
+
+
+def zero_skip_matmul(const float[:, ::1] X, const float[:, ::1] W, float[:, ::1] Z,
+                     str isa):
+    """``Z += X @ W`` visiting only the inputs nonzero in each block of 4 rows of X, with
+    the ``isa`` kernels. Returns the fraction of the dense product's work done."""
     cdef int nb = X.shape[0], n_in = X.shape[1], n = W.shape[1]
     cdef hp_plan plan
     cdef double frac
     if W.shape[0] != n_in or Z.shape[0] != nb or Z.shape[1] != n:
         raise ValueError("shape mismatch")
-    if not hp_zskip_available():
-        raise RuntimeError("zero skipping needs AVX-512F")
+    cdef int code = _isa_code(isa)
     if nb == 0 or n_in == 0 or n == 0:
         return 0.0
     cdef int[::1] iscr = np.zeros(hp_zskip_ints(nb, n_in), dtype=np.intc)
     cdef float[::1] fscr = np.zeros(hp_zskip_floats(nb, n_in), dtype=np.float32)
     with nogil:
-        frac = hp_zskip_plan(&plan, nb, n_in, &X[0, 0], &iscr[0], &fscr[0])
+        frac = hp_zskip_plan(&plan, code, nb, n_in, &X[0, 0], &iscr[0], &fscr[0])
         hp_zskip_forward(&plan, n, &W[0, 0], &Z[0, 0])
     return frac
 
 
 def zero_skip_update(const float[:, ::1] X, const float[:, ::1] D, float alpha,
-                     float[:, ::1] W, W2=None):
-    """``W += alpha * X.T @ D`` (and ``W2`` too, when given) visiting only the rows nonzero
-    in each block of 4 columns of X."""
+                     float[:, ::1] W, W2, str isa):
+    """``W += alpha * X.T @ D`` (and ``W2`` too, when not None) visiting only the rows
+    nonzero in each block of 4 columns of X, with the ``isa`` kernels."""
     cdef int nb = X.shape[0], n_in = X.shape[1], n = D.shape[1]
     cdef hp_plan plan
     cdef float[:, ::1] w2
@@ -273,8 +292,7 @@ def zero_skip_update(const float[:, ::1] X, const float[:, ::1] D, float alpha,
         w2 = W2
         if w2.shape[0] != n_in or w2.shape[1] != n:
             raise ValueError("shape mismatch")
-    if not hp_zskip_available():
-        raise RuntimeError("zero skipping needs AVX-512F")
+    cdef int code = _isa_code(isa)
     if nb == 0 or n_in == 0 or n == 0:
         return
     if W2 is not None:
@@ -282,5 +300,5 @@ def zero_skip_update(const float[:, ::1] X, const float[:, ::1] D, float alpha,
     cdef int[::1] iscr = np.zeros(hp_zskip_ints(nb, n_in), dtype=np.intc)
     cdef float[::1] fscr = np.zeros(hp_zskip_floats(nb, n_in), dtype=np.float32)
     with nogil:
-        hp_zskip_plan(&plan, nb, n_in, &X[0, 0], &iscr[0], &fscr[0])
+        hp_zskip_plan(&plan, code, nb, n_in, &X[0, 0], &iscr[0], &fscr[0])
         hp_zskip_update(&plan, n, &D[0, 0], alpha, &W[0, 0], p2)

@@ -35,8 +35,8 @@ from libc.stdint cimport int64_t
 from libc.string cimport memcpy
 from libc.string cimport memset
 
-from zero_skip cimport (hp_plan, hp_zskip_available, hp_zskip_floats, hp_zskip_forward,
-                        hp_zskip_ints, hp_zskip_plan, hp_zskip_update)
+from zero_skip cimport (HP_ISA_NONE, hp_plan, hp_zskip_floats, hp_zskip_forward,
+                        hp_zskip_ints, hp_zskip_plan, hp_zskip_supported, hp_zskip_update)
 
 cdef enum:
     ALIGN = 16          # floats: every buffer starts on a 64-byte boundary
@@ -83,6 +83,13 @@ cdef class HogwildEngine:
         Number of training threads T; one context each.
     batch : int
         Largest mini-batch a context holds.
+    sparse_below : float
+        Skip zeros in the first layer of a mini-batch when that does at most this fraction
+        of the dense work (0: never).
+    isa : str, optional
+        Instruction set of the zero-skipping kernels, ``"avx512"`` or ``"avx2"``; None
+        (default) takes ``hpcps.kernels.gemm.ZERO_SKIP_ISA``, the best this CPU runs. With
+        none available every layer uses BLAS.
     """
 
     cdef readonly int n_layers, threads, batch, n_params, act
@@ -97,6 +104,7 @@ cdef class HogwildEngine:
     cdef int64_t[::1] seen           # per-thread example count of the current call
     # zero-skipping first layer (ext/zero_skip.h): per-thread scratch for its plan
     cdef readonly double sparse_below   # use it when the work left <= this (0: never)
+    cdef int zs_isa                  # HP_ISA_* of the zero-skipping kernels (NONE: BLAS)
     cdef int[:, ::1] sp_int
     cdef float[:, ::1] sp_val
     cdef int64_t[::1] sparse_steps   # per thread: steps that took the zero-skipping path
@@ -111,7 +119,7 @@ cdef class HogwildEngine:
     cdef float lr
 
     def __init__(self, sizes, str activation, int threads, int batch,
-                 double sparse_below=0.0):
+                 double sparse_below=0.0, isa=None):
         cdef Py_ssize_t l, off, widest
         sizes = [int(s) for s in sizes]
         self.n_layers = len(sizes) - 1
@@ -151,7 +159,18 @@ cdef class HogwildEngine:
         self.seen = np.zeros(threads, dtype=np.int64)
         self.sparse_below = sparse_below
         self.sparse_steps = np.zeros(threads, dtype=np.int64)
-        if not hp_zskip_available():   # no AVX-512F on this CPU: BLAS for every layer
+        from hpcps.kernels import gemm as kernels_gemm   # the ISA names and the choice
+        if isa is None:
+            isa = kernels_gemm.ZERO_SKIP_ISA
+        if isa is None:
+            self.zs_isa = HP_ISA_NONE
+        else:
+            if isa not in kernels_gemm.ZERO_SKIP_ISA_CODES:
+                raise ValueError(f"unknown instruction set {isa!r}")
+            self.zs_isa = kernels_gemm.ZERO_SKIP_ISA_CODES[isa]
+            if not hp_zskip_supported(self.zs_isa):
+                raise ValueError(f"this CPU cannot run the {isa} zero-skipping kernels")
+        if self.zs_isa == HP_ISA_NONE:   # no kernels for this CPU: BLAS for every layer
             self.sparse_below = 0.0
         if self.sparse_below > 0.0:
             self.sp_int = np.zeros((threads, hp_zskip_ints(batch, sizes[0])), dtype=np.intc)
@@ -195,7 +214,7 @@ cdef class HogwildEngine:
             lab[r] = y[k]
         if self.sparse_below > 0.0:
             # list the zeros of the batch; skip them in the first layer if that saves enough
-            sparse = hp_zskip_plan(&plan, nb, n_in, a, &self.sp_int[t, 0],
+            sparse = hp_zskip_plan(&plan, self.zs_isa, nb, n_in, a, &self.sp_int[t, 0],
                                    &self.sp_val[t, 0]) <= self.sparse_below
             if sparse:
                 self.sparse_steps[t] += 1
@@ -440,10 +459,14 @@ cdef class HogwildEngine:
         """Steps, over all threads and calls so far, whose first layer used the nonzeros."""
         return int(np.sum(self.sparse_steps))
 
-    @staticmethod
-    def zero_skipping_available():
-        """True when this CPU runs the zero-skipping kernels (AVX-512F)."""
-        return bool(hp_zskip_available())
+    @property
+    def zero_skip_isa(self):
+        """``"avx512"`` or ``"avx2"``: the zero-skipping kernels' instruction set; None
+        when the first layer always uses BLAS."""
+        if self.sparse_below <= 0.0:
+            return None
+        from hpcps.kernels import gemm as kernels_gemm
+        return {c: n for n, c in kernels_gemm.ZERO_SKIP_ISA_CODES.items()}[self.zs_isa]
 
     def loss_and_grad(self, const float[::1] params, const float[:, ::1] x,
                       const int64_t[::1] y, float[::1] grad):

@@ -65,10 +65,11 @@ it (``HPCPS_BLAS``, read when the first engine is created).
 Zero skipping
 -------------
 Many inputs are mostly zeros (81% of MNIST's pixels), and a dense GEMM multiplies them all.
-On CPUs with AVX-512F the first layer's forward product and weight update use the kernels
-of ``ext/zero_skip.h`` instead of BLAS: register-blocked 4 x 64 GEMM micro-kernels that visit,
-for each block of 4 rows (forward) or 4 input columns (update), only the inputs nonzero
-somewhere in the block. Each step lists the blocks' nonzero patterns once (a few percent of
+On CPUs with AVX2 and FMA, or AVX-512F (the best is chosen at run time:
+``hpcps.kernels.gemm.ZERO_SKIP_ISA``), the first layer's forward product and weight update
+use the kernels of ``ext/zero_skip.h`` instead of BLAS: register-blocked GEMM micro-kernels
+that visit, for each block of 4 rows (forward) or 4 input columns (update), only the inputs
+nonzero somewhere in the block. Each step lists the blocks' nonzero patterns once (a few percent of
 a step) and uses the kernels when they do at most ``zero_skip`` of the dense work
 (default ``ZERO_SKIP``); the sums are the dense product's minus terms that are zero, so
 results agree with BLAS to rounding. Other layers always use BLAS: hidden activations of
@@ -166,7 +167,7 @@ class HogwildEngine:
     zero_skip : float
         Use the zero-skipping first layer for a mini-batch when it does at most this
         fraction of the dense work (0 turns it off; 1 uses it whenever possible). Only
-        on CPUs with AVX-512F; elsewhere every layer uses BLAS.
+        on CPUs with AVX2 and FMA or AVX-512F; elsewhere every layer uses BLAS.
 
     Raises
     ------
@@ -309,8 +310,15 @@ class HogwildEngine:
 
     @property
     def zero_skipping(self) -> bool:
-        """True when the first layer may skip zeros (compiled, AVX-512F, zero_skip > 0)."""
+        """True when the first layer may skip zeros (compiled, a CPU with AVX2 and FMA or
+        AVX-512F, zero_skip > 0)."""
         return self.compiled and self._engine.sparse_below > 0.0
+
+    @property
+    def zero_skip_isa(self) -> str | None:
+        """``"avx512"`` or ``"avx2"``: the instruction set of the zero-skipping kernels
+        this engine uses; None when the first layer always uses BLAS."""
+        return self._engine.zero_skip_isa if self.compiled else None
 
     @property
     def zero_skip_steps(self) -> int:

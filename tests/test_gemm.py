@@ -5,6 +5,7 @@ the fallback path (``HPCPS_NO_EXTENSION=1``) runs in a subprocess so this proces
 are left alone.
 """
 import os
+import platform
 import subprocess
 import sys
 import textwrap
@@ -13,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from hpcps.errors import ConfigError
 from hpcps.kernels import gemm
 
 REPO = Path(__file__).resolve().parents[1]
@@ -225,11 +227,71 @@ def test_fallback_without_extension_agrees():
 
 
 # -- zero skipping (ext/zero_skip.h) -------------------------------------------------------
-needs_zero_skip = pytest.mark.skipif(not gemm.ZERO_SKIP_COMPILED,
-                                     reason="zero skipping needs the extension and AVX-512F")
-# odd on purpose: rows/inputs not multiples of the 4-blocks, outputs not of 64 or 16
+# odd on purpose: rows/inputs not multiples of the 4-blocks, outputs not of 64, 24, 16 or 8
 ZS_SHAPES = [(1, 1, 1), (3, 5, 10), (13, 70, 65), (37, 129, 200), (128, 784, 1024),
              (130, 787, 1000)]
+
+
+def _cpu_flags():
+    """The CPU's feature flags as the kernel lists them (/proc/cpuinfo), or None."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return None
+
+
+CPU_FLAGS = _cpu_flags()
+
+
+def _isa(isa):
+    """``isa`` as a test parameter, skipped (saying why) where this CPU cannot run it: every
+    test below runs with the kernels this CPU has and reports the others as skipped."""
+    reason = (f"this CPU cannot run the {isa} kernels (its best: {gemm.ZERO_SKIP_CPU_ISA}; "
+              f"{gemm.ZERO_SKIP_ENV}={os.environ.get(gemm.ZERO_SKIP_ENV)!r})")
+    return pytest.param(isa, marks=pytest.mark.skipif(isa not in gemm.ZERO_SKIP_ISAS,
+                                                      reason=reason))
+
+
+ISAS = [_isa(isa) for isa in gemm.ISA_NAMES]
+
+
+@pytest.mark.skipif(not gemm.HAVE_EXTENSION or platform.machine() != "x86_64"
+                    or CPU_FLAGS is None,
+                    reason="needs the extension on x86-64 Linux (/proc/cpuinfo)")
+def test_zero_skip_isa_is_the_cpus_best():
+    """The run-time choice follows the CPU's flags as the kernel reports them: AVX-512F,
+    else AVX2 with FMA, else none (then the NumPy references run)."""
+    if "avx512f" in CPU_FLAGS:
+        want = "avx512"
+    elif {"avx2", "fma"} <= CPU_FLAGS:
+        want = "avx2"
+    else:
+        want = None
+    assert gemm.ZERO_SKIP_CPU_ISA == want
+    if not os.environ.get(gemm.ZERO_SKIP_ENV):
+        assert gemm.ZERO_SKIP_ISA == want
+        assert gemm.ZERO_SKIP_COMPILED == (want is not None)
+
+
+@pytest.mark.parametrize("cpu,cap,want", [
+    (None, None, ()), (None, "avx512", ()),                      # no AVX2: references only
+    ("avx2", None, ("avx2",)), ("avx2", "", ("avx2",)), ("avx2", "avx512", ("avx2",)),
+    ("avx2", "none", ()), ("avx512", None, ("avx2", "avx512")),
+    ("avx512", "avx2", ("avx2",)), ("avx512", " AVX512 ", ("avx2", "avx512")),
+    ("avx512", "none", ()),
+])
+def test_zero_skip_isas_rule(cpu, cap, want):
+    """Every CPU kind: what the kernels may use, given the CPU's best and the cap."""
+    assert gemm.zero_skip_isas(cpu, cap) == want
+
+
+def test_zero_skip_isas_refuses_unknown_cap():
+    with pytest.raises(ConfigError, match="HPCPS_ZERO_SKIP_ISA"):
+        gemm.zero_skip_isas("avx2", "sse4")
 
 
 def _zs_inputs(B, K, density, seed=0):
@@ -239,23 +301,23 @@ def _zs_inputs(B, K, density, seed=0):
     return X
 
 
-@needs_zero_skip
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("density", [0.0, 0.19, 1.0])
 @pytest.mark.parametrize("B,K,N", ZS_SHAPES)
-def test_zero_skip_matmul_matches_numpy(B, K, N, density):
+def test_zero_skip_matmul_matches_numpy(B, K, N, density, isa):
     X = _zs_inputs(B, K, density, seed=B)
     W = np.random.default_rng(1).standard_normal((K, N), dtype=np.float32)
     out = np.full((B, N), np.nan, dtype=np.float32)   # must be overwritten, not added to
-    gemm.zero_skip_matmul(X, W, out)
+    gemm.zero_skip_matmul(X, W, out, isa=isa)
     want = X.astype(np.float64) @ W
     np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-4 * (np.abs(want).max() + 1))
 
 
-@needs_zero_skip
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("with_w2", [False, True])
 @pytest.mark.parametrize("density", [0.0, 0.19, 1.0])
 @pytest.mark.parametrize("B,K,N", ZS_SHAPES)
-def test_zero_skip_update_matches_numpy(B, K, N, density, with_w2):
+def test_zero_skip_update_matches_numpy(B, K, N, density, with_w2, isa):
     rng = np.random.default_rng(2)
     X = _zs_inputs(B, K, density, seed=K)
     D = rng.standard_normal((B, N), dtype=np.float32)
@@ -263,11 +325,90 @@ def test_zero_skip_update_matches_numpy(B, K, N, density, with_w2):
     W2 = rng.standard_normal((K, N), dtype=np.float32) if with_w2 else None
     want = W.astype(np.float64) - 0.3 * (X.astype(np.float64).T @ D)
     want2 = W2.astype(np.float64) - 0.3 * (X.astype(np.float64).T @ D) if with_w2 else None
-    gemm.zero_skip_update(W, X, D, -0.3, W2)
+    gemm.zero_skip_update(W, X, D, -0.3, W2, isa=isa)
     tol = 1e-4 * (np.abs(want).max() + 1)
     np.testing.assert_allclose(W, want, rtol=1e-4, atol=tol)
     if with_w2:
         np.testing.assert_allclose(W2, want2, rtol=1e-4, atol=tol)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_zero_skip_on_mnist_like_strokes_matches_reference(isa):
+    """Image-like inputs (blobs of nonzeros, NaN-free) at the first layer's shapes: the
+    kernels against the NumPy references, both products."""
+    rng = np.random.default_rng(5)
+    X = np.zeros((128, 28, 28), np.float32)
+    for img in X:
+        r, c = rng.integers(4, 20, 2)
+        img[r:r + 8, c:c + 5] = rng.random((8, 5), dtype=np.float32)
+    X = X.reshape(128, 784)
+    W = rng.standard_normal((784, 512), dtype=np.float32)
+    D = rng.standard_normal((128, 512), dtype=np.float32)
+    got = gemm.zero_skip_matmul(X, W, isa=isa)
+    want = gemm.zero_skip_matmul_reference(X, W, np.empty_like(got))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    W_ref = W.copy()
+    gemm.zero_skip_update(W, X, D, -0.1, isa=isa)
+    gemm.zero_skip_update_reference(W_ref, X, D, -0.1)
+    np.testing.assert_allclose(W, W_ref, rtol=1e-5, atol=1e-5)
+
+
+def test_zero_skip_default_path_matches_reference():
+    """Without ``isa`` the best kernels this machine has run, or the references where it has
+    none: the same products either way."""
+    X = _zs_inputs(37, 129, 0.19, seed=4)
+    W = np.random.default_rng(3).standard_normal((129, 200), dtype=np.float32)
+    got = gemm.zero_skip_matmul(X, W)
+    want = gemm.zero_skip_matmul_reference(X, W, np.empty_like(got))
+    if gemm.ZERO_SKIP_ISA is None:
+        np.testing.assert_array_equal(got, want)
+    else:
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_zero_skip_refuses_unavailable_isa():
+    X = np.zeros((4, 6), np.float32)
+    W = np.zeros((6, 3), np.float32)
+    D = np.zeros((4, 3), np.float32)
+    missing = [isa for isa in gemm.ISA_NAMES if isa not in gemm.ZERO_SKIP_ISAS]
+    for isa in missing + ["sse2"]:
+        with pytest.raises(ValueError, match="not available"):
+            gemm.zero_skip_matmul(X, W, isa=isa)
+        with pytest.raises(ValueError, match="not available"):
+            gemm.zero_skip_update(W, X, D, 1.0, isa=isa)
+
+
+@pytest.mark.parametrize("cap", ["none", "avx2", "avx512"])
+def test_zero_skip_cap_from_environment(cap):
+    """HPCPS_ZERO_SKIP_ISA caps the kernels (a machine without AVX2, or with AVX2 only, as
+    seen from this one); the Hogwild engine follows; results still match the reference."""
+    code = textwrap.dedent("""
+        import numpy as np
+        from hpcps.hogwild import HogwildEngine
+        from hpcps.kernels import gemm
+        rng = np.random.default_rng(0)
+        X = rng.standard_normal((9, 40), dtype=np.float32)
+        X[rng.random((9, 40)) > 0.2] = 0.0
+        W = rng.standard_normal((40, 30), dtype=np.float32)
+        got = gemm.zero_skip_matmul(X, W)
+        want = X.astype(np.float64) @ W
+        assert np.allclose(got, want, rtol=1e-4, atol=1e-4), np.abs(got - want).max()
+        print(gemm.ZERO_SKIP_ISA, HogwildEngine((40, 30, 3), batch=9).zero_skip_isa)
+    """)
+    env = {**os.environ, gemm.ZERO_SKIP_ENV: cap, "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    want = gemm.zero_skip_isas(gemm.ZERO_SKIP_CPU_ISA, cap)
+    want = str(want[-1]) if want else "None"
+    assert proc.stdout.split() == [want, want]
+
+
+def test_zero_skip_cap_refuses_unknown_value():
+    env = {**os.environ, gemm.ZERO_SKIP_ENV: "avx9000", "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, "-c", "import hpcps.kernels.gemm"], env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0 and "HPCPS_ZERO_SKIP_ISA='avx9000'" in proc.stderr
 
 
 def test_zero_skip_refuses_bad_input():

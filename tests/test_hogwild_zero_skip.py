@@ -6,17 +6,22 @@ is any) and ``zero_skip=0`` (BLAS only), and against ``hpcps.model.MLP``; shapes
 purpose: inputs not a multiple of the 4-input blocks, outputs not a multiple of the
 64-column panels or of 16 lanes, batches not a multiple of the 4-row blocks.
 """
+import os
+
 import numpy as np
 import pytest
 
 from hpcps import hogwild
 from hpcps.errors import ConfigError
 from hpcps.hogwild import HogwildEngine
+from hpcps.kernels import gemm
 from hpcps.model import MLP
 
 pytestmark = pytest.mark.skipif(
     not hogwild.HAVE_EXTENSION or not HogwildEngine((2, 2), threads=1, batch=1).zero_skipping,
-    reason="zero skipping needs the compiled engine on a CPU with AVX-512F",
+    reason=f"zero skipping needs the compiled engine on a CPU with AVX2 and FMA or AVX-512F "
+           f"(this one's best: {gemm.ZERO_SKIP_CPU_ISA}, {gemm.ZERO_SKIP_ENV} = "
+           f"{os.environ.get(gemm.ZERO_SKIP_ENV)!r})",
 )
 
 SHAPES = [((13, 70, 5, 7), 9), ((7, 3), 1), ((31, 129, 2), 11), ((64, 64, 10), 16),
@@ -39,6 +44,14 @@ def _sparse_data(n, n_in, n_out, density, seed=0):
 def _engines(sizes, threads=1, batch=16, activation="relu"):
     return (HogwildEngine(sizes, activation, threads=threads, batch=batch, zero_skip=1.0),
             HogwildEngine(sizes, activation, threads=threads, batch=batch, zero_skip=0.0))
+
+
+def test_engine_uses_the_chosen_kernels():
+    """The engine skips zeros with the kernels hpcps.kernels.gemm chose for this CPU (AVX2
+    on an AVX2-only CPU; tests/test_gemm.py checks that choice against the CPU's flags),
+    and with none when zero_skip is 0."""
+    assert HogwildEngine((5, 3), batch=2).zero_skip_isa == gemm.ZERO_SKIP_ISA
+    assert HogwildEngine((5, 3), batch=2, zero_skip=0.0).zero_skip_isa is None
 
 
 @pytest.mark.parametrize("sizes,rows", SHAPES)

@@ -42,10 +42,12 @@ thread, medians; this machine does ~150 GFLOP/s per core in sgemm when idle, and
     The two layouts training needs: ``X @ W`` (forward) and ``X.T @ D`` (weight gradient).
 ``zero_skip_matmul(X, W, out)``, ``zero_skip_update(W, X, D, alpha, W2=None)``
     The first layer's two products for inputs with many zeros (``ext/zero_skip.h``; the
-    Hogwild engine uses them): register-blocked 4 x 64 AVX-512 micro-kernels that, per
-    block of 4 rows (forward) or 4 input columns (update), visit only the inputs nonzero
-    somewhere in the block. On CPUs without AVX-512F (``ZERO_SKIP_COMPILED`` False) the
-    NumPy references run. Figures: README, "Kernels"; ``bench/bench_gemm.py``.
+    Hogwild engine uses them): register-blocked micro-kernels that, per block of 4 rows
+    (forward) or 4 input columns (update), visit only the inputs nonzero somewhere in the
+    block; 4 x 64 with AVX-512F, 4 x 24 with AVX2 + FMA, the best the CPU has
+    (``ZERO_SKIP_ISA``, chosen at import; ``isa=`` picks another the CPU runs, for tests
+    and benchmarks). On CPUs with neither (``ZERO_SKIP_ISA`` None) the NumPy references
+    run. Figures: ``docs/performance.md``; ``bench/bench_gemm.py``.
 
 Not kept: a packed, cache-blocked sgemm in Cython alone (Goto/BLIS structure: packed A and
 B panels, KC=256, MC=96, NC=2048, a 4x8 register-blocked micro-kernel with constant trip
@@ -65,16 +67,34 @@ OpenBLAS may start its own threads inside sgemm. Server ranks run with
 ``OPENBLAS_NUM_THREADS=1`` (``hpcps.train`` sets it); ``threads`` here are OpenMP threads
 over tiles, and with both set above 1 the two multiply.
 
+Environment
+-----------
+HPCPS_ZERO_SKIP_ISA = avx512 | avx2 | none
+    The most the zero-skipping kernels may use (default: whatever the CPU has); ``avx2`` on
+    an AVX-512 CPU runs the AVX2 kernels, ``none`` the NumPy references here and BLAS in
+    the Hogwild engine. Read once, at import; another value raises ConfigError.
+
 Attributes
 ----------
 HAVE_EXTENSION : bool
     True when the compiled kernels are the ones in use.
 ACTIVATIONS : tuple of str
     ``("none", "relu", "tanh", "sigmoid")``.
+ZERO_SKIP_ISA : str or None
+    ``"avx512"`` or ``"avx2"``: the zero-skipping kernels used by default here and by the
+    Hogwild engine; None when there are none (no extension, a CPU without AVX2 and FMA, or
+    ``HPCPS_ZERO_SKIP_ISA=none``).
+ZERO_SKIP_ISAS : tuple of str
+    Every instruction set the kernels may use on this CPU, lowest first (``isa=``).
+ZERO_SKIP_CPU_ISA : str or None
+    The best instruction set this CPU runs them with, whatever ``HPCPS_ZERO_SKIP_ISA`` says.
 """
 import operator
+import os
 
 import numpy as np
+
+from hpcps.errors import ConfigError
 
 from . import _check_array, _check_no_overlap, _check_scalar, load_extension, reference
 from . import blas as _blas
@@ -84,12 +104,47 @@ ACTIVATIONS = ("none", "relu", "tanh", "sigmoid")
 _COMPILED_ACTS = ("none", "relu")
 
 _gemm, HAVE_EXTENSION = load_extension("_gemm", None, "hpcps.kernels.gemm")
-ZERO_SKIP_COMPILED = _gemm is not None and _gemm.zero_skip_available()
+
+# Instruction sets of the zero-skipping kernels, lowest first (names -> ext/zero_skip.h's
+# HP_ISA_* codes, which the compiled engine takes).
+ISA_NAMES = ("avx2", "avx512")
+ZERO_SKIP_ENV = "HPCPS_ZERO_SKIP_ISA"
+
+
+def zero_skip_isas(cpu_best, cap=None):
+    """The instruction sets the zero-skipping kernels may use, lowest first: every one up
+    to ``cpu_best`` (the CPU's best, a name in ``ISA_NAMES`` or None), and up to ``cap``
+    (``HPCPS_ZERO_SKIP_ISA``: a name, ``"none"``, or None/empty for no cap).
+
+    Raises
+    ------
+    ConfigError
+        On a ``cap`` that names no instruction set.
+    """
+    if cpu_best is None:
+        return ()
+    have = ISA_NAMES[:ISA_NAMES.index(cpu_best) + 1]
+    cap = (cap or "").strip().lower()
+    if not cap:
+        return have
+    if cap == "none":
+        return ()
+    if cap not in ISA_NAMES:
+        raise ConfigError(f"{ZERO_SKIP_ENV}={cap!r}: choose one of {ISA_NAMES + ('none',)}")
+    return have[:ISA_NAMES.index(cap) + 1]
+
+
+ZERO_SKIP_CPU_ISA = _gemm.zero_skip_cpu_isa() if _gemm is not None else None
+ZERO_SKIP_ISAS = zero_skip_isas(ZERO_SKIP_CPU_ISA, os.environ.get(ZERO_SKIP_ENV))
+ZERO_SKIP_ISA = ZERO_SKIP_ISAS[-1] if ZERO_SKIP_ISAS else None
+ZERO_SKIP_ISA_CODES = dict(_gemm.ZERO_SKIP_ISAS) if _gemm is not None else {}
+ZERO_SKIP_COMPILED = ZERO_SKIP_ISA is not None   # the public functions run compiled kernels
 
 __all__ = [
-    "ACTIVATIONS", "HAVE_EXTENSION", "ZERO_SKIP_COMPILED", "fused_outer_adagrad",
-    "gemm_bias_act", "sgemm", "zero_skip_matmul", "zero_skip_update",
-    "outer_adagrad_reference", "gemm_bias_act_reference", "sgemm_reference",
+    "ACTIVATIONS", "HAVE_EXTENSION", "ISA_NAMES", "ZERO_SKIP_COMPILED", "ZERO_SKIP_CPU_ISA",
+    "ZERO_SKIP_ISA", "ZERO_SKIP_ISAS", "fused_outer_adagrad", "gemm_bias_act", "sgemm",
+    "zero_skip_isas", "zero_skip_matmul", "zero_skip_update", "outer_adagrad_reference",
+    "gemm_bias_act_reference", "sgemm_reference", "zero_skip_matmul_reference",
     "zero_skip_update_reference",
 ]
 
@@ -154,6 +209,11 @@ def gemm_bias_act_reference(X, W, b, act, out):
 def sgemm_reference(A, B, out, trans_a=False):
     """``out = op(A) @ B`` in NumPy; returns ``out``."""
     return np.matmul(A.T if trans_a else A, B, out=out)
+
+
+def zero_skip_matmul_reference(X, W, out):
+    """``out = X @ W`` in NumPy; returns ``out``."""
+    return np.matmul(X, W, out=out)
 
 
 def zero_skip_update_reference(W, X, D, alpha, W2=None):
@@ -314,7 +374,18 @@ def sgemm(A, B, out=None, trans_a=False):
     return out
 
 
-def zero_skip_matmul(X, W, out=None):
+def _zero_skip_isa(isa):
+    """``isa`` checked (None: ``ZERO_SKIP_ISA``); None when the NumPy reference runs."""
+    if isa is None:
+        return ZERO_SKIP_ISA
+    if isa not in ZERO_SKIP_ISAS:
+        raise ValueError(f"isa {isa!r} is not available here; choose one of "
+                         f"{ZERO_SKIP_ISAS} (this CPU's best: {ZERO_SKIP_CPU_ISA}, "
+                         f"{ZERO_SKIP_ENV}={os.environ.get(ZERO_SKIP_ENV)!r})")
+    return isa
+
+
+def zero_skip_matmul(X, W, out=None, isa=None):
     """``out = X @ W``, skipping the inputs that are zero in a whole block of 4 rows of X.
 
     Parameters
@@ -325,6 +396,9 @@ def zero_skip_matmul(X, W, out=None):
         (K, N) float32 C-contiguous.
     out : numpy.ndarray, optional
         (B, N) float32 C-contiguous; allocated when None.
+    isa : str, optional
+        The kernels' instruction set, one of ``ZERO_SKIP_ISAS``; None: ``ZERO_SKIP_ISA``
+        (the NumPy reference when that is None).
 
     Returns
     -------
@@ -334,8 +408,8 @@ def zero_skip_matmul(X, W, out=None):
     Raises
     ------
     ValueError
-        On arrays that are not 2-D float32 C-contiguous, disagreeing shapes, or an ``out``
-        that is read-only or overlaps an input.
+        On arrays that are not 2-D float32 C-contiguous, disagreeing shapes, an ``out``
+        that is read-only or overlaps an input, or an ``isa`` not in ``ZERO_SKIP_ISAS``.
     """
     _check_matrix("X", X)
     _check_matrix("W", W)
@@ -343,14 +417,15 @@ def zero_skip_matmul(X, W, out=None):
     if W.shape[0] != K:
         raise ValueError(f"shape mismatch: X {X.shape} @ W {W.shape}")
     out = _out_matrix(out, (B, W.shape[1]), [("X", X), ("W", W)])
-    if not ZERO_SKIP_COMPILED:
-        return np.matmul(X, W, out=out)
+    isa = _zero_skip_isa(isa)
+    if isa is None:
+        return zero_skip_matmul_reference(X, W, out)
     out[...] = 0.0
-    _gemm.zero_skip_matmul(X, W, out)
+    _gemm.zero_skip_matmul(X, W, out, isa)
     return out
 
 
-def zero_skip_update(W, X, D, alpha, W2=None):
+def zero_skip_update(W, X, D, alpha, W2=None, isa=None):
     """``W += alpha * X.T @ D`` (and the same into ``W2``), skipping, for each block of 4
     columns of X, the rows where all 4 are zero. The gradient is never formed.
 
@@ -366,12 +441,15 @@ def zero_skip_update(W, X, D, alpha, W2=None):
         Scale, e.g. ``-lr``.
     W2 : numpy.ndarray, optional
         (K, N) float32, also updated (a replica's running delta).
+    isa : str, optional
+        As for :func:`zero_skip_matmul`.
 
     Raises
     ------
     ValueError
         On arrays that are not 2-D float32 C-contiguous, disagreeing shapes, a non-finite
-        ``alpha``, a read-only ``W``/``W2`` or one that overlaps another array.
+        ``alpha``, a read-only ``W``/``W2`` or one that overlaps another array, or an
+        ``isa`` not in ``ZERO_SKIP_ISAS``.
     """
     _check_matrix("W", W, writable=True)
     _check_matrix("X", X)
@@ -387,7 +465,8 @@ def zero_skip_update(W, X, D, alpha, W2=None):
             raise ValueError(f"W2 must have shape {W.shape}, got {W2.shape}")
         outs.append(("W2", W2))
     _check_no_overlap(outs, [("X", X), ("D", D)])
-    if not ZERO_SKIP_COMPILED:
+    isa = _zero_skip_isa(isa)
+    if isa is None:
         zero_skip_update_reference(W, X, D, alpha, W2)
         return
-    _gemm.zero_skip_update(X, D, alpha, W, W2)
+    _gemm.zero_skip_update(X, D, alpha, W, W2, isa)
