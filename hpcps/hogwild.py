@@ -195,7 +195,7 @@ class HogwildEngine:
         self.n_params = self.model.n_params
         self.compiled = HAVE_EXTENSION
         if self.compiled:
-            blas.ensure()                            # HPCPS_BLAS, at the first engine
+            blas.ensure(blas.mlp_shapes(self.sizes, self.batch))   # HPCPS_BLAS: first engine
             self._engine = _compiled.HogwildEngine(self.sizes, activation, self.threads,
                                                    self.batch, zero_skip)
         else:

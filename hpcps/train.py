@@ -210,7 +210,7 @@ def _summary(ctx: Context, results: list[dict], wall_s: float) -> None:
                    examples_per_s=round(mine.get("examples_per_s", float("nan")), 1),
                    bytes_per_step=round(bytes_per_step), mean_staleness=round(staleness, 3),
                    test_accuracy=mine.get("test_accuracy"), test_loss=mine.get("test_loss"),
-                   checkpoint=mine.get("checkpoint"), blas=_blas_in_use(), **figures)
+                   checkpoint=mine.get("checkpoint"), **_blas_in_use(), **figures)
     m.message(f"finished {_describe(cfg, ctx.grid.layout)}")
     m.message(f"  {trained} steps this run (global step {step}, {rec['epoch']:.2f} epochs) in "
               f"{rec['train_s']:.1f} s: {rec['examples_per_s']:.0f} examples/s, "
@@ -220,13 +220,15 @@ def _summary(ctx: Context, results: list[dict], wall_s: float) -> None:
     m.message(f"  final test accuracy: {100 * rec['test_accuracy']:.2f}% "
               f"(test loss {rec['test_loss']:.4f})")
     m.message(f"  checkpoint: {rec['checkpoint']}   metrics: {m.path}")
+    m.message(f"  BLAS: {rec['blas']} ({rec['blas_reason']})")
 
 
-def _blas_in_use() -> str:
-    """``mkl`` or ``openblas``: the sgemm the compiled kernels call (``HPCPS_BLAS``); ``numpy``
-    when they are not built."""
+def _blas_in_use() -> dict:
+    """``blas``: ``mkl`` or ``openblas``, the sgemm the compiled kernels call (``HPCPS_BLAS``),
+    ``numpy`` when they are not built; ``blas_reason``: why."""
     from hpcps.kernels import HAVE_EXTENSION, blas
-    return blas.current() if HAVE_EXTENSION else "numpy"
+    return blas.summary() if HAVE_EXTENSION else {"blas": "numpy",
+                                                  "blas_reason": "no compiled kernels"}
 
 
 def guarded(world, role: str, fn, *args):

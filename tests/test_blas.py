@@ -228,7 +228,10 @@ def test_use_switches_the_pointer_both_ways():
         assert _gemm._get_sgemm() == _hogwild._get_sgemm() != scipy_sgemm
         info = blas.info()
         assert info["blas"] == "mkl" and "Math Kernel Library" in info["mkl_version"]
-        assert blas.use("auto") == "mkl"
+        assert info["reason"] == "use('mkl'): asked for" and info["timing"] is None
+        auto = blas.use("auto")                    # timed: the pointer is the faster one's
+        assert (_gemm._get_sgemm() == scipy_sgemm) == (auto == "openblas")
+        assert _hogwild._get_sgemm() == _gemm._get_sgemm()
         assert blas.use("openblas") == "openblas" and blas.current() == "openblas"
         assert _gemm._get_sgemm() == _hogwild._get_sgemm() == scipy_sgemm
         assert blas.use(" MKL ") == "mkl"          # case and spaces, as in the env var
@@ -278,7 +281,7 @@ def test_environment_variable(tmp_path):
         blas._mkl_candidates = lambda: [{str(tmp_path / "libmkl_rt.so.3")!r}]
         try:
             HogwildEngine((4, 3), "relu")
-            out = {{"ok": blas.current()}}
+            out = {{"ok": blas.current(), "reason": blas.info()["reason"]}}
         except ConfigError as exc:
             out = {{"error": str(exc)}}
         A = np.ones((2, 3), np.float32)
@@ -298,7 +301,12 @@ def test_environment_variable(tmp_path):
         assert str(tmp_path) in err and "pip install mkl" in err
         assert got["mkl"]["again"] == "error"
         assert got["mlk"]["error"].startswith("HPCPS_BLAS='mlk'")
+    reason = got["auto"].pop("reason")
     assert got["auto"] == {"ok": "openblas", "again": "openblas"}
+    if gemm.HAVE_EXTENSION:
+        assert reason.startswith("HPCPS_BLAS=auto: MKL cannot be used (libmkl_rt not found")
+    assert got["openblas"].pop("reason") == "HPCPS_BLAS=openblas: asked for"
+    assert got["OpenBLAS"].pop("reason") == "HPCPS_BLAS=OpenBLAS: asked for"
     assert got["openblas"] == got["OpenBLAS"] == {"ok": "openblas", "again": "openblas"}
 
 
@@ -306,13 +314,84 @@ def test_environment_variable(tmp_path):
 @MKL
 def test_default_is_used_when_unset():
     code = """
+        import json
         from hpcps.kernels import blas, gemm
         import numpy as np
         gemm.sgemm(np.ones((2, 2), np.float32), np.ones((2, 2), np.float32))
-        print(blas.current())
+        print(json.dumps(blas.info()))
     """
-    want = {"auto": "mkl", "mkl": "mkl", "openblas": "openblas"}[blas.DEFAULT]
-    assert _run(code).stdout.strip() == want
+    info = json.loads(_run(code).stdout)
+    assert blas.DEFAULT == "auto"
+    assert info["reason"].startswith("HPCPS_BLAS unset: auto: timed both at the sgemm shapes "
+                                     "of an MLP 784-512-512-10 at batch 128 (6 products)")
+    _check_auto_choice(info)
+
+
+def _check_auto_choice(info):
+    """auto kept the library its own timing found faster, and says so."""
+    speed = info["timing"]["mkl_speed_over_openblas"]
+    assert info["blas"] == ("mkl" if speed > 1.0 else "openblas")
+    assert f"MKL ran {speed:.2f}x OpenBLAS's speed" in info["reason"]
+    assert blas.MIN_ROUNDS <= info["timing"]["rounds"] <= blas.MAX_ROUNDS
+
+
+@needs_extension
+@MKL
+def test_auto_times_the_engines_shapes():
+    """The first Hogwild engine hands auto its model's shapes; the choice is made once and
+    the summary fields say which library and why."""
+    code = """
+        import json
+        from hpcps.hogwild import HogwildEngine
+        from hpcps.kernels import blas
+        HogwildEngine((30, 700, 10), batch=16)
+        first = blas.info()
+        HogwildEngine((5, 5), batch=2)              # already chosen: not timed again
+        assert blas.info() == first
+        print(json.dumps({"info": first, "summary": blas.summary()}))
+    """
+    got = json.loads(_run(code, {"HPCPS_BLAS": "auto"}).stdout)
+    info = got["info"]
+    assert info["timing"]["shapes"] == ("16x30 @ 30x700, 30x16^T @ 16x700, 16x700 @ 700x10, "
+                                        "700x16^T @ 16x10")
+    assert info["reason"].startswith("HPCPS_BLAS=auto: timed both at the sgemm shapes of "
+                                     "this model (4 products)")
+    _check_auto_choice(info)
+    assert got["summary"] == {"blas": info["blas"], "blas_reason": info["reason"]}
+
+
+def test_mlp_shapes():
+    assert blas.mlp_shapes((784, 512, 512, 10), 128) == (
+        (128, 784, 512, False), (784, 128, 512, True), (128, 512, 512, False),
+        (512, 128, 512, True), (128, 512, 10, False), (512, 128, 10, True))
+    # repeated layers listed once, and sizes clipped so timing a huge model stays short
+    assert blas.mlp_shapes((8, 8, 8), 4) == ((4, 8, 8, False), (8, 4, 8, True))
+    big = blas.MAX_DIM
+    assert blas.mlp_shapes((100_000, 10), 32) == ((32, big, 10, False), (big, 32, 10, True))
+
+
+@pytest.mark.parametrize("ratios,want", [
+    ([1.1, 1.2, 1.15], "mkl"),                  # MKL faster each round (a Xeon)
+    ([0.9, 0.93, 0.88], "openblas"),            # slower (an AMD EPYC)
+    ([0.9, 3.0, 0.92, 0.91, 5.0], "openblas"),  # two disturbed rounds do not decide
+    ([1.0, 1.0, 1.0], "openblas"),              # a tie keeps the one that needs no loading
+])
+def test_decide_takes_the_median_paired_ratio(ratios, want):
+    rounds = [{"openblas": r * 1e-3, "mkl": 1e-3} for r in ratios]
+    name, speed = blas.decide(rounds)
+    assert name == want and speed == pytest.approx(sorted(ratios)[len(ratios) // 2])
+
+
+@needs_extension
+def test_time_sgemm_rounds():
+    """Every round times every library on every shape; at least MIN_ROUNDS, at most
+    max_rounds, within the budget once MIN_ROUNDS are done."""
+    shapes = blas.mlp_shapes((20, 30, 5), 8)
+    got = blas.time_sgemm({"openblas": 0, "again": 0}, shapes, max_rounds=4, budget_s=0.0)
+    assert len(got["rounds"]) == blas.MIN_ROUNDS
+    assert all(set(r) == {"openblas", "again"} and min(r.values()) > 0 for r in got["rounds"])
+    got = blas.time_sgemm({"openblas": 0}, shapes, min_rounds=1, max_rounds=4, budget_s=60)
+    assert len(got["rounds"]) == 4
 
 
 # --------------------------------------------------------------------------- PyTorch

@@ -3,13 +3,17 @@
 The Hogwild engine (``ext/hogwild.pyx``) and the GEMM kernels (``ext/gemm.pyx``) call
 single-threaded Fortran ``sgemm`` without the GIL, by default
 ``scipy.linalg.cython_blas.sgemm`` (OpenBLAS). Both hold that sgemm in a function pointer,
-which :func:`use` can point at MKL's instead. On this machine (Xeon, AVX-512, one core,
-MKL 2026.2 against scipy's OpenBLAS, medians of per-round ratios with the two calls back to
-back) MKL's sgemm was 1.05x, 1.22x and 1.49x faster at the forward products of an MLP
-784-1024-1024-10, batch 128 (784x1024, 1024x1024, 1024x10 weights) and 1.26x, 1.33x at
-the weight gradients ``X.T @ D`` (``bench/bench_gemm.py``); the Hogwild engine on MNIST
-trained 1.07x (T=1) and 1.11x (T=2) faster with it for that model, 1.13x and 1.14x for
-784-512-512-10. Hence the default ``auto``.
+which :func:`use` can point at MKL's instead.
+
+Which is faster depends on the CPU: on an AVX-512 Xeon MKL's sgemm ran 1.05-1.49x
+OpenBLAS's at an MLP's training shapes, on an AMD EPYC (AVX2) 0.88-0.94x
+(``docs/performance.md``). So ``auto``, the default, does not guess: when MKL loads, it
+times both libraries' sgemm, through the kernels' own pointer, on the products one training
+step of the model makes (:func:`mlp_shapes`: each layer's forward ``X @ W`` and weight
+gradient ``X.T @ D``, given by the first Hogwild engine; an MLP 784-512-512-10 at batch 128
+when the first caller knows no model), in rounds that alternate which library goes first,
+and keeps the one whose median paired ratio is faster. That takes 0.05-0.3 s, once per
+process (:data:`TIME_BUDGET_S`). :func:`info` says what was chosen and why.
 
 MKL comes from the PyPI ``mkl`` wheel (``pip install "hpcps[mkl]"``; it puts
 ``libmkl_rt.so.3`` in ``<sys.prefix>/lib``) or from anywhere ``ctypes.util.find_library``
@@ -24,8 +28,9 @@ Environment
 HPCPS_BLAS = auto | mkl | openblas
     Read once, when the first compiled kernel or engine needs sgemm (not at import: see
     "PyTorch" below), or at the first :func:`current`; an explicit :func:`use` wins.
-    ``auto`` (the default) is MKL when it loads, else OpenBLAS; ``mkl`` raises
-    :class:`hpcps.errors.ConfigError` when MKL cannot be loaded.
+    ``auto`` (the default) times both at the model's shapes when MKL loads (above), else
+    is OpenBLAS; ``mkl`` raises :class:`hpcps.errors.ConfigError` when MKL cannot be
+    loaded.
 
 PyTorch
 -------
@@ -42,13 +47,17 @@ use NumPy's BLAS and the choice here changes nothing.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import importlib
 import importlib.abc
+import importlib.util
 import os
+import statistics
 import sys
 import threading
+import time
 import warnings
 
 import numpy as np
@@ -65,12 +74,21 @@ _MKL_THREADING_SEQUENTIAL = 1
 # the compiled modules whose sgemm pointer is set
 _EXTENSIONS = ("_gemm", "_hogwild")
 
+# auto's timing: rounds of every shape with each library, at least MIN_ROUNDS and at most
+# MAX_ROUNDS, stopping once TIME_BUDGET_S has passed; dimensions are clipped at MAX_DIM
+# (sgemm's speed is flat beyond a few hundred, and the budget must hold for any model)
+MIN_ROUNDS, MAX_ROUNDS, TIME_BUDGET_S, MAX_DIM = 3, 9, 0.25, 2048
+DEFAULT_MODEL, DEFAULT_BATCH = (784, 512, 512, 10), 128
+
 _lock = threading.RLock()
 _current: str | None = None     # "openblas" or "mkl" once chosen
+_reason: str | None = None      # why, in words, once chosen
+_timing: dict | None = None     # auto's measurement, when it timed
 _mkl: dict | None = None        # {"path", "version", "sgemm"} once MKL is loaded
 mkl_error: str | None = None    # why MKL did not load, when it did not
 
-__all__ = ["DEFAULT", "NAMES", "current", "ensure", "info", "use"]
+__all__ = ["DEFAULT", "NAMES", "current", "decide", "ensure", "info", "mlp_shapes",
+           "summary", "time_sgemm", "use"]
 
 
 def _mkl_candidates():
@@ -190,12 +208,88 @@ def _point_extensions(address):
         mod._set_sgemm(address)
 
 
-def use(name: str) -> str:
+def mlp_shapes(sizes, batch):
+    """The sgemm products of one training step of an MLP with layer widths ``sizes`` and
+    mini-batch ``batch``, as ``(m, k, n, trans_a)``: ``out (m, n) = op(A) (m, k) @ B (k, n)``,
+    each layer's forward ``X @ W`` and weight gradient ``X.T @ D`` (the error's product
+    ``D @ W.T`` has the forward's size). Dimensions are clipped at ``MAX_DIM``; repeats are
+    listed once."""
+    shapes = []
+    for n_in, n_out in zip(sizes[:-1], sizes[1:]):
+        b, i, o = (min(int(v), MAX_DIM) for v in (batch, n_in, n_out))
+        for shape in ((b, i, o, False), (i, b, o, True)):
+            if shape not in shapes:
+                shapes.append(shape)
+    return tuple(shapes)
+
+
+def time_sgemm(addresses, shapes, min_rounds=MIN_ROUNDS, max_rounds=MAX_ROUNDS,
+               budget_s=TIME_BUDGET_S):
+    """Seconds each sgemm (``{name: address}``, 0 for scipy's) takes for all ``shapes`` (as
+    :func:`mlp_shapes`), called as the kernels call it, one thread.
+
+    One warm-up pass each, then rounds: every library does every shape once, the order of
+    the libraries turning each round so drifting load hits both alike. Returns
+    ``{"rounds": [{name: seconds}, ...], "seconds": wall time spent}``.
+    """
+    from hpcps.kernels import _gemm
+    rng = np.random.default_rng(0)
+    problems = []
+    for m, k, n, trans_a in shapes:
+        a = rng.standard_normal((k, m) if trans_a else (m, k), dtype=np.float32)
+        problems.append((a, rng.standard_normal((k, n), dtype=np.float32),
+                         np.empty((m, n), np.float32), trans_a))
+    names = list(addresses)
+
+    def one_pass(name):
+        _gemm._set_sgemm(addresses[name])
+        t0 = time.perf_counter()
+        for a, b, out, trans_a in problems:
+            _gemm.sgemm_blas(a, b, out, trans_a)
+        return time.perf_counter() - t0
+
+    start = time.perf_counter()
+    rounds = []
+    with _one_blas_thread():
+        for name in names:
+            one_pass(name)
+        while len(rounds) < max_rounds and (len(rounds) < min_rounds
+                                            or time.perf_counter() - start < budget_s):
+            order = names if len(rounds) % 2 == 0 else names[::-1]
+            rounds.append({name: one_pass(name) for name in order})
+    return {"rounds": rounds, "seconds": time.perf_counter() - start}
+
+
+def _one_blas_thread():
+    """OpenBLAS limited to one thread, as every kernel calls it (threadpoolctl, if there)."""
+    try:
+        from threadpoolctl import threadpool_limits
+    except ImportError:
+        return contextlib.nullcontext()
+    return threadpool_limits(limits=1, user_api="blas")
+
+
+def decide(rounds):
+    """``(name, mkl_speed)``: MKL when its median paired speed ratio over ``rounds`` (each
+    ``{"openblas": s, "mkl": s}``) is above 1, else OpenBLAS. ``mkl_speed`` is that ratio
+    (OpenBLAS's seconds over MKL's)."""
+    speed = statistics.median(r["openblas"] / r["mkl"] for r in rounds)
+    return ("mkl" if speed > 1.0 else "openblas"), speed
+
+
+def _describe_shapes(shapes):
+    return ", ".join(f"{m}x{k}{'^T' if t else ''} @ {k}x{n}" for m, k, n, t in shapes)
+
+
+def use(name: str, shapes=None, source: str | None = None) -> str:
     """Make the compiled kernels call ``name``'s sgemm from now on; returns the library
     chosen (``"openblas"`` or ``"mkl"``).
 
-    ``"auto"`` is MKL when it loads, else OpenBLAS. Call it while no kernel is running
-    (the switch is one pointer per module, read by every sgemm call).
+    ``"auto"`` times both libraries at ``shapes`` (as :func:`mlp_shapes`; default: an MLP
+    784-512-512-10 at batch 128) when MKL loads and keeps the faster, else is OpenBLAS.
+    ``source`` (e.g. ``"HPCPS_BLAS=auto"``) heads the reason :func:`info` gives. Call it
+    while no kernel is running (the switch is one pointer per module, read by every sgemm
+    call).
 
     Raises
     ------
@@ -203,30 +297,56 @@ def use(name: str) -> str:
         On a name not in ``NAMES``, or ``"mkl"`` when MKL cannot be loaded (``mkl_error``
         says why).
     """
-    global _current
+    global _current, _reason, _timing
     if not isinstance(name, str) or name.strip().lower() not in NAMES:
         raise ConfigError(f"unknown BLAS {name!r}; choose one of {NAMES}")
     name = name.strip().lower()
+    source = source or f"use({name!r})"
     with _lock:
+        timing = None
         if name == "openblas":
-            address = 0
+            address, reason = 0, f"{source}: asked for"
         elif name == "mkl":
-            address = _load_mkl()
+            address, reason = _load_mkl(), f"{source}: asked for"
         else:
             try:
-                address = _load_mkl()
+                mkl = _load_mkl()
             except ConfigError:
                 name, address = "openblas", 0
+                reason = f"{source}: MKL cannot be used ({mkl_error})"
             else:
-                name = "mkl"
+                name, address, timing, reason = _time_and_choose(mkl, shapes, source)
         _point_extensions(address)
-        _current = name
+        _current, _reason, _timing = name, reason, timing
         return name
 
 
-def ensure() -> str:
+def _time_and_choose(mkl, shapes, source):
+    """auto with MKL loaded: ``(name, address, timing, reason)``."""
+    if os.environ.get("HPCPS_NO_EXTENSION") == "1" or \
+            importlib.util.find_spec("hpcps.kernels._gemm") is None:
+        return "openblas", 0, None, f"{source}: the compiled kernels are not used"
+    model = shapes is None
+    shapes = mlp_shapes(DEFAULT_MODEL, DEFAULT_BATCH) if model else tuple(shapes)
+    measured = time_sgemm({"openblas": 0, "mkl": mkl}, shapes)
+    name, speed = decide(measured["rounds"])
+    what = (f"an MLP {'-'.join(map(str, DEFAULT_MODEL))} at batch {DEFAULT_BATCH}" if model
+            else "this model")
+    reason = (f"{source}: timed both at the sgemm shapes of {what} ({len(shapes)} "
+              f"products): MKL ran {speed:.2f}x OpenBLAS's speed (median of "
+              f"{len(measured['rounds'])} paired rounds, {measured['seconds']:.2f} s)")
+    timing = {"shapes": _describe_shapes(shapes), "mkl_speed_over_openblas": round(speed, 3),
+              "rounds": len(measured["rounds"]), "seconds": round(measured["seconds"], 3),
+              "openblas_ms": round(1e3 * statistics.median(
+                  r["openblas"] for r in measured["rounds"]), 3),
+              "mkl_ms": round(1e3 * statistics.median(r["mkl"] for r in measured["rounds"]), 3)}
+    return name, (mkl if name == "mkl" else 0), timing, reason
+
+
+def ensure(shapes=None) -> str:
     """Choose the BLAS from ``HPCPS_BLAS`` (default ``DEFAULT``) unless already chosen;
-    returns the library in use. Called by the kernels and the engine before first use."""
+    returns the library in use. Called by the kernels and the engine before first use;
+    ``shapes`` (as :func:`mlp_shapes`) are what ``auto`` times, when this call chooses."""
     if _current is not None:
         return _current
     with _lock:
@@ -235,11 +355,12 @@ def ensure() -> str:
         want = os.environ.get(ENV, "").strip() or DEFAULT
         if want.lower() not in NAMES:
             raise ConfigError(f"{ENV}={want!r}: choose one of {NAMES}")
+        source = f"{ENV}={want}" if os.environ.get(ENV, "").strip() else f"{ENV} unset: {want}"
         try:
-            return use(want)
+            return use(want, shapes, source)
         except ConfigError as exc:
             raise ConfigError(f"{ENV}={want}: Intel MKL cannot be used: {exc}; or set "
-                              f"{ENV}=openblas (or auto: MKL when it loads)") from None
+                              f"{ENV}=openblas (or auto: the faster when MKL loads)") from None
 
 
 def current() -> str:
@@ -249,9 +370,19 @@ def current() -> str:
 
 
 def info() -> dict:
-    """``{"blas": current(), "mkl_path", "mkl_version", "mkl_error"}`` for reports."""
+    """``{"blas": current(), "reason", "timing", "mkl_path", "mkl_version", "mkl_error"}``
+    for reports: ``reason`` says why in words, ``timing`` is auto's measurement (None when
+    it did not time)."""
     name = current()
     return {"blas": name,
+            "reason": _reason,
+            "timing": _timing,
             "mkl_path": _mkl["path"] if _mkl else None,
             "mkl_version": _mkl["version"] if _mkl else None,
             "mkl_error": mkl_error}
+
+
+def summary() -> dict:
+    """``{"blas": name, "blas_reason": why}``: the two fields a run's summary records."""
+    name = current()
+    return {"blas": name, "blas_reason": _reason}
