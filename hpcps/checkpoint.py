@@ -649,6 +649,40 @@ def check_finite(ckpt: Checkpoint) -> None:
                               "from an earlier checkpoint or start anew")
 
 
+def latest(run_dir: str | os.PathLike) -> tuple[Checkpoint | None, list[str]]:
+    """The newest valid checkpoint in ``run_dir``, for ``--resume auto``.
+
+    Candidates are the files ``checkpoint*.h5`` (hpcps writes ``checkpoint.h5``; a temporary
+    ``checkpoint.h5.tmp-<pid>`` left by a killed writer is not one), tried by step, highest
+    first, then by modification time: the first that :func:`load` reads and whose values are
+    finite (:func:`check_finite`) is returned, with one line per candidate skipped and why.
+    ``(None, [])`` when there is no candidate (start fresh).
+
+    Raises
+    ------
+    CheckpointError
+        When there are candidates and none is valid: starting fresh would overwrite them, so
+        the user decides (the message names each file and its problem).
+    """
+    directory = Path(run_dir)
+    found = [p for p in directory.glob("checkpoint*.h5") if p.is_file()] \
+        if directory.is_dir() else []
+    found.sort(key=lambda p: (peek_step(p) or -1, p.stat().st_mtime), reverse=True)
+    skipped = []
+    for path in found:
+        try:
+            ckpt = load(path)
+            check_finite(ckpt)
+            return ckpt, skipped
+        except CheckpointError as exc:
+            skipped.append(f"skipped {path}: {exc}")
+    if skipped:
+        raise CheckpointError(f"--resume auto found no valid checkpoint in {directory}: "
+                              + "; ".join(skipped) + ". Move the file(s) away to start "
+                              "fresh, or give --resume a checkpoint")
+    return None, []
+
+
 def load(path: str | os.PathLike) -> Checkpoint:
     """Read a checkpoint fully into memory (the file is closed on return).
 

@@ -89,7 +89,9 @@ COMMON = (
     Option("eval_every", int, "evaluate test accuracy every this many global steps (0: only at "
            "the end)", default=2000, check="nonneg"),
     Option("resume", str, "continue from this checkpoint (any number of ranks or shards may "
-           "have written it)"),
+           "have written it); 'auto': from the newest valid checkpoint in the run directory "
+           "if there is one, else start fresh (for jobs that are requeued: needs --run-dir, "
+           "or a Slurm job, whose default run directory is runs/slurm-<job id>)"),
     Option("seed", int, "random seed for initial weights and data order", default=0),
     Option("progress_every", float, "seconds between progress lines", default=5.0,
            check="positive"),
@@ -334,5 +336,27 @@ def from_dict(d: dict[str, Any]):
     return Config(**d)
 
 
-def default_run_dir(cfg, stamp: str) -> Path:
+RESUME_AUTO = "auto"  # --resume auto: the run directory's newest valid checkpoint, if any
+
+
+def default_run_dir(cfg, stamp: str, slurm_job: str | None = None) -> Path:
+    """``runs/slurm-<job>`` in a Slurm job (the same when it is requeued), else
+    ``runs/<strategy>-<stamp>``."""
+    if slurm_job:
+        return Path("runs") / f"slurm-{slurm_job}"
     return Path("runs") / f"{cfg.strategy}-{stamp}"
+
+
+def run_dir_for(cfg, stamp: str, slurm_job: str | None = None) -> Path:
+    """The run directory: ``--run-dir``, else the directory of the ``--resume`` checkpoint,
+    else :func:`default_run_dir`. ``--resume auto`` needs a directory that is the same when
+    the job runs again: ``--run-dir`` or a Slurm job's; a time stamp is refused."""
+    if cfg.run_dir:
+        return Path(cfg.run_dir)
+    if cfg.resume and cfg.resume != RESUME_AUTO:
+        return Path(cfg.resume).parent
+    if cfg.resume == RESUME_AUTO and not slurm_job:
+        raise ConfigError("--resume auto looks for a checkpoint in the run directory, but "
+                          "outside a Slurm job the default run directory is new each time: "
+                          "give --run-dir DIR")
+    return default_run_dir(cfg, stamp, slurm_job)

@@ -12,9 +12,15 @@ them into one message and one exit code on every rank. The codes, in one place (
  5    ``hpcps.comm.PeerTimeout``: a rank waited longer than ``--timeout`` on another
  6    ``hpcps.compress.CodecError``: a corrupt compressed message
  7    :class:`NonFiniteError`: training produced a NaN or an infinity and was stopped
+75    :data:`PREEMPTED_EXIT`: stopped early on SIGTERM or SIGUSR1 with a checkpoint written;
+      resubmit (or requeue) the job with ``--resume auto`` to continue (``hpcps.stop``)
 130   interrupted (Ctrl-C)
 ====  ===============================================================================
 """
+
+# "Checkpointed, resubmit me": BSD sysexits' EX_TEMPFAIL ("a temporary failure; the user is
+# invited to retry"), far from the small codes above so a job script can tell it apart.
+PREEMPTED_EXIT = 75
 
 
 class HpcpsError(Exception):

@@ -9,12 +9,21 @@ checkpoint), never a hang. Once training runs, a rank that fails prints its rank
 reason and aborts the whole job; a NaN or infinity in training ends it with code 7 (the exit
 codes are listed in :mod:`hpcps.errors` and ``docs/errors.md``).
 
+SIGTERM and SIGUSR1 (preemption, a time limit: ``docs/slurm.md``) stop training on every rank
+at the next safe point (:mod:`hpcps.stop`); the final checkpoint then holds the step reached
+and the job exits with code 75, "checkpointed, resubmit me": ``--resume auto`` continues from
+the run directory's newest valid checkpoint, or starts fresh when there is none.
+
+Under Slurm (``jobs/*.sbatch``), ``srun --mpi=pmi2`` and ``mpiexec`` start the same job; the
+default run directory is ``runs/slurm-<job id>`` (:mod:`hpcps.slurm`).
+
 Examples::
 
     mpiexec -n 4 python -m hpcps.train                       # downpour, 1 shard + 3 replicas, MNIST
     mpiexec -n 4 python -m hpcps.train --strategy sync       # allreduce SGD on 4 replicas
     mpiexec -n 6 python -m hpcps.train --servers 2 --n-push 4 --epochs 5
     mpiexec -n 3 python -m hpcps.train --resume runs/downpour-20261122-101500/checkpoint.h5
+    mpiexec -n 4 python -m hpcps.train --run-dir runs/long --resume auto  # requeue-safe
 """
 from __future__ import annotations
 
@@ -33,11 +42,14 @@ from pathlib import Path
 
 import numpy as np
 
-from hpcps import checkpoint, config, data
-from hpcps.comm import ReplicaExchange, barrier, host
-from hpcps.errors import ConfigError, HpcpsError, NonFiniteError
+import dataclasses
+
+from hpcps import checkpoint, config, data, slurm
+from hpcps.comm import ReplicaExchange, barrier, dup_comm, host
+from hpcps.errors import PREEMPTED_EXIT, ConfigError, HpcpsError, NonFiniteError
 from hpcps.metrics import Metrics
 from hpcps.model import MLP, PartitionedMLP, SingleExchange
+from hpcps.stop import SignalFlag, StopVote
 from hpcps.strategies.context import (Context, explain_nonfinite, make_optimizer,
                                       state_from_checkpoint)
 from hpcps.topology import Layout, abort, build_grid, check_thread_support, world_comm
@@ -96,13 +108,16 @@ def _load_resume(cfg: config.Config, info: data.DatasetInfo):
     return ckpt, warnings
 
 
-def _run_dir(cfg: config.Config, world) -> Path:
-    if cfg.run_dir:
-        return Path(cfg.run_dir)
-    if cfg.resume:
-        return Path(cfg.resume).parent
-    stamp = world.bcast(time.strftime("%Y%m%d-%H%M%S") if world.Get_rank() == 0 else None)
-    return config.default_run_dir(cfg, stamp)
+def _resolve_auto(cfg: config.Config, run_dir: Path) -> tuple[config.Config, list[str]]:
+    """``--resume auto``: the run directory's newest valid checkpoint, or a fresh start.
+    Returns the config with ``resume`` set to that file (or None) and notes for the log."""
+    if cfg.resume != config.RESUME_AUTO:
+        return cfg, []
+    ckpt, skipped = checkpoint.latest(run_dir)
+    if ckpt is None:
+        return dataclasses.replace(cfg, resume=None), \
+            [f"--resume auto: no checkpoint in {run_dir}, starting fresh"]
+    return dataclasses.replace(cfg, resume=str(ckpt.path)), skipped
 
 
 def check_run_dir(run_dir: Path, given: bool) -> None:
@@ -193,7 +208,7 @@ def _describe(cfg, layout: Layout) -> str:
     return f"{cfg.strategy} on {layout.n_world} ranks: {shards}{reps}"
 
 
-def _summary(ctx: Context, results: list[dict], wall_s: float) -> None:
+def _summary(ctx: Context, results: list[dict], wall_s: float, stopped: bool = False) -> None:
     """The summary record and lines: common figures, then the strategy's own."""
     m, cfg, spec = ctx.metrics, ctx.cfg, ctx.cfg.spec
     mine = results[ctx.reporter]
@@ -210,6 +225,7 @@ def _summary(ctx: Context, results: list[dict], wall_s: float) -> None:
                    examples_per_s=round(mine.get("examples_per_s", float("nan")), 1),
                    bytes_per_step=round(bytes_per_step), mean_staleness=round(staleness, 3),
                    test_accuracy=mine.get("test_accuracy"), test_loss=mine.get("test_loss"),
+                   stopped_early=stopped, total_steps=ctx.total_steps,
                    checkpoint=mine.get("checkpoint"), **_blas_in_use(), **figures)
     m.message(f"finished {_describe(cfg, ctx.grid.layout)}")
     m.message(f"  {trained} steps this run (global step {step}, {rec['epoch']:.2f} epochs) in "
@@ -220,6 +236,10 @@ def _summary(ctx: Context, results: list[dict], wall_s: float) -> None:
     m.message(f"  final test accuracy: {100 * rec['test_accuracy']:.2f}% "
               f"(test loss {rec['test_loss']:.4f})")
     m.message(f"  checkpoint: {rec['checkpoint']}   metrics: {m.path}")
+    if stopped:
+        m.message(f"  stopped early at step {step} of {ctx.total_steps} on a signal: exit code "
+                  f"{PREEMPTED_EXIT}; run again with --resume auto (same run directory) to "
+                  "continue")
     m.message(f"  BLAS: {rec['blas']} ({rec['blas_reason']})")
 
 
@@ -260,40 +280,56 @@ def main(argv: list[str] | None = None) -> int:
             config.build_parser().print_help()
         return 0
     t_start = time.perf_counter()
+    flag = SignalFlag().install()  # from here on SIGTERM/SIGUSR1 ask for a stop, not death
     cfg = _agree(world, config.parse, argv)
+    _agree(world, slurm.check_tasks, os.environ, size)
     layout = _agree(world, plan, cfg, size)
     _agree(world, _ensure_dataset, cfg, rank)
     info = _agree(world, _check_dataset, cfg)
+    stamp = world.bcast(time.strftime("%Y%m%d-%H%M%S") if rank == 0 else None)
+    run_dir = _agree(world, config.run_dir_for, cfg, stamp, slurm.job_name(os.environ))
+    given = bool(cfg.run_dir)
+    _agree(world, check_run_dir, run_dir, given)
+    auto = cfg.resume == config.RESUME_AUTO
+    cfg, notes = _agree(world, _resolve_auto, cfg, run_dir)
     ckpt, warnings = _agree(world, _load_resume, cfg, info)
     if rank == 0:
+        for w in notes:
+            print(f"[hpcps] {w}", flush=True)
         for w in warnings:
             print(f"[hpcps] warning: {w}", flush=True)
-    run_dir = _run_dir(cfg, world)
-    _agree(world, check_run_dir, run_dir, bool(cfg.run_dir))
+    vote_comm = dup_comm(world, 1, cfg.timeout, "every rank to set up the stop vote")[0]
     ctx = _agree(world, _setup, cfg, world, layout, info, ckpt, run_dir)
+    ctx.stop = StopVote(vote_comm, flag, cfg.timeout)
     m = ctx.metrics
     how = cfg.spec.describe(cfg, info.n_train) if cfg.spec.describe else cfg.optimizer
     m.message(_describe(cfg, layout) + f"; model {','.join(map(str, cfg.layers))} "
               f"({ctx.full_model.n_params} parameters), {how}, {ctx.total_steps} steps "
               f"({ctx.epochs(ctx.total_steps):.2f} epochs) of {info.name}")
     if ckpt is not None:
-        m.message(f"resumed from {cfg.resume} at step {ckpt.step}")
+        m.message(f"resumed from {cfg.resume}{' (--resume auto)' if auto else ''} at step "
+                  f"{ckpt.step}")
     m.record("start", echo=False, config=cfg.to_dict(), dataset=info.to_dict(),
-             start_step=ctx.start_step, total_steps=ctx.total_steps, ranks=size)
+             start_step=ctx.start_step, total_steps=ctx.total_steps, ranks=size,
+             resume_auto=auto, slurm=slurm.describe(os.environ))
 
-    def train_and_report():
+    def train_and_report() -> int:
         try:
             result = cfg.spec.run(ctx)
         except NonFiniteError as exc:  # say where, what is left, and the usual causes
             raise explain_nonfinite(ctx, exc) from None
+        stopped = ctx.stop.finish()  # every rank leaves the vote after the same round
         barrier(world, cfg.timeout, "every rank to finish training")
         results = world.gather(result, root=ctx.reporter)
+        code = 0
         if world.Get_rank() == ctx.reporter:
-            _summary(ctx, results, time.perf_counter() - t_start)
+            step = results[ctx.reporter].get("step", ctx.start_step)
+            code = PREEMPTED_EXIT if stopped and step < ctx.total_steps else 0
+            _summary(ctx, results, time.perf_counter() - t_start, code == PREEMPTED_EXIT)
         m.close()
+        return world.bcast(code, root=ctx.reporter)
 
-    guarded(world, ctx.grid.role.kind, train_and_report)
-    return 0
+    return guarded(world, ctx.grid.role.kind, train_and_report)
 
 
 if __name__ == "__main__":

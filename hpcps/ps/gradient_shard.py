@@ -104,12 +104,14 @@ class GradientShard:
         update itself and returns None (activation pushes). The strategy builds it; the
         shard only knows bytes come in.
     policy : what a push and a fetch do (default :class:`ShardPolicy`: Downpour's).
+    tick : called by the serving loop now and then (the job's stop vote, :mod:`hpcps.stop`).
     """
 
     def __init__(self, comm, params: np.ndarray, state: dict, apply: Callable,
                  n_replicas: int, step: int = 0, timeout: float = 600.0,
                  on_boundary: Callable[[int], None] | None = None, boundary_every: int = 0,
-                 packed: tuple[int, int, Callable] | None = None, policy=None):
+                 packed: tuple[int, int, Callable] | None = None, policy=None,
+                 tick: Callable[[], None] | None = None):
         self.comm = comm
         self.params = params
         self.state = state
@@ -121,6 +123,7 @@ class GradientShard:
         self.on_boundary = on_boundary
         self.boundary_every = boundary_every
         self.policy = policy or ShardPolicy()
+        self.tick = tick
         self.stats = ShardStats()
         self.done: set[int] = set()
         self.held: list[tuple[int, int, float]] = []  # (rank, replica, since) of held fetches
@@ -148,7 +151,8 @@ class GradientShard:
         if self.n_replicas > 0:
             serve(self.comm, handlers, self.timeout, lambda: (
                 f"{self.n_replicas - len(self.done)} replica(s) to finish (done: "
-                f"{sorted(self.done)}; held fetches from ranks {[h[0] for h in self.held]})"))
+                f"{sorted(self.done)}; held fetches from ranks {[h[0] for h in self.held]})"),
+                self.tick)
         self.stats.wall_s = time.perf_counter() - t0
         self.stats.done_replicas = sorted(self.done)
         return self.stats

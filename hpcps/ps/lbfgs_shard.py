@@ -35,16 +35,18 @@ class VectorShard:
     timeout : seconds without any message before failing.
     on_gather : called as ``on_gather(op, step)`` on CHECKPOINT and FINISH; every shard
         calls it at the same command, so it may run a collective over the shards.
+    tick : called by the serving loop now and then (the job's stop vote, :mod:`hpcps.stop`).
     """
 
     def __init__(self, comm, n: int, n_vectors: int, coordinator: int, timeout: float,
-                 on_gather: Callable[[int, int], None]):
+                 on_gather: Callable[[int, int], None], tick: Callable[[], None] | None = None):
         self.comm = comm
         self.n = n
         self.vec = np.zeros((n_vectors, n), dtype=np.float32)
         self.coordinator = coordinator
         self.timeout = timeout
         self.on_gather = on_gather
+        self.tick = tick
         self.pending: dict[int, np.ndarray] = {}
         self.banned: set[int] = set()
         self.acc: int | None = None
@@ -61,7 +63,8 @@ class VectorShard:
         """Serve commands, fetches and pushes until the coordinator sends FINISH."""
         serve(self.comm, {Tag.SB_CMD: self._recv_command, Tag.FETCH: self._recv_fetch,
                           Tag.SB_PUSH: self._recv_push, Tag.SB_STATE: self._recv_state},
-              self.timeout, lambda: f"the coordinator (rank {self.coordinator}) and the replicas")
+              self.timeout, lambda: f"the coordinator (rank {self.coordinator}) and the replicas",
+              self.tick)
 
     def _recv_command(self, src: int, status) -> bool:
         self.comm.Recv(self._cmd, source=src, tag=Tag.SB_CMD)

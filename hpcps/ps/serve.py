@@ -8,7 +8,9 @@ loop. A tag with no handler is a protocol error, reported with its sender.
 
 The loop polls (``Iprobe``) rather than blocking in ``Recv``, so that it can fail after
 ``timeout`` seconds without any message, naming what it still waits for, and between polls it
-yields the core (:class:`~hpcps.comm.Poller`): ranks are often oversubscribed.
+yields the core (:class:`~hpcps.comm.Poller`): ranks are often oversubscribed. An optional
+``tick`` is called when the loop is idle and every ``TICK_EVERY`` messages, so a serving rank
+still takes part in the job's stop vote (:mod:`hpcps.stop`).
 """
 from __future__ import annotations
 
@@ -20,10 +22,11 @@ from mpi4py import MPI
 from hpcps.comm import PeerTimeout, Poller
 
 Handler = Callable[[int, MPI.Status], "bool | None"]
+TICK_EVERY = 64  # messages between two ticks of a busy loop
 
 
 def serve(comm, handlers: Mapping[int, Handler], timeout: float,
-          waiting_for: Callable[[], str]) -> None:
+          waiting_for: Callable[[], str], tick: Callable[[], None] | None = None) -> None:
     """Dispatch messages on ``comm`` to ``handlers[tag]`` until a handler returns True.
 
     Parameters
@@ -32,12 +35,16 @@ def serve(comm, handlers: Mapping[int, Handler], timeout: float,
     handlers : ``{tag: handler(source, status)}``.
     timeout : seconds without any message before raising PeerTimeout.
     waiting_for : called for the timeout message: who and what the loop still waits for.
+    tick : called when idle and every ``TICK_EVERY`` messages (cheap: it must not wait).
     """
     status = MPI.Status()
     poll = Poller()
     last = time.monotonic()
+    handled = 0
     while True:
         if not comm.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG, status):
+            if tick is not None:
+                tick()
             if time.monotonic() - last > timeout:
                 raise PeerTimeout(f"heard nothing for {timeout:.0f} s while waiting for "
                                   f"{waiting_for()}")
@@ -51,3 +58,6 @@ def serve(comm, handlers: Mapping[int, Handler], timeout: float,
             raise RuntimeError(f"unexpected message tag {tag} from rank {source}")
         if handler(source, status):
             return
+        handled += 1
+        if tick is not None and handled % TICK_EVERY == 0:
+            tick()

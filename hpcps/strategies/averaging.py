@@ -33,6 +33,8 @@ from hpcps.strategies.registry import Strategy
 class AveragingReplica(ReplicaLoop):
     """Local optimizer steps; every k iterations, the average of all replicas."""
 
+    lockstep = True  # every replica runs the same iterations; after_loop averages once more
+
     def __init__(self, ctx: Context):
         self.comm = ctx.grid.partition_comm
         self.R = self.comm.Get_size()

@@ -29,6 +29,7 @@ from hpcps.data import DatasetInfo
 from hpcps.errors import NonFiniteError
 from hpcps.metrics import Metrics
 from hpcps.model import MLP
+from hpcps.stop import StopVote
 from hpcps.topology import Grid
 
 if TYPE_CHECKING:  # annotations only: config reads the strategy registry
@@ -71,6 +72,18 @@ class Context:
     test_y: np.ndarray | None = None
     reporter: int = 0                  # the rank that logs and prints the summary
     resumed: dict | None = None        # the metrics saved in the --resume checkpoint
+    stop: StopVote | None = None       # SIGTERM/SIGUSR1 agreed among the ranks (hpcps.stop)
+
+    def stop_requested(self) -> bool:
+        """At a safe point of a rank that runs at its own pace: poll the stop vote (never
+        waits); True once this rank should stop (see :mod:`hpcps.stop`)."""
+        return self.stop is not None and self.stop.poll()
+
+    def stop_tick(self) -> None:
+        """For serving loops: take part in the stop vote without acting on it (a shard
+        ends when its replicas or its coordinator end)."""
+        if self.stop is not None:
+            self.stop.poll()
 
     @property
     def remaining_steps(self) -> int:

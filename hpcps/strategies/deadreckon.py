@@ -109,8 +109,9 @@ class Reckoner:
 class Peers:
     """Non-blocking exchange of messages with every other replica of the communicator."""
 
-    def __init__(self, comm, n: int, timeout: float):
+    def __init__(self, comm, n: int, timeout: float, tick=None):
         self.comm = comm
+        self.tick = tick  # the job's stop vote, while draining (hpcps.stop)
         self.n = n
         self.timeout = timeout
         self.peers = [p for p in range(comm.Get_size()) if p != comm.Get_rank()]
@@ -193,7 +194,8 @@ class Peers:
         if len(self.done_from) < len(self.peers):
             serve(self.comm, {Tag.DR_UPDATE: receive, Tag.DR_DONE: receive}, self.timeout,
                   lambda: f"replicas {sorted(set(self.peers) - self.done_from)} of the "
-                          "partition communicator to finish sending their updates")
+                          "partition communicator to finish sending their updates",
+                  self.tick)
         wait_all(done_reqs + [r for reqs, _ in self.pending for r in reqs], self.timeout,
                  "peer replicas to take the last updates")
         self.pending.clear()
@@ -221,7 +223,7 @@ class DeadReckonReplica(ReplicaLoop):
         self.reckon = Reckoner(ctx.params, cfg.tau)
         self.params = self.reckon.params
         self.comp = compress.Compressor(n, cfg.tau, golomb=cfg.golomb == "on")
-        self.peers = Peers(comm, n, cfg.timeout)
+        self.peers = Peers(comm, n, cfg.timeout, ctx.stop_tick)
         self.grad = np.empty(n, dtype=np.float32)
         self.lr = replica_lr(cfg.lr, self.R, cfg.lr_scaling)
         self.step_scale = -np.float32(self.lr) * np.float32(self.T)

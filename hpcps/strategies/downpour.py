@@ -367,7 +367,8 @@ def run_server(ctx: Context) -> dict:
                          packed=shard_expander(hi - lo, cfg.tau)
                          if cfg.compress == "threshold" else
                          shard_activation_handler(ctx, lo, hi, params, state)
-                         if cfg.push == "activations" else None)
+                         if cfg.push == "activations" else None,
+                         tick=ctx.stop_tick)
     stats = server.serve()
     got = gather()
     if got is not None:

@@ -14,6 +14,15 @@ over the vector, a few times a minute); and the chief feeds its loss to a
 A non-finite gradient or update shows in the next step's loss, so a diverged run stops within
 a step or two, before any checkpoint is written from it (and the writer refuses one besides).
 
+Stopping early (SIGTERM or SIGUSR1, :mod:`hpcps.stop`): after each iteration, once its
+evaluation and checkpoint are done, the loop asks whether to stop. Lockstep strategies
+(``lockstep = True``: every replica runs the same iterations, sync and averaging) ask the
+world-wide vote at the same iteration on every rank; the others poll it at their own pace,
+and with P > 1 the partitions of a replica (which exchange activations every step) agree
+among themselves in lockstep on what each polled, so they leave after the same iteration. A
+stopped loop ends as a finished one does (``after_loop``, ``finish``): the final checkpoint
+holds the step reached, and ``train.py`` exits with code 75.
+
 Schedules are counted in this replica's own mini-batches, so that every partition of a
 replica (they run the same steps) evaluates and checkpoints at the same iteration and can
 gather the model together: replica 0 evaluates every ``ceil(eval_every / R)`` of its
@@ -31,6 +40,8 @@ from hpcps.data import Batches, Prefetcher
 from hpcps.errors import ConfigError, NonFiniteError
 from hpcps.metrics import DivergenceWatch
 from hpcps.options import parse_inject_slow
+from hpcps.stop import StopVote
+from hpcps.comm import dup_comm
 from hpcps.strategies.context import (Context, crossed, evaluate, gather_state,
                                       model_parallel_figures, rate, save_checkpoint,
                                       warn_divergence)
@@ -72,6 +83,7 @@ class ReplicaLoop:
     """
 
     saves_checkpoints = True
+    lockstep = False  # every replica runs the same iterations and they stop at the same one
 
     def __init__(self, ctx: Context, steps: int):
         """``steps``: mini-batches this replica runs, rounded up to whole iterations of T."""
@@ -100,6 +112,12 @@ class ReplicaLoop:
         self._t0 = self._last_t = time.perf_counter()
         self._last_step = ctx.start_step
         self.watch = DivergenceWatch()
+        self.stopped_early = False
+        self.replica_vote = None  # the partitions of this replica agreeing on a stop
+        if ctx.stop is not None and not self.lockstep and ctx.partitioned:
+            comm = dup_comm(grid.replica_comm, 1, cfg.timeout,
+                            "the other partitions of this replica to set up the stop vote")[0]
+            self.replica_vote = StopVote(comm, ctx.stop.flag, cfg.timeout)
 
     # -- hooks ---------------------------------------------------------------------------------
     def step(self, x: np.ndarray, y: np.ndarray) -> float:
@@ -133,7 +151,7 @@ class ReplicaLoop:
         self._t0 = self._last_t = time.perf_counter()
         self._last_step = self.global_step()
         try:
-            for _ in range(self.iterations):
+            for it in range(self.iterations):
                 self.before_step()
                 x, y = next(self.batches)
                 t = time.perf_counter()
@@ -154,6 +172,11 @@ class ReplicaLoop:
                     if m.due():
                         self.report()
                 self._evaluate_and_save()
+                if it + 1 < self.iterations and self._stop_now(it + 1):
+                    self._note_stop()
+                    break
+            if self.replica_vote is not None:
+                self.replica_vote.finish()
             if chief and self._n_win:
                 self.report()  # the last window: every run's metrics hold a progress record
             self.after_loop()
@@ -163,6 +186,28 @@ class ReplicaLoop:
         result = self.finish(train_s)
         figures = {**model_parallel_figures(ctx, self.done, train_s), **result.get("figures", {})}
         return {"train_s": train_s, **result, "figures": figures}
+
+    def _stop_now(self, iteration: int) -> bool:
+        """After ``iteration`` (1, 2, ...): whether this rank leaves the loop now."""
+        stop = self.ctx.stop
+        if stop is None:
+            return False
+        if self.lockstep:
+            return stop.agreed_at(iteration)
+        if self.replica_vote is not None:
+            return self.replica_vote.agreed_at(iteration, stop.poll())
+        return stop.poll()
+
+    def _note_stop(self) -> None:
+        self.stopped_early = True
+        if not self.ctx.grid.is_chief:
+            return
+        step, flag = self.global_step(), self.ctx.stop.flag
+        why = f"{flag.name} received" if flag.raised else "a stop signal reached another rank"
+        self.ctx.metrics.record("stop", echo=False, step=step,
+                                signal=flag.name or None, reason=why)
+        self.ctx.metrics.message(f"stopping early at step {step}: {why}; writing the "
+                                 "checkpoint (exit code 75: resume with --resume auto)")
 
     def check_params(self, params: np.ndarray, step: int, where: str) -> None:
         """Stop the job if ``params`` (this rank's vector, or the gathered whole model) holds

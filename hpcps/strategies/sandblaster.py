@@ -295,6 +295,9 @@ def run_coordinator(ctx: Context) -> dict:
     next_eval = _next(ctx.start_step, cfg.eval_every)
     next_ckpt = _next(ctx.start_step, cfg.checkpoint_every)
     while ctx.start_step + space.evaluations < ctx.total_steps:
+        if ctx.stop_requested():  # SIGTERM/SIGUSR1 (hpcps.stop): checkpoint below, then end
+            _note_stop(ctx, ctx.start_step + space.evaluations)
+            break
         if not whole and not fresh:  # next batch: the objective changed, and its gradient at x
             runner.data_batch += 1
             opt.start()
@@ -348,6 +351,14 @@ def run_coordinator(ctx: Context) -> dict:
     return {"step": step, "train_s": train_s, "test_accuracy": test_acc, "test_loss": test_loss,
             "checkpoint": str(ctx.run_dir / "checkpoint.h5"),
             "examples_per_s": rate(batch_n * space.evaluations, train_s), "figures": figures}
+
+
+def _note_stop(ctx: Context, step: int) -> None:
+    flag = ctx.stop.flag
+    why = f"{flag.name} received" if flag.raised else "a stop signal reached another rank"
+    ctx.metrics.record("stop", echo=False, step=step, signal=flag.name or None, reason=why)
+    ctx.metrics.message(f"stopping early at step {step}: {why}; writing the checkpoint (exit "
+                        "code 75: resume with --resume auto)")
 
 
 def _check_health(space: ShardSpace, f: float, step: int) -> None:
@@ -410,6 +421,7 @@ def run_replica(ctx: Context) -> dict:
         wait_all([world.Irecv(task, source=coord, tag=Tag.SB_TASK)], cfg.timeout,
                  f"the coordinator (rank {coord}) to send work")
         kind, batch, portion, lo, hi, accept, vec, data_batch = (int(v) for v in task)
+        ctx.stop_tick()  # the coordinator decides; a replica only passes a signal on
         if accept and have_pg:
             acc += pg
         have_pg = False
@@ -509,7 +521,8 @@ def run_shard(ctx: Context) -> dict:
         if op == Op.CHECKPOINT:
             print(f"[hpcps] server shard 0 wrote checkpoint {path} at step {step}", flush=True)
 
-    shard = VectorShard(grid.world, hi - lo, len(names), coord, cfg.timeout, on_gather)
+    shard = VectorShard(grid.world, hi - lo, len(names), coord, cfg.timeout, on_gather,
+                        ctx.stop_tick)
     shard.vec[ids["x"]] = ctx.params[lo:hi]
     for name, full in ctx.opt_state.items():  # resumed: gradient and history
         shard.vec[ids[name]] = full[lo:hi]

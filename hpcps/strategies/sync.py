@@ -51,6 +51,8 @@ class SyncReplica(ReplicaLoop):
     advances by R * T.
     """
 
+    lockstep = True  # one allreduce per iteration: every replica stops at the same one
+
     def __init__(self, ctx: Context):
         self.comm = ctx.grid.partition_comm
         self.R = self.comm.Get_size()

@@ -1,0 +1,222 @@
+"""Preemption under mpiexec: SIGTERM or SIGUSR1 mid-run stops every rank at a safe point with
+a checkpoint and exit code 75; ``--resume auto`` continues the step count and the loss curve.
+
+Each strategy is stopped once, with the signal sent either to mpiexec (which forwards it to
+every rank) or to one rank alone (the others must learn of it through the stop vote), and
+resumed. Every launch has a hard timeout (tests/mpirun.py) so a hang fails the test.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import h5py
+import pytest
+from mpirun import ROOT, mpiexec, train
+
+from hpcps import checkpoint, config, slurm
+from hpcps.errors import PREEMPTED_EXIT, CheckpointError, ConfigError
+
+QUICK = ["--layers", "64,32,10", "--progress-every", "0.1",
+         "--eval-every", "0", "--checkpoint-every", "0", "--timeout", "60"]
+
+
+def records(run_dir: Path, kind: str | None = None) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:  # a line being written
+            continue
+        if kind is None or rec["kind"] == kind:
+            out.append(rec)
+    return out
+
+
+def rank_pids(root_pid: int) -> dict[int, int]:
+    """{MPI rank: pid} of the python ranks below ``root_pid`` (PMI_RANK in their environment)."""
+    children: dict[int, list[int]] = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(d.name))
+    found, todo = {}, [root_pid]
+    while todo:
+        pid = todo.pop()
+        todo += children.get(pid, [])
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"hpcps.train" not in cmd:
+            continue
+        for item in env:
+            if item.startswith(b"PMI_RANK="):
+                found[int(item.split(b"=", 1)[1])] = pid
+    return found
+
+
+def run_and_signal(n: int, args: list[str], run_dir: Path, sig: int, target: str,
+                   after_step: int, timeout: float = 120):
+    """Start ``mpiexec -n n python -m hpcps.train args``; once a progress record past
+    ``after_step`` is in ``run_dir``, send ``sig`` to mpiexec (``target="mpiexec"``) or to
+    one rank (``target="rank:R"``). Returns (exit code, output, the step signalled at)."""
+    cmd = [mpiexec(), "-n", str(n), sys.executable, "-m", "hpcps.train", *args]
+    env = {**os.environ, "OPENBLAS_NUM_THREADS": "1",
+           "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env, start_new_session=True)
+    deadline = time.monotonic() + timeout
+    sent_at = None
+    try:
+        while sent_at is None:
+            if proc.poll() is not None:
+                raise AssertionError(f"the run ended before it was signalled:\n"
+                                     f"{proc.stdout.read()[-3000:]}")
+            if time.monotonic() > deadline:
+                raise AssertionError(f"no progress past step {after_step} within {timeout} s")
+            steps = [r["step"] for r in records(run_dir, "progress")]
+            if steps and steps[-1] >= after_step:
+                sent_at = steps[-1]
+                if target == "mpiexec":
+                    os.kill(proc.pid, sig)
+                else:
+                    rank = int(target.split(":")[1])
+                    os.kill(rank_pids(proc.pid)[rank], sig)
+            time.sleep(0.05)
+        out, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+    except BaseException:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.communicate()
+        raise
+    return proc.returncode, out, sent_at
+
+
+# strategy, ranks, extra options, signal, who receives it
+CASES = [
+    ("sync", 3, ["--batch-size", "16"], signal.SIGUSR1, "mpiexec"),
+    ("sync", 4, ["--partitions", "2"], signal.SIGTERM, "rank:3"),
+    ("averaging", 3, ["--average-every", "3"], signal.SIGTERM, "rank:2"),
+    ("downpour", 4, ["--servers", "1", "--warmup-steps", "20"], signal.SIGUSR1, "rank:3"),
+    ("downpour", 4, ["--partitions", "2", "--servers", "2", "--warmup-steps", "0"],
+     signal.SIGTERM, "rank:1"),
+    ("deadreckon", 2, ["--tau", "0.003", "--lr", "0.05", "--warmup-steps", "20"],
+     signal.SIGUSR1, "rank:1"),
+    ("sandblaster", 4, ["--portions", "8", "--batch-size", "200"],
+     signal.SIGTERM, "rank:0"),
+]
+
+
+@pytest.mark.parametrize("strategy,n,extra,sig,target", CASES,
+                         ids=[f"{c[0]}-{c[1]}-{c[4]}" for c in CASES])
+def test_signal_stops_checkpoints_and_resume_auto_continues(strategy, n, extra, sig, target,
+                                                             digits_h5, tmp_path):
+    extra = extra if strategy == "sandblaster" or "--batch-size" in extra else \
+        ["--batch-size", "16", *extra]
+    steps = "400" if strategy == "sandblaster" else "200000"  # far more than the test waits
+    args = ["--strategy", strategy, "--data", str(digits_h5), "--run-dir", str(tmp_path),
+            "--resume", "auto", "--steps", steps, *QUICK, *extra]
+    after = 20 if strategy == "sandblaster" else 300
+    code, out, sent_at = run_and_signal(n, args, tmp_path, sig, target, after)
+    assert code == PREEMPTED_EXIT, out[-4000:]
+    assert "no checkpoint in" in out and "starting fresh" in out, out[-2000:]
+    assert "stopping early at step" in out and "exit code 75" in out, out[-3000:]
+    first = records(tmp_path)
+    summary = [r for r in first if r["kind"] == "summary"][-1]
+    assert summary["stopped_early"] is True
+    stopped = summary["step"]
+    assert sent_at <= stopped < int(steps), (sent_at, stopped)
+    ckpt = checkpoint.load(tmp_path / "checkpoint.h5")
+    assert ckpt.step == stopped
+    progress = [r for r in first if r["kind"] == "progress"]
+    loss_before = progress[-1]["loss"]
+
+    # the requeued job: the same command; it must continue from the checkpoint
+    total = stopped + (4 if strategy == "sandblaster" else 60 * n)
+    args2 = [a if a != steps else str(total) for a in args]
+    run = train(n, *args2, timeout=120)
+    assert run.returncode == 0, run.output[-4000:]
+    assert f"at step {stopped}" in run.stdout and "(--resume auto)" in run.stdout
+    start = records(tmp_path, "start")
+    assert len(start) == 2 and start[1]["start_step"] == stopped and start[1]["resume_auto"]
+    later = [r for r in records(tmp_path, "progress")][len(progress):]
+    # the step count continues (a first record may show the resumed step itself)
+    assert later and all(r["step"] >= stopped for r in later), (stopped, later)
+    assert later[-1]["step"] > stopped, (stopped, later)
+    # the loss curve continues: not back at an untrained model's (about ln 10 = 2.3)
+    assert later[0]["loss"] < max(1.5 * loss_before, 1.0), (loss_before, later[0])
+    final = records(tmp_path, "summary")[-1]
+    assert final["stopped_early"] is False and final["step"] >= total
+    assert checkpoint.load(tmp_path / "checkpoint.h5").step == final["step"]
+
+
+def test_a_finished_run_exits_0_and_signals_after_it_change_nothing(digits_h5, tmp_path):
+    """A run that was never signalled ends with 0; the vote adds no exit code of its own."""
+    run = train(3, "--strategy", "downpour", "--data", str(digits_h5), "--run-dir",
+                str(tmp_path), "--steps", "300", "--resume", "auto", *QUICK, timeout=120)
+    assert run.returncode == 0, run.output
+    assert records(tmp_path, "summary")[-1]["stopped_early"] is False
+
+
+# -- no MPI: the pieces ---------------------------------------------------------------------------
+def test_resume_auto_needs_a_stable_run_directory():
+    cfg = config.parse(["--resume", "auto"])
+    with pytest.raises(ConfigError, match="give --run-dir"):
+        config.run_dir_for(cfg, "20260101-000000", None)
+    assert config.run_dir_for(cfg, "x", "123") == Path("runs/slurm-123")
+    cfg = config.parse(["--resume", "auto", "--run-dir", "r"])
+    assert config.run_dir_for(cfg, "x", None) == Path("r")
+    cfg = config.parse([])
+    assert config.run_dir_for(cfg, "x", None) == Path("runs/downpour-x")
+
+
+def test_slurm_environment():
+    assert slurm.job_name({}) is None
+    assert slurm.job_name({"SLURM_JOB_ID": "42"}) == "42"
+    env = {"SLURM_JOB_ID": "43", "SLURM_ARRAY_JOB_ID": "40", "SLURM_ARRAY_TASK_ID": "3"}
+    assert slurm.job_name(env) == "40_3"
+    assert slurm.describe(env)["array_task_id"] == "3"
+    step = {"SLURM_JOB_ID": "42", "SLURM_STEP_NUM_TASKS": "4", "SLURM_PROCID": "0"}
+    slurm.check_tasks(step, 4)
+    slurm.check_tasks({"SLURM_JOB_ID": "42", "SLURM_STEP_NUM_TASKS": "1"}, 1)
+    with pytest.raises(ConfigError, match="srun --mpi=pmi2"):
+        slurm.check_tasks(step, 1)
+
+
+def test_latest_checkpoint_picks_the_newest_valid(digits_h5, tmp_path):
+    run = train(1, "--strategy", "sync", "--data", str(digits_h5), "--run-dir", str(tmp_path),
+                "--steps", "30", *QUICK, timeout=60)
+    assert run.returncode == 0, run.output
+    assert checkpoint.latest(tmp_path / "nothing-here") == (None, [])
+    good = tmp_path / "checkpoint.h5"
+    ckpt, skipped = checkpoint.latest(tmp_path)
+    assert ckpt.step == 30 and skipped == []
+    # a newer file of the same step whose weights are damaged is tried first and skipped,
+    # with the reason; a temporary file is no candidate
+    data = bytearray(good.read_bytes())
+    with h5py.File(good, "r") as f:
+        off = f["params/layer0/W"].id.get_chunk_info(0).byte_offset
+    for i in range(off + 8, off + 64):
+        data[i] ^= 0xFF
+    (tmp_path / "checkpoint-new.h5").write_bytes(bytes(data))
+    (tmp_path / "checkpoint.h5.tmp-99").write_bytes(bytes(data))
+    ckpt, skipped = checkpoint.latest(tmp_path)
+    assert ckpt.path == good and len(skipped) == 1 and "checkpoint-new.h5" in skipped[0]
+    good.unlink()
+    with pytest.raises(CheckpointError, match="no valid checkpoint"):
+        checkpoint.latest(tmp_path)
