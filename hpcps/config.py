@@ -92,7 +92,8 @@ COMMON = (
            "have written it); 'auto': from the newest valid checkpoint in the run directory "
            "if there is one, else start fresh (for jobs that are requeued: needs --run-dir, "
            "or a Slurm job, whose default run directory is runs/slurm-<job id>)"),
-    Option("seed", int, "random seed for initial weights and data order", default=0),
+    Option("seed", int, "random seed for initial weights and data order", default=0,
+           check="nonneg"),
     Option("progress_every", float, "seconds between progress lines", default=5.0,
            check="positive"),
     Option("timeout", float, "seconds a rank waits on another rank before failing with that "

@@ -54,6 +54,8 @@ class Option:
         if self.choices is not None and value not in self.choices:
             raise ConfigError(f"{self.flag} takes {' or '.join(map(str, self.choices))}, "
                               f"got {value!r}")
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{self.flag} must be a finite number, got {value}")
         if self.check == "positive" and not value > 0:
             raise ConfigError(f"{self.flag} must be positive, got {value}")
         if self.check == "nonneg" and not value >= 0:
