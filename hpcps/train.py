@@ -188,9 +188,12 @@ def _setup(cfg: config.Config, world, layout: Layout, info, ckpt, run_dir: Path)
         # every partition of a replica reads the same shard and draws the same batches
         ctx.train_x, ctx.train_y = data.load_split(cfg.data, "train", grid.role.replica,
                                                    layout.replicas)
-        if len(ctx.train_x) < cfg.batch_size:
+        need = cfg.batch_size * cfg.threads  # a step draws one mini-batch per thread
+        if len(ctx.train_x) < need:
+            what = (f"one step's {need} (--batch-size {cfg.batch_size} x --threads "
+                    f"{cfg.threads})" if cfg.threads > 1 else f"--batch-size {cfg.batch_size}")
             raise ConfigError(f"replica {grid.role.replica} holds {len(ctx.train_x)} training "
-                              f"examples, fewer than --batch-size {cfg.batch_size}")
+                              f"examples, fewer than {what}")
     if grid.is_chief:
         ctx.test_x, ctx.test_y = data.load_split(cfg.data, "test")
     return ctx
