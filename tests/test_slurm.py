@@ -1,0 +1,220 @@
+"""The batch scripts in jobs/, submitted to a live one-node Slurm cluster.
+
+The cluster is the one ``jobs/slurm-local/setup.sh`` brings up (CI installs Slurm and munge
+and starts it before pytest; see .ci/run). These tests skip, saying why, where Slurm is not
+installed or the cluster is not running and cannot be started (starting needs root); where
+it is installed and this is root, a cluster that fails to start fails the tests. A cluster
+this module started is stopped at its end.
+
+Every job runs a few seconds on the digits dataset; every wait has a time limit, and a
+failing test prints the job's output file.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from mpirun import ROOT
+
+from hpcps import checkpoint
+from hpcps.errors import PREEMPTED_EXIT
+
+SETUP = ROOT / "jobs" / "slurm-local" / "setup.sh"
+JOBS = ROOT / "jobs"
+SMALL = ["--layers", "64,32,10", "--batch-size", "16", "--progress-every", "0.1",
+         "--eval-every", "100", "--checkpoint-every", "0", "--timeout", "60"]
+DONE = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
+        "BOOT_FAIL", "DEADLINE", "PREEMPTED")
+
+
+def _sh(*cmd, timeout=60, env=None, cwd=None) -> subprocess.CompletedProcess:
+    return subprocess.run([str(c) for c in cmd], capture_output=True, text=True,
+                          timeout=timeout, env=env, cwd=cwd)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """A running one-node Slurm cluster (started here if need be, and stopped again)."""
+    missing = [c for c in ("slurmctld", "slurmd", "sbatch", "munged")
+               if shutil.which(c) is None and not Path(f"/usr/sbin/{c}").exists()]
+    if missing:
+        pytest.skip(f"Slurm is not installed (no {', '.join(missing)}): as root, "
+                    f"{SETUP.relative_to(ROOT)} start --install installs slurm-wlm and munge "
+                    "with apt-get and starts a one-node cluster")
+    if _sh(SETUP, "status").returncode == 0:
+        yield
+        return
+    if os.geteuid() != 0:
+        pytest.skip("the one-node Slurm cluster is not running and starting it needs root: "
+                    f"sudo {SETUP.relative_to(ROOT)} start")
+    run = _sh(SETUP, "start", timeout=120)
+    if run.returncode == 4:
+        pytest.skip(f"this machine has a Slurm configuration of its own: {run.stderr.strip()}")
+    assert run.returncode == 0, f"{SETUP} start failed:\n{run.stdout}{run.stderr}"
+    yield
+    _sh(SETUP, "stop", timeout=60)
+
+
+def job_env(**extra) -> dict:
+    """sbatch passes the environment on: this Python first on PATH, the checkout importable."""
+    env = dict(os.environ)
+    env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env.update(extra)
+    return env
+
+
+def submit(workdir: Path, script: str, sbatch_args=(), args=(), **env) -> str:
+    run = _sh("sbatch", "--parsable", f"--chdir={workdir}", *sbatch_args, JOBS / script, *args,
+              env=job_env(**env))
+    assert run.returncode == 0, f"sbatch {script} failed: {run.stderr}"
+    return run.stdout.strip().split(";")[0]
+
+
+def job_states(job: str) -> list[dict]:
+    """``scontrol show job -o`` as dicts (one per array task)."""
+    run = _sh("scontrol", "show", "job", "-o", job)
+    assert run.returncode == 0, f"scontrol show job {job}: {run.stderr}"
+    out = []
+    for line in run.stdout.splitlines():
+        fields = dict(item.split("=", 1) for item in line.split() if "=" in item)
+        out.append(fields)
+    return out
+
+
+def wait_for(job: str, done, timeout: float, workdir: Path, what: str) -> list[dict]:
+    """Poll until ``done(states)``; on time out cancel the job and fail with its output."""
+    deadline = time.monotonic() + timeout
+    while True:
+        states = job_states(job)
+        if done(states):
+            return states
+        if time.monotonic() > deadline:
+            _sh("scancel", job)
+            pytest.fail(f"job {job} did not {what} within {timeout} s: "
+                        f"{[(s.get('JobId'), s.get('JobState'), s.get('Reason')) for s in states]}"
+                        f"\n{outputs(workdir)}")
+        time.sleep(0.3)
+
+
+def finished(states) -> bool:
+    return all(s.get("JobState") in DONE for s in states)
+
+
+def outputs(workdir: Path) -> str:
+    return "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}"
+                     for p in sorted(workdir.glob("hpcps*.out")))
+
+
+def records(run_dir: Path, kind: str) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    lines = path.read_text().splitlines() if path.exists() else []
+    out = []
+    for line in lines:
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if rec["kind"] == kind:
+            out.append(rec)
+    return out
+
+
+def test_train_job(cluster, digits_h5, tmp_path):
+    job = submit(tmp_path, "train.sbatch", ["--nodes=1", "--ntasks-per-node=3"],
+                 ["--data", digits_h5, "--steps", "300", *SMALL])
+    (state,) = wait_for(job, finished, 90, tmp_path, "finish")
+    out = (tmp_path / f"hpcps-{job}.out").read_text()
+    assert state["JobState"] == "COMPLETED" and state["ExitCode"] == "0:0", out
+    run_dir = tmp_path / "runs" / f"slurm-{job}"   # hpcps.train read SLURM_JOB_ID
+    assert checkpoint.load(run_dir / "checkpoint.h5").step == 300
+    assert "final test accuracy" in out and "no checkpoint in" in out
+    start = records(run_dir, "start")[0]
+    assert start["ranks"] == 3 and start["slurm"]["job_id"] == job, start
+    assert records(run_dir, "summary")[0]["test_accuracy"] > 0.8
+
+
+def test_preemptible_job_is_requeued_and_continues(cluster, digits_h5, tmp_path):
+    """SIGUSR1 to the batch shell only, as ``--signal=B:USR1@120`` sends it: the script
+    forwards it to the job step, every rank stops with a checkpoint (exit code 75), the
+    script requeues the job, and the second start continues from the checkpoint.
+
+    The run's length comes from a config file, far longer than the test waits at first and
+    shortened while the job waits to start again (the command line is the same at every
+    start), so the test does not depend on how fast this machine is today."""
+    conf = tmp_path / "run.toml"
+    conf.write_text("steps = 1000000\n")
+    job = submit(tmp_path, "preemptible.sbatch", ["--nodes=1", "--ntasks-per-node=3"],
+                 ["--data", digits_h5, "--config", conf, *SMALL])
+    run_dir = tmp_path / "runs" / f"slurm-{job}"
+    deadline = time.monotonic() + 90
+    while not [r for r in records(run_dir, "progress") if r["step"] >= 300]:
+        if finished(job_states(job)) or time.monotonic() > deadline:
+            pytest.fail(f"job {job} made no progress past step 300 before it ended or 90 s "
+                        f"passed\n{outputs(tmp_path)}")
+        time.sleep(0.1)
+    assert _sh("scancel", "--signal=USR1", "--batch", job).returncode == 0
+    wait_for(job, lambda s: s[0].get("Restarts") == "1" and s[0]["JobState"] == "PENDING",
+             60, tmp_path, "requeue itself")
+    (first,) = records(run_dir, "summary")
+    assert first["stopped_early"] is True and first["step"] >= 300, first
+    total = first["step"] + 600
+    conf.write_text(f"steps = {total}\n")
+    # Slurm holds a requeued job (BeginTime, about 2 minutes) so that the old incarnation's
+    # credential is revoked before a new one is issued; a start in the same second fails
+    # ("Job credential revoked"). Let it start again 3 s from now.
+    assert _sh("scontrol", "update", f"jobid={job}", "starttime=now+3").returncode == 0
+    (state,) = wait_for(job, finished, 90, tmp_path, "finish after its requeue")
+    out = (tmp_path / f"hpcps-{job}.out").read_text()
+    assert state["JobState"] == "COMPLETED" and state["ExitCode"] == "0:0", out
+    assert f"exit code {PREEMPTED_EXIT}" in out and "requeueing job" in out, out
+    assert out.count("hpcps-long: job") == 2, out   # two starts, one output file (appended)
+    starts = records(run_dir, "start")
+    assert starts[1]["start_step"] == first["step"] and starts[1]["resume_auto"] is True
+    assert starts[1]["slurm"]["restart_count"] == "1"
+    second = records(run_dir, "summary")[1]
+    assert second["stopped_early"] is False and second["step"] == total
+    steps = [r["step"] for r in records(run_dir, "progress")]
+    assert steps == sorted(steps), steps   # one curve: the step count continues
+    assert checkpoint.load(run_dir / "checkpoint.h5").step == total
+
+
+def test_sweep_array(cluster, digits_h5, tmp_path):
+    job = submit(tmp_path, "sweep.sbatch", ["--array=0-1", "--nodes=1", "--ntasks-per-node=2"],
+                 ["--data", digits_h5, "--steps", "200", *SMALL],
+                 HPCPS_SWEEP_STRATEGIES="sync averaging", HPCPS_SWEEP_LRS="0.05")
+    states = wait_for(job, lambda s: len(s) == 2 and finished(s), 120, tmp_path, "finish")
+    assert all(s["JobState"] == "COMPLETED" and s["ExitCode"] == "0:0" for s in states), \
+        outputs(tmp_path)
+    for task, strategy in enumerate(["sync", "averaging"]):
+        run_dir = tmp_path / "runs" / f"slurm-{job}_{task}"
+        config = records(run_dir, "start")[0]["config"]
+        assert config["strategy"] == strategy and config["lr"] == 0.05, config
+        assert records(run_dir, "summary")[0]["step"] >= 200
+
+
+def test_prepare_data_job(cluster, tmp_path):
+    job = submit(tmp_path, "prepare-data.sbatch", args=["digits"])
+    (state,) = wait_for(job, finished, 90, tmp_path, "finish")
+    assert state["JobState"] == "COMPLETED", outputs(tmp_path)
+    from hpcps.data import open_dataset
+    assert open_dataset(tmp_path / "data" / "digits.h5").n_train == 1437
+    job = submit(tmp_path, "prepare-data.sbatch", args=["digits"])   # kept, not redone
+    (state,) = wait_for(job, finished, 90, tmp_path, "finish")
+    assert "digits.h5 is already prepared" in (tmp_path / f"hpcps-data-{job}.out").read_text()
+
+
+def test_srun_without_pmi_is_refused(cluster, digits_h5, tmp_path):
+    """Without --mpi=pmi2 every task is rank 0 of 1: refused, not trained N times."""
+    run = _sh("srun", "--mpi=none", "-n", "2", sys.executable, "-m", "hpcps.train",
+              "--data", digits_h5, "--steps", "10", *SMALL, timeout=90, env=job_env(),
+              cwd=tmp_path)
+    assert run.returncode == 2, run.stdout + run.stderr
+    assert "srun started 2 tasks but MPI sees 1 rank(s)" in run.stderr
+    assert not (tmp_path / "runs").exists()
