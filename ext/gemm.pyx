@@ -208,24 +208,28 @@ def gemm_bias_act(const float[:, ::1] X, const float[:, ::1] W, const float[::1]
 
 
 def sgemm_blas(const float[:, ::1] A, const float[:, ::1] B, float[:, ::1] out,
-               bint trans_a=False):
-    """``out = op(A) @ B`` through ``scipy.linalg.cython_blas.sgemm``, without the GIL.
+               bint trans_a=False, bint trans_b=False, float alpha=1.0, float beta=0.0):
+    """``out = alpha * op(A) @ op(B) + beta * out`` through the kernels' sgemm, without the GIL.
 
-    ``op(A)`` is ``A`` (M, K) or, with ``trans_a``, ``A.T`` for ``A`` stored (K, M).
+    ``op(A)`` is ``A`` (M, K) or, with ``trans_a``, ``A.T`` for ``A`` stored (K, M); ``op(B)``
+    is ``B`` (K, N) or, with ``trans_b``, ``B.T`` for ``B`` stored (N, K).
     """
     cdef int M = A.shape[1] if trans_a else A.shape[0]
     cdef int K = A.shape[0] if trans_a else A.shape[1]
-    cdef int N = B.shape[1]
-    if B.shape[0] != K or out.shape[0] != M or out.shape[1] != N:
+    cdef int N = B.shape[0] if trans_b else B.shape[1]
+    if (B.shape[1] if trans_b else B.shape[0]) != K or out.shape[0] != M or out.shape[1] != N:
         raise ValueError("shape mismatch")
     if M == 0 or N == 0:
         return
-    if K == 0:
-        out[:, :] = 0
+    if K == 0:   # an empty sum: out = beta * out (0, not NaN * 0, when beta is 0)
+        if beta == 0.0:
+            out[:, :] = 0
+        else:
+            np.asarray(out)[...] *= beta
         return
-    cdef int lda = A.shape[1]
+    cdef int lda = A.shape[1], ldb = B.shape[1]
     with nogil:
-        _sgemm_rm(trans_a, False, M, N, K, 1.0, &A[0, 0], lda, &B[0, 0], N, 0.0,
+        _sgemm_rm(trans_a, trans_b, M, N, K, alpha, &A[0, 0], lda, &B[0, 0], ldb, beta,
                   &out[0, 0], N)
 
 

@@ -195,9 +195,10 @@ class HogwildEngine:
         self.n_params = self.model.n_params
         self.compiled = HAVE_EXTENSION
         if self.compiled:
-            blas.ensure(blas.mlp_shapes(self.sizes, self.batch))   # HPCPS_BLAS: first engine
             self._engine = _compiled.HogwildEngine(self.sizes, activation, self.threads,
                                                    self.batch, zero_skip)
+            blas.ensure(blas.mlp_shapes(self.sizes, self.batch,    # HPCPS_BLAS: first engine
+                                        first_layer=self._engine.zero_skip_isa is None))
         else:
             self._grad = np.empty(self.n_params, dtype=np.float32)
         self._blas = ThreadpoolController() if ThreadpoolController is not None else None

@@ -427,3 +427,22 @@ def test_zero_skip_refuses_bad_input():
         gemm.zero_skip_update(W, X, D[:3], 1.0)
     with pytest.raises(ValueError):
         gemm.zero_skip_update(W, X.astype(np.float64), D, 1.0)
+
+
+@needs_extension
+@pytest.mark.parametrize("trans_a", [False, True])
+@pytest.mark.parametrize("trans_b", [False, True])
+@pytest.mark.parametrize("beta", [0.0, 1.0])
+def test_sgemm_blas_every_layout(trans_a, trans_b, beta):
+    """The raw kernel behind ``sgemm`` and BLAS timing: ``alpha op(A) op(B) + beta C``."""
+    from hpcps.kernels import _gemm
+    rng = np.random.default_rng(7)
+    M, K, N = 13, 37, 21
+    A = _f32(rng, *((K, M) if trans_a else (M, K)))
+    B = _f32(rng, *((N, K) if trans_b else (K, N)))
+    C = np.full((M, N), np.nan, np.float32) if beta == 0.0 else _f32(rng, M, N)
+    want = -0.5 * ((A.T if trans_a else A) @ (B.T if trans_b else B)).astype(np.float64)
+    if beta:
+        want += beta * C
+    _gemm.sgemm_blas(A, B, C, trans_a, trans_b, -0.5, beta)
+    np.testing.assert_allclose(C, want, rtol=GEMM_RTOL, atol=GEMM_ATOL)

@@ -8,12 +8,13 @@ which :func:`use` can point at MKL's instead.
 Which is faster depends on the CPU: on an AVX-512 Xeon MKL's sgemm ran 1.05-1.49x
 OpenBLAS's at an MLP's training shapes, on an AMD EPYC (AVX2) 0.88-0.94x
 (``docs/performance.md``). So ``auto``, the default, does not guess: when MKL loads, it
-times both libraries' sgemm, through the kernels' own pointer, on the products one training
-step of the model makes (:func:`mlp_shapes`: each layer's forward ``X @ W`` and weight
-gradient ``X.T @ D``, given by the first Hogwild engine; an MLP 784-512-512-10 at batch 128
-when the first caller knows no model), in rounds that alternate which library goes first,
-and keeps the one whose median paired ratio is faster. That takes 0.05-0.3 s, once per
-process (:data:`TIME_BUDGET_S`). :func:`info` says what was chosen and why.
+times both libraries' sgemm, through the kernels' own pointer, on the calls one training
+step of the model makes (:func:`mlp_shapes`: each layer's forward, error and update
+products, as the engine calls them, given by the first Hogwild engine, without the first
+layer's when it skips zeros; an MLP 784-512-512-10 at batch 128 when the first caller knows
+no model), in rounds that alternate which library goes first, and keeps the one faster at
+each product's fastest round (:func:`decide`). That takes 0.05-0.5 s, once per process
+(:data:`TIME_BUDGET_S`). :func:`info` says what was chosen and why.
 
 MKL comes from the PyPI ``mkl`` wheel (``pip install "hpcps[mkl]"``; it puts
 ``libmkl_rt.so.3`` in ``<sys.prefix>/lib``) or from anywhere ``ctypes.util.find_library``
@@ -54,7 +55,6 @@ import importlib
 import importlib.abc
 import importlib.util
 import os
-import statistics
 import sys
 import threading
 import time
@@ -77,7 +77,7 @@ _EXTENSIONS = ("_gemm", "_hogwild")
 # auto's timing: rounds of every shape with each library, at least MIN_ROUNDS and at most
 # MAX_ROUNDS, stopping once TIME_BUDGET_S has passed; dimensions are clipped at MAX_DIM
 # (sgemm's speed is flat beyond a few hundred, and the budget must hold for any model)
-MIN_ROUNDS, MAX_ROUNDS, TIME_BUDGET_S, MAX_DIM = 3, 9, 0.25, 2048
+MIN_ROUNDS, MAX_ROUNDS, TIME_BUDGET_S, MAX_DIM = 3, 15, 0.4, 2048
 DEFAULT_MODEL, DEFAULT_BATCH = (784, 512, 512, 10), 128
 
 _lock = threading.RLock()
@@ -208,18 +208,21 @@ def _point_extensions(address):
         mod._set_sgemm(address)
 
 
-def mlp_shapes(sizes, batch):
-    """The sgemm products of one training step of an MLP with layer widths ``sizes`` and
-    mini-batch ``batch``, as ``(m, k, n, trans_a)``: ``out (m, n) = op(A) (m, k) @ B (k, n)``,
-    each layer's forward ``X @ W`` and weight gradient ``X.T @ D`` (the error's product
-    ``D @ W.T`` has the forward's size). Dimensions are clipped at ``MAX_DIM``; repeats are
-    listed once."""
+def mlp_shapes(sizes, batch, first_layer=True):
+    """The sgemm calls one training step of the Hogwild engine makes for an MLP with layer
+    widths ``sizes`` and mini-batch ``batch``, as ``(m, k, n, trans_a, trans_b, beta)``:
+    ``out (m, n) = op(A) (m, k) @ op(B) (k, n) + beta * out``. Per layer: the forward
+    ``X @ W`` (into the bias, beta 1), the error's ``D @ W.T`` (not in the first layer) and
+    the update ``X.T @ D`` (into the weights, beta 1). ``first_layer=False`` leaves out the
+    first layer's forward and update (the zero-skipping kernels do them). Dimensions are
+    clipped at ``MAX_DIM``; repeats are listed once."""
     shapes = []
-    for n_in, n_out in zip(sizes[:-1], sizes[1:]):
+    for l, (n_in, n_out) in enumerate(zip(sizes[:-1], sizes[1:])):
         b, i, o = (min(int(v), MAX_DIM) for v in (batch, n_in, n_out))
-        for shape in ((b, i, o, False), (i, b, o, True)):
-            if shape not in shapes:
-                shapes.append(shape)
+        calls = [(b, o, i, False, True, 0.0)] if l > 0 else []
+        if l > 0 or first_layer:
+            calls += [(b, i, o, False, False, 1.0), (i, b, o, True, False, 1.0)]
+        shapes += [c for c in calls if c not in shapes]
     return tuple(shapes)
 
 
@@ -230,23 +233,25 @@ def time_sgemm(addresses, shapes, min_rounds=MIN_ROUNDS, max_rounds=MAX_ROUNDS,
 
     One warm-up pass each, then rounds: every library does every shape once, the order of
     the libraries turning each round so drifting load hits both alike. Returns
-    ``{"rounds": [{name: seconds}, ...], "seconds": wall time spent}``.
+    ``{"rounds": [{name: [seconds per shape]}, ...], "seconds": wall time spent}``.
     """
     from hpcps.kernels import _gemm
     rng = np.random.default_rng(0)
     problems = []
-    for m, k, n, trans_a in shapes:
-        a = rng.standard_normal((k, m) if trans_a else (m, k), dtype=np.float32)
-        problems.append((a, rng.standard_normal((k, n), dtype=np.float32),
-                         np.empty((m, n), np.float32), trans_a))
+    for m, k, n, trans_a, trans_b, beta in shapes:
+        problems.append((rng.standard_normal((k, m) if trans_a else (m, k), dtype=np.float32),
+                         rng.standard_normal((n, k) if trans_b else (k, n), dtype=np.float32),
+                         np.zeros((m, n), np.float32), trans_a, trans_b, beta))
     names = list(addresses)
 
     def one_pass(name):
         _gemm._set_sgemm(addresses[name])
-        t0 = time.perf_counter()
-        for a, b, out, trans_a in problems:
-            _gemm.sgemm_blas(a, b, out, trans_a)
-        return time.perf_counter() - t0
+        times = []
+        for a, b, out, trans_a, trans_b, beta in problems:
+            t0 = time.perf_counter()
+            _gemm.sgemm_blas(a, b, out, trans_a, trans_b, 1e-3, beta)
+            times.append(time.perf_counter() - t0)
+        return times
 
     start = time.perf_counter()
     rounds = []
@@ -269,16 +274,24 @@ def _one_blas_thread():
     return threadpool_limits(limits=1, user_api="blas")
 
 
+def best_seconds(rounds, name):
+    """Seconds of one step's calls with ``name``: each shape's fastest round, summed."""
+    return sum(min(per_shape) for per_shape in zip(*(r[name] for r in rounds)))
+
+
 def decide(rounds):
-    """``(name, mkl_speed)``: MKL when its median paired speed ratio over ``rounds`` (each
-    ``{"openblas": s, "mkl": s}``) is above 1, else OpenBLAS. ``mkl_speed`` is that ratio
-    (OpenBLAS's seconds over MKL's)."""
-    speed = statistics.median(r["openblas"] / r["mkl"] for r in rounds)
+    """``(name, mkl_speed)``: MKL when it is faster over ``rounds`` (each ``{"openblas":
+    [seconds per shape], "mkl": [...]}``), else OpenBLAS. ``mkl_speed`` is OpenBLAS's
+    :func:`best_seconds` over MKL's. The fastest of a shape's rounds is the one other jobs
+    disturbed least: on a loaded machine (load 10 on 2 cores) medians of paired rounds
+    ranged 0.68-1.2 over five choices for one model, so a median would pick at random."""
+    speed = best_seconds(rounds, "openblas") / best_seconds(rounds, "mkl")
     return ("mkl" if speed > 1.0 else "openblas"), speed
 
 
 def _describe_shapes(shapes):
-    return ", ".join(f"{m}x{k}{'^T' if t else ''} @ {k}x{n}" for m, k, n, t in shapes)
+    return ", ".join(f"{m}x{k}{'^T' if ta else ''} @ {k}x{n}{'^T' if tb else ''}"
+                     f"{' + C' if beta else ''}" for m, k, n, ta, tb, beta in shapes)
 
 
 def use(name: str, shapes=None, source: str | None = None) -> str:
@@ -332,14 +345,14 @@ def _time_and_choose(mkl, shapes, source):
     name, speed = decide(measured["rounds"])
     what = (f"an MLP {'-'.join(map(str, DEFAULT_MODEL))} at batch {DEFAULT_BATCH}" if model
             else "this model")
+    rounds = measured["rounds"]
     reason = (f"{source}: timed both at the sgemm shapes of {what} ({len(shapes)} "
-              f"products): MKL ran {speed:.2f}x OpenBLAS's speed (median of "
-              f"{len(measured['rounds'])} paired rounds, {measured['seconds']:.2f} s)")
+              f"products): MKL ran {speed:.2f}x OpenBLAS's speed (each product's fastest of "
+              f"{len(rounds)} alternating rounds, {measured['seconds']:.2f} s)")
     timing = {"shapes": _describe_shapes(shapes), "mkl_speed_over_openblas": round(speed, 3),
-              "rounds": len(measured["rounds"]), "seconds": round(measured["seconds"], 3),
-              "openblas_ms": round(1e3 * statistics.median(
-                  r["openblas"] for r in measured["rounds"]), 3),
-              "mkl_ms": round(1e3 * statistics.median(r["mkl"] for r in measured["rounds"]), 3)}
+              "rounds": len(rounds), "seconds": round(measured["seconds"], 3),
+              "openblas_ms": round(1e3 * best_seconds(rounds, "openblas"), 3),
+              "mkl_ms": round(1e3 * best_seconds(rounds, "mkl"), 3)}
     return name, (mkl if name == "mkl" else 0), timing, reason
 
 
