@@ -8,12 +8,13 @@ one thread with threadpoolctl, or OPENBLAS_NUM_THREADS=1 set before NumPy is imp
   ``hpcps.kernels.blas``), and the packed Cython sgemm if the build still has it;
   forward layouts ``X @ W`` and weight-gradient layouts ``X.T @ D``;
 - ``act(X @ W + b)``: NumPy, the compiled pass for every activation, the public API;
-- the zero-skipping first-layer kernels (``zero_skip_matmul``, ``zero_skip_update``) on
+- the zero-skipping first-layer kernels (``zero_skip_matmul``, ``zero_skip_update``), with
+  every instruction set this CPU runs them with (AVX-512F, AVX2 + FMA), on
   128 real MNIST images when ``data/mnist.h5`` exists (else random inputs with MNIST's
   19% density, which is harder: real strokes cluster, so blocks share their zeros) and on
   dense inputs, against OpenBLAS's sgemm for the same product (for the update OpenBLAS
   only forms ``X.T @ D``; the kernel also adds it into W), as time and dense-equivalent
-  GFLOP/s (2*B*K*N over the time);
+  GFLOP/s (2*B*K*N over the time), the speed-ups as medians of paired, alternating calls;
 - the server update ``G = A.T @ E`` then Adagrad: NumPy's two steps, NumPy's GEMM followed by
   the compiled Adagrad kernel, and the fused kernel (threads 1 and 2, a few tiles), as weight
   updates per second (M*N per call) and per core.
@@ -44,7 +45,7 @@ import numpy as np  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hpcps.kernels import blas, gemm  # noqa: E402
-from machine import cpu_model  # noqa: E402  (bench/machine.py)
+from machine import cpu_features, cpu_model  # noqa: E402  (bench/machine.py)
 
 try:
     from hpcps.kernels import _gemm  # noqa: E402
@@ -241,12 +242,29 @@ def mnist_batch(B, rng):
     return X, "random, 19% nonzero"
 
 
+def paired_ratio(fn_a, fn_b, repeats):
+    """Median seconds of ``fn_a`` and ``fn_b`` called in alternation (one warm-up each), and
+    the median over rounds of each round's ``a / b``: load that drifts cancels."""
+    fn_a()
+    fn_b()
+    ta, tb = [], []
+    for r in range(repeats):
+        for fn, out in ((fn_a, ta), (fn_b, tb)) if r % 2 == 0 else ((fn_b, tb), (fn_a, ta)):
+            t0 = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - t0)
+    return (statistics.median(ta), statistics.median(tb),
+            statistics.median(a / b for a, b in zip(ta, tb)))
+
+
 def bench_zero_skip(repeats, rng):
+    """Every instruction set the kernels have on this CPU, against OpenBLAS, paired."""
     if not gemm.ZERO_SKIP_COMPILED:
-        return {"available": False}
+        return {"available": False, "cpu_isa": gemm.ZERO_SKIP_CPU_ISA}
     B, K = 128, 784
     Xm, source = mnist_batch(B, rng)
-    out = {"available": True, "inputs": source, "shapes": []}
+    out = {"available": True, "isas": list(gemm.ZERO_SKIP_ISAS), "inputs": source,
+           "shapes": []}
     for name, X in (("mnist_like", Xm), ("dense", rng.standard_normal((B, K),
                                                                        dtype=np.float32))):
         for N in (512, 1024):
@@ -255,23 +273,26 @@ def bench_zero_skip(repeats, rng):
             Z = np.empty((B, N), np.float32)
             G = np.empty((K, N), np.float32)
             flops = 2.0 * B * K * N
-            t_fwd_blas = median_time(lambda: gemm.sgemm(X, W, Z), repeats)
-            t_fwd_skip = median_time(lambda: gemm.zero_skip_matmul(X, W, Z), repeats)
-            t_upd_blas = median_time(lambda: gemm.sgemm(X, D, G, trans_a=True), repeats)
-            t_upd_skip = median_time(lambda: gemm.zero_skip_update(W, X, D, -1e-3), repeats)
-            out["shapes"].append({
-                "inputs": name, "B": B, "K": K, "N": N,
-                "nonzero_fraction": round(float(np.count_nonzero(X)) / X.size, 3),
-                "forward_blas_ms": round(t_fwd_blas * 1e3, 3),
-                "forward_zero_skip_ms": round(t_fwd_skip * 1e3, 3),
-                "forward_speedup": round(t_fwd_blas / t_fwd_skip, 2),
-                "forward_zero_skip_dense_equiv_gflops": round(flops / t_fwd_skip / 1e9, 1),
-                "forward_blas_gflops": round(flops / t_fwd_blas / 1e9, 1),
-                "update_blas_gradient_only_ms": round(t_upd_blas * 1e3, 3),
-                "update_zero_skip_ms": round(t_upd_skip * 1e3, 3),
-                "update_speedup": round(t_upd_blas / t_upd_skip, 2),
-                "update_zero_skip_dense_equiv_gflops": round(flops / t_upd_skip / 1e9, 1),
-            })
+            for isa in gemm.ZERO_SKIP_ISAS:
+                t_fwd_blas, t_fwd_skip, r_fwd = paired_ratio(
+                    lambda: gemm.sgemm(X, W, Z),
+                    lambda: gemm.zero_skip_matmul(X, W, Z, isa=isa), repeats)
+                t_upd_blas, t_upd_skip, r_upd = paired_ratio(
+                    lambda: gemm.sgemm(X, D, G, trans_a=True),
+                    lambda: gemm.zero_skip_update(W, X, D, -1e-3, isa=isa), repeats)
+                out["shapes"].append({
+                    "isa": isa, "inputs": name, "B": B, "K": K, "N": N,
+                    "nonzero_fraction": round(float(np.count_nonzero(X)) / X.size, 3),
+                    "forward_blas_ms": round(t_fwd_blas * 1e3, 3),
+                    "forward_zero_skip_ms": round(t_fwd_skip * 1e3, 3),
+                    "forward_speedup": round(r_fwd, 2),
+                    "forward_zero_skip_dense_equiv_gflops": round(flops / t_fwd_skip / 1e9, 1),
+                    "forward_blas_gflops": round(flops / t_fwd_blas / 1e9, 1),
+                    "update_blas_gradient_only_ms": round(t_upd_blas * 1e3, 3),
+                    "update_zero_skip_ms": round(t_upd_skip * 1e3, 3),
+                    "update_speedup": round(r_upd, 2),
+                    "update_zero_skip_dense_equiv_gflops": round(flops / t_upd_skip / 1e9, 1),
+                })
     return out
 
 
@@ -282,7 +303,8 @@ def main():
     rng = np.random.default_rng(0)
     result = {
         "machine": {
-            "cpu": cpu_model(), "cores": os.cpu_count(), "python": platform.python_version(),
+            "cpu": cpu_model(), "cpu_features": cpu_features(), "cores": os.cpu_count(),
+            "python": platform.python_version(),
             "numpy": np.__version__,
             "blas": ([{k: d.get(k) for k in ("filepath", "version", "architecture",
                                             "num_threads")}

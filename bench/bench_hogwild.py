@@ -9,8 +9,12 @@ same batch, same gathered examples). ``hogwild_T*_no_zero_skip`` is the engine w
 ``zero_skip=0`` (BLAS for the first layer too), to show what skipping zeros is worth.
 Every ``hogwild_*`` runs with OpenBLAS's sgemm except ``hogwild_T*_mkl``, the engine with
 Intel MKL's (``hpcps.kernels.blas``; present when MKL loads; each run switches the
-kernels' sgemm before its timer starts). Configurations are interleaved within each repeat so
-load from other jobs on the machine hits all of them alike. ``examples_per_s`` is the
+kernels' sgemm before its timer starts). ``blas_auto`` is what ``HPCPS_BLAS=auto`` chose
+for the model (it times both at the model's shapes) and why, and the ``*_auto`` ratios are
+the engine with that choice: the default configuration. The first layer skips zeros with
+the kernels the CPU has (``machine.zero_skip_isa``: AVX-512F or AVX2 + FMA).
+Configurations are interleaved within each repeat so load from other jobs on the machine
+hits all of them alike. ``examples_per_s`` is the
 median over repeats, ``best_examples_per_s`` the fastest repeat (the one least disturbed by
 other jobs); ratios are given for both and for examples per CPU-second, and
 ``paired_ratios_median`` is the median over repeats of each repeat's own ratio (the two
@@ -42,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from hpcps import hogwild  # noqa: E402
 from hpcps.kernels import blas  # noqa: E402
 from hpcps.model import MLP  # noqa: E402
-from machine import cpu_model  # noqa: E402  (bench/machine.py)
+from machine import cpu_features, cpu_model  # noqa: E402  (bench/machine.py)
 
 try:
     import torch
@@ -58,12 +62,14 @@ MODELS = [(784, 512, 512, 10), (784, 1024, 1024, 10)]
 def machine():
     info = {
         "cpu": cpu_model(),
+        "cpu_features": cpu_features(),
         "cores": os.cpu_count(),
         "loadavg_start": os.getloadavg(),
         "python": platform.python_version(),
         "numpy": np.__version__,
         "hogwild_compiled": hogwild.HAVE_EXTENSION,
         "zero_skip_kernels": hogwild.HogwildEngine((2, 2), batch=1).zero_skipping,
+        "zero_skip_isa": hogwild.HogwildEngine((2, 2), batch=1).zero_skip_isa,
         "OPENBLAS_NUM_THREADS": os.environ.get("OPENBLAS_NUM_THREADS"),
         "torch": torch.__version__ if torch is not None else None,
         "mkl": {k: v for k, v in blas.info().items() if k != "blas"},
@@ -201,6 +207,14 @@ def main():
         if torch is not None:
             runners["torch_T1"] = torch_runner(sizes, 1, x, y, args.steps)
             runners["torch_T2"] = torch_runner(sizes, 2, x, y, args.steps)
+        auto = None
+        if have_mkl:   # what HPCPS_BLAS=auto picks for this model, and why
+            auto = blas.use("auto", blas.mlp_shapes(sizes, BATCH), "auto")
+            auto_info = {k: blas.info()[k] for k in ("blas", "reason", "timing")}
+            blas.use("openblas")
+            log(f"  auto: {auto_info['reason']}")
+        else:
+            auto_info = {"blas": "openblas", "reason": "MKL not loadable", "timing": None}
         res = measure(runners, args.repeats, log)
         ratios = {}
         for tag, field in (("", "examples_per_s"), ("_best", "best_examples_per_s"),
@@ -234,7 +248,12 @@ def main():
                 if torch is not None:
                     paired[f"hogwild_mkl_over_torch_{t}"] = pair(f"hogwild_{t}_mkl",
                                                                  f"torch_{t}")
-        out["models"][key] = {"results": res, "ratios": ratios,
+        if torch is not None:   # the default configuration: auto's library
+            suffix = "_mkl" if auto == "mkl" else ""
+            for t in ("T1", "T2"):
+                paired[f"hogwild_auto_over_torch_{t}"] = pair(f"hogwild_{t}{suffix}",
+                                                              f"torch_{t}")
+        out["models"][key] = {"results": res, "ratios": ratios, "blas_auto": auto_info,
                               "paired_ratios_median": paired}
     out["machine"]["loadavg_end"] = os.getloadavg()
     print(json.dumps(out, indent=1))
