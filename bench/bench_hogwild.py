@@ -209,7 +209,9 @@ def main():
             runners["torch_T2"] = torch_runner(sizes, 2, x, y, args.steps)
         auto = None
         if have_mkl:   # what HPCPS_BLAS=auto picks for this model, and why
-            auto = blas.use("auto", blas.mlp_shapes(sizes, BATCH), "auto")
+            skips = hogwild.HogwildEngine(sizes, batch=BATCH).zero_skip_isa is not None
+            auto = blas.use("auto", blas.mlp_shapes(sizes, BATCH, first_layer=not skips),
+                            "HPCPS_BLAS=auto")
             auto_info = {k: blas.info()[k] for k in ("blas", "reason", "timing")}
             blas.use("openblas")
             log(f"  auto: {auto_info['reason']}")
