@@ -197,8 +197,11 @@ class HogwildEngine:
         if self.compiled:
             self._engine = _compiled.HogwildEngine(self.sizes, activation, self.threads,
                                                    self.batch, zero_skip)
-            blas.ensure(blas.mlp_shapes(self.sizes, self.batch,    # HPCPS_BLAS: first engine
-                                        first_layer=self._engine.zero_skip_isa is None))
+            # HPCPS_BLAS, at the first engine: auto times this model's sgemm calls (the first
+            # layer's only when it does not skip zeros, or is the only layer)
+            blas.ensure(blas.mlp_shapes(self.sizes, self.batch,
+                                        first_layer=self._engine.zero_skip_isa is None)
+                        or blas.mlp_shapes(self.sizes, self.batch))
         else:
             self._grad = np.empty(self.n_params, dtype=np.float32)
         self._blas = ThreadpoolController() if ThreadpoolController is not None else None

@@ -396,6 +396,27 @@ def test_decide_takes_each_products_fastest_round(mkl_rounds, want):
     assert name == want and speed == pytest.approx(3.0 / best_mkl)
 
 
+def test_decide_without_calls_is_a_tie():
+    assert blas.decide([{"openblas": [], "mkl": []}] * 3) == ("openblas", 1.0)
+
+
+@needs_extension
+@MKL
+def test_auto_with_a_one_layer_model():
+    """One layer whose products the zero-skipping kernels do: auto times them anyway (BLAS
+    does them for dense batches), never an empty set."""
+    code = """
+        import json
+        from hpcps.hogwild import HogwildEngine
+        from hpcps.kernels import blas
+        HogwildEngine((2, 2), batch=1)
+        print(json.dumps(blas.info()))
+    """
+    info = json.loads(_run(code, {"HPCPS_BLAS": "auto"}).stdout)
+    assert info["timing"]["shapes"] == "1x2 @ 2x2 + C, 2x1^T @ 1x2 + C"
+    _check_auto_choice(info)
+
+
 @needs_extension
 def test_time_sgemm_rounds():
     """Every round times every library on every shape; at least MIN_ROUNDS, at most

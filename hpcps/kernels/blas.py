@@ -285,7 +285,8 @@ def decide(rounds):
     :func:`best_seconds` over MKL's. The fastest of a shape's rounds is the one other jobs
     disturbed least: on a loaded machine (load 10 on 2 cores) medians of paired rounds
     ranged 0.68-1.2 over five choices for one model, so a median would pick at random."""
-    speed = best_seconds(rounds, "openblas") / best_seconds(rounds, "mkl")
+    mkl = best_seconds(rounds, "mkl")
+    speed = best_seconds(rounds, "openblas") / mkl if mkl > 0 else 1.0   # no calls: a tie
     return ("mkl" if speed > 1.0 else "openblas"), speed
 
 
