@@ -313,7 +313,7 @@ def tables(doc: dict) -> str:
             stale += f" / {r['max_staleness']:.0f}"
         out.append(f"| {_label(r)} | {r['replicas']} | {accs} | "
                    f"{_num(r['time_to_target_s'], '.1f')} | {_num(r['examples_per_s'], ',.0f')} "
-                   f"| {_num(r['examples_per_s_vs_sync'], '.2f')} | "
+                   f"| {_num(r.get('examples_per_s_vs_sync'), '.2f')} | "
                    f"{_num(r['bytes_per_step'], ',.0f')} | {stale} |")
     if doc.get("slow_replica"):
         out += ["", "| method | final acc | examples/s of wall time | vs sync | "
@@ -321,8 +321,8 @@ def tables(doc: dict) -> str:
         for r in doc["slow_replica"]:
             out.append(f"| {_label(r)} | {_num(r['final_test_accuracy'], '.4f')} | "
                        f"{_num(r['examples_per_wall_s'], ',.0f')} | "
-                       f"{_num(r['examples_per_wall_s_vs_sync'], '.2f')} | "
-                       f"{_num(r['examples_per_wall_s_vs_healthy'], '.2f')} |")
+                       f"{_num(r.get('examples_per_wall_s_vs_sync'), '.2f')} | "
+                       f"{_num(r.get('examples_per_wall_s_vs_healthy'), '.2f')} |")
     return "\n".join(out)
 
 
