@@ -521,8 +521,9 @@ STRATEGY = Strategy(
         Option("softsync", int, "soft synchronization: a shard applies the mean of every s "
                "pushes, from any replicas, as one update (default 1: each push at once)",
                check="positive"),
-        Option("staleness_lr", str, "on: scale each push by 1/max(1, tau), tau its "
-               "staleness, so its step is lr/tau (default off)", choices=("on", "off")),
+        Option("staleness_lr", str, "on: take each update at the rate lr/max(1, tau), tau "
+               "its staleness (a softsync group's mean staleness) (default off)",
+               choices=("on", "off")),
         TAU, GOLOMB, PREFETCH, INJECT_SLOW),
     defaults=_defaults,
     validate=_validate,
