@@ -548,3 +548,22 @@ def test_downpour_rate_counts_the_slowest_replica(digits_h5, tmp_path):
     # the slow replica trains 600 steps at 6x the cost: nearly all of the job's wall time
     assert s["train_s"] > 0.5 * s["wall_s"], (s["train_s"], s["wall_s"])
     assert s["examples_per_s"] == pytest.approx(1200 * 16 / s["train_s"], rel=0.02)
+
+
+def test_progress_says_how_far_along_the_run_is(digits_h5, tmp_path):
+    """Progress records carry the percent of the run done and the seconds left at the rate so
+    far; the arithmetic on a resumed run counts only this run's steps for the rate."""
+    from types import SimpleNamespace
+
+    from hpcps.strategies.loop import run_position
+    resumed = SimpleNamespace(total_steps=1000, start_step=200)
+    assert run_position(resumed, 600, 10.0) == {"done_pct": 60.0, "eta_s": 10.0}
+    assert run_position(resumed, 200, 0.0) == {"done_pct": 20.0, "eta_s": None}
+    assert run_position(resumed, 1000, 20.0) == {"done_pct": 100.0, "eta_s": 0.0}
+    run = train(2, "--strategy", "sync", "--data", str(digits_h5), "--run-dir", str(tmp_path),
+                "--steps", "900", *QUICK)
+    assert run.returncode == 0, run.output
+    prog = records(tmp_path, "progress")
+    done = [r["done_pct"] for r in prog]
+    assert done == sorted(done) and 0 < done[0] and done[-1] == 100.0
+    assert all(r["eta_s"] >= 0 for r in prog) and prog[-1]["eta_s"] == 0

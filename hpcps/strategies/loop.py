@@ -225,6 +225,7 @@ class ReplicaLoop:
                "examples_per_s": round(rate((step - self._last_step) * self.cfg.batch_size,
                                             now - self._last_t), 1),
                "loss": self._loss_win / max(1, self._n_win)}
+        rec.update(run_position(self.ctx, step, now - self._t0))
         rec.update(self.progress_fields())
         rec.update(model_parallel_figures(self.ctx, self.done, now - self._t0))
         self.ctx.metrics.record("progress", **rec)
@@ -252,3 +253,13 @@ class ReplicaLoop:
         if saving:
             path = save_checkpoint(ctx, full, state, step, {"train_loss": self.last_loss})
             ctx.metrics.record("checkpoint", echo=False, step=step, path=str(path))
+
+
+def run_position(ctx, step: int, elapsed: float) -> dict:
+    """How far along the run is at global ``step``: percent of the run's steps done, and the
+    seconds left at the rate of this run so far (None before the first step of this run)."""
+    total, start = ctx.total_steps, ctx.start_step
+    done = min(1.0, step / total) if total > 0 else 1.0
+    ran = step - start
+    eta = round(elapsed * max(0, total - step) / ran, 1) if ran > 0 else None
+    return {"done_pct": round(100.0 * done, 1), "eta_s": eta}
