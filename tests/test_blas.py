@@ -329,8 +329,8 @@ def test_default_is_used_when_unset():
 
 def _check_auto_choice(info):
     """auto kept the library its own timing found faster, and says so."""
-    speed = info["timing"]["mkl_speed_over_openblas"]
-    assert info["blas"] == ("mkl" if speed > 1.0 else "openblas")
+    speed = info["timing"]["mkl_speed_over_openblas"]  # rounded to 3 places: a tie may go
+    assert info["blas"] == ("mkl" if speed > 1.0 else "openblas") or speed == 1.0  # either way
     assert f"MKL ran {speed:.2f}x OpenBLAS's speed" in info["reason"]
     assert blas.MIN_ROUNDS <= info["timing"]["rounds"] <= blas.MAX_ROUNDS
 

@@ -344,13 +344,14 @@ def _time_and_choose(mkl, shapes, source):
     shapes = mlp_shapes(DEFAULT_MODEL, DEFAULT_BATCH) if model else tuple(shapes)
     measured = time_sgemm({"openblas": 0, "mkl": mkl}, shapes)
     name, speed = decide(measured["rounds"])
+    speed = round(speed, 3)  # one figure for the reason and the timing record alike
     what = (f"an MLP {'-'.join(map(str, DEFAULT_MODEL))} at batch {DEFAULT_BATCH}" if model
             else "this model")
     rounds = measured["rounds"]
     reason = (f"{source}: timed both at the sgemm shapes of {what} ({len(shapes)} "
               f"products): MKL ran {speed:.2f}x OpenBLAS's speed (each product's fastest of "
               f"{len(rounds)} alternating rounds, {measured['seconds']:.2f} s)")
-    timing = {"shapes": _describe_shapes(shapes), "mkl_speed_over_openblas": round(speed, 3),
+    timing = {"shapes": _describe_shapes(shapes), "mkl_speed_over_openblas": speed,
               "rounds": len(rounds), "seconds": round(measured["seconds"], 3),
               "openblas_ms": round(1e3 * best_seconds(rounds, "openblas"), 3),
               "mkl_ms": round(1e3 * best_seconds(rounds, "mkl"), 3)}
