@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import math
 import time
+from abc import ABC, abstractmethod
 
 import numpy as np
 
@@ -60,7 +61,7 @@ def per_replica(every: int, replicas: int) -> int:
     return max(1, -(-every // replicas)) if every else 0
 
 
-class ReplicaLoop:
+class ReplicaLoop(ABC):
     """One replica rank's training: :meth:`run` calls the hooks below.
 
     Hooks
@@ -120,11 +121,13 @@ class ReplicaLoop:
             self.replica_vote = StopVote(comm, ctx.stop.flag, cfg.timeout)
 
     # -- hooks ---------------------------------------------------------------------------------
+    @abstractmethod
     def step(self, x: np.ndarray, y: np.ndarray) -> float:
-        raise NotImplementedError
+        """One iteration on mini-batch ``(x, y)``; returns its training loss."""
 
+    @abstractmethod
     def global_step(self) -> int:
-        raise NotImplementedError
+        """The run's global step (mini-batches of all replicas) as this replica sees it."""
 
     def before_step(self) -> None:
         return None
