@@ -142,16 +142,12 @@ def launch(mpiexec: str, ranks: int, args: list[str], work: Path, timeout: float
     process below it are killed: MPICH's hydra proxy puts the ranks in their own session.
     """
     run_dir = work / "run"
-    cmd = [mpiexec, "-n", str(ranks), sys.executable, "-m", "hpcps.train",
-           "--run-dir", str(run_dir), *args]
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    cmd = bench_train.train_command(mpiexec, ranks, run_dir, args)
     out_path = work / "output.log"
     res: dict = {"status": None, "exit_code": None, "command": " ".join(cmd)}
     t0 = time.monotonic()
     with open(out_path, "wb") as out:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=out,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+        proc = bench_train.start(cmd, out)
         try:
             res["exit_code"] = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -301,11 +297,10 @@ def _label(rec: dict) -> str:
 def tables(doc: dict) -> str:
     """Markdown tables of a comparison: the runs (and the many-replica runs), then the slowed
     replica's runs."""
-    out = ["| method | R | " + " | ".join(f"acc {i + 1}" for i in range(
-        max(len(r["accuracy_per_epoch"]) for r in doc["runs"]))) +
-        " | t97 s | examples/s | vs sync | bytes/step | staleness mean / max |",
-        ""]
-    out[1] = "|" + "---|" * (out[0].count("|") - 1)
+    epochs = max(len(r["accuracy_per_epoch"]) for r in doc["runs"])
+    columns = ["method", "R", *(f"acc {i + 1}" for i in range(epochs)), "t97 s",
+               "examples/s", "vs sync", "bytes/step", "staleness mean / max"]
+    out = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     for r in doc["runs"] + doc.get("many_replicas", []):
         accs = " | ".join(_num(a, ".4f") for a in r["accuracy_per_epoch"])
         stale = _num(r["mean_staleness"], ".2f")

@@ -126,6 +126,21 @@ def read_metrics(path: Path) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
+def train_command(mpiexec: str, ranks: int, run_dir: Path, args: list[str]) -> list[str]:
+    """``mpiexec -n ranks python -m hpcps.train --run-dir run_dir args...``."""
+    return [mpiexec, "-n", str(ranks), sys.executable, "-m", "hpcps.train",
+            "--run-dir", str(run_dir), *args]
+
+
+def start(cmd: list[str], out) -> subprocess.Popen:
+    """Start ``cmd`` in the checkout (this tree's hpcps first on the path), output to ``out``,
+    in a session of its own so that the whole process tree can be killed."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=out,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+
+
 def train(mpiexec: str, ranks: int, args: list[str], workdir: Path, timeout: float) -> list[dict]:
     """Run ``hpcps.train`` on ``ranks`` ranks; return its metrics records.
 
@@ -134,14 +149,10 @@ def train(mpiexec: str, ranks: int, args: list[str], workdir: Path, timeout: flo
     process group, mpiexec and every rank, is killed first).
     """
     run_dir = workdir / "run"
-    cmd = [mpiexec, "-n", str(ranks), sys.executable, "-m", "hpcps.train",
-           "--run-dir", str(run_dir), *args]
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    cmd = train_command(mpiexec, ranks, run_dir, args)
     out_path = workdir / "output.log"
     with open(out_path, "wb") as out:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=out,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+        proc = start(cmd, out)
         try:
             code = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
