@@ -82,7 +82,8 @@ LAYOUT_VERSION = 1
 DESCRIPTION = (
     "hpcps training checkpoint: the network's weights under /params, optimizer state under "
     "/optimizer, the run's config, dataset identity and metrics; the layout is explained in the "
-    "hpcps README (section 'Checkpoints') and in the docstring of hpcps/checkpoint.py, and "
+    "hpcps docs (docs/formats.md, section 'Checkpoints') and in the docstring of "
+    "hpcps/checkpoint.py, and "
     "'python -m hpcps.inspect FILE' prints a summary."
 )
 

@@ -80,7 +80,7 @@ COMMON = (
            "over its own communicator); one replica step then covers T mini-batches. Batch "
            "methods: T threads sum each portion's exact gradient", default=1,
            check="positive"),
-    Option("data", str, "HDF5 dataset (layout in the README); data/mnist.h5 is prepared "
+    Option("data", str, "HDF5 dataset (layout in docs/formats.md); data/mnist.h5 is prepared "
            "automatically", default="data/mnist.h5"),
     Option("run_dir", str, "directory for metrics.jsonl and checkpoint.h5 (default "
            "runs/<strategy>-<time>)"),

@@ -7,7 +7,8 @@ layout, dispatches each rank's role and prints the summary from them. No strateg
 outside its own module and its tests.
 
 Adding a strategy: write ``hpcps/strategies/<name>.py`` with its ``run_*`` functions and a
-``STRATEGY = Strategy(...)`` at the bottom, its tests, and its section of the README.
+``STRATEGY = Strategy(...)`` at the bottom, its tests, and its row in the README's strategy
+table (docs/adding-a-strategy.md).
 """
 from __future__ import annotations
 
