@@ -89,7 +89,8 @@ TAU = Option("tau", float, "threshold of the compressed updates: each sent eleme
              "gradient units, default 0.01)", check="positive")
 INJECT_SLOW = Option("inject_slow", str, "for testing: RANK:FACTOR makes that replica rank "
                      "(world rank) FACTOR times slower, to show what one slow replica does "
-                     "to the others; RANK:stall (batch methods only) makes it stop answering")
+                     "to the others; RANK:stall makes it stop answering after its first step "
+                     "(the others time out: docs/errors.md, stalls)")
 WARMUP_STEPS = Option("warmup_steps", int, "warm start: replica 0 trains alone for this "
                       "many of its mini-batches, then the others start from its weights "
                       "(Downpour's and Strom's recipe: fewer replicas early on); each strategy "

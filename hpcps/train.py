@@ -45,9 +45,10 @@ import numpy as np
 import dataclasses
 
 from hpcps import checkpoint, config, data, slurm
-from hpcps.comm import ReplicaExchange, barrier, dup_comm, host
+from hpcps.comm import PeerTimeout, ReplicaExchange, barrier, dup_comm, host
 from hpcps.errors import PREEMPTED_EXIT, ConfigError, HpcpsError, NonFiniteError
 from hpcps.metrics import Metrics
+from hpcps.stacks import StackDumper
 from hpcps.model import MLP, PartitionedMLP, SingleExchange
 from hpcps.stop import SignalFlag, StopVote
 from hpcps.strategies.context import (Context, explain_nonfinite, make_optimizer,
@@ -254,11 +255,14 @@ def _blas_in_use() -> dict:
                                                   "blas_reason": "no compiled kernels"}
 
 
-def guarded(world, role: str, fn, *args):
+def guarded(world, role: str, fn, *args, stacks: StackDumper | None = None,
+            timeout: float = 0.0):
     """Run ``fn``; if it raises on this rank, print rank, host and reason, and abort the job.
 
     Once training runs, the other ranks may be blocked waiting on this one: only an abort
-    ends them promptly (mpiexec then exits non-zero), so no failure becomes a hang.
+    ends them promptly (mpiexec then exits non-zero), so no failure becomes a hang. A wait
+    that timed out first gathers every rank's stack (``stacks``, :mod:`hpcps.stacks`) and
+    says where each rank was.
     """
     try:
         return fn(*args)
@@ -267,8 +271,12 @@ def guarded(world, role: str, fn, *args):
         if isinstance(exc, KeyboardInterrupt):
             code = 130
         detail = str(exc) if isinstance(exc, HpcpsError) else traceback.format_exc()
-        if isinstance(exc, NonFiniteError) and exc.defer_s > 0:
-            time.sleep(exc.defer_s)  # the reporting rank's abort usually ends us first
+        defer_s = exc.defer_s if isinstance(exc, NonFiniteError) else 0.0
+        if isinstance(exc, PeerTimeout) and stacks is not None:
+            more, defer_s = stacks.explain(exc, timeout)
+            detail += more
+        if defer_s > 0:
+            time.sleep(defer_s)  # the reporting rank's abort usually ends us first
         print(f"hpcps: rank {world.Get_rank()} of {world.Get_size()} on {host()} ({role}) "
               f"failed: {detail}", file=sys.stderr, flush=True)
         abort(code)
@@ -289,7 +297,8 @@ def main(argv: list[str] | None = None) -> int:
     layout = _agree(world, plan, cfg, size)
     _agree(world, _ensure_dataset, cfg, rank)
     info = _agree(world, _check_dataset, cfg)
-    stamp = world.bcast(time.strftime("%Y%m%d-%H%M%S") if rank == 0 else None)
+    stamp, token = world.bcast((time.strftime("%Y%m%d-%H%M%S"), f"{host()}-{os.getpid()}-"
+                                f"{time.time():.6f}") if rank == 0 else None)
     run_dir = _agree(world, config.run_dir_for, cfg, stamp, slurm.job_name(os.environ))
     given = bool(cfg.run_dir)
     _agree(world, check_run_dir, run_dir, given)
@@ -332,7 +341,12 @@ def main(argv: list[str] | None = None) -> int:
         m.close()
         return world.bcast(code, root=ctx.reporter)
 
-    return guarded(world, ctx.grid.role.kind, train_and_report)
+    stacks = StackDumper(run_dir, rank, size, ctx.grid.role.kind, token, host()).start()
+    try:
+        return guarded(world, ctx.grid.role.kind, train_and_report, stacks=stacks,
+                       timeout=cfg.timeout)
+    finally:
+        stacks.stop()
 
 
 if __name__ == "__main__":

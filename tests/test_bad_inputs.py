@@ -199,8 +199,6 @@ CASES = [
      "is not for --strategy sync"),
     ("lr for L-BFGS", _parse("--strategy", "sandblaster", "--lr", "0.1"), 2,
      "--lr does not apply to --strategy sandblaster"),
-    ("stalled SGD replica", _parse("--strategy", "sync", "--inject-slow", "1:stall"), 2,
-     "a stalled replica would hang"),
     # config files
     ("unknown config key", _parse_with("bad_key"), 2,
      "unknown key 'learning_rate' in config file"),

@@ -38,11 +38,12 @@ import numpy as np
 
 from hpcps import checkpoint
 from hpcps.data import Batches, Prefetcher
-from hpcps.errors import ConfigError, NonFiniteError
+from hpcps.errors import NonFiniteError
 from hpcps.metrics import DivergenceWatch
 from hpcps.options import parse_inject_slow
+from hpcps.stacks import collect_wait
 from hpcps.stop import StopVote
-from hpcps.comm import dup_comm
+from hpcps.comm import PeerTimeout, dup_comm
 from hpcps.strategies.context import (Context, crossed, evaluate, gather_state,
                                       model_parallel_figures, rate, save_checkpoint,
                                       warn_divergence)
@@ -51,9 +52,22 @@ from hpcps.strategies.gradients import GradientSource
 
 def check_options(cfg) -> None:
     """Checks every strategy built on this loop shares (its ``validate``, or part of it)."""
-    if cfg.inject_slow is not None and math.isinf(parse_inject_slow(cfg.inject_slow)[1]):
-        raise ConfigError(f"--inject-slow {cfg.inject_slow}: a stalled replica would hang "
-                          f"--strategy {cfg.strategy} until --timeout; give a finite factor")
+    if cfg.inject_slow is not None:
+        parse_inject_slow(cfg.inject_slow)
+
+
+def stall(timeout: float) -> None:
+    """--inject-slow RANK:stall: stop after the first iteration, as a machine that hangs.
+
+    The ranks that wait for this one time out after ``timeout`` seconds and end the job (each
+    rank's stack lands in the run directory, :mod:`hpcps.stacks`); if none waits for it, it
+    ends the job itself once the others had time to."""
+    limit = 2 * timeout + collect_wait(timeout) + 10
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        time.sleep(0.2)
+    raise PeerTimeout(f"stalled on purpose (--inject-slow ...:stall) and no rank ended the job "
+                      f"within {limit:.0f} s")
 
 
 def per_replica(every: int, replicas: int) -> int:
@@ -162,6 +176,8 @@ class ReplicaLoop(ABC):
                 if not math.isfinite(loss):
                     raise NonFiniteError(self.global_step(), f"computed a training loss of "
                                          f"{loss} on {self.loss_source()}")
+                if math.isinf(self.slow):
+                    stall(self.cfg.timeout)
                 if self.slow > 1.0:
                     time.sleep((self.slow - 1.0) * (time.perf_counter() - t))
                 self.done += self.T

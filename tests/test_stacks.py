@@ -1,0 +1,119 @@
+"""Stalls explain themselves (hpcps.stacks): every rank's stack lands in the run directory and
+the error says who waited for whom, what for, and where each rank was.
+
+In-process tests of the mechanism (the watchdog answers a request, a stale request or dump of
+another job is ignored, the summary puts the rank not waiting first), then the issue's check on
+4 ranks for downpour and sync: ``--timeout 6 --inject-slow 2:stall``.
+"""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+from mpirun import train
+
+from hpcps import stacks
+from hpcps.comm import PeerTimeout
+
+
+def _dumper(tmp_path, rank=0, size=2, token="job-1"):
+    return stacks.StackDumper(tmp_path, rank, size, "replica", token, "testhost")
+
+
+def _waits_forever(what, started, release):
+    """Stands in for comm.wait_all: a frame named wait_all holding ``what``."""
+    def wait_all(reqs, timeout, what):
+        started.set()
+        release.wait(30)
+    wait_all.__code__ = wait_all.__code__.replace(co_filename="/x/hpcps/comm.py")
+    wait_all([], 1.0, what)
+
+
+def test_watchdog_answers_a_request_with_every_thread(tmp_path):
+    started, release = threading.Event(), threading.Event()
+    worker = threading.Thread(target=_waits_forever, name="waiter",
+                              args=("the gradient allreduce", started, release))
+    worker.start()
+    started.wait(5)
+    dumper = _dumper(tmp_path, rank=1).start()
+    try:
+        (tmp_path / "stacks").mkdir()
+        (tmp_path / "stacks" / "request-job-1").write_text("rank 0 timed out: test\n")
+        deadline = time.monotonic() + 10
+        while not dumper.written.is_set() and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        release.set()
+        worker.join()
+        dumper.stop()
+    text = (tmp_path / "stacks" / "rank-1.txt").read_text()
+    assert "Thread MainThread" in text and "Thread waiter" in text, text
+    assert "hpcps-stack-watchdog" not in text
+    d = stacks.read_dump(tmp_path / "stacks" / "rank-1.txt", "job-1")
+    # the main thread waits on no peer here, the "waiter" thread does: it is reported
+    assert d.rank == 1 and d.waiting == "the gradient allreduce", text
+    assert "reason: rank 0 timed out: test" in text
+
+
+def test_a_request_of_another_job_is_ignored(tmp_path):
+    dumper = _dumper(tmp_path, token="job-2").start()
+    try:
+        (tmp_path / "stacks").mkdir()
+        (tmp_path / "stacks" / "request-job-1").write_text("old\n")
+        time.sleep(3 * stacks.POLL_S)
+        assert not dumper.written.is_set()
+    finally:
+        dumper.stop()
+    old = _dumper(tmp_path, token="job-1")
+    old.write("earlier job")
+    assert stacks.read_dump(old.path(0), "job-2") is None
+    assert stacks.read_dump(old.path(0), "job-1").rank == 0
+
+
+def test_the_timed_out_rank_explains_and_the_second_one_defers(tmp_path):
+    a, b = _dumper(tmp_path, rank=0), _dumper(tmp_path, rank=1)
+    b.write("stalled")  # rank 1 is not waiting on anyone
+    try:
+        raise PeerTimeout("waited 10 s for the gradient allreduce")
+    except PeerTimeout as exc:
+        text, defer = a.explain(exc, timeout=10)
+        again, later = b.explain(exc, timeout=10)
+    assert defer == 0.0 and later > 0, "only the first to time out reports for the job"
+    assert "stacks of 2 of 2 ranks" in text
+    assert "not waiting on another rank (the likely cause): rank 1" in text
+    dump = stacks.read_dump(a.path(0), "job-1")
+    assert dump.where.startswith("test_the_timed_out_rank_explains"), dump.where
+
+
+def test_summary_names_the_missing_ranks(tmp_path):
+    a = _dumper(tmp_path, rank=0, size=3)
+    try:
+        raise PeerTimeout("waited 1 s")
+    except PeerTimeout as exc:
+        a.write("x", exc)
+    dumps = a.collect(0.3)
+    text = stacks.summarize(dumps, 3, a.dir, 0.3)
+    assert "no stack written within 0 s by rank(s) 1, 2" in text, text
+
+
+@pytest.mark.parametrize("strategy", ["downpour", "sync"])
+def test_a_stalled_rank_is_named_with_every_stack(strategy, digits_h5, tmp_path):
+    """The issue's check: a stalled rank ends the job at --timeout with every rank's stack in
+    the run directory and one error saying who waited for whom and where the stalled one was."""
+    run = train(4, "--strategy", strategy, "--data", str(digits_h5), "--layers", "64,32,10",
+                "--steps", "400", "--batch-size", "16", "--eval-every", "0",
+                "--checkpoint-every", "0", "--timeout", "6", "--inject-slow", "2:stall",
+                "--run-dir", str(tmp_path), timeout=90)
+    assert run.returncode == 5, run.output
+    for r in range(4):
+        assert stacks.read_dump(tmp_path / "stacks" / f"rank-{r}.txt") is not None, \
+            f"rank {r} wrote no stack\n{run.output}"
+    err = run.stderr
+    assert err.count("failed: ") == 1, err
+    assert "stacks of 4 of 4 ranks" in err, err
+    assert "not waiting on another rank (the likely cause): rank 2\n" in err, err
+    assert "rank 2 (replica) was at stall (hpcps/strategies/loop.py" in err, err
+    waited = {"sync": "was waiting for the gradient allreduce",
+              "downpour": "(server) was waiting for a message from 1 replica(s) to finish"}
+    assert waited[strategy] in err, err
