@@ -109,7 +109,7 @@ TAU = Option("tau", TAU_TYPE, "threshold of the compressed updates: each sent el
              "--density of the elements is sent per step (deadreckon: weight units, starting at "
              "0.002; downpour --compress threshold: gradient units, starting at 0.01)")
 DENSITY = Option("density", float, "--tau auto: the fraction of elements a compressed update "
-                 "sends, per step and rank (default 0.001)", check="positive")
+                 "sends, per step and rank (default 0.002)", check="positive")
 SPARSITY_WARMUP = Option("sparsity_warmup", int, "--tau auto: over this many of a replica's "
                          "steps (from when it starts sending) the target density falls "
                          "geometrically from 64x --density to --density (Deep Gradient "

@@ -9,12 +9,16 @@ tau in one place for every strategy that compresses (``deadreckon`` and ``downpo
 Adaptive threshold (``--tau auto``, ``--density D``)
     Deeplearning4j's ``AdaptiveThresholdAlgorithm`` moves the threshold so that the fraction
     of elements sent stays inside a band. Here the band is a point: after each step the
-    measured density ``d = sent / n`` (this rank's words over its weights) moves tau
-    multiplicatively, ``log tau += gain * log(d / target)``, with the change of one step
-    bounded to a factor ``max_step``. The residual grows with the elements not sent and is
-    sent once past tau, so at steady state density falls as tau rises (about as ``1/tau``
-    for a biased gradient): the rule is a proportional controller on ``log tau`` that
-    reaches the target from either side and then follows it as the gradients shrink.
+    measured density ``d = sent / n`` (this rank's words over its weights) enters a moving
+    average ``a`` (weight ``SMOOTHING``), and tau moves multiplicatively,
+    ``log tau += GAIN * log(a / target)``, by at most a factor ``MAX_STEP`` per step. At
+    steady state density falls as tau rises, so this integral controller on ``log tau``
+    reaches the target from either side and follows it as the gradients shrink. It must be
+    slow: the residuals of many elements sit just under tau, so one step that lowers tau by
+    a quarter releases a burst of words, and a controller fed each step's raw density
+    (gain 0.1, steps up to 1.25x) swung between 0.1x and 7x the target every other step
+    (tests/test_threshold.py's synthetic stream); with the average and the gains above, the
+    mean density of every 200-step window stays within a few percent of the target.
 
 Tau as an integer multiple of a unit
     ``deadreckon`` replicas keep weights as ``w0 + unit * count`` (an integer per weight),
@@ -71,12 +75,13 @@ from hpcps.options import AUTO, parse_tau
 __all__ = ["AUTO", "parse_tau", "warmup_density", "clip_norm", "Threshold", "Velocity",
            "ResidualWatch", "residual_norm", "DEFAULT_DENSITY", "check_config", "describe_tau"]
 
-UNIT_DIVISOR = 1024          # tau = m * unit; the initial tau is m = 1024 units
+UNIT_DIVISOR = 2**16         # tau = m * unit; the initial tau is m = 65536 units
 MAX_MULTIPLE = 2**40         # tau at most 2**30 times the initial tau (counts are int64)
-GAIN = 0.1                   # log tau moves by GAIN * log(measured / target density) per step
-MAX_STEP = 1.25              # ... but by at most this factor in one step
+GAIN = 0.05                  # log tau moves by GAIN * log(smoothed / target density) per step
+MAX_STEP = 1.1               # ... but by at most this factor in one step
+SMOOTHING = 0.1              # weight of the newest step in the density's moving average
 WARMUP_DENSITY_FACTOR = 64.0  # the sparsity warm-up starts at 64x the target density
-DEFAULT_DENSITY = 1e-3       # target density of --tau auto (docs/compression.md)
+DEFAULT_DENSITY = 2e-3       # target density of --tau auto (docs/compression.md)
 
 
 def check_config(cfg, default_tau) -> None:
@@ -164,6 +169,7 @@ class Threshold:
         self.steps = 0            # passes so far (the warm-up's clock)
         self.last_density = 0.0
         self._log_m = math.log(self.multiple)
+        self._avg = None          # moving average of the measured density
         self._win = [0, 0]        # words and passes since the last fields()
 
     @classmethod
@@ -199,9 +205,13 @@ class Threshold:
         self._win[0] += sent
         self._win[1] += 1
         if self.adaptive:
-            measured = max(sent, 0.5) / self.n  # no word sent: as if half a word
+            measured = sent / self.n
+            self._avg = measured if self._avg is None else \
+                self._avg + SMOOTHING * (measured - self._avg)
+            target = self.target()
             self.steps += 1
-            move = GAIN * math.log(measured / self.target())
+            # no word sent yet: as if half a word (log of zero)
+            move = GAIN * math.log(max(self._avg, 0.5 / self.n) / target)
             move = max(-math.log(MAX_STEP), min(math.log(MAX_STEP), move))
             self._log_m = min(max(self._log_m + move, 0.0), math.log(MAX_MULTIPLE))
             self.multiple = max(1, int(round(math.exp(self._log_m))))
