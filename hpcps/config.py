@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from hpcps.errors import ConfigError
-from hpcps.options import Option, flag
+from hpcps.options import TAU_TYPE, Option, flag, parse_tau
 from hpcps.strategies.registry import DEFAULT, Strategy, strategies
 
 ACTIVATIONS = ("relu", "tanh", "sigmoid")
@@ -146,6 +146,8 @@ class _ConfigMethods:
 
 
 def _field_type(o: Option):
+    if o.type == TAU_TYPE:
+        return float | str | None
     return tuple[int, ...] if o.type == LAYERS else (o.type | None)
 
 
@@ -177,6 +179,8 @@ def _layers(text: str) -> tuple[int, ...]:
 def _add(parser, o: Option, help_text: str) -> None:
     if o.type == LAYERS:
         parser.add_argument(o.flag, type=_layers, help=help_text)
+    elif o.type == TAU_TYPE:
+        parser.add_argument(o.flag, type=parse_tau, help=help_text)
     elif o.choices is not None:
         parser.add_argument(o.flag, choices=o.choices, help=help_text)
     else:
@@ -250,6 +254,8 @@ def _check_types(values: dict[str, Any]) -> None:
         if o.type == LAYERS:
             ok = isinstance(v, tuple) and all(isinstance(i, int) and not isinstance(i, bool)
                                                for i in v)
+        elif o.type == TAU_TYPE:
+            values[name], ok = parse_tau(v), True
         elif o.type is float:
             ok = isinstance(v, (int, float)) and not isinstance(v, bool)
             if ok:

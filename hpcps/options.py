@@ -15,6 +15,8 @@ from typing import Any
 from hpcps.errors import ConfigError
 
 CHECKS = (None, "positive", "nonneg")
+TAU_TYPE = "tau"  # Option.type of --tau: a positive number or "auto"
+AUTO = "auto"
 
 
 @dataclass(frozen=True)
@@ -81,12 +83,45 @@ def parse_inject_slow(text: str) -> tuple[int, float]:
     return rank, factor
 
 
+def parse_tau(value):
+    """``"auto"`` or a positive float, from the command line or TOML; else ConfigError."""
+    if isinstance(value, str):
+        if value.strip().lower() == AUTO:
+            return AUTO
+        try:
+            value = float(value)
+        except ValueError:
+            raise ConfigError(f"--tau takes a positive number or 'auto', got {value!r}") \
+                from None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"--tau takes a positive number or 'auto', got {value!r}")
+    value = float(value)
+    if not (math.isfinite(value) and value > 0):
+        raise ConfigError(f"--tau must be positive and finite (or 'auto'), got {value}")
+    return value
+
+
 # Options several strategies share: declared once here, listed by each strategy that takes them.
 PREFETCH = Option("prefetch", int, "mini-batches a background thread prepares ahead of "
                   "training (default 2; 0: none)", check="nonneg")
-TAU = Option("tau", float, "threshold of the compressed updates: each sent element moves by "
-             "+-tau (deadreckon: weight units, default 0.002; downpour --compress threshold: "
-             "gradient units, default 0.01)", check="positive")
+TAU = Option("tau", TAU_TYPE, "threshold of the compressed updates: each sent element moves "
+             "by +-tau; 'auto' (the default) adapts tau on each rank so that a fraction "
+             "--density of the elements is sent per step (deadreckon: weight units, starting at "
+             "0.002; downpour --compress threshold: gradient units, starting at 0.01)")
+DENSITY = Option("density", float, "--tau auto: the fraction of elements a compressed update "
+                 "sends, per step and rank (default 0.002)", check="positive")
+SPARSITY_WARMUP = Option("sparsity_warmup", int, "--tau auto: over this many of a replica's "
+                         "steps (from when it starts sending) the target density falls "
+                         "geometrically from 64x --density to --density (Deep Gradient "
+                         "Compression's warm-up; default 0: none)", check="nonneg")
+RESIDUAL_CLIP = Option("residual_clip", float, "clip each element of the compression "
+                       "residual to +-C*tau after every step (Deeplearning4j's residual "
+                       "clipping; default 0: off)", check="nonneg")
+GRAD_CLIP = Option("grad_clip", float, "local gradient clipping before compression: scale a "
+                   "replica's mini-batch gradient to an L2 norm of at most G/sqrt(R) (Deep "
+                   "Gradient Compression; default 0: off)", check="nonneg")
+# every option of compressed updates, in the order strategies list them
+COMPRESSION = (DENSITY, SPARSITY_WARMUP, RESIDUAL_CLIP, GRAD_CLIP)
 INJECT_SLOW = Option("inject_slow", str, "for testing: RANK:FACTOR makes that replica rank "
                      "(world rank) FACTOR times slower, to show what one slow replica does "
                      "to the others; RANK:stall makes it stop answering after its first step "

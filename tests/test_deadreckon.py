@@ -1,7 +1,9 @@
 """The replica-side math of deadreckon, without MPI."""
 import numpy as np
+import pytest
 
 from hpcps.strategies.deadreckon import Reckoner
+from hpcps.threshold import UNIT_DIVISOR
 
 
 def random_messages(rng, n, k, count):
@@ -12,26 +14,31 @@ def random_messages(rng, n, k, count):
     return msgs
 
 
-def test_order_of_messages_does_not_change_the_weights():
+@pytest.mark.parametrize("changing_tau", [False, True])
+def test_order_of_messages_does_not_change_the_weights(changing_tau):
     """Replicas receive the same deltas in different orders; their weights must be equal
-    bit for bit (plain float32 += would round differently)."""
+    bit for bit (plain float32 += would round differently), also when every message carries
+    another tau (``--tau auto``: each sender's tau in units)."""
     rng = np.random.default_rng(0)
     n, tau = 5000, 3e-3
+    unit = tau / UNIT_DIVISOR
     start = rng.standard_normal(n).astype(np.float32)
     msgs = random_messages(rng, n, 400, 60)
+    multiples = (rng.integers(300, 3000, 60) if changing_tau
+                 else np.full(60, UNIT_DIVISOR)).tolist()
     results = []
     for order in (range(60), reversed(range(60)), rng.permutation(60)):
-        r = Reckoner(start.copy(), tau)
+        r = Reckoner(start.copy(), unit)
         for i in order:
-            r.apply(msgs[i])
+            r.apply(msgs[i], multiples[i])
         results.append(r.params)
     for other in results[1:]:
         np.testing.assert_array_equal(results[0], other)
     # and the value is what the deltas add up to
     net = np.zeros(n)
-    for m in msgs:
-        np.add.at(net, (m >> 1).astype(np.intp), 1 - 2 * (m & 1).astype(np.float64))
-    np.testing.assert_allclose(results[0], start + tau * net, rtol=0, atol=1e-5)
+    for m, k in zip(msgs, multiples):
+        np.add.at(net, (m >> 1).astype(np.intp), k * (1 - 2 * (m & 1).astype(np.float64)))
+    np.testing.assert_allclose(results[0], start + unit * net, rtol=0, atol=1e-5)
 
 
 

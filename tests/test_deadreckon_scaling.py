@@ -16,6 +16,7 @@ from hpcps import config
 from hpcps.options import WARMUP_STEPS
 from hpcps.strategies import deadreckon, downpour
 from hpcps.strategies.deadreckon import Reckoner, replica_lr
+from hpcps.threshold import UNIT_DIVISOR
 
 
 # -- the learning-rate rule, no MPI ------------------------------------------------------------
@@ -71,13 +72,13 @@ def test_restarted_reckoners_agree_whatever_the_order():
         msgs.append((idx << 1) | rng.integers(0, 2, 300).astype(np.uint32))
     finals = []
     for order in (range(40), reversed(range(40)), rng.permutation(40)):
-        r = Reckoner(rng.standard_normal(n).astype(np.float32), tau)
-        r.apply(msgs[0])           # what it held before the warm start does not matter
+        r = Reckoner(rng.standard_normal(n).astype(np.float32), tau / UNIT_DIVISOR)
+        r.apply(msgs[0], UNIT_DIVISOR)     # what it held before the warm start does not matter
         r.params[:] = warm         # the broadcast
         r.restart()
         assert not r.counts.any() and np.array_equal(r.base, warm)
         for i in order:
-            r.apply(msgs[i])
+            r.apply(msgs[i], UNIT_DIVISOR)
         finals.append(r.params.copy())
     for other in finals[1:]:
         np.testing.assert_array_equal(finals[0], other)

@@ -273,7 +273,10 @@ def divergence_causes(ctx: Context) -> list[str]:
                       "computed on parameters several updates old (the staleness in the "
                       "progress lines); use fewer replicas, a longer --warmup-steps, "
                       "--staleness-bound or --softsync, or a smaller --lr")
-    if cfg.tau is not None:
+    if cfg.tau == "auto":
+        causes.append("--tau auto with too low a --density: few elements are sent, each far "
+                      "past the threshold; try a larger --density or --residual-clip 4")
+    elif cfg.tau is not None:
         causes.append(f"--tau {cfg.tau:g} too large: each update moves an element by +-tau; "
                       "try a smaller one")
     if cfg.lr_scaling == "sum" and R > 1:

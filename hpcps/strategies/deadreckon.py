@@ -11,9 +11,18 @@ never stalls the others.
 
 Every replica applies the same deltas, in different orders. Adding +-tau to float32 weights
 in different orders would round differently, so a replica keeps, per weight, the net number
-of +tau steps applied (an integer: order does not matter) and sets a touched weight to
-``w0 + tau * count``. Once all messages are drained, every replica holds bit-identical
-weights; the summary reports a checksum per replica to show it.
+of steps applied, counted in units of ``unit`` (an integer: order does not matter) and sets a
+touched weight to ``w0 + unit * count``. Tau is always an integer multiple ``m`` of the unit,
+and each message carries its sender's ``m`` next to its step, so a replica whose tau adapts
+(``--tau auto``, :mod:`hpcps.threshold`) needs no agreement with the others: receivers add
+``+-m`` per word. Once all messages are drained, every replica holds bit-identical weights;
+the summary reports a checksum per replica to show it.
+
+Momentum (``--optimizer momentum``) runs on each replica before thresholding, with Deep
+Gradient Compression's correction: the velocity of the mini-batch gradients accumulates into
+the residual and is cleared where an element was sent (:class:`hpcps.threshold.Velocity`).
+The velocity is the replica's own state, like the residual; the weights stay the sum of the
+messages, so the replicas stay identical.
 
 At the end each replica's residual (deltas smaller than tau that were never sent) is dropped,
 as in the paper: it is at most tau per weight.
@@ -51,14 +60,33 @@ from mpi4py import MPI
 
 from hpcps import compress
 from hpcps.comm import barrier, wait_all
-from hpcps.options import INJECT_SLOW, GOLOMB, PREFETCH, TAU, WARMUP_STEPS, Option
+from hpcps.errors import ConfigError
+from hpcps.options import (
+    COMPRESSION,
+    GOLOMB,
+    INJECT_SLOW,
+    PREFETCH,
+    TAU,
+    WARMUP_STEPS,
+    Option,
+)
 from hpcps.protocol import Tag
 from hpcps.ps.serve import serve
 from hpcps.strategies.context import Context, finish_on_chief, steps_for_replica
 from hpcps.strategies.loop import ReplicaLoop, check_options
 from hpcps.strategies.registry import Strategy
+from hpcps.threshold import (
+    ResidualWatch,
+    Threshold,
+    Velocity,
+    check_config,
+    clip_norm,
+    describe_tau,
+)
 
-STEP_BYTES = 8  # int64 sender step in front of each update message
+# in front of each update message: the sender's step and its tau in units (int64 each)
+PREFIX_BYTES = 16
+DEFAULT_TAU = 0.002  # the fixed tau's default, and where --tau auto starts (weight units)
 ENTROPY_EVERY = 16  # measure the index-gap entropy of every 16th message (for the metrics)
 
 
@@ -81,13 +109,18 @@ def replica_lr(lr: float, replicas: int, rule: str) -> float:
 
 
 class Reckoner:
-    """One replica's model copy, kept as ``w0 + tau * counts`` wherever a delta landed."""
+    """One replica's model copy, kept as ``w0 + unit * counts`` wherever a delta landed.
 
-    def __init__(self, params: np.ndarray, tau: float):
+    ``counts`` are int64 sums of each word's ``+-m`` (its sender's tau in units): the same
+    in any order. A weight is rounded to float32 once from ``w0 + unit * count`` in float64,
+    so equal counts give equal bits on every replica.
+    """
+
+    def __init__(self, params: np.ndarray, unit: float):
         self.params = params
         self.base = params.copy()
-        self.counts = np.zeros(len(params), dtype=np.int32)
-        self.tau = np.float32(tau)
+        self.counts = np.zeros(len(params), dtype=np.int64)
+        self.unit = float(unit)
         self.applied_words = 0
 
     def restart(self) -> None:
@@ -96,13 +129,14 @@ class Reckoner:
         self.base[:] = self.params
         self.counts[:] = 0
 
-    def apply(self, words: np.ndarray) -> None:
-        """Apply one message's words (indices unique within a message, as threshold emits)."""
+    def apply(self, words: np.ndarray, multiple: int) -> None:
+        """Apply one message's words, each ``+-multiple`` units (indices unique within a
+        message, as threshold emits)."""
         if len(words) == 0:
             return
         idx = (words >> 1).astype(np.intp)
-        self.counts[idx] += 1 - 2 * (words & 1).astype(np.int32)
-        self.params[idx] = self.base[idx] + self.tau * self.counts[idx].astype(np.float32)
+        self.counts[idx] += int(multiple) * (1 - 2 * (words & 1).astype(np.int64))
+        self.params[idx] = self.base[idx] + self.unit * self.counts[idx].astype(np.float64)
         self.applied_words += len(words)
 
 
@@ -115,7 +149,7 @@ class Peers:
         self.n = n
         self.timeout = timeout
         self.peers = [p for p in range(comm.Get_size()) if p != comm.Get_rank()]
-        self.rx = np.empty(STEP_BYTES + compress.max_message_bytes(n), dtype=np.uint8)
+        self.rx = np.empty(PREFIX_BYTES + compress.max_message_bytes(n), dtype=np.uint8)
         self.local_step = 0   # this replica's steps so far (set by the training loop)
         self.lag_sum = 0      # sum over received messages of max(0, our step - sender's step)
         self.pending: deque = deque()   # (requests, buffer) of sends still in flight
@@ -125,17 +159,18 @@ class Peers:
         self.bytes_received = 0
         self._status = MPI.Status()
 
-    def send(self, msg: np.ndarray, step: int) -> None:
+    def send(self, msg: np.ndarray, step: int, multiple: int) -> None:
         """Send one message to every peer; the buffer is kept alive until the sends finish.
 
         The sender's local step rides in front of the message (8 bytes), so a receiver can
-        tell how far behind it the update is (the staleness reported in progress lines).
+        tell how far behind it the update is (the staleness reported in progress lines),
+        then its tau in units (8 bytes), which every word of the message moves a weight by.
         """
         if not self.peers:
             return
-        buf = np.empty(STEP_BYTES + len(msg), dtype=np.uint8)
-        buf[:STEP_BYTES].view(np.int64)[0] = step
-        buf[STEP_BYTES:] = msg
+        buf = np.empty(PREFIX_BYTES + len(msg), dtype=np.uint8)
+        buf[:PREFIX_BYTES].view(np.int64)[:] = (step, multiple)
+        buf[PREFIX_BYTES:] = msg
         reqs = [self.comm.Isend(buf, dest=p, tag=Tag.DR_UPDATE) for p in self.peers]
         self.pending.append((reqs, buf))
         self.bytes_sent += buf.nbytes * len(self.peers)
@@ -171,14 +206,18 @@ class Peers:
         if tag != Tag.DR_UPDATE:
             raise RuntimeError(f"deadreckon got unexpected tag {tag} from replica {src}")
         size = st.Get_count(MPI.BYTE)
-        if not STEP_BYTES <= size <= len(self.rx):
+        if not PREFIX_BYTES <= size <= len(self.rx):
             raise compress.CodecError(f"message of {size} bytes from replica {src} is larger "
                                       f"than any valid message for {self.n} weights")
         self.comm.Recv(self.rx[:size], source=src, tag=Tag.DR_UPDATE)
-        on_words(compress.decode(self.rx[STEP_BYTES:size], self.n))
+        step, multiple = (int(v) for v in self.rx[:PREFIX_BYTES].view(np.int64))
+        if multiple < 1:
+            raise compress.CodecError(f"message from replica {src} carries tau = {multiple} "
+                                      "units; it must be at least 1")
+        on_words(compress.decode(self.rx[PREFIX_BYTES:size], self.n), multiple)
         # an update is late by the steps we took since its sender's step; one from a sender
         # ahead of us (we were descheduled, or still warming up) is not late at all
-        self.lag_sum += max(0, self.local_step - int(self.rx[:STEP_BYTES].view(np.int64)[0]))
+        self.lag_sum += max(0, self.local_step - step)
         self.received += 1
         self.bytes_received += size
         return 1
@@ -220,9 +259,13 @@ class DeadReckonReplica(ReplicaLoop):
                                                 self.warmup))
         n = ctx.model.n_params
         self.n = n
-        self.reckon = Reckoner(ctx.params, cfg.tau)
+        self.thr = Threshold.from_config(cfg, n, DEFAULT_TAU)
+        self.reckon = Reckoner(ctx.params, self.thr.unit)
         self.params = self.reckon.params
-        self.comp = compress.Compressor(n, cfg.tau, golomb=cfg.golomb == "on")
+        self.comp = compress.Compressor(n, self.thr.tau, golomb=cfg.golomb == "on")
+        self.velocity = Velocity(n, cfg.momentum) if cfg.optimizer == "momentum" else None
+        self.grad_clip = (cfg.grad_clip or 0.0) / math.sqrt(self.R)
+        self.residual_watch = ResidualWatch()
         self.peers = Peers(comm, n, cfg.timeout, ctx.stop_tick)
         self.grad = np.empty(n, dtype=np.float32)
         self.lr = replica_lr(cfg.lr, self.R, cfg.lr_scaling)
@@ -258,6 +301,8 @@ class DeadReckonReplica(ReplicaLoop):
         wait_all([self.comm.Ibcast(self.params, root=0)], self.cfg.timeout, what)
         self.reckon.restart()
         self.comp.residual[:] = 0.0
+        if self.velocity is not None:
+            self.velocity.v[:] = 0.0
         self.warm_done = self.done
         self.released = True
         if root:
@@ -274,12 +319,22 @@ class DeadReckonReplica(ReplicaLoop):
             if self.done + self.T >= self.warmup:
                 self._warm_start_weights()
             return loss
+        if self.grad_clip > 0:
+            clip_norm(self.grad, self.grad_clip)
+        if self.velocity is not None:
+            self.velocity.accumulate(self.grad)
         self.grad *= self.step_scale  # the SGD steps (T with threads) this replica would take
+        thr = self.thr
+        multiple = thr.multiple
+        self.comp.tau = thr.tau
         msg, words = self.comp.compress(self.grad)
         t = (self.done - self.warm_done) // self.T + 1  # steps since all replicas started
         self.peers.local_step = t
-        self.peers.send(msg, t)
-        self.reckon.apply(words)
+        self.peers.send(msg, t, multiple)
+        self.reckon.apply(words, multiple)
+        if self.velocity is not None:
+            self.velocity.mask(words)
+        thr.after_pass(self.comp.residual, len(words))
         self.sent[:3] += (len(words), len(msg), 1)
         if (t - 1) % ENTROPY_EVERY == 0 and len(words) > 1:
             self.sent[3:] += (compress.gap_entropy_bits(words) * len(words), len(words))
@@ -301,7 +356,11 @@ class DeadReckonReplica(ReplicaLoop):
                # each message goes to the R-1 peers; compression: this rank's slice of the
                # dense gradient over its message
                "bytes_per_step": round(nbytes / per * (self.R - 1)),
-               "compression": round(4 * self.n / max(1.0, nbytes / max(1, iters)), 1)}
+               "compression": round(4 * self.n / max(1.0, nbytes / max(1, iters)), 1),
+               **self.thr.fields(self.comp.residual)}
+        warning = self.residual_watch.update(out["residual_norm"])
+        if warning:
+            self.ctx.metrics.message(warning)
         self._win = [0, 0, 0]
         self._lag_mark = (self.peers.lag_sum, self.peers.received)
         return out
@@ -338,7 +397,9 @@ class DeadReckonReplica(ReplicaLoop):
         out = finish_on_chief(ctx, full, {}, ctx.start_step + steps_all, train_s)
         out["figures"] = message_figures(totals, steps_all, self.R, 4 * ctx.full_model.n_params)
         out["figures"].update(replicas_identical=bool(identical),
-                              replica_checksums=[f"{c:08x}" for c in checksums])
+                              replica_checksums=[f"{c:08x}" for c in checksums],
+                              final_tau=self.thr.tau,
+                              residual_warning=self.residual_watch.fired)
         return out
 
 
@@ -363,9 +424,19 @@ def run(ctx: Context) -> dict:
     return DeadReckonReplica(ctx).run()
 
 
+def _validate(cfg) -> None:
+    check_options(cfg)
+    check_config(cfg, STRATEGY.defaults["tau"])
+    if cfg.nesterov == "on":
+        raise ConfigError("--strategy deadreckon runs momentum on each replica before "
+                          "thresholding (Deep Gradient Compression's correction), without "
+                          "Nesterov's variant: use --nesterov off")
+
+
 def _describe(cfg, n_train: int) -> str:
     rate = {"sum": "", "mean": " / R", "sqrt": " / sqrt(R)"}[cfg.lr_scaling]
-    how = f"sgd lr={cfg.lr}{rate}, batch {cfg.batch_size}/replica, tau={cfg.tau}"
+    opt = f"momentum {cfg.momentum} (corrected)" if cfg.optimizer == "momentum" else "sgd"
+    how = f"{opt} lr={cfg.lr}{rate}, batch {cfg.batch_size}/replica, {describe_tau(cfg)}"
     if cfg.warmup_steps and not cfg.resume:
         how += f", warm start {cfg.warmup_steps} steps"
     return how
@@ -388,12 +459,13 @@ STRATEGY = Strategy(
     help="Strom's thresholded 1-bit weight deltas sent peer to peer, each replica applying "
          "every replica's deltas (dead reckoning); no servers",
     roles={"replica": run},
-    options=(LR_SCALING, WARMUP_STEPS, TAU, GOLOMB, PREFETCH, INJECT_SLOW),
-    validate=check_options,
-    defaults={"lr": 0.1, "tau": 0.002, "golomb": "on", "batch_size": 32, "prefetch": 2,
+    options=(LR_SCALING, WARMUP_STEPS, TAU, *COMPRESSION, GOLOMB, PREFETCH, INJECT_SLOW),
+    validate=_validate,
+    defaults={"lr": 0.1, "tau": DEFAULT_TAU, "golomb": "on", "batch_size": 32, "prefetch": 2,
               "lr_scaling": "sum", "warmup_steps": 100},
-    # an Adagrad state would differ between replicas, so their weights would drift apart
-    optimizers=("sgd",),
+    # an Adagrad state would differ between replicas, so their weights would drift apart;
+    # momentum runs on the replica's own gradients, before thresholding
+    optimizers=("sgd", "momentum"),
     describe=_describe,
     summary_lines=_summary_lines,
 )

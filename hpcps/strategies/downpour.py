@@ -26,7 +26,16 @@ import numpy as np
 from hpcps import compress
 from hpcps.comm import gather_to_root, wait_all
 from hpcps.errors import ConfigError
-from hpcps.options import INJECT_SLOW, GOLOMB, PREFETCH, TAU, WARMUP_STEPS, Option
+from hpcps import optim
+from hpcps.options import (
+    COMPRESSION,
+    GOLOMB,
+    INJECT_SLOW,
+    PREFETCH,
+    TAU,
+    WARMUP_STEPS,
+    Option,
+)
 from hpcps.protocol import H, Message, Tag
 from hpcps.ps import activations
 from hpcps.ps.client import Client
@@ -40,7 +49,17 @@ from hpcps.strategies.context import (
 )
 from hpcps.strategies.loop import ReplicaLoop, check_options
 from hpcps.strategies.registry import SERVERS, Strategy
+from hpcps.threshold import (
+    ResidualWatch,
+    Threshold,
+    Velocity,
+    check_config,
+    clip_norm,
+    describe_tau,
+)
 from hpcps.topology import shard_range
+
+TAU_BYTES = 4  # float32 tau in front of each compressed push: what each word stands for
 
 
 def part_sizes(ctx: Context) -> list[int]:
@@ -97,41 +116,72 @@ class PackedPusher:
 
     The accumulated gradient is added to the residual; elements past +-tau become 1-bit
     words (``hpcps.compress.threshold``), which are cut at the shard boundaries (words are
-    sorted by index), re-based to each shard's slice and coded.
+    sorted by index), re-based to each shard's slice and coded. Each body starts with the
+    tau it was cut at (float32): with ``--tau auto`` every replica's tau is its own and
+    changes from push to push (:class:`hpcps.threshold.Threshold`).
+
+    With momentum (``--optimizer momentum``) the replica keeps the velocity and pushes its
+    thresholded velocity (Deep Gradient Compression's momentum correction,
+    :class:`hpcps.threshold.Velocity`); the shards then take plain SGD steps.
     """
 
-    def __init__(self, n: int, ranges, tau: float, golomb: bool):
+    def __init__(self, n: int, ranges, thr: Threshold, golomb: bool,
+                 momentum: float | None = None):
         self.residual = np.zeros(n, dtype=np.float32)
         self.out = np.empty(n, dtype=np.uint32)
-        self.tau = tau
+        self.thr = thr
         self.golomb = golomb
+        self.velocity = Velocity(n, momentum) if momentum is not None else None
         self.ranges = list(ranges)
         self.bounds = np.array([lo << 1 for lo, _ in ranges] + [n << 1], dtype=np.uint64)
         self.words_sent = 0
+        self.watch = ResidualWatch()
 
     def bodies(self, grad: np.ndarray) -> list[np.ndarray]:
-        words = compress.threshold(self.residual, grad, self.tau, out=self.out)
+        if self.velocity is not None:
+            self.velocity.accumulate(grad)
+        tau = np.float32(self.thr.tau)
+        words = compress.threshold(self.residual, grad, float(tau), out=self.out)
+        if self.velocity is not None:
+            self.velocity.mask(words)
+        self.thr.after_pass(self.residual, len(words))
         self.words_sent += len(words)
         cuts = np.searchsorted(words, self.bounds)
-        return [compress.encode(words[cuts[s]:cuts[s + 1]] - np.uint32(lo << 1), self.golomb)
+        head = np.frombuffer(np.array([tau], dtype="<f4").tobytes(), dtype=np.uint8)
+        return [np.concatenate([head, compress.encode(words[cuts[s]:cuts[s + 1]]
+                                                      - np.uint32(lo << 1), self.golomb)])
                 for s, (lo, _) in enumerate(self.ranges)]
 
 
-def shard_expander(n_local: int, tau: float):
+def shard_expander(n_local: int):
     """For a shard: turn a received message into a dense gradient of its slice (zeros except
-    +-tau at the message's indices), reusing one buffer."""
+    +-tau at the message's indices, tau as the message carries it), reusing one buffer."""
     dense = np.zeros(n_local, dtype=np.float32)
     touched = np.empty(0, dtype=np.intp)
 
     def expand(body: np.ndarray) -> np.ndarray:
         nonlocal touched
         dense[touched] = 0.0
-        words = compress.decode(body, n_local)
+        touched = np.empty(0, dtype=np.intp)
+        if len(body) < TAU_BYTES:
+            raise compress.CodecError(f"compressed push of {len(body)} bytes: too short to "
+                                      "hold its tau")
+        tau = float(np.frombuffer(body[:TAU_BYTES].tobytes(), dtype="<f4")[0])
+        if not (np.isfinite(tau) and tau > 0):
+            raise compress.CodecError(f"compressed push carries tau = {tau}; it must be "
+                                      "positive and finite")
+        words = compress.decode(body[TAU_BYTES:], n_local)
         compress.apply(dense, words, tau)
         touched = (words >> 1).astype(np.intp)
         return dense
 
-    return compress.max_message_bytes(n_local), Tag.PUSH_COMPRESSED, lambda h, body: expand(body)
+    return (TAU_BYTES + compress.max_message_bytes(n_local), Tag.PUSH_COMPRESSED,
+            lambda h, body: expand(body))
+
+
+def momentum_corrected(cfg) -> bool:
+    """Compressed pushes with momentum: the replicas keep the velocity, the shards run SGD."""
+    return cfg.compress == "threshold" and cfg.optimizer == "momentum"
 
 
 def shard_activation_handler(ctx: Context, lo: int, hi: int, params, state):
@@ -168,15 +218,18 @@ class DownpourReplica(ReplicaLoop):
         mine = shards_of_partition(ctx, grid.role.partition)
         ranks = [layout.server_rank(shard) for shard, _, _ in mine]
         ranges = [(lo, hi) for _, lo, hi in mine]
-        self.pusher = PackedPusher(model.n_params, ranges, cfg.tau, cfg.golomb == "on") \
+        self.pusher = PackedPusher(
+            model.n_params, ranges, Threshold.from_config(cfg, model.n_params, DOWNPOUR_TAU),
+            cfg.golomb == "on", cfg.momentum if momentum_corrected(cfg) else None) \
             if cfg.compress == "threshold" else None
+        self.grad_clip = (cfg.grad_clip or 0.0) / np.sqrt(R)
         self.activations = cfg.push == "activations"
         if self.activations:
             self.chunks = [activations.pieces(model, lo, hi) for lo, hi in ranges]
             k_max = cfg.batch_size * cfg.n_push
             bounds = [activations.max_message_bytes(model, c, k_max) for c in self.chunks]
         else:
-            bounds = [compress.max_message_bytes(hi - lo) for lo, hi in ranges]
+            bounds = [TAU_BYTES + compress.max_message_bytes(hi - lo) for lo, hi in ranges]
         packed = self.pusher is not None or self.activations
         self.client = Client(grid.world, ranks, ranges, r, cfg.timeout,
                              packed_bytes=bounds if packed else None)
@@ -254,6 +307,8 @@ class DownpourReplica(ReplicaLoop):
             self.rows_err.append(errs)
         else:
             loss = self.source(self.params, x, y, self.grad)
+            if self.grad_clip > 0:
+                clip_norm(self.grad, self.grad_clip)
             if T > 1:
                 self.grad *= np.float32(T)  # the sum over the T mini-batches, as n_push sums
             self.acc += self.grad
@@ -278,6 +333,10 @@ class DownpourReplica(ReplicaLoop):
                "bytes_sent_per_step": round(c.bytes_sent / done)}
         if self.pusher:
             out["updates_per_step"] = round(self.pusher.words_sent / done, 1)
+            out.update(self.pusher.thr.fields(self.pusher.residual))
+            warning = self.pusher.watch.update(out["residual_norm"])
+            if warning:
+                self.ctx.metrics.message(warning)
         if self.cfg.staleness_bound is not None:
             out["clock_lead_max"] = self.max_lead
         return out
@@ -296,7 +355,9 @@ class DownpourReplica(ReplicaLoop):
         out = {"replica_steps": self.done, "clock_lead_max": self.max_lead,
                "bytes_sent": c.bytes_sent,
                "bytes_received": c.bytes_received,
-               "words_sent": self.pusher.words_sent if self.pusher else None}
+               "words_sent": self.pusher.words_sent if self.pusher else None,
+               "final_tau": self.pusher.thr.tau if self.pusher else None,
+               "residual_warning": self.pusher.watch.fired if self.pusher else None}
         if self.ctx.grid.is_chief:
             out.update(_finish_chief(self.ctx, self._t0))
         return out
@@ -359,12 +420,14 @@ def run_server(ctx: Context) -> dict:
             path = save_checkpoint(ctx, got[0], got[1], step)
             print(f"[hpcps] server shard 0 wrote checkpoint {path} at step {step}", flush=True)
 
-    server = GradientShard(grid.world, params, state, ctx.optimizer.apply,
+    # momentum-corrected compressed pushes carry the velocity already: the shard steps SGD
+    apply = optim.SGD(cfg.lr).apply if momentum_corrected(cfg) else ctx.optimizer.apply
+    server = GradientShard(grid.world, params, state, apply,
                          n_replicas=grid.layout.replicas, step=ctx.start_step,
                          timeout=cfg.timeout, on_boundary=on_boundary,
                          boundary_every=cfg.checkpoint_every,
                          policy=shard_policy(ctx, hi - lo),
-                         packed=shard_expander(hi - lo, cfg.tau)
+                         packed=shard_expander(hi - lo)
                          if cfg.compress == "threshold" else
                          shard_activation_handler(ctx, lo, hi, params, state)
                          if cfg.push == "activations" else None,
@@ -412,9 +475,16 @@ def _validate(cfg) -> None:
         raise ConfigError("--push activations goes with dense pushes of whole replicas: not "
                           "with --compress threshold, --partitions > 1 or --threads > 1")
     if cfg.compress != "threshold":
-        for name in ("tau", "golomb"):
+        for name in ("tau", "golomb") + tuple(o.name for o in COMPRESSION):
             if getattr(cfg, name) is not None:
-                raise ConfigError(f"--{name} applies to downpour only with --compress threshold")
+                flag = "--" + name.replace("_", "-")
+                raise ConfigError(f"{flag} applies to downpour only with --compress threshold")
+    else:
+        check_config(cfg, DOWNPOUR_TAU)
+        if cfg.optimizer == "momentum" and cfg.nesterov == "on":
+            raise ConfigError("--compress threshold runs momentum on the replicas before "
+                              "thresholding (Deep Gradient Compression's correction), without "
+                              "Nesterov's variant: use --nesterov off")
     combining = cfg.softsync is not None or cfg.staleness_lr == "on"
     if combining and cfg.push == "activations":
         raise ConfigError("--softsync and --staleness-lr combine pushed gradients on the shard; "
@@ -434,7 +504,9 @@ def _validate(cfg) -> None:
 def _describe(cfg, n_train: int) -> str:
     how = f"{cfg.optimizer} lr={cfg.lr} on the shards, batch {cfg.batch_size}/replica"
     if cfg.compress == "threshold":
-        how += f", pushes thresholded at tau={cfg.tau}"
+        how += f", pushes thresholded at {describe_tau(cfg)}"
+        if momentum_corrected(cfg):
+            how += " (momentum on the replicas, corrected; SGD on the shards)"
     if cfg.push == "activations":
         how += ", pushes of layer inputs and errors"
     return how
@@ -468,6 +540,8 @@ def _summarize(ctx: Context, results: list[dict]) -> dict:
                    dense_push_bytes_per_step=4 * ctx.full_model.n_params)
     if cfg.compress == "threshold":
         words = sum(r["words_sent"] for r in reps)
+        out.update(final_tau=reps[0]["final_tau"] if reps else None,
+                   residual_warning=any(r["residual_warning"] for r in reps))
         out.update(push_bytes_per_step=round(pushed), updates_per_step=words / trained,
                    compression_ratio=4 * ctx.full_model.n_params / max(1.0, pushed),
                    bits_per_update=8 * pushed * trained / max(1, words))
@@ -524,7 +598,7 @@ STRATEGY = Strategy(
         Option("staleness_lr", str, "on: take each update at the rate lr/max(1, tau), tau "
                "its staleness (a softsync group's mean staleness) (default off)",
                choices=("on", "off")),
-        TAU, GOLOMB, PREFETCH, INJECT_SLOW),
+        TAU, *COMPRESSION, GOLOMB, PREFETCH, INJECT_SLOW),
     defaults=_defaults,
     validate=_validate,
     describe=_describe,

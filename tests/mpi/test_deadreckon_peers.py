@@ -41,7 +41,7 @@ def test_one_poll_takes_every_message_that_has_arrived():
             rng = np.random.default_rng(rank)
             for step in range(1, MESSAGES + 1):
                 msg, _ = comp.compress(rng.standard_normal(N_WEIGHTS).astype(np.float32) * 0.01)
-                peers.send(msg, step)
+                peers.send(msg, step, 1024)
             wait_all([r for reqs, _ in peers.pending for r in reqs], 30.0,
                      "rank 0 to take the sent messages")
             peers.pending.clear()
@@ -52,10 +52,10 @@ def test_one_poll_takes_every_message_that_has_arrived():
                 missing = sorted(set(range(1, size)) - {int(f) for f in os.listdir(flags)})
                 assert time.monotonic() < deadline, f"ranks {missing} never finished sending"
                 time.sleep(0.01)
-            got = peers.poll(lambda words: None)
+            got = peers.poll(lambda words, multiple: None)
         comm.Barrier()
         if rank == 0:
-            while peers.poll(lambda words: None):  # leave nothing behind for other tests
+            while peers.poll(lambda words, multiple: None):  # leave nothing behind for other tests
                 pass
     finally:
         comm.Barrier()
