@@ -72,16 +72,7 @@ class MLP:
     # -- parameters -----------------------------------------------------------------------
     def init_params(self, seed: int) -> np.ndarray:
         """Fresh weights: He-normal for relu, Glorot-uniform otherwise; zero biases."""
-        rng = np.random.default_rng(seed)
-        flat = np.zeros(self.n_params, dtype=np.float32)
-        for W, _ in self.layers(flat):
-            fan_in, fan_out = W.shape
-            if self.activation == "relu":
-                W[...] = rng.standard_normal(W.shape) * np.sqrt(2.0 / fan_in)
-            else:
-                lim = np.sqrt(6.0 / (fan_in + fan_out))
-                W[...] = rng.uniform(-lim, lim, W.shape)
-        return flat
+        return initial_slice(self.sizes, self.activation, 1, seed, 0, self.n_params)
 
     def views(self, flat: np.ndarray) -> dict[str, np.ndarray]:
         """Named views (no copy) into a flat vector of this model's length."""
@@ -173,6 +164,73 @@ class MLP:
             correct += int(np.sum(np.argmax(logits, axis=1) == y[lo:lo + batch]))
         n = max(1, len(y))
         return total_loss / n, correct / n
+
+
+# Rows of a weight matrix drawn at a time: bounds the float64 temporary of a fresh start.
+_INIT_CHUNK = 1 << 20
+
+
+def initial_slice(sizes, activation: str, parts: int, seed: int, lo: int, hi: int) -> np.ndarray:
+    """Elements [lo, hi) of the *global vector* of a fresh model: every partition's local
+    vector (:class:`PartitionedMLP` layout) one after the other; with ``parts == 1``, the
+    :class:`MLP` flat vector. Values are those of :meth:`MLP.init_params` whatever ``parts``.
+
+    The weights are drawn from one generator, layer after layer, a block of rows at a time,
+    and only the elements in [lo, hi) are kept: a rank holding 1/P of the model, or a server
+    shard holding 1/S of it, needs memory for its slice, not for the whole model (drawing
+    every value costs time, not memory).
+    """
+    sizes = tuple(int(n) for n in sizes)
+    cols = [partition_widths(sizes[l + 1], parts, l) for l in range(len(sizes) - 1)]
+    part_sizes = [sum((sizes[l] + 1) * (c[q][1] - c[q][0]) for l, c in enumerate(cols))
+                  for q in range(parts)]
+    if not 0 <= lo <= hi <= sum(part_sizes):
+        raise ValueError(f"slice [{lo}, {hi}) outside the model's {sum(part_sizes)} values")
+    out = np.zeros(hi - lo, dtype=np.float32)
+    rng = np.random.default_rng(seed)
+    base = np.cumsum([0] + part_sizes)  # where each partition's local vector starts
+    offset = [0] * parts                # where layer l's W starts inside partition q
+    for l in range(len(sizes) - 1):
+        fan_in, fan_out = sizes[l], sizes[l + 1]
+        rows = max(1, _INIT_CHUNK // fan_out)
+        for r0 in range(0, fan_in, rows):
+            r1 = min(fan_in, r0 + rows)
+            if activation == "relu":
+                block = rng.standard_normal((r1 - r0, fan_out)) * np.sqrt(2.0 / fan_in)
+            else:
+                lim = np.sqrt(6.0 / (fan_in + fan_out))
+                block = rng.uniform(-lim, lim, (r1 - r0, fan_out))
+            for q, (c0, c1) in enumerate(cols[l]):
+                # partition q's W is (fan_in, c1 - c0), row-major: these rows are contiguous
+                g0 = int(base[q]) + offset[q] + r0 * (c1 - c0)
+                g1 = g0 + (r1 - r0) * (c1 - c0)
+                a, b = max(g0, lo), min(g1, hi)
+                if a < b:
+                    out[a - lo:b - lo] = block[:, c0:c1].ravel()[a - g0:b - g0]
+        for q, (c0, c1) in enumerate(cols[l]):  # past W and the (zero) biases
+            offset[q] += (fan_in + 1) * (c1 - c0)
+    return out
+
+
+class InitialWeights:
+    """The global vector of a fresh model (see :func:`initial_slice`), drawn slice by slice
+    when indexed: a server shard takes ``weights[lo:hi]`` without the whole model ever
+    existing on its rank. Only contiguous slices (step 1) are supported."""
+
+    def __init__(self, sizes, activation: str, parts: int, seed: int):
+        self.sizes, self.activation, self.parts, self.seed = sizes, activation, parts, seed
+        self.n = sum(PartitionedMLP(sizes, activation, parts, 0).part_sizes)
+        self.shape, self.dtype = (self.n,), np.dtype(np.float32)
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, key) -> np.ndarray:
+        if not isinstance(key, slice) or key.step not in (None, 1):
+            raise TypeError("InitialWeights takes a contiguous slice, e.g. weights[lo:hi]")
+        lo, hi, _ = key.indices(self.n)
+        return initial_slice(self.sizes, self.activation, self.parts, self.seed, lo,
+                             max(lo, hi))
 
 
 def partition_widths(width: int, parts: int, layer: int) -> list[tuple[int, int]]:
@@ -292,8 +350,10 @@ class PartitionedMLP:
 
     def init_params(self, seed: int) -> np.ndarray:
         """This partition's slice of the weights MLP.init_params(seed) would give: the same
-        model whatever P is."""
-        return self.local_from_full(self.full.views(self.full.init_params(seed)))
+        model whatever P is, drawn without holding the whole model."""
+        lo = sum(self.part_sizes[:self.part])
+        return initial_slice(self.sizes, self.activation, self.parts, seed, lo,
+                             lo + self.n_params)
 
     # -- computation -------------------------------------------------------------------------
     def forward(self, flat: np.ndarray, x: np.ndarray):

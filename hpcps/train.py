@@ -44,12 +44,12 @@ import numpy as np
 
 import dataclasses
 
-from hpcps import checkpoint, config, data, slurm
+from hpcps import checkpoint, config, data, memory, slurm
 from hpcps.comm import PeerTimeout, ReplicaExchange, barrier, dup_comm, host
 from hpcps.errors import PREEMPTED_EXIT, ConfigError, HpcpsError, NonFiniteError
 from hpcps.metrics import Metrics
+from hpcps.model import MLP, InitialWeights, PartitionedMLP, SingleExchange
 from hpcps.stacks import StackDumper
-from hpcps.model import MLP, PartitionedMLP, SingleExchange
 from hpcps.stop import SignalFlag, StopVote
 from hpcps.strategies.context import (Context, explain_nonfinite, make_optimizer,
                                       state_from_checkpoint)
@@ -154,19 +154,21 @@ def _setup(cfg: config.Config, world, layout: Layout, info, ckpt, run_dir: Path)
     check_thread_support(cfg.threads, P)
     grid = build_grid(world, layout)
     opt = make_optimizer(cfg)
-    if ckpt is not None:
-        params, state = state_from_checkpoint(full, ckpt, opt.state_keys)
-        start = ckpt.step
-    else:
-        params, state = full.init_params(cfg.seed), opt.init_state(full.n_params)
-        start = 0
+    role = grid.role
     model = full
     if P > 1:
-        role = grid.role
         exchange = ReplicaExchange(grid.replica_comm, cfg.timeout) if role.is_replica \
             else SingleExchange
         model = PartitionedMLP(cfg.layers, cfg.activation, P,
                                role.partition if role.is_replica else 0, exchange)
+    if ckpt is None:  # each rank draws only what it holds: memory falls as 1/P and 1/S
+        params = model.init_params(cfg.seed) if role.is_replica else \
+            InitialWeights(cfg.layers, cfg.activation, P, cfg.seed)  # servers slice it
+        state, start = opt.init_state(len(params)), 0  # zeros: pages untouched cost nothing
+    else:
+        params, state = state_from_checkpoint(full, ckpt, opt.state_keys)
+        start = ckpt.step
+    if ckpt is not None and P > 1:
         if role.is_replica:  # this partition's slice
             cut = model.local_from_full
         else:  # servers: every partition's slice, one after the other (the global vector)
@@ -230,7 +232,8 @@ def _summary(ctx: Context, results: list[dict], wall_s: float, stopped: bool = F
                    bytes_per_step=round(bytes_per_step), mean_staleness=round(staleness, 3),
                    test_accuracy=mine.get("test_accuracy"), test_loss=mine.get("test_loss"),
                    stopped_early=stopped, total_steps=ctx.total_steps,
-                   checkpoint=mine.get("checkpoint"), **_blas_in_use(), **figures)
+                   checkpoint=mine.get("checkpoint"), **memory.by_role(results),
+                   **_blas_in_use(), **figures)
     m.message(f"finished {_describe(cfg, ctx.grid.layout)}")
     m.message(f"  {trained} steps this run (global step {step}, {rec['epoch']:.2f} epochs) in "
               f"{rec['train_s']:.1f} s: {rec['examples_per_s']:.0f} examples/s, "
@@ -245,6 +248,7 @@ def _summary(ctx: Context, results: list[dict], wall_s: float, stopped: bool = F
                   f"{PREEMPTED_EXIT}; run again with --resume auto (same run directory) to "
                   "continue")
     m.message(f"  BLAS: {rec['blas']} ({rec['blas_reason']})")
+    m.message("  " + memory.describe(rec))
 
 
 def _blas_in_use() -> dict:
@@ -330,6 +334,7 @@ def main(argv: list[str] | None = None) -> int:
             result = cfg.spec.run(ctx)
         except NonFiniteError as exc:  # say where, what is left, and the usual causes
             raise explain_nonfinite(ctx, exc) from None
+        result = {**result, "role": ctx.grid.role.kind, "peak_rss_bytes": memory.peak_rss_bytes()}
         stopped = ctx.stop.finish()  # every rank leaves the vote after the same round
         barrier(world, cfg.timeout, "every rank to finish training")
         results = world.gather(result, root=ctx.reporter)

@@ -1,0 +1,209 @@
+"""Every strategy on an emulated cluster: K hosts as network namespaces on this machine,
+joined by links shaped to 1 Gb/s or 10 Gb/s, MPI over TCP between them; one JSON object.
+
+For each network (``--networks``): bring the hosts up (``netns.sh up K RATE``), measure
+MPI's latency and bandwidth between two hosts (``pingpong.py``), then train with
+``mpiexec.sh`` (one rank per host):
+
+``throughput``
+    every strategy at each of ``--ranks`` (2, 4, 8), a short run of ``--steps`` global
+    mini-batches without evaluation: examples/s and bytes per step from the run's summary,
+    the median of ``--repeats`` runs.
+``time_to_accuracy``
+    every strategy at ``--tta-ranks`` ranks for ``--epochs`` epochs, evaluated every
+    ``--eval-every`` steps: seconds (of the run's own clock) to the first evaluation at or
+    above ``--target``. Sandblaster (a batch method: a step is a pass over the training set)
+    runs ``--tta-batch-steps`` L-BFGS iterations instead, evaluated every 5.
+
+A run that fails or exceeds ``--timeout`` is recorded with its error; the bench goes on.
+
+The hosts are taken down when the bench ends, also on an error, Ctrl-C or SIGTERM: no
+namespace, veth or bridge is left behind (``netns.sh status`` shows none). Needs root, ``ip``
+and ``tc`` (iproute2), and the mpich wheel's mpiexec (hydra).
+
+    sudo python bench/cluster/bench_cluster.py                     # everything, ~30 minutes
+    python bench/cluster/bench_cluster.py --networks 1gbit --ranks 2,4 --only throughput
+
+Layouts: downpour runs 1 shard and N-1 replicas, sandblaster 1 shard, a coordinator and N-2
+replicas (N >= 3), sync, averaging and deadreckon N replicas. Every host is a namespace of
+one 2-core machine: the ranks share its cores, so compute does not scale with N here; what
+the bench shows is how each strategy's communication meets the network.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE.parents[1]))
+
+from bench_train import RunError, log, machine, summary_of, train  # noqa: E402
+from machine import cpu_features  # noqa: E402
+
+from hpcps.strategies.registry import strategies  # noqa: E402
+
+NETNS = HERE / "netns.sh"
+MPIEXEC = HERE / "mpiexec.sh"
+
+
+def layout(strategy: str, ranks: int) -> dict | None:
+    """The layout a strategy gets on ``ranks`` ranks, None where it cannot run."""
+    spec = strategies()[strategy]
+    servers = 1 if spec.uses_servers else 0
+    replicas = ranks - servers - int(spec.coordinator)
+    if replicas < 1:
+        return None
+    return {"ranks": ranks, "servers": servers, "coordinator": int(spec.coordinator),
+            "replicas": replicas}
+
+
+def hosts_up(k: int, rate: str) -> None:
+    subprocess.run([str(NETNS), "up", str(k), rate], check=True)
+
+
+def hosts_down() -> None:
+    subprocess.run([str(NETNS), "down"], check=False)
+
+
+def pingpong(tmp: Path) -> dict:
+    env = dict(os.environ, PYTHONPATH=str(HERE.parents[1]))
+    out = subprocess.run([str(MPIEXEC), "-n", "2", sys.executable, str(HERE / "pingpong.py")],
+                         env=env, capture_output=True, text=True, timeout=300, cwd=tmp)
+    if out.returncode != 0:
+        raise RuntimeError(f"pingpong failed: {out.stderr[-2000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def common_args(args) -> list[str]:
+    return ["--data", args.data, "--layers", args.layers, "--checkpoint-every", "0",
+            "--progress-every", "1000", "--timeout", str(args.timeout)]
+
+
+def length(args, strategy: str) -> list[str]:
+    """A short run: ``--steps`` mini-batches, or ``--batch-steps`` whole-batch iterations for
+    a batch method (sandblaster: one step is a pass over the training set)."""
+    whole = strategies()[strategy].whole_batch
+    return ["--steps", str(args.batch_steps if whole else args.steps)]
+
+
+def throughput(args, strategy: str, ranks: int, tmp: Path) -> dict:
+    runs = []
+    for i in range(args.repeats):
+        work = Path(tempfile.mkdtemp(prefix=f"tp-{strategy}-{ranks}-{i}-", dir=tmp))
+        try:
+            s = summary_of(train(str(MPIEXEC), ranks, [
+                "--strategy", strategy, *length(args, strategy), "--eval-every", "0",
+                *common_args(args)], work, args.timeout))
+        except RunError as exc:
+            log(f"  {strategy:11} N={ranks}: failed: {str(exc)[:300]}")
+            return {"strategy": strategy, **layout(strategy, ranks), "error": str(exc)[-2000:]}
+        runs.append(s)
+    entry = {"strategy": strategy, **layout(strategy, ranks),
+             "steps_trained": runs[0]["steps_trained"]}
+    for key in ("examples_per_s", "bytes_per_step", "train_s"):
+        values = [r[key] for r in runs]
+        entry[key] = statistics.median(values)
+        entry[key + "_all"] = values
+    log(f"  {strategy:11} N={ranks}: {entry['examples_per_s']:.0f} examples/s, "
+        f"{entry['bytes_per_step']:.0f} bytes/step")
+    return entry
+
+
+def time_to_accuracy(args, strategy: str, ranks: int, tmp: Path) -> dict:
+    work = Path(tempfile.mkdtemp(prefix=f"tta-{strategy}-{ranks}-", dir=tmp))
+    whole = strategies()[strategy].whole_batch
+    run = ["--steps", str(args.tta_batch_steps), "--eval-every", "5"] if whole else \
+        ["--epochs", str(args.epochs), "--eval-every", str(args.eval_every)]
+    try:
+        records = train(str(MPIEXEC), ranks, ["--strategy", strategy, *run,
+                                              *common_args(args)], work, args.timeout)
+    except RunError as exc:
+        log(f"  {strategy:11} N={ranks}: failed: {str(exc)[:300]}")
+        return {"strategy": strategy, **layout(strategy, ranks), "error": str(exc)[-2000:]}
+    s = summary_of(records)
+    evals = [r for r in records if r.get("kind") == "eval"]
+    hit = next((r for r in evals if (r.get("test_accuracy") or 0.0) >= args.target), None)
+    entry = {"strategy": strategy, **layout(strategy, ranks), "target": args.target,
+             "time_to_target_s": hit["time_s"] if hit else None,
+             "step_at_target": hit["step"] if hit else None,
+             "final_test_accuracy": s["test_accuracy"], "epochs": s.get("epoch"),
+             "examples_per_s": s["examples_per_s"], "bytes_per_step": s["bytes_per_step"],
+             "train_s": s["train_s"], "wall_s": s["wall_s"],
+             "evals": [[r["step"], r["time_s"], r["test_accuracy"]] for r in evals]}
+    reached = (f"{args.target:.2f} at {hit['time_s']:.1f} s" if hit
+               else f"never {args.target:.2f}")
+    log(f"  {strategy:11} N={ranks}: {reached}, final {s['test_accuracy']:.4f}")
+    return entry
+
+
+def _stop(signum, frame):  # SIGTERM: unwind through the finally that takes the hosts down
+    raise SystemExit(128 + signum)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--networks", default="1gbit,10gbit", help="tc rates, e.g. 1gbit,10gbit")
+    p.add_argument("--strategies", default=",".join(strategies()))
+    p.add_argument("--ranks", default="2,4,8", help="rank counts for the throughput runs")
+    p.add_argument("--tta-ranks", type=int, default=4)
+    p.add_argument("--only", choices=("throughput", "time_to_accuracy"))
+    p.add_argument("--steps", type=int, default=400)
+    p.add_argument("--batch-steps", type=int, default=3,
+                   help="throughput runs of a batch method (sandblaster): iterations")
+    p.add_argument("--tta-batch-steps", type=int, default=10,
+                   help="time-to-accuracy runs of a batch method: iterations")
+    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--epochs", type=float, default=2.0)
+    p.add_argument("--eval-every", type=int, default=200)
+    p.add_argument("--target", type=float, default=0.97)
+    p.add_argument("--data", default="/work/scratch/data/mnist.h5")
+    p.add_argument("--layers", default="784,512,512,10")
+    p.add_argument("--timeout", type=float, default=900.0)
+    args = p.parse_args(argv)
+    if os.geteuid() != 0:
+        raise SystemExit("bench_cluster: network namespaces need root")
+    rank_list = [int(v) for v in args.ranks.split(",")]
+    names = args.strategies.split(",")
+    k = max(rank_list + [args.tta_ranks, 2])
+    out = {"bench": "cluster", "machine": {**machine(str(MPIEXEC)),
+                                           "cpu_features": cpu_features()},
+           "command": " ".join([Path(sys.executable).name, *sys.argv]),
+           "layers": args.layers, "data": args.data, "networks": []}
+    signal.signal(signal.SIGTERM, _stop)
+    try:
+        with tempfile.TemporaryDirectory(prefix="bench_cluster-") as tmp:
+            tmp = Path(tmp)
+            for rate in args.networks.split(","):
+                log(f"{rate}: {k} hosts")
+                hosts_up(k, rate)
+                net = {"rate": rate, "hosts": k, "pingpong": pingpong(tmp)}
+                log(f"  MPI between hosts: alpha {1e6 * net['pingpong']['alpha_s']:.0f} us, "
+                    f"{net['pingpong']['bandwidth_gbit_s']:.2f} Gb/s")
+                if args.only in (None, "throughput"):
+                    net["throughput"] = [throughput(args, s, n, tmp) for s in names
+                                         for n in rank_list if layout(s, n)]
+                if args.only in (None, "time_to_accuracy"):
+                    net["time_to_accuracy"] = [time_to_accuracy(args, s, args.tta_ranks, tmp)
+                                               for s in names if layout(s, args.tta_ranks)]
+                out["networks"].append(net)
+                hosts_down()
+                print(json.dumps(out), file=sys.stderr, flush=True)  # partial, in case
+    finally:
+        hosts_down()
+    started = time.strftime("%Y-%m-%d")
+    out["date"] = started
+    print(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

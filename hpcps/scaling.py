@@ -1,0 +1,378 @@
+"""A scaling model: examples/s and speed-up of each strategy on 1 to 128+ nodes of a network.
+
+    python -m hpcps.scaling --model 784,2560,2560,2560,2560,8192 --network 10gbe
+    python -m hpcps.scaling --model 784,512,512,10 --alpha 30e-6 --beta 8e-9 --png curves.png
+    python -m hpcps.scaling --validate-cluster cluster.json     # against bench/cluster's runs
+
+The model is the alpha-beta (Hockney) one: sending m bytes costs ``alpha + m * beta``
+seconds; a node's link is full duplex (sending and receiving overlap), and a node computes or
+communicates, never both at once (no overlap, as the strategies' loops run). Per strategy,
+with R nodes training replicas, n parameters, a mini-batch of b examples taking ``t_c``
+seconds to compute (measured on this CPU, :func:`measure_compute`) and ``t_u`` seconds per
+parameter for the optimizer's update:
+
+``sync``        every step: compute, then a ring allreduce of the n+1 floats:
+                ``2 (R-1) alpha + 2 (R-1)/R * 4 (n+1) * beta``, then the update.
+``averaging``   every step compute and update; every k steps (``--average-every``) a ring
+                allreduce of the parameters and optimizer state.
+``downpour``    every step a replica computes, pushes its 4n-byte gradient and fetches 4n
+                bytes of parameters from the S shards; a shard takes R pushes and serves R
+                fetches per round of steps and applies R updates of n/S parameters: the job
+                runs at the slower of the replicas and the shards. S nodes are shards
+                (``--servers``, default 1), so R = N - S.
+``deadreckon``  every step compute, threshold the residual and send one compressed message
+                (``HEADER + updates * bits / 8`` bytes, :mod:`hpcps.compress`) to each of the
+                R-1 peers; receive and apply theirs. The updates per step and bits per update
+                are inputs (they depend on the data and tau: take them from a run's summary).
+``sandblaster`` one L-BFGS iteration: the batch split over the replicas' portions, each
+                replica fetches the parameters and pushes its gradient once per iteration
+                through one shard; the coordinator's commands are small (alpha each).
+
+Bytes per step are the figures the strategies report in their summaries (``sync.py``,
+``averaging.py``, ``downpour.py``, ``deadreckon.py``; ``--validate-cluster`` prints both).
+Model parallelism (P > 1) is not modelled.
+
+Two checks, printed side by side with what they are checked against: ``--validate-cluster``
+(the emulated cluster's measured examples/s, :file:`bench/cluster/bench_cluster.py`, with the
+measured alpha and beta of its network and its ranks sharing this machine's cores), and
+:func:`strom_table2` (Strom 2015, Table 2: speed-up against nodes for a 14.6M-weight DNN).
+"""
+from __future__ import annotations
+
+import os
+
+# one BLAS thread, as hpcps.train runs each rank (set before NumPy is first imported)
+for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ.setdefault(_var, "1")
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import statistics  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from dataclasses import dataclass, replace  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+from hpcps import compress, protocol  # noqa: E402
+
+# alpha (s), beta (s per byte): typical MPI figures for each network (latency of a small
+# message; the link's line rate)
+NETWORKS = {
+    "1gbe": (50e-6, 8 / 1e9),
+    "10gbe": (20e-6, 8 / 10e9),
+    "25gbe": (10e-6, 8 / 25e9),
+    "100gbe": (5e-6, 8 / 100e9),
+    "ib-edr": (1.5e-6, 8 / 100e9),
+    "ib-hdr": (1.2e-6, 8 / 200e9),
+}
+
+STRATEGIES = ("sync", "averaging", "downpour", "deadreckon", "sandblaster")
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What one step costs on one node, apart from the network.
+
+    Parameters
+    ----------
+    n_params : parameters of the model.
+    batch : examples per mini-batch per replica.
+    compute_s : seconds for one mini-batch's forward and backward pass on one node.
+    update_s_per_param : seconds of the optimizer's update per parameter.
+    state_vectors : optimizer state vectors (adagrad: 1), averaged with the parameters.
+    average_every : averaging's k.
+    updates_per_step : deadreckon: thresholded elements per message (a run's summary gives
+        ``updates_per_step``; Strom's Table 3 gives update sizes).
+    bits_per_update : deadreckon: bits per sent element (``bits_per_update`` in a summary).
+    batch_examples : sandblaster: examples per L-BFGS iteration (the training set).
+    servers : downpour: parameter-server shards S (nodes that do not train).
+    cores : cores shared by all nodes (the emulated cluster: every node is a namespace of one
+        machine); None for real nodes, each with its own CPU.
+    """
+
+    n_params: int
+    batch: int
+    compute_s: float
+    update_s_per_param: float = 1e-9
+    state_vectors: int = 1
+    average_every: int = 4
+    updates_per_step: float = 0.0
+    bits_per_update: float = 11.0
+    batch_examples: int = 60000
+    servers: int = 1
+    cores: int | None = None
+
+    def compute(self, nodes: int) -> float:
+        """Seconds of one mini-batch when ``nodes`` ranks compute at once."""
+        slow = max(1.0, nodes / self.cores) if self.cores else 1.0
+        return self.compute_s * slow
+
+
+def ring(nbytes: float, R: int, alpha: float, beta: float) -> float:
+    """Seconds of a ring allreduce of ``nbytes`` over R nodes."""
+    if R <= 1:
+        return 0.0
+    return 2 * (R - 1) * alpha + 2 * (R - 1) / R * nbytes * beta
+
+
+def bytes_per_step(strategy: str, w: Workload, R: int) -> float:
+    """Bytes moved per step, as the strategy's summary counts them (per replica step)."""
+    n = w.n_params
+    if strategy == "sync":  # sync.py: 2 * buf.nbytes * (R-1)/R, buf = n + 1 floats
+        return 2 * 4 * (n + 1) * (R - 1) / R
+    if strategy == "averaging":  # averaging.py: the same per average, every k steps
+        return 2 * 4 * n * (1 + w.state_vectors) * (R - 1) / R / w.average_every
+    if strategy == "downpour":  # ps/client.py: per shard a push, an ask and a reply
+        return 2 * 4 * n + 3 * protocol.HEADER_BYTES * w.servers
+    if strategy == "deadreckon":  # deadreckon.py: one message per step to each of R-1 peers
+        return message_bytes(w) * (R - 1)
+    if strategy == "sandblaster":  # per iteration: parameters out, gradients in, per replica
+        return 2 * 4 * n * R
+    raise ValueError(f"unknown strategy {strategy!r}; choose one of {STRATEGIES}")
+
+
+def message_bytes(w: Workload) -> float:
+    """One deadreckon message: compress's header, the packed updates, the sender's step."""
+    return compress.HEADER_BYTES + 8 + w.updates_per_step * w.bits_per_update / 8
+
+
+def predict(strategy: str, w: Workload, nodes: int, alpha: float, beta: float) -> float:
+    """Examples per second of ``strategy`` on ``nodes`` nodes (0.0 where it cannot run)."""
+    n, b = w.n_params, w.batch
+    if strategy in ("sync", "averaging", "deadreckon"):
+        R = nodes
+        t = w.compute(nodes) + n * w.update_s_per_param
+        if strategy == "sync":
+            t += ring(4 * (n + 1), R, alpha, beta)
+        elif strategy == "averaging":
+            t += ring(4 * n * (1 + w.state_vectors), R, alpha, beta) / w.average_every
+        else:
+            t += (R - 1) * (alpha + message_bytes(w) * beta) \
+                + (R - 1) * w.updates_per_step * w.update_s_per_param  # applying theirs
+        return R * b / t
+    if strategy == "downpour":
+        S = w.servers
+        R = nodes - S
+        if R < 1:
+            return 0.0
+        # a replica talks to every shard: S messages each way of n/S parameters
+        replica = w.compute(nodes) + 2 * (S * alpha + 4 * n * beta)
+        # a shard's link carries R pushes in and R fetches out per round (full duplex), and
+        # it applies R updates of n/S parameters
+        shard = R * (4 * n / S * beta + alpha) + R * n / S * w.update_s_per_param
+        return R * b / max(replica, shard)
+    if strategy == "sandblaster":
+        R = nodes - 2
+        if R < 1:
+            return 0.0
+        work = w.compute(nodes) * w.batch_examples / b / R
+        shard = R * 2 * (alpha + 4 * n * beta)  # every replica's fetch and push, one link
+        commands = 20 * alpha * 2  # the coordinator's L-BFGS commands, round trips
+        return w.batch_examples / (work + shard + commands + 4 * n * w.update_s_per_param)
+    raise ValueError(f"unknown strategy {strategy!r}; choose one of {STRATEGIES}")
+
+
+def curve(strategy: str, w: Workload, nodes: list[int], alpha: float, beta: float) -> list:
+    """(nodes, examples/s, speed-up over one node computing alone) for each node count."""
+    single = w.batch / (replace(w, cores=None).compute(1) + w.n_params * w.update_s_per_param)
+    out = []
+    for k in nodes:
+        eps = predict(strategy, w, k, alpha, beta)
+        out.append((k, eps, eps / single))
+    return out
+
+
+def measure_compute(layers: list[int], batch: int, repeats: int = 5) -> tuple[float, float]:
+    """(seconds per mini-batch forward + backward, seconds per parameter of an Adagrad
+    update) on this CPU, one thread, the medians of ``repeats``."""
+    from hpcps.model import MLP
+    from hpcps.optim import Adagrad
+    model = MLP(layers, "relu")
+    params = model.init_params(0)
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((batch, layers[0])).astype(np.float32)
+    y = rng.integers(0, layers[-1], batch)
+    grad = np.empty_like(params)
+    times = []
+    for _ in range(repeats + 1):
+        t = time.perf_counter()
+        model.loss_and_grad(params, x, y, grad)
+        times.append(time.perf_counter() - t)
+    opt, state = Adagrad(0.01), None
+    state = opt.init_state(model.n_params)
+    upd = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        opt.apply(params, grad * 1e-3, state)
+        upd.append(time.perf_counter() - t)
+    return statistics.median(times[1:]), statistics.median(upd) / model.n_params
+
+
+# -- the checks --------------------------------------------------------------------------------
+# Strom 2015, Table 2: nodes, relative speed (epochs 2-10, tau = 4).
+STROM_TABLE2 = [(1, 1.0), (5, 4.3), (10, 8.7), (20, 17.0), (40, 33.0), (80, 54.0)]
+
+
+def strom_table2(gbit: float = 1.0) -> list[dict]:
+    """The model fed Strom's sizes: 14.6M weights, 10,000 frames/s on one node, mini-batches
+    of 1024 frames (Table 1), 69 KB per update message at tau = 4 (Table 3); a network of
+    ``gbit`` Gb/s (AWS EC2 G2 instances; the paper does not give the rate). Each row: nodes,
+    the paper's speed-up, the model's, the relative difference."""
+    n, batch = 14_600_000, 1024
+    w = Workload(n_params=n, batch=batch, compute_s=batch / 10_000.0, update_s_per_param=0.0,
+                 updates_per_step=69_000 * 8 / 11.0, bits_per_update=11.0)
+    alpha, beta = 50e-6, 8 / (gbit * 1e9)
+    rows = []
+    for nodes, paper in STROM_TABLE2:
+        model = predict("deadreckon", w, nodes, alpha, beta) / (batch / w.compute_s)
+        rows.append({"nodes": nodes, "paper_speedup": paper, "model_speedup": round(model, 2),
+                     "relative_difference": round(model / paper - 1, 3)})
+    return rows
+
+
+def validate_cluster(path: str, repeats: int = 5) -> list[dict]:
+    """The model against bench/cluster's measured throughput: for each run, the examples/s
+    predicted with that network's measured alpha and beta, this machine's cores shared by
+    all ranks, and (deadreckon) the run's own message size (bytes per step / (R - 1))."""
+    with open(path) as fh:
+        data = json.load(fh)
+    layers = [int(v) for v in str(data["layers"]).split(",")]
+    batch = 32
+    t_c, t_u = measure_compute(layers, batch, repeats)
+    n = sum((layers[i] + 1) * layers[i + 1] for i in range(len(layers) - 1))
+    cores = data.get("machine", {}).get("nproc") or os.cpu_count()
+    rows = []
+    for net in data["networks"]:
+        pp = net["pingpong"]
+        for run in net.get("throughput", []):
+            if "error" in run:
+                continue
+            w = Workload(n_params=n, batch=batch, compute_s=t_c, update_s_per_param=t_u,
+                         cores=cores, servers=max(1, run.get("servers", 1)))
+            if run["strategy"] == "deadreckon" and run["replicas"] > 1:
+                # the updates per step depend on the data: take them from the run's bytes
+                per_msg = run["bytes_per_step"] / (run["replicas"] - 1)
+                w = replace(w, updates_per_step=max(0.0, per_msg - message_bytes(w)) * 8
+                            / w.bits_per_update)
+            pred = predict(run["strategy"], w, run["ranks"], pp["alpha_s"],
+                           pp["beta_s_per_byte"])
+            rows.append({"network": net["rate"], "strategy": run["strategy"],
+                         "ranks": run["ranks"], "measured": run["examples_per_s"],
+                         "predicted": round(pred, 1),
+                         "relative_difference": round(pred / run["examples_per_s"] - 1, 3),
+                         "bytes_measured": run["bytes_per_step"],
+                         "bytes_model": round(bytes_per_step(run["strategy"], w,
+                                                             run["replicas"]))})
+    return rows
+
+
+def plot(curves: dict, title: str, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, pts in curves.items():
+        ax.plot([p[0] for p in pts], [p[2] for p in pts], marker="o", ms=3, label=name)
+    top = max(p[0] for pts in curves.values() for p in pts)
+    ax.plot([1, top], [1, top], color="grey", lw=0.8, ls="--", label="linear")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log", base=2)
+    ax.set_xlabel("nodes")
+    ax.set_ylabel("speed-up over one node")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m hpcps.scaling",
+                                description="Predict examples/s and speed-up per strategy "
+                                            "for 1..N nodes (alpha-beta model).")
+    p.add_argument("--model", default="784,512,512,10", help="layer widths")
+    p.add_argument("--network", default="10gbe", choices=sorted(NETWORKS))
+    p.add_argument("--alpha", type=float, help="latency, seconds (instead of --network)")
+    p.add_argument("--beta", type=float, help="seconds per byte (instead of --network)")
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--servers", type=int, default=1, help="downpour: shard nodes S")
+    p.add_argument("--nodes", default="1,2,4,8,16,32,64,128,256")
+    p.add_argument("--strategies", default=",".join(STRATEGIES))
+    p.add_argument("--compression", type=float, default=1000.0,
+                   help="deadreckon: dense gradient bytes / message bytes (Strom: ~850 at "
+                        "tau 4; a run's summary gives compression_ratio)")
+    p.add_argument("--png", default="scaling.png", help="where the plot goes ('' for none)")
+    p.add_argument("--validate-cluster", metavar="JSON",
+                   help="bench/cluster/bench_cluster.py output to check the model against")
+    p.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if (args.alpha is None) != (args.beta is None):
+        raise SystemExit("give both --alpha and --beta, or neither (then --network)")
+    alpha, beta = (args.alpha, args.beta) if args.alpha is not None else NETWORKS[args.network]
+    net = (f"alpha {alpha * 1e6:.1f} us, beta {beta * 1e9:.3f} ns/byte "
+           f"({8 / beta / 1e9:.1f} Gb/s)")
+    layers = [int(v) for v in args.model.split(",")]
+    nodes = [int(v) for v in args.nodes.split(",")]
+    t_c, t_u = measure_compute(layers, args.batch_size)
+    n = sum((layers[i] + 1) * layers[i + 1] for i in range(len(layers) - 1))
+    bits = 11.0
+    w = Workload(n_params=n, batch=args.batch_size, compute_s=t_c, update_s_per_param=t_u,
+                 updates_per_step=4 * n / args.compression * 8 / bits, bits_per_update=bits,
+                 servers=args.servers)
+    names = args.strategies.split(",")
+    curves = {s: curve(s, w, nodes, alpha, beta) for s in names}
+    out = {"model": layers, "parameters": n, "network": args.network if args.alpha is None
+           else "custom", "alpha_s": alpha, "beta_s_per_byte": beta,
+           "compute_s_per_batch": t_c, "update_s_per_param": t_u,
+           "curves": {s: [{"nodes": k, "examples_per_s": round(e, 1), "speedup": round(x, 2)}
+                          for k, e, x in pts] for s, pts in curves.items()},
+           "strom_table2": strom_table2()}
+    if args.validate_cluster:
+        out["cluster"] = validate_cluster(args.validate_cluster)
+    if args.png:
+        plot(curves, f"{args.model} ({n / 1e6:.1f}M parameters), batch {args.batch_size}, "
+                     f"{out['network']}: {net}", args.png)
+        out["png"] = args.png
+    if args.json:
+        print(json.dumps(out, indent=1))
+        return 0
+    print(f"model {args.model}: {n:,} parameters; network {out['network']}: {net}")
+    print(f"measured on this CPU: {t_c * 1e3:.2f} ms per mini-batch of {args.batch_size} "
+          f"(forward + backward), {t_u * 1e9:.2f} ns per parameter per update")
+    print(f"\npredicted examples/s (speed-up over one node) per strategy; deadreckon at "
+          f"compression {args.compression:g}")
+    print("nodes  " + "".join(f"{s:>22}" for s in names))
+    for i, k in enumerate(nodes):
+        cells = []
+        for s in names:
+            _, e, x = curves[s][i]
+            cells.append(f"{e:>12,.0f} ({x:6.1f}x)" if e > 0 else f"{'-':>22}")
+        print(f"{k:>5}  " + "".join(cells))
+    print("\ncheck 1, Strom 2015 Table 2 (14.6M weights, 10k frames/s per node, 69 KB per "
+          "update, 1 Gb/s assumed):")
+    print(f"  {'nodes':>5} {'paper':>8} {'model':>8} {'diff':>7}")
+    for r in out["strom_table2"]:
+        print(f"  {r['nodes']:>5} {r['paper_speedup']:>8.1f} {r['model_speedup']:>8.1f} "
+              f"{100 * r['relative_difference']:>6.1f}%")
+    print("\ncheck 2, the emulated cluster (bench/cluster, measured alpha and beta, ranks "
+          "sharing this machine's cores): " + ("" if args.validate_cluster else
+                                              "give --validate-cluster JSON"))
+    if args.validate_cluster:
+        print(f"  {'network':>8} {'strategy':>12} {'ranks':>5} {'measured':>10} "
+              f"{'predicted':>10} {'diff':>7} {'bytes/step':>12} {'model':>12}")
+        for r in out["cluster"]:
+            print(f"  {r['network']:>8} {r['strategy']:>12} {r['ranks']:>5} "
+                  f"{r['measured']:>10,.0f} {r['predicted']:>10,.0f} "
+                  f"{100 * r['relative_difference']:>6.1f}% {r['bytes_measured']:>12,} "
+                  f"{r['bytes_model']:>12,}")
+    if args.png:
+        print(f"\nplot: {args.png}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,90 @@
+"""The scaling model (hpcps.scaling): the pure alpha-beta formulas, its check against Strom's
+Table 2, and its bytes per step against what the strategies report in a real run."""
+import json
+from dataclasses import replace
+
+import pytest
+
+from hpcps import scaling
+from hpcps.scaling import Workload, bytes_per_step, predict, ring
+from mpirun import train
+
+W = Workload(n_params=1_000_000, batch=32, compute_s=0.01, update_s_per_param=1e-9)
+
+
+def test_ring_allreduce_cost():
+    assert ring(1e6, 1, 1e-5, 1e-9) == 0.0
+    # 2 (R-1) latencies and 2 (R-1)/R of the buffer per rank
+    assert ring(1e6, 4, 1e-5, 1e-9) == pytest.approx(6e-5 + 1.5e6 * 1e-9)
+
+
+@pytest.mark.parametrize("strategy", ["sync", "averaging", "deadreckon"])
+def test_a_free_network_scales_linearly(strategy):
+    for k in (1, 2, 16, 128):
+        assert predict(strategy, W, k, 0.0, 0.0) == pytest.approx(k * predict(strategy, W, 1,
+                                                                                0.0, 0.0))
+
+
+@pytest.mark.parametrize("strategy", scaling.STRATEGIES)
+def test_a_slower_network_is_never_faster(strategy):
+    for k in (4, 8, 64):
+        fast = predict(strategy, W, k, 1e-6, 1e-10)
+        slow = predict(strategy, W, k, 1e-4, 1e-8)
+        assert 0 < slow <= fast
+
+
+def test_downpour_is_bounded_by_its_shards():
+    beta = 8e-9  # 1 Gb/s: a shard takes one 4 MB push and serves one fetch in 32 ms
+    bound = W.batch / (4 * W.n_params * beta + 0.0 + W.n_params * W.update_s_per_param)
+    assert predict("downpour", W, 256, 0.0, beta) == pytest.approx(bound, rel=1e-6)
+    more = replace(W, servers=4)  # four shards take four times the pushes
+    assert predict("downpour", more, 259, 0.0, beta) == pytest.approx(4 * bound, rel=1e-6)
+    assert predict("downpour", W, 1, 0.0, beta) == 0.0  # no node left to train
+
+
+def test_shared_cores_slow_compute_past_the_core_count():
+    shared = replace(W, cores=2)
+    assert shared.compute(2) == W.compute_s and shared.compute(8) == 4 * W.compute_s
+
+
+def test_deadreckon_messages_follow_compress():
+    w = replace(W, updates_per_step=1000, bits_per_update=11.0)
+    assert scaling.message_bytes(w) == scaling.compress.HEADER_BYTES + 8 + 1375
+    assert bytes_per_step("deadreckon", w, 5) == 4 * scaling.message_bytes(w)
+    with pytest.raises(ValueError):
+        bytes_per_step("nosuch", w, 2)
+
+
+def test_strom_table2_shape_within_a_quarter():
+    rows = scaling.strom_table2()
+    assert [r["nodes"] for r in rows] == [1, 5, 10, 20, 40, 80]
+    assert all(abs(r["relative_difference"]) <= 0.25 for r in rows), rows
+    # the curve bends: the speed-up per node falls as nodes are added
+    per_node = [r["model_speedup"] / r["nodes"] for r in rows]
+    assert per_node == sorted(per_node, reverse=True)
+
+
+@pytest.mark.parametrize("strategy,extra", [("sync", []),
+                                            ("downpour", ["--warmup-steps", "0"])])
+def test_bytes_per_step_are_what_the_run_reports(strategy, extra, digits_h5, tmp_path):
+    """The model's bytes per step equal the summary's of a real 3-rank run."""
+    run = train(3, "--strategy", strategy, "--data", str(digits_h5), "--layers", "64,32,10",
+                "--steps", "40", "--eval-every", "0", "--checkpoint-every", "0",
+                "--run-dir", str(tmp_path), *extra, timeout=120)
+    assert run.returncode == 0, run.output
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    summary = [r for r in map(json.loads, lines) if r["kind"] == "summary"][-1]
+    w = Workload(n_params=64 * 32 + 32 + 32 * 10 + 10, batch=32, compute_s=1.0)
+    want = bytes_per_step(strategy, w, summary["replicas"])
+    assert summary["bytes_per_step"] == pytest.approx(want, rel=0.01, abs=2)
+
+
+def test_cli_prints_the_curves_and_both_checks(tmp_path, capsys):
+    png = tmp_path / "curves.png"
+    assert scaling.main(["--model", "64,32,10", "--network", "1gbe", "--nodes", "1,2,128",
+                         "--png", str(png)]) == 0
+    out = capsys.readouterr().out
+    assert "check 1, Strom 2015 Table 2" in out and "check 2, the emulated cluster" in out
+    assert png.stat().st_size > 1000
+    with pytest.raises(SystemExit):
+        scaling.main(["--alpha", "1e-5"])  # beta missing
