@@ -255,10 +255,12 @@ class Velocity:
 
 
 class ResidualWatch:
-    """Says once when the residual's norm has kept growing: ``window`` progress records in a
-    row, each larger than the one before, ending more than ``factor`` times above the
-    smallest norm seen. A healthy residual levels off within a few records (it holds at most
-    about tau per element, more only where an element's gradient keeps its sign)."""
+    """Says once when the residual has kept growing against the threshold: the residual's
+    L2 norm in units of tau, over ``window`` progress records in a row, each larger than
+    the one before, ending more than ``factor`` times above the smallest seen. A healthy
+    residual levels off within a few records at about tau per element (more only where an
+    element's gradient keeps its sign); measured in tau, a residual that grows only because
+    an adaptive tau grew does not count."""
 
     def __init__(self, window: int = 5, factor: float = 4.0):
         if window < 1 or factor < 1:
@@ -269,17 +271,19 @@ class ResidualWatch:
         self.rising = 0
         self.fired = False
 
-    def update(self, norm: float) -> str | None:
-        """Feed one record's residual norm; the warning's text the one time it fires."""
-        if self.fired or not math.isfinite(norm):
+    def update(self, norm: float, tau: float = 1.0) -> str | None:
+        """Feed one record's residual norm and tau; the warning's text the one time it
+        fires."""
+        if self.fired or not (math.isfinite(norm) and tau > 0):
             return None
-        self.rising = self.rising + 1 if norm > self.prev else 0
-        self.prev = norm
-        self.low = min(self.low, norm)
-        if self.rising >= self.window and norm > self.factor * self.low > 0:
+        x = norm / tau
+        self.rising = self.rising + 1 if x > self.prev else 0
+        self.prev = x
+        self.low = min(self.low, x)
+        if self.rising >= self.window and x > self.factor * self.low > 0:
             self.fired = True
             return (f"warning: the compression residual keeps growing (L2 norm {norm:.4g}, "
-                    f"{norm / self.low:.1f}x its lowest, rising for {self.rising} progress "
-                    "records): updates are piling up unsent; set --residual-clip (e.g. 4) or "
-                    "a larger --density")
+                    f"{x / self.low:.1f}x its lowest in units of tau, rising for "
+                    f"{self.rising} progress records): updates are piling up unsent; set "
+                    "--residual-clip (e.g. 4) or a larger --density")
         return None

@@ -51,12 +51,14 @@ COMMON = ["--layers", LAYERS, "--eval-every", "0", "--checkpoint-every", "0",
 SGD_RUN = ["--steps", "600", "--batch-size", "16"]
 BATCH_RUN = ["--steps", "10", "--portions", "8"]
 # settings under which each strategy learns reliably on digits, oversubscribed on 2 cores
-SETTINGS = {"deadreckon": ["--tau", "0.003", "--lr", "0.05"]}
+SETTINGS = {"deadreckon": ["--lr", "0.05"]}
 
 # Each strategy's own dimensions: name -> list of option lists (one value each).
 OWN = {
     "downpour": {
-        "compress": [[], ["--compress", "threshold"]],
+        "compress": [[], ["--compress", "threshold"],
+                     ["--compress", "threshold", "--tau", "auto", "--density", "0.05",
+                      "--residual-clip", "4", "--grad-clip", "5", "--optimizer", "momentum"]],
         "push": [[], ["--push", "activations"]],
         "periods": [[], ["--n-fetch", "2", "--n-push", "3"]],
         "warmup": [[], ["--warmup-steps", "0"]],
@@ -64,7 +66,10 @@ OWN = {
         "consistency": [[], ["--staleness-bound", "1"], ["--softsync", "2", "--staleness-lr",
                                                         "on"]],
     },
-    "deadreckon": {"golomb": [[], ["--golomb", "off"]],
+    "deadreckon": {"tau": [["--tau", "0.003"], ["--tau", "auto", "--density", "0.02",
+                                                  "--sparsity-warmup", "100"]],
+                   "clip": [[], ["--residual-clip", "4", "--grad-clip", "5"]],
+                   "golomb": [[], ["--golomb", "off"]],
                    "warmup": [[], ["--warmup-steps", "0"]],
                    "lr_scaling": [[], ["--lr-scaling", "sqrt"], ["--lr-scaling", "mean"]]},
     "sync": {"prefetch": [[], ["--prefetch", "0"]],

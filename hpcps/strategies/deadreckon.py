@@ -358,7 +358,7 @@ class DeadReckonReplica(ReplicaLoop):
                "bytes_per_step": round(nbytes / per * (self.R - 1)),
                "compression": round(4 * self.n / max(1.0, nbytes / max(1, iters)), 1),
                **self.thr.fields(self.comp.residual)}
-        warning = self.residual_watch.update(out["residual_norm"])
+        warning = self.residual_watch.update(out["residual_norm"], out["tau"])
         if warning:
             self.ctx.metrics.message(warning)
         self._win = [0, 0, 0]

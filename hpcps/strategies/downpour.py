@@ -334,7 +334,7 @@ class DownpourReplica(ReplicaLoop):
         if self.pusher:
             out["updates_per_step"] = round(self.pusher.words_sent / done, 1)
             out.update(self.pusher.thr.fields(self.pusher.residual))
-            warning = self.pusher.watch.update(out["residual_norm"])
+            warning = self.pusher.watch.update(out["residual_norm"], out["tau"])
             if warning:
                 self.ctx.metrics.message(warning)
         if self.cfg.staleness_bound is not None:
