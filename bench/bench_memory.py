@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -99,6 +100,47 @@ def fit(rows: list[dict], role: str, fixed_mib: float) -> dict:
             "points": len(rows), "max_relative_error": round(float(err.max()), 3)}
 
 
+def fit_all(runs: list[dict], fixed: dict) -> dict:
+    """:func:`fit` per role over every run's ranks that do not hold the whole model at the end."""
+    fits = {}
+    for role in ("server", "replica"):
+        rows = [r for run in runs for r in run["per_rank"]
+                if r["role"] == role and not r["holds_whole_model_at_end"]]
+        if rows:
+            fits[role] = fit(rows, role, fixed[role])
+    return fits
+
+
+def largest_models(out: dict, layouts, memory_gib: float) -> dict:
+    """The largest parameter count that fits ``memory_gib`` for each layout: every rank's
+    fixed cost, the fitted bytes per parameter of a shard and a partition, and what shard 0
+    and the chief add at the end (measured: their peak over their role's others', per
+    parameter of the model)."""
+    fits, fixed = out["fit"], out["fixed_mib"]
+    if not {"server", "replica"} <= set(fits):
+        return {}
+    extra = []
+    for run in out["runs"]:
+        n = sum(r["params"] for r in run["per_rank"] if r["role"] == "replica")
+        for role in ("server", "replica"):
+            ranks = [r for r in run["per_rank"] if r["role"] == role]
+            others = [r["peak_mib"] for r in ranks if not r["holds_whole_model_at_end"]]
+            first = next(r for r in ranks if r["holds_whole_model_at_end"])
+            if others:
+                extra.append((role, (first["peak_mib"] - max(others)) * MIB / n))
+    per_role = {role: statistics.median([e for r, e in extra if r == role])
+                for role in ("server", "replica") if any(r == role for r, _ in extra)}
+    budget = memory_gib * 1024 * MIB
+    best = {}
+    for P, S in layouts:
+        fixed_all = (P * fixed["replica"] + S * fixed["server"]) * MIB
+        per_param = fits["replica"]["bytes_per_param_fitted"] + \
+            fits["server"]["bytes_per_param_fitted"] + sum(per_role.values())
+        best[f"{P}x{S}"] = int((budget - fixed_all) / per_param)
+    return {"end_of_run_extra_bytes_per_param": {k: round(v, 2) for k, v in per_role.items()},
+            "largest_model_params": best, "memory_gib": memory_gib}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--layers", default="64,10000,10000,10000,10")
@@ -109,7 +151,17 @@ def main(argv=None) -> int:
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--memory-gib", type=float, default=24.0)
     p.add_argument("--timeout", type=float, default=900.0)
+    p.add_argument("--from", dest="saved", metavar="JSON",
+                   help="recompute the fits and the largest models of a saved run's JSON")
     args = p.parse_args(argv)
+    if args.saved:
+        with open(args.saved) as fh:
+            out = json.load(fh)
+        done = [(r["P"], r["S"]) for r in out["runs"]]
+        out["fit"] = fit_all(out["runs"], out["fixed_mib"])
+        out.update(largest_models(out, done, args.memory_gib))
+        print(json.dumps(out, indent=1))
+        return 0
     layers = [int(v) for v in args.layers.split(",")]
     layouts = [tuple(int(v) for v in lay.split("x")) for lay in args.layouts.split(",")]
     mpiexec = find_mpiexec()
@@ -126,26 +178,9 @@ def main(argv=None) -> int:
         out["fixed_mib"] = fixed
         runs = [run_layout(mpiexec, args, layers, P, S, tmp) for P, S in layouts]
     out["runs"] = runs
-    fits = {}
-    for role in ("server", "replica"):
-        rows = [r for run in runs for r in run["per_rank"]
-                if r["role"] == role and not r["holds_whole_model_at_end"]]
-        if rows:
-            fits[role] = fit(rows, role, fixed[role])
+    fits = fit_all(runs, fixed)
     out["fit"] = fits
-    # the largest model for a layout of one replica of P partitions and S shards that fits
-    if {"server", "replica"} <= set(fits):
-        budget = args.memory_gib * 1024 * MIB
-        best = {}
-        for P, S in layouts:
-            fixed_all = (P * fixed["replica"] + S * fixed["server"]) * MIB
-            per_param = fits["replica"]["bytes_per_param_fitted"] + \
-                fits["server"]["bytes_per_param_fitted"]
-            # plus the whole model once more on shard 0 and on the chief at the end
-            # (weights and optimizer state gathered: 8 bytes each, twice)
-            per_param += 16
-            best[f"{P}x{S}"] = int((budget - fixed_all) / per_param)
-        out["largest_model_params"] = best
+    out.update(largest_models(out, layouts, args.memory_gib))
     print(json.dumps(out, indent=1))
     return 0
 

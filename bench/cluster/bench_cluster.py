@@ -145,6 +145,30 @@ def time_to_accuracy(args, strategy: str, ranks: int, tmp: Path) -> dict:
     return entry
 
 
+def table(data: dict) -> str:
+    """Markdown tables of a finished bench's JSON: throughput, then time to accuracy."""
+    lines = []
+    for net in data["networks"]:
+        pp = net["pingpong"]
+        lines.append(f"\n**{net['rate']}** (MPI between two hosts: alpha "
+                     f"{pp['alpha_s'] * 1e6:.0f} us, {pp['bandwidth_gbit_s']:.2f} Gb/s)\n")
+        lines.append("| strategy | N | layout | examples/s | bytes/step | t97 s | final acc |")
+        lines.append("|---|---|---|---|---|---|---|")
+        tta = {(r["strategy"], r["ranks"]): r for r in net.get("time_to_accuracy", [])}
+        for r in net.get("throughput", []):
+            lay = f"S={r['servers']} R={r['replicas']}" + (" +coord" if r["coordinator"]
+                                                           else "")
+            t = tta.get((r["strategy"], r["ranks"]), {})
+            t97 = t.get("time_to_target_s")
+            t97 = f"{t97:.0f}" if t97 is not None else ("not reached" if t else "")
+            acc = f"{t['final_test_accuracy']:.4f}" if t.get("final_test_accuracy") else ""
+            eps = (f"{r['examples_per_s']:,.0f}" if "error" not in r else "failed")
+            nb = f"{r['bytes_per_step']:,.0f}" if "error" not in r else ""
+            lines.append(f"| {r['strategy']} | {r['ranks']} | {lay} | {eps} | {nb} | {t97} | "
+                         f"{acc} |")
+    return "\n".join(lines)
+
+
 def _stop(signum, frame):  # SIGTERM: unwind through the finally that takes the hosts down
     raise SystemExit(128 + signum)
 
@@ -168,7 +192,12 @@ def main(argv=None) -> int:
     p.add_argument("--data", default="/work/scratch/data/mnist.h5")
     p.add_argument("--layers", default="784,512,512,10")
     p.add_argument("--timeout", type=float, default=900.0)
+    p.add_argument("--table", metavar="JSON", help="print the tables of a finished run's JSON")
     args = p.parse_args(argv)
+    if args.table:
+        with open(args.table) as fh:
+            print(table(json.load(fh)))
+        return 0
     if os.geteuid() != 0:
         raise SystemExit("bench_cluster: network namespaces need root")
     rank_list = [int(v) for v in args.ranks.split(",")]

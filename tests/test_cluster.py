@@ -1,0 +1,91 @@
+"""The emulated cluster (bench/cluster): hosts come up as network namespaces, MPI runs over
+TCP between them, and nothing is left behind, also when the bench is stopped midway.
+
+Needs root, iproute2 (ip, tc) and the tbf qdisc; skipped with the reason otherwise, and
+while another emulated cluster is up (a bench running on this machine)."""
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+CLUSTER = ROOT / "bench" / "cluster"
+
+
+def _hosts() -> list[str]:
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    return [line.split()[0] for line in out.splitlines() if line.startswith("hpcps-h")]
+
+
+def _links() -> list[str]:
+    out = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
+    return [line.split(": ")[1].split("@")[0] for line in out.splitlines()
+            if ": hpcps-" in line]
+
+
+def _why_not() -> str | None:
+    if os.geteuid() != 0:
+        return "network namespaces need root"
+    if not (shutil.which("ip") and shutil.which("tc")):
+        return "iproute2 (ip, tc) not installed"
+    if _hosts() or _links():
+        return "an emulated cluster is already up (a bench is running)"
+    return None
+
+
+pytestmark = pytest.mark.skipif(_why_not() is not None, reason=str(_why_not()))
+
+
+def _env():
+    return dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+
+
+def test_two_hosts_talk_mpi_over_the_shaped_link_and_go_away():
+    netns = str(CLUSTER / "netns.sh")
+    try:
+        subprocess.run([netns, "up", "2", "1gbit"], check=True, timeout=60)
+        assert sorted(_hosts()) == ["hpcps-h1", "hpcps-h2"]
+        qdiscs = subprocess.run(["tc", "qdisc", "show"], capture_output=True, text=True).stdout
+        assert "tbf" in qdiscs and "rate 1Gbit" in qdiscs
+        run = subprocess.run([str(CLUSTER / "mpiexec.sh"), "-n", "2", sys.executable,
+                              str(CLUSTER / "pingpong.py"), "--repeats", "3", "--mib", "2"],
+                             capture_output=True, text=True, timeout=120, env=_env())
+        assert run.returncode == 0, run.stderr[-3000:]
+        got = json.loads(run.stdout.strip().splitlines()[-1])
+        # shaped to 1 Gb/s: MPI sees at most that (TCP over veth unshaped gives several)
+        assert 0 < got["bandwidth_gbit_s"] < 1.05, got
+        too_many = subprocess.run([str(CLUSTER / "mpiexec.sh"), "-n", "3", "true"],
+                                  capture_output=True, text=True, timeout=30)
+        assert too_many.returncode == 2 and "2 emulated hosts are up" in too_many.stderr
+    finally:
+        subprocess.run([netns, "down"], timeout=60)
+    assert _hosts() == [] and _links() == []
+
+
+def test_a_bench_stopped_midway_leaves_no_host_behind(tmp_path):
+    proc = subprocess.Popen([sys.executable, str(CLUSTER / "bench_cluster.py"), "--networks",
+                             "1gbit", "--ranks", "2", "--strategies", "sync", "--only",
+                             "throughput", "--steps", "100000", "--data",
+                             str(tmp_path / "missing.h5")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_env(),
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not _hosts():  # waiting on bench_cluster.py (pid proc.pid) to bring hosts up
+            assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
+            assert time.monotonic() < deadline, "bench_cluster.py brought no host up in 60 s"
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            subprocess.run([str(CLUSTER / "netns.sh"), "down"], timeout=60)
+    assert proc.returncode != 0
+    assert _hosts() == [] and _links() == []
