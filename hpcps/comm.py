@@ -16,6 +16,7 @@ import time
 import numpy as np
 from mpi4py import MPI
 
+from hpcps import trace
 from hpcps.blocks import displacements
 from hpcps.errors import HpcpsError
 
@@ -47,6 +48,8 @@ def wait_all(reqs, timeout: float, what: str) -> None:
     """Complete every request in ``reqs`` or raise PeerTimeout after ``timeout`` seconds."""
     if MPI.Request.Testall(reqs):
         return
+    tr = trace.ACTIVE
+    t0 = tr.now() if tr is not None else 0
     deadline = time.monotonic() + timeout
     poll = Poller()
     while not MPI.Request.Testall(reqs):
@@ -54,6 +57,8 @@ def wait_all(reqs, timeout: float, what: str) -> None:
             raise PeerTimeout(f"waited {timeout:.0f} s for {what}; that rank is stuck or dead "
                               "(raise --timeout if it is only slow)")
         poll.pause()
+    if tr is not None:
+        tr.span(trace.WAIT, what, t0)
 
 
 def barrier(comm, timeout: float, what: str) -> None:
@@ -121,16 +126,26 @@ class ReplicaExchange:
         counts = [w * batch for w in widths]
         displs = displacements(counts)
         out = np.empty((sum(widths), batch), dtype=np.float32)
+        tr = trace.ACTIVE
+        t0 = tr.now() if tr is not None else 0
         self._run(self.comm.Iallgatherv(local_t, [out, counts, displs, MPI.FLOAT]),
                   "activation exchange")
         self.bytes_sent += local_t.nbytes * (self.parts - 1)
+        if tr is not None:
+            tr.message("allgather activations (partitions)", local_t.nbytes * (self.parts - 1),
+                       t0)
         return out
 
     def scatter_sum(self, partial_t: np.ndarray, widths) -> np.ndarray:
         batch = partial_t.shape[1]
         counts = [w * batch for w in widths]
         out = np.empty((widths[self.rank], batch), dtype=np.float32)
+        tr = trace.ACTIVE
+        t0 = tr.now() if tr is not None else 0
         self._run(self.comm.Ireduce_scatter(partial_t, out, counts, op=MPI.SUM),
                   "error-term exchange")
         self.bytes_sent += partial_t.nbytes - out.nbytes
+        if tr is not None:
+            tr.message("reduce-scatter error terms (partitions)", partial_t.nbytes - out.nbytes,
+                       t0)
         return out

@@ -98,6 +98,9 @@ COMMON = (
            check="positive"),
     Option("timeout", float, "seconds a rank waits on another rank before failing with that "
            "rank's number", default=600.0, check="positive"),
+    Option("trace", bool, "write RUN_DIR/trace.json: every rank's compute, waits and messages "
+           "(with bytes) as a timeline for chrome://tracing or Perfetto (docs/tools.md)",
+           default=False),
     Option("config", str, "TOML file with any of these keys (the command line wins)"),
 )
 
@@ -181,6 +184,8 @@ def _add(parser, o: Option, help_text: str) -> None:
         parser.add_argument(o.flag, type=_layers, help=help_text)
     elif o.type == TAU_TYPE:
         parser.add_argument(o.flag, type=parse_tau, help=help_text)
+    elif o.type is bool:  # a switch: --trace
+        parser.add_argument(o.flag, action="store_true", help=help_text)
     elif o.choices is not None:
         parser.add_argument(o.flag, choices=o.choices, help=help_text)
     else:
@@ -260,6 +265,8 @@ def _check_types(values: dict[str, Any]) -> None:
             ok = isinstance(v, (int, float)) and not isinstance(v, bool)
             if ok:
                 values[name] = float(v)
+        elif o.type is bool:
+            ok = isinstance(v, bool)
         elif o.type is int:
             ok = isinstance(v, int) and not isinstance(v, bool)
         else:

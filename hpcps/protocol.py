@@ -33,6 +33,7 @@ class Tag(IntEnum):
     SB_PUSH_ACK = 15  # shard -> replica: push applied
     SB_STATE = 16     # coordinator -> shard 0: L-BFGS scalars and metrics for a checkpoint
     PUSH_ACTIVATIONS = 17  # replica -> shard: header + k rows of layer inputs and errors
+    TRACE_CLOCK = 18  # --trace: a clock ping between a rank and rank 0 at start (hpcps.timeline)
 
 
 class Op(IntEnum):

@@ -44,7 +44,7 @@ import numpy as np
 
 import dataclasses
 
-from hpcps import checkpoint, config, data, memory, slurm
+from hpcps import checkpoint, config, data, memory, slurm, timeline, trace
 from hpcps.comm import PeerTimeout, ReplicaExchange, barrier, dup_comm, host
 from hpcps.errors import PREEMPTED_EXIT, ConfigError, HpcpsError, NonFiniteError
 from hpcps.metrics import Metrics
@@ -329,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
              start_step=ctx.start_step, total_steps=ctx.total_steps, ranks=size,
              resume_auto=auto, slurm=slurm.describe(os.environ))
 
-    def train_and_report() -> int:
+    def train_and_report(tl: timeline.Timeline | None) -> int:
         try:
             result = cfg.spec.run(ctx)
         except NonFiniteError as exc:  # say where, what is left, and the usual causes
@@ -337,6 +337,13 @@ def main(argv: list[str] | None = None) -> int:
         result = {**result, "role": ctx.grid.role.kind, "peak_rss_bytes": memory.peak_rss_bytes()}
         stopped = ctx.stop.finish()  # every rank leaves the vote after the same round
         barrier(world, cfg.timeout, "every rank to finish training")
+        if tl is not None:
+            with trace.activated(None):
+                path = timeline.finish(world, tl, ctx.grid.role, run_dir, cfg.timeout,
+                                       {"strategy": cfg.strategy, "ranks": size})
+            if path is not None:
+                m.message(f"trace: {path} (open it in https://ui.perfetto.dev or "
+                          "chrome://tracing)")
         results = world.gather(result, root=ctx.reporter)
         code = 0
         if world.Get_rank() == ctx.reporter:
@@ -346,10 +353,12 @@ def main(argv: list[str] | None = None) -> int:
         m.close()
         return world.bcast(code, root=ctx.reporter)
 
+    tl = timeline.start(world, cfg.timeout) if cfg.trace else None
     stacks = StackDumper(run_dir, rank, size, ctx.grid.role.kind, token, host()).start()
     try:
-        return guarded(world, ctx.grid.role.kind, train_and_report, stacks=stacks,
-                       timeout=cfg.timeout)
+        with trace.activated(tl.tracer if tl is not None else None):
+            return guarded(world, ctx.grid.role.kind, train_and_report, tl, stacks=stacks,
+                           timeout=cfg.timeout)
     finally:
         stacks.stop()
 

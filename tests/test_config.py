@@ -106,7 +106,7 @@ def test_missing_toml(tmp_path):
     (["--staleness-lr", "on", "--staleness-bound", "2"], "choose one"),
     (["--strategy", "deadreckon", "--softsync", "2"], "applies only to --strategy downpour"),
     (["--softsync", "0"], "must be positive"),
-    (["--strategy", "sync", "--inject-slow", "1:stall"], "would hang --strategy sync"),
+    (["--strategy", "sync", "--inject-slow", "1:never"], "wants RANK:FACTOR"),
     (["--inject-slow", "1:0.5"], "factor >= 1"),
 ])
 def test_bad_cli(argv, needle):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 from mpi4py import MPI
 
+from hpcps import trace
 from hpcps.comm import wait_all
 from hpcps.protocol import ByteMessage, H, Message, Tag
 
@@ -48,6 +49,8 @@ class Client:
 
     def fetch(self, params: np.ndarray) -> dict[str, float]:
         """Fill ``params`` with the shards' current values; return the figures shard 0 sent."""
+        tr = trace.ACTIVE
+        t0 = tr.now() if tr is not None else 0
         reqs = []
         for s, dest in enumerate(self.server_ranks):
             reqs.append(self.comm.Irecv(self._params[s].buf, source=dest, tag=Tag.PARAMS))
@@ -60,6 +63,9 @@ class Client:
             self.versions[s] = msg.header[H.VERSION]
             self.bytes_received += msg.buf.nbytes
         self.bytes_sent += self._ask.buf.nbytes * len(self.server_ranks)
+        if tr is not None:
+            tr.message("fetch parameters", sum(m.buf.nbytes for m in self._params), t0,
+                       shards=self.server_ranks)
         h = self._params[0].header
         self.last_reply = {"step": int(h[H.STEPS]), "loss": float(h[H.LOSS_SUM]),
                            "staleness": float(h[H.STALENESS]),
@@ -81,6 +87,8 @@ class Client:
 
     def push(self, grad: np.ndarray, steps: int, loss_sum: float) -> None:
         """Send each shard its slice of ``grad`` (a gradient accumulated over ``steps``)."""
+        tr = trace.ACTIVE
+        t0 = tr.now() if tr is not None else 0
         slot = self._slot
         self._slot ^= 1
         for s, (lo, hi) in enumerate(self.ranges):
@@ -91,11 +99,17 @@ class Client:
             self._push_req[s][slot] = self.comm.Isend(msg.buf, dest=self.server_ranks[s],
                                                       tag=Tag.PUSH)
             self.bytes_sent += msg.buf.nbytes
+        if tr is not None:
+            tr.message("push gradient", sum(m[slot].buf.nbytes for m in self._push), t0,
+                       shards=self.server_ranks)
 
     def push_packed(self, bodies, steps: int, loss_sum: float, tag: int = Tag.PUSH_COMPRESSED,
                     rows: int = 0) -> None:
         """Send shard s the message ``bodies[s]`` (uint8 array) for its slice: compressed
         words, or (``Tag.PUSH_ACTIVATIONS``) ``rows`` rows of layer inputs and errors."""
+        tr = trace.ACTIVE
+        t0 = tr.now() if tr is not None else 0
+        sent = 0
         slot = self._slot
         self._slot ^= 1
         for s, body in enumerate(bodies):
@@ -111,6 +125,10 @@ class Client:
             data = msg.spec(n)
             self._push_req[s][slot] = self.comm.Isend(data, dest=self.server_ranks[s], tag=tag)
             self.bytes_sent += data.nbytes
+            sent += data.nbytes
+        if tr is not None:
+            tr.message(f"push {Tag(tag).name.lower().replace('_', ' ')}", sent, t0,
+                       shards=self.server_ranks)
 
     def done(self) -> None:
         """Wait for outstanding pushes, then tell every shard this replica is finished."""

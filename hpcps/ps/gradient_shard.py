@@ -32,6 +32,7 @@ import math
 import numpy as np
 from mpi4py import MPI
 
+from hpcps import trace
 from hpcps.errors import NonFiniteError
 from hpcps.protocol import HEADER_BYTES, ByteMessage, H, Message, Tag
 from hpcps.ps.serve import serve
@@ -177,7 +178,12 @@ class GradientShard:
         body = self._packed.body[:size - HEADER_BYTES]
         self.stats.bytes_in += size
         self.check_push(h)
-        self.policy.on_push(self, int(h[H.SENDER]), h, self._handle(h, body))
+        tr = trace.ACTIVE
+        t0 = tr.now() if tr is not None else 0
+        grad = self._handle(h, body)
+        if tr is not None:  # decoding (and, for activations, computing) the update
+            tr.span(trace.COMPUTE, "decode push", t0, {"bytes": size})
+        self.policy.on_push(self, int(h[H.SENDER]), h, grad)
         self._answer_held()
         return False
 
@@ -246,7 +252,11 @@ class GradientShard:
         """Run the optimizer on ``grad`` (one push, or a policy's combination of several);
         the shard's version counts these updates."""
         if grad is not None:
+            tr = trace.ACTIVE
+            t0 = tr.now() if tr is not None else 0
             self.apply(self.params, grad, self.state)
+            if tr is not None:
+                tr.span(trace.COMPUTE, "apply update", t0)
         self.version += 1
         if self.version % HEALTH_EVERY == 0:
             self.check_params()

@@ -19,10 +19,19 @@ from typing import Callable, Mapping
 
 from mpi4py import MPI
 
+from hpcps import trace
 from hpcps.comm import PeerTimeout, Poller
+from hpcps.protocol import Tag
 
 Handler = Callable[[int, MPI.Status], "bool | None"]
 TICK_EVERY = 64  # messages between two ticks of a busy loop
+
+
+def _tag_name(tag: int) -> str:
+    try:
+        return Tag(tag).name
+    except ValueError:
+        return f"tag {tag}"
 
 
 def serve(comm, handlers: Mapping[int, Handler], timeout: float,
@@ -56,7 +65,15 @@ def serve(comm, handlers: Mapping[int, Handler], timeout: float,
         handler = handlers.get(tag)
         if handler is None:
             raise RuntimeError(f"unexpected message tag {tag} from rank {source}")
-        if handler(source, status):
+        tr = trace.ACTIVE
+        if tr is not None:  # the handler's time: receiving the message and acting on it
+            t0 = tr.now()
+            nbytes = status.Get_count(MPI.BYTE)
+            finished = handler(source, status)
+            tr.message(f"{_tag_name(tag)} from rank {source}", nbytes, t0, source=source)
+            if finished:
+                return
+        elif handler(source, status):
             return
         handled += 1
         if tick is not None and handled % TICK_EVERY == 0:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import numpy as np
 from mpi4py import MPI
 
+from hpcps import trace
 from hpcps.comm import wait_all
 from hpcps.options import INJECT_SLOW, PREFETCH, Option
 from hpcps.strategies.context import Context, finish_on_chief, gather_state
@@ -66,9 +67,13 @@ class AveragingReplica(ReplicaLoop):
             buf[(i + 1) * n:(i + 2) * n] = self.state[k]
         buf[-1] = 0.0
         if self.R > 1:
+            tr = trace.ACTIVE
+            t0 = tr.now() if tr is not None else 0
             wait_all([self.comm.Iallreduce(MPI.IN_PLACE, buf[:-1], op=MPI.SUM)],
                      self.cfg.timeout, "the parameter average with the other replicas "
                      f"(ranks of the partition communicator, size {self.R})")
+            if tr is not None:
+                tr.message("allreduce parameters", buf[:-1].nbytes, t0)
             buf[:-1] *= np.float32(1.0 / self.R)
             # how far this replica had moved from the average, summed over the replicas
             buf[-1] = float(np.sum((self.params - buf[:n]) ** 2, dtype=np.float64))

@@ -58,7 +58,7 @@ from collections import deque
 import numpy as np
 from mpi4py import MPI
 
-from hpcps import compress
+from hpcps import compress, trace
 from hpcps.comm import barrier, wait_all
 from hpcps.errors import ConfigError
 from hpcps.options import (
@@ -168,12 +168,17 @@ class Peers:
         """
         if not self.peers:
             return
+        tr = trace.ACTIVE
+        t0 = tr.now() if tr is not None else 0
         buf = np.empty(PREFIX_BYTES + len(msg), dtype=np.uint8)
         buf[:PREFIX_BYTES].view(np.int64)[:] = (step, multiple)
         buf[PREFIX_BYTES:] = msg
         reqs = [self.comm.Isend(buf, dest=p, tag=Tag.DR_UPDATE) for p in self.peers]
         self.pending.append((reqs, buf))
         self.bytes_sent += buf.nbytes * len(self.peers)
+        if tr is not None:
+            tr.message(f"send update to {len(self.peers)} peers", buf.nbytes * len(self.peers),
+                       t0, peers=list(self.peers))
         while self.pending and MPI.Request.Testall(self.pending[0][0]):
             self.pending.popleft()
 
@@ -205,6 +210,8 @@ class Peers:
             return 0
         if tag != Tag.DR_UPDATE:
             raise RuntimeError(f"deadreckon got unexpected tag {tag} from replica {src}")
+        tr = trace.ACTIVE
+        t0 = tr.now() if tr is not None else 0
         size = st.Get_count(MPI.BYTE)
         if not PREFIX_BYTES <= size <= len(self.rx):
             raise compress.CodecError(f"message of {size} bytes from replica {src} is larger "
@@ -220,6 +227,8 @@ class Peers:
         self.lag_sum += max(0, self.local_step - step)
         self.received += 1
         self.bytes_received += size
+        if tr is not None:  # receiving, decoding and applying it
+            tr.message(f"receive update from peer {src}", size, t0, source=src)
         return 1
 
     def finish(self, on_words) -> None:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from hpcps import trace
 from hpcps.comm import ReplicaExchange, dup_comm
 from hpcps.strategies.context import Context
 
@@ -70,10 +71,20 @@ class GradientSource:
     def __call__(self, params: np.ndarray, x: np.ndarray, y: np.ndarray,
                  grad: np.ndarray) -> float:
         """Mean loss over the examples; ``grad`` receives the mean gradient."""
+        tr = trace.ACTIVE
+        t0 = tr.now() if tr is not None else 0
         if self.compiled_one is not None:
-            return self.compiled_one.loss_and_grad(params, x, y, grad=grad)[0]
-        if self.threads == 1:
-            return self.model.loss_and_grad(params, x, y, grad=grad)[0]
+            loss = self.compiled_one.loss_and_grad(params, x, y, grad=grad)[0]
+        elif self.threads == 1:
+            loss = self.model.loss_and_grad(params, x, y, grad=grad)[0]
+        else:
+            loss = self._threads(params, x, y, grad)
+        if tr is not None:
+            tr.span(trace.COMPUTE, "gradient", t0, {"examples": len(x)})
+        return loss
+
+    def _threads(self, params, x, y, grad) -> float:
+        """T Hogwild threads, one mini-batch each (see the class docstring)."""
         self.scratch[...] = params
         self.delta[...] = 0.0
         if self.partitioned:

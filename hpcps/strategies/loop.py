@@ -36,7 +36,7 @@ from abc import ABC, abstractmethod
 
 import numpy as np
 
-from hpcps import checkpoint
+from hpcps import checkpoint, trace
 from hpcps.data import Batches, Prefetcher
 from hpcps.errors import NonFiniteError
 from hpcps.metrics import DivergenceWatch
@@ -169,6 +169,8 @@ class ReplicaLoop(ABC):
         self._last_step = self.global_step()
         try:
             for it in range(self.iterations):
+                tr = trace.ACTIVE
+                t_it = tr.now() if tr is not None else 0
                 self.before_step()
                 x, y = next(self.batches)
                 t = time.perf_counter()
@@ -181,6 +183,8 @@ class ReplicaLoop(ABC):
                 if self.slow > 1.0:
                     time.sleep((self.slow - 1.0) * (time.perf_counter() - t))
                 self.done += self.T
+                if tr is not None:
+                    tr.span(trace.STEP, "step", t_it, {"loss": loss})
                 self._loss_win += loss
                 self._n_win += 1
                 if chief:

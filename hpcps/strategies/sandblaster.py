@@ -46,6 +46,7 @@ import time
 import numpy as np
 from mpi4py import MPI
 
+from hpcps import trace
 from hpcps.blocks import block_range
 from hpcps.comm import PeerTimeout, Poller, gather_to_root, wait_all
 from hpcps.errors import CheckpointError, ConfigError, NonFiniteError
@@ -444,9 +445,14 @@ def run_replica(ctx: Context) -> dict:
                 _stall(world, coord, task, cfg.timeout)  # stops answering, as a dead machine
                 break
             t = time.perf_counter()
+            tr = trace.ACTIVE
+            t0 = tr.now() if tr is not None else 0
             rows = order[lo:hi]
             # sums, not means, so portions of any size add up exactly
             loss_sum, _, _ = engine.gradient_sum(x, ctx.train_x, ctx.train_y, rows, pg)
+            if tr is not None:
+                tr.span(trace.COMPUTE, "portion gradient", t0,
+                        {"examples": len(rows), "batch": batch, "portion": portion})
             loss = loss_sum / max(len(rows), 1)
             elapsed = time.perf_counter() - t
             compute_s += elapsed

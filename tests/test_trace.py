@@ -1,0 +1,104 @@
+"""--trace (hpcps.trace, hpcps.timeline): the recorder and the format alone, then 4-rank runs
+of downpour, sync and deadreckon whose one trace.json holds every rank's compute, waits and
+messages (with bytes) on one clock."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from mpirun import train
+
+from hpcps import config, trace
+from hpcps.errors import ConfigError
+
+
+def test_clock_offset_takes_the_fastest_round_trip():
+    # remote clock = local + 1000; the first ping was delayed on the way out by 400
+    samples = [(0, 1000 + 450, 500), (1000, 1000 + 1010, 1020), (3000, 1000 + 3030, 3100)]
+    offset, half_rtt = trace.clock_offset(samples)
+    assert offset == pytest.approx(1000.0) and half_rtt == pytest.approx(10.0)
+
+
+def test_events_move_onto_rank_zero_clock_and_sort():
+    t = trace.Tracer()
+    t.span(trace.COMPUTE, "gradient", 5_000, {"examples": 16})
+    t.events[-1] = (trace.COMPUTE, "gradient", 5_000, 2_000, t.events[-1][4], {"examples": 16})
+    t.message("push gradient", 1234, 9_000)
+    a = trace.chrome_events(1, "replica 1", t.events, offset_ns=1_000, base_ns=4_000)
+    b = trace.chrome_events(0, "server 0", [("wait", "w", 4_500, 100, 7, None)], 0, 4_000)
+    doc = trace.document([a, b], {"x": 1})
+    timed = [e for e in doc["traceEvents"] if e["ph"] == "X"]
+    assert [e["ts"] for e in timed] == sorted(e["ts"] for e in timed)
+    grad = next(e for e in timed if e["name"] == "gradient")
+    assert grad["ts"] == 2.0 and grad["dur"] == 2.0 and grad["pid"] == 1  # (5000+1000-4000)/1000
+    push = next(e for e in timed if e["name"] == "push gradient")
+    assert push["args"]["bytes"] == 1234 and push["cat"] == trace.MESSAGE
+    names = {e["args"]["name"] for e in doc["traceEvents"] if e["name"] == "process_name"}
+    assert names == {"rank 1 (replica 1)", "rank 0 (server 0)"}
+    json.loads(json.dumps(doc))  # strict JSON
+
+
+def test_activated_sets_and_restores_the_recorder():
+    assert trace.ACTIVE is None
+    with trace.activated(trace.Tracer()) as t:
+        assert trace.ACTIVE is t
+    assert trace.ACTIVE is None
+
+
+def test_trace_is_a_switch(tmp_path):
+    assert config.parse([]).trace is False
+    assert config.parse(["--trace"]).trace is True
+    toml = tmp_path / "c.toml"
+    toml.write_text("trace = true\n")
+    assert config.parse(["--config", str(toml)]).trace is True
+    toml.write_text('trace = "yes"\n')
+    with pytest.raises(ConfigError, match="trace has the wrong type"):
+        config.parse(["--config", str(toml)])
+
+
+def check_trace(run_dir, ranks: int, server_ranks=()) -> dict:
+    """trace.json parses as trace-event JSON with every rank's compute, waits and messages."""
+    doc = json.loads((run_dir / "trace.json").read_text())
+    events = doc["traceEvents"]
+    assert doc["displayTimeUnit"] == "ms" and set(doc["otherData"]["offsets_us"]) == \
+        {str(r) for r in range(ranks)}
+    for e in events:
+        assert {"name", "ph", "pid", "tid"} <= set(e), e
+        if e["ph"] == "X":
+            assert e["dur"] >= 0 and e["cat"] in trace.CATEGORIES, e
+    timed = [e for e in events if e["ph"] == "X"]
+    assert timed and min(e["ts"] for e in timed) > -1e3  # on rank 0's clock, after its start
+    for r in range(ranks):
+        cats = {e["cat"] for e in timed if e["pid"] == r}
+        assert {trace.COMPUTE, trace.WAIT, trace.MESSAGE} <= cats, (r, cats)
+        sent = [e for e in timed if e["pid"] == r and e["cat"] == trace.MESSAGE]
+        assert all(e["args"]["bytes"] >= 0 for e in sent) and \
+            sum(e["args"]["bytes"] for e in sent) > 0, r
+        if r not in server_ranks:
+            assert any(e["name"] == "gradient" for e in timed if e["pid"] == r), r
+            assert any(e["cat"] == trace.STEP for e in timed if e["pid"] == r), r
+    return doc
+
+
+COMMON = ["--layers", "64,32,10", "--steps", "240", "--batch-size", "16", "--eval-every", "0",
+          "--checkpoint-every", "0", "--timeout", "60", "--trace"]
+
+
+@pytest.mark.parametrize("strategy,extra,servers", [
+    ("downpour", ["--warmup-steps", "20"], (3,)),
+    ("sync", [], ()),
+    ("deadreckon", ["--warmup-steps", "20"], ()),
+])
+def test_trace_of_a_four_rank_run(strategy, extra, servers, digits_h5, tmp_path):
+    run = train(4, "--strategy", strategy, "--data", str(digits_h5), "--run-dir", str(tmp_path),
+                *COMMON, *extra, timeout=120)
+    assert run.returncode == 0, run.output[-3000:]
+    assert f"trace: {tmp_path / 'trace.json'}" in run.stdout
+    doc = check_trace(tmp_path, 4, servers)
+    timed = [e for e in doc["traceEvents"] if e["ph"] == "X"]
+    if strategy == "downpour":  # the server applies the pushes it receives
+        names = {e["name"] for e in timed if e["pid"] == 3}
+        assert "apply update" in names and any(n.startswith("PUSH from rank") for n in names)
+    if strategy == "sync":
+        assert any(e["name"] == "allreduce gradient" and e["args"]["bytes"] == 4 * 2411
+                   for e in timed), "the allreduce carries the 2410 gradients and the loss"
