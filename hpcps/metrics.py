@@ -4,7 +4,8 @@ One rank (the chief, world rank 0) owns a :class:`Metrics`; others get a disable
 calling code needs no ``if rank == 0``. Each record is a JSON object with ``kind``
 (``progress``, ``eval``, ``checkpoint``, ``summary``, ...), the wall time since start and the
 figures; ``metrics.jsonl`` in the run directory receives every record, the terminal a short line
-per record (progress at most every ``progress_every`` seconds).
+per record (progress at most every ``progress_every`` seconds). On a terminal, progress
+records carrying ``done_pct`` are drawn as one bar rewritten in place (:mod:`hpcps.progress`).
 
 :class:`DivergenceWatch` decides when a training loss is diverging (the rule is in its
 docstring and in ``docs/errors.md``); the training loop records its one ``warning``.
@@ -17,6 +18,8 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from hpcps import progress
 
 
 def _fmt(v: Any) -> str:
@@ -49,12 +52,19 @@ class Metrics:
     ----------
     run_dir : where metrics.jsonl goes (created); None for a disabled logger.
     progress_every : minimum seconds between two printed progress lines.
+    stream : where lines go (standard output by default).
+    bar : draw progress as a bar rewritten in place; None: when ``stream`` (or the MPI
+        launcher forwarding it) is a terminal, or as ``HPCPS_PROGRESS`` says.
     """
 
-    def __init__(self, run_dir: str | Path | None, progress_every: float = 5.0, stream=None):
+    def __init__(self, run_dir: str | Path | None, progress_every: float = 5.0, stream=None,
+                 bar: bool | None = None):
         self.enabled = run_dir is not None
         self.progress_every = progress_every
         self.stream = stream or sys.stdout
+        # bar: progress as one rewritten line (None: when the stream is a terminal)
+        self.bar = self.enabled and (progress.wants_bar(self.stream) if bar is None else bar)
+        self._bar_shown = False
         self.t0 = time.perf_counter()
         self._last_progress = 0.0
         self._fh = None
@@ -78,16 +88,31 @@ class Metrics:
         if kind == "progress":
             self._last_progress = self.elapsed()
         self._fh.write(json.dumps(_strict(rec)) + "\n")
-        if echo:
+        if echo and self.bar and kind == "progress" and "done_pct" in fields:
+            self.stream.write(progress.CLEAR + progress.bar_line(rec["time_s"], fields))
+            self.stream.flush()
+            self._bar_shown = True
+        elif echo:
             body = "  ".join(f"{k}={_fmt(v)}" for k, v in fields.items())
-            print(f"[hpcps {rec['time_s']:8.1f}s] {kind:<10} {body}", file=self.stream, flush=True)
+            self._print(f"[hpcps {rec['time_s']:8.1f}s] {kind:<10} {body}")
         return rec
+
+    def _print(self, line: str) -> None:
+        """A line of its own: a bar on screen stays, as it stood, on the line above (the next
+        progress record draws a new one below)."""
+        if self._bar_shown:
+            self.stream.write("\n")
+            self._bar_shown = False
+        print(line, file=self.stream, flush=True)
 
     def message(self, text: str) -> None:
         if self.enabled:
-            print(f"[hpcps {self.elapsed():8.1f}s] {text}", file=self.stream, flush=True)
+            self._print(f"[hpcps {self.elapsed():8.1f}s] {text}")
 
     def close(self) -> None:
+        if self._bar_shown:  # leave the last bar on screen, and the cursor below it
+            print(file=self.stream, flush=True)
+            self._bar_shown = False
         if self._fh is not None:
             self._fh.close()
             self._fh = None

@@ -10,7 +10,11 @@ holds one JSON record per line (:mod:`hpcps.metrics`): ``start`` (config, datase
 ``progress`` (step, loss, examples/s, bytes per step, staleness and the strategy's own
 figures), ``eval`` (test accuracy and loss), ``checkpoint`` and ``summary`` (the run's final
 figures). A run resumed into the same directory appends a new ``start`` ... ``summary``
-segment; its wall time is counted on from where the previous segment stopped.
+segment; its wall time is counted on from where the previous segment stopped. Where a run was
+stopped (a ``stop`` record: SIGTERM or SIGUSR1), killed (a segment with neither a stop nor a
+summary) and resumed (each later ``start``) is marked in every figure drawn against step or
+time, as a vertical line in the run's colour (:func:`preemptions`), and listed in
+``summary.md``.
 
 Written to ``--out`` (default ``report`` in the current directory):
 
@@ -199,6 +203,55 @@ def load_runs(run_dirs: list[str | os.PathLike]) -> list[Run]:
         if labels.count(label) > 1:
             labels[i] = f"{label} #{labels[:i + 1].count(label)}"
     return [load_run(p, label) for p, label in zip(paths, labels)]
+
+
+@dataclass(frozen=True)
+class Mark:
+    """A point where a run was interrupted or continued, from its records.
+
+    ``kind``: ``stopped`` (a ``stop`` record: SIGTERM or SIGUSR1, checkpoint written),
+    ``killed`` (a segment that ended with neither a stop nor a summary record: its last
+    record), or ``resumed`` (a ``start`` record after the first: ``--resume``, its start
+    step). ``step`` may be None where the records hold none; ``time`` is on the run's
+    cumulative clock (:attr:`Run.times`).
+    """
+
+    kind: str
+    step: float | None
+    time: float
+    text: str
+
+
+def preemptions(run: Run) -> list[Mark]:
+    """Where ``run`` was stopped, killed and resumed, in order (empty for one segment)."""
+    marks: list[Mark] = []
+    started = ended = False  # a start seen; the current segment ended (stop or summary)
+    last_step, last_time = None, 0.0
+    for rec, t in zip(run.records, run.times):
+        kind = rec.get("kind")
+        if kind == "start":
+            if started:
+                if not ended:
+                    marks.append(Mark("killed", last_step, last_time,
+                                      "killed" + (f" after step {last_step:g}"
+                                                  if last_step is not None else "")))
+                step = rec.get("start_step")
+                step = float(step) if _number(step) else None
+                how = " (--resume auto)" if rec.get("resume_auto") else ""
+                marks.append(Mark("resumed", step, t, "resumed" + how + (
+                    f" at step {step:g}" if step is not None else "")))
+            started, ended = True, False
+        elif kind == "stop":
+            step = float(rec["step"]) if _number(rec.get("step")) else last_step
+            sig = rec.get("signal")
+            marks.append(Mark("stopped", step, t, f"stopped on {sig}" if sig else "stopped"))
+            ended = True
+        elif kind == "summary":
+            ended = True
+        if _number(rec.get("step")):
+            last_step = float(rec["step"])
+        last_time = t
+    return marks
 
 
 def _number(v: Any) -> bool:
@@ -404,6 +457,7 @@ class PanelData:
     panel: Panel
     lines: list[Line] = field(default_factory=list)
     bars: list[tuple[int, float]] = field(default_factory=list)  # (run index, value)
+    marks: list[tuple[int, float, Mark]] = field(default_factory=list)  # (run, x, mark)
 
     def empty(self) -> bool:
         return not self.lines and not self.bars
@@ -440,6 +494,11 @@ def plan_figures(runs: list[Run],
                         xs, ys = series(run, item, panel.x)
                         if xs:
                             pd.lines.append(Line(i, item, xs, ys))
+            for i in dict.fromkeys(line.run for line in pd.lines):
+                for mark in preemptions(runs[i]):
+                    x = mark.time if panel.x == "time" else mark.step
+                    if x is not None:
+                        pd.marks.append((i, x, mark))
             if not pd.empty():
                 panels.append(pd)
         if panels:
@@ -460,6 +519,9 @@ def _matplotlib():
             f"{INSTALL_HINT}   (or: pip install matplotlib). The summary table needs nothing "
             "extra: --no-figures writes it alone") from exc
     return MplFigure
+
+
+MARK_STYLES = {"stopped": ":", "killed": (0, (1, 3)), "resumed": "-."}
 
 
 def draw(plans: list[tuple[Figure, list[PanelData]]], runs: list[Run],
@@ -511,6 +573,9 @@ def _draw_panel(ax, pd: PanelData, runs: list[Run]) -> None:
     for line in pd.lines:
         ax.plot(line.xs, line.ys, line.curve.style, marker=line.curve.marker, markersize=4,
                 color=f"C{line.run % 10}")
+    for i, x, mark in pd.marks:  # preemption segments: a vertical line in the run's colour
+        ax.axvline(x, color=f"C{i % 10}", linestyle=MARK_STYLES[mark.kind], linewidth=1.2,
+                   alpha=0.8)
     if panel.log and all(y > 0 for line in pd.lines for y in line.ys):
         ax.set_yscale("log")
     ax.set_xlabel("wall time (s)" if panel.x == "time" else "step (mini-batches applied)")
@@ -521,6 +586,8 @@ def _draw_panel(ax, pd: PanelData, runs: list[Run]) -> None:
     if len(curves) > 1:
         handles += [Line2D([], [], color="0.4", linestyle=c.style, marker=c.marker,
                            markersize=4, label=c.name) for c in curves]
+    handles += [Line2D([], [], color="0.4", linestyle=MARK_STYLES[k], label=k)
+                for k in dict.fromkeys(m.kind for _, _, m in pd.marks)]
     ax.legend(handles=handles, fontsize=8)
 
 
@@ -531,7 +598,8 @@ def _draw_panel(ax, pd: PanelData, runs: list[Run]) -> None:
 def write_table(rows: list[dict[str, Any]], runs: list[Run], out_dir: Path) -> Path:
     """Write ``summary.md`` (the table and where each run's metrics came from)."""
     text = "# hpcps runs\n\n" + format_table(rows) + "\n\n" + "\n".join(
-        f"- {run.label}: {run.path / METRICS_FILE}" for run in runs) + "\n"
+        f"- {run.label}: {run.path / METRICS_FILE}" + "".join(
+            f"; {m.text}" for m in preemptions(run)) for run in runs) + "\n"
     path = out_dir / "summary.md"
     try:
         path.write_text(text)

@@ -179,3 +179,57 @@ def test_without_matplotlib_the_table_is_written_and_the_fix_named(runs, tmp_pat
     assert "| downpour" in proc.stdout
     proc = report_without_matplotlib(str(runs["ssp"]), "--out", str(out), "--no-figures")
     assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+
+
+def _segmented_metrics(path):
+    """Records of a run stopped on SIGUSR1 at step 300 and resumed by --resume auto, whose
+    second segment was then killed (no stop, no summary) and resumed from step 400."""
+    def rec(kind, t, **kw):
+        return {"kind": kind, "time_s": t, **kw}
+    seg1 = [rec("start", 0.0, ranks=2, config={"strategy": "sync"}, start_step=0),
+            *(rec("progress", 1.0 + i, step=100 * (i + 1), loss=2.0 - 0.3 * i) for i in range(3)),
+            rec("eval", 3.5, step=300, test_accuracy=0.6, test_loss=1.4),
+            rec("stop", 3.6, step=300, signal="SIGUSR1", reason="SIGUSR1 received"),
+            rec("summary", 4.0, strategy="sync", step=300, stopped_early=True, ranks=2,
+                servers=0, replicas=2, partitions=1, train_s=3.5, wall_s=4.0,
+                examples_per_s=900.0, test_accuracy=0.6, test_loss=1.4)]
+    seg2 = [rec("start", 0.0, ranks=2, config={"strategy": "sync"}, start_step=300,
+                resume_auto=True),
+            rec("progress", 1.0, step=400, loss=1.0), rec("progress", 2.0, step=450, loss=0.9)]
+    seg3 = [rec("start", 0.0, ranks=2, config={"strategy": "sync"}, start_step=400,
+                resume_auto=True),
+            rec("progress", 1.0, step=500, loss=0.8),
+            rec("summary", 2.0, strategy="sync", step=600, ranks=2, servers=0, replicas=2,
+                partitions=1, train_s=1.5, wall_s=2.0, examples_per_s=1000.0,
+                test_accuracy=0.8, test_loss=0.7)]
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "metrics.jsonl").write_text(
+        "".join(json.dumps(r) + "\n" for r in seg1 + seg2 + seg3))
+    return path
+
+
+def test_preemption_segments_are_marked(runs, tmp_path):
+    from hpcps.report import preemptions
+    seg = load_run(_segmented_metrics(tmp_path / "preempted"))
+    marks = [(m.kind, m.step, m.text) for m in preemptions(seg)]
+    assert marks == [("stopped", 300.0, "stopped on SIGUSR1"),
+                     ("resumed", 300.0, "resumed (--resume auto) at step 300"),
+                     ("killed", 450.0, "killed after step 450"),
+                     ("resumed", 400.0, "resumed (--resume auto) at step 400")]
+    assert preemptions(load_run(runs["ssp"])) == []
+    # on a time axis, the marks sit on the run's cumulative clock: the stop at 3.6 s, the
+    # first resume where the first segment ended (4.0 s), the kill at its last record (6.0 s)
+    times = [m.time for m in preemptions(seg)]
+    assert times == [3.6, 4.0, 6.0, 6.0]
+    plans = dict((f.name, p) for f, p in plan_figures([load_run(runs["ssp"]), seg]))
+    step_panel, time_panel = plans["loss"]
+    assert [(i, x, m.kind) for i, x, m in step_panel.marks] == [
+        (1, 300.0, "stopped"), (1, 300.0, "resumed"), (1, 450.0, "killed"),
+        (1, 400.0, "resumed")]
+    assert [x for _, x, _ in time_panel.marks] == times
+    out = tmp_path / "out"
+    assert main([str(runs["ssp"]), str(tmp_path / "preempted"), "--out", str(out)]) == 0
+    assert_real_png(out / "loss.png")
+    summary = (out / "summary.md").read_text()
+    assert "preempted/metrics.jsonl; stopped on SIGUSR1; resumed (--resume auto) at step 300" \
+        in summary

@@ -58,6 +58,7 @@ from hpcps.ps.lbfgs_shard import CMD_SLOTS, VectorShard
 from hpcps.schedule import PortionScheduler
 from hpcps.strategies.context import (Context, check_test_loss, rate, save_checkpoint,
                                       warn_divergence)
+from hpcps.strategies.loop import run_position
 from hpcps.strategies.registry import SERVERS, Strategy
 from hpcps.topology import shard_range
 
@@ -291,7 +292,9 @@ def run_coordinator(ctx: Context) -> dict:
     watch = DivergenceWatch(span=1, window=5)
     if fresh:
         losses.append(opt.start())
-        m.record("progress", step=ctx.start_step + space.evaluations, iteration=0, loss=opt.f)
+        step = ctx.start_step + space.evaluations
+        m.record("progress", step=step, iteration=0, loss=opt.f,
+                 **run_position(ctx, step, time.perf_counter() - t0))
         _check_health(space, opt.f, ctx.start_step + space.evaluations)
     next_eval = _next(ctx.start_step, cfg.eval_every)
     next_ckpt = _next(ctx.start_step, cfg.checkpoint_every)
@@ -310,6 +313,7 @@ def run_coordinator(ctx: Context) -> dict:
         evals = space.evaluations - before[0]
         batch_s = runner.stats["batch_s"][-evals:]
         m.record("progress", step=step, epoch=round(ctx.epochs(step), 3),
+                 **run_position(ctx, step, time.perf_counter() - t0),
                  iteration=opt.iterations, loss=info["f"], step_length=info["t"],
                  evaluations=evals, batch_s=round(statistics.median(batch_s), 4),
                  examples_per_s=round(rate(batch_n * evals, sum(batch_s)), 1),
