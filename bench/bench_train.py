@@ -91,6 +91,7 @@ def machine(mpiexec: str) -> dict:
     from mpi4py import MPI
 
     return {"platform": platform.platform(), "cpu": cpu_model(), "nproc": os.cpu_count(),
+            "load_average": os.getloadavg()[0],
             "python": platform.python_version(), "numpy": numpy.__version__,
             "mpi4py": mpi4py.__version__,
             "mpi_library": MPI.Get_library_version().strip().splitlines()[0].strip(),

@@ -89,6 +89,8 @@ class Workload:
     servers : downpour: parameter-server shards S (nodes that do not train).
     cores : cores shared by all nodes (the emulated cluster: every node is a namespace of one
         machine); None for real nodes, each with its own CPU.
+    background : runnable threads of other jobs on those cores (a shared machine's load),
+        present when ``compute_s`` was measured and while the nodes run.
     """
 
     n_params: int
@@ -102,11 +104,16 @@ class Workload:
     batch_examples: int = 60000
     servers: int = 1
     cores: int | None = None
+    background: float = 0.0
 
     def compute(self, nodes: int) -> float:
-        """Seconds of one mini-batch when ``nodes`` ranks compute at once."""
-        slow = max(1.0, nodes / self.cores) if self.cores else 1.0
-        return self.compute_s * slow
+        """Seconds of one mini-batch when ``nodes`` ranks compute at once: on shared cores,
+        each runnable thread gets cores / (runnable threads) of a core, relative to the one
+        rank (and the background) ``compute_s`` was measured with."""
+        if not self.cores:
+            return self.compute_s
+        share = max(1.0, (nodes + self.background) / self.cores)
+        return self.compute_s * share / max(1.0, (1 + self.background) / self.cores)
 
 
 def ring(nbytes: float, R: int, alpha: float, beta: float) -> float:
@@ -183,9 +190,11 @@ def curve(strategy: str, w: Workload, nodes: list[int], alpha: float, beta: floa
     return out
 
 
-def measure_compute(layers: list[int], batch: int, repeats: int = 5) -> tuple[float, float]:
-    """(seconds per mini-batch forward + backward, seconds per parameter of an Adagrad
-    update) on this CPU, one thread, the medians of ``repeats``."""
+def measure_compute(layers: list[int], batch: int, repeats: int = 5) -> dict:
+    """One mini-batch's forward and backward pass and an Adagrad update, on this CPU, one
+    thread, medians of ``repeats``: ``compute_s`` and ``update_s_per_param`` in CPU seconds
+    (what the work costs a core of its own, also on a loaded machine), ``compute_wall_s`` in
+    wall seconds (what it took here, sharing the cores), and the load average then."""
     from hpcps.model import MLP
     from hpcps.optim import Adagrad
     model = MLP(layers, "relu")
@@ -194,19 +203,24 @@ def measure_compute(layers: list[int], batch: int, repeats: int = 5) -> tuple[fl
     x = rng.standard_normal((batch, layers[0])).astype(np.float32)
     y = rng.integers(0, layers[-1], batch)
     grad = np.empty_like(params)
-    times = []
+    cpu, wall = [], []
     for _ in range(repeats + 1):
-        t = time.perf_counter()
+        w, c = time.perf_counter(), time.process_time()
         model.loss_and_grad(params, x, y, grad)
-        times.append(time.perf_counter() - t)
-    opt, state = Adagrad(0.01), None
+        cpu.append(time.process_time() - c)
+        wall.append(time.perf_counter() - w)
+    opt = Adagrad(0.01)
     state = opt.init_state(model.n_params)
+    grad *= 1e-3
     upd = []
     for _ in range(repeats):
-        t = time.perf_counter()
-        opt.apply(params, grad * 1e-3, state)
-        upd.append(time.perf_counter() - t)
-    return statistics.median(times[1:]), statistics.median(upd) / model.n_params
+        c = time.process_time()
+        opt.apply(params, grad, state)
+        upd.append(time.process_time() - c)
+    return {"compute_s": statistics.median(cpu[1:]),
+            "compute_wall_s": statistics.median(wall[1:]),
+            "update_s_per_param": statistics.median(upd) / model.n_params,
+            "load_average": os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0}
 
 
 # -- the checks --------------------------------------------------------------------------------
@@ -231,17 +245,23 @@ def strom_table2(gbit: float = 1.0) -> list[dict]:
     return rows
 
 
-def validate_cluster(path: str, repeats: int = 5) -> list[dict]:
+def validate_cluster(path: str, repeats: int = 5, background: float | None = None) -> list:
     """The model against bench/cluster's measured throughput: for each run, the examples/s
     predicted with that network's measured alpha and beta, this machine's cores shared by
-    all ranks, and (deadreckon) the run's own message size (bytes per step / (R - 1))."""
+    all ranks and by ``background`` runnable threads of other jobs (default: the load
+    average the bench recorded, else the current one, less the measuring process), and
+    (deadreckon) the run's own message size (bytes per step / (R - 1))."""
     with open(path) as fh:
         data = json.load(fh)
     layers = [int(v) for v in str(data["layers"]).split(",")]
     batch = 32
-    t_c, t_u = measure_compute(layers, batch, repeats)
+    m = measure_compute(layers, batch, repeats)
+    t_c, t_u = m["compute_s"], m["update_s_per_param"]
     n = sum((layers[i] + 1) * layers[i + 1] for i in range(len(layers) - 1))
     cores = data.get("machine", {}).get("nproc") or os.cpu_count()
+    if background is None:
+        load = data.get("machine", {}).get("load_average", m["load_average"])
+        background = max(0.0, load - 1)
     rows = []
     for net in data["networks"]:
         pp = net["pingpong"]
@@ -249,7 +269,8 @@ def validate_cluster(path: str, repeats: int = 5) -> list[dict]:
             if "error" in run:
                 continue
             w = Workload(n_params=n, batch=batch, compute_s=t_c, update_s_per_param=t_u,
-                         cores=cores, servers=max(1, run.get("servers", 1)))
+                         cores=cores, background=background,
+                         servers=max(1, run.get("servers", 1)))
             if run["strategy"] == "deadreckon" and run["replicas"] > 1:
                 # the updates per step depend on the data: take them from the run's bytes
                 per_msg = run["bytes_per_step"] / (run["replicas"] - 1)
@@ -261,6 +282,7 @@ def validate_cluster(path: str, repeats: int = 5) -> list[dict]:
                          "ranks": run["ranks"], "measured": run["examples_per_s"],
                          "predicted": round(pred, 1),
                          "relative_difference": round(pred / run["examples_per_s"] - 1, 3),
+                         "background": round(background, 1),
                          "bytes_measured": run["bytes_per_step"],
                          "bytes_model": round(bytes_per_step(run["strategy"], w,
                                                              run["replicas"]))})
@@ -304,6 +326,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--png", default="scaling.png", help="where the plot goes ('' for none)")
     p.add_argument("--validate-cluster", metavar="JSON",
                    help="bench/cluster/bench_cluster.py output to check the model against")
+    p.add_argument("--background-load", type=float,
+                   help="--validate-cluster: runnable threads of other jobs on the machine "
+                        "while the bench ran (default: its recorded load average, else now's)")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     return p
 
@@ -317,7 +342,8 @@ def main(argv: list[str] | None = None) -> int:
            f"({8 / beta / 1e9:.1f} Gb/s)")
     layers = [int(v) for v in args.model.split(",")]
     nodes = [int(v) for v in args.nodes.split(",")]
-    t_c, t_u = measure_compute(layers, args.batch_size)
+    m = measure_compute(layers, args.batch_size)
+    t_c, t_u = m["compute_s"], m["update_s_per_param"]
     n = sum((layers[i] + 1) * layers[i + 1] for i in range(len(layers) - 1))
     bits = 11.0
     w = Workload(n_params=n, batch=args.batch_size, compute_s=t_c, update_s_per_param=t_u,
@@ -328,11 +354,13 @@ def main(argv: list[str] | None = None) -> int:
     out = {"model": layers, "parameters": n, "network": args.network if args.alpha is None
            else "custom", "alpha_s": alpha, "beta_s_per_byte": beta,
            "compute_s_per_batch": t_c, "update_s_per_param": t_u,
+           "compute_wall_s_per_batch": m["compute_wall_s"], "load_average": m["load_average"],
            "curves": {s: [{"nodes": k, "examples_per_s": round(e, 1), "speedup": round(x, 2)}
                           for k, e, x in pts] for s, pts in curves.items()},
            "strom_table2": strom_table2()}
     if args.validate_cluster:
-        out["cluster"] = validate_cluster(args.validate_cluster)
+        out["cluster"] = validate_cluster(args.validate_cluster,
+                                          background=args.background_load)
     if args.png:
         plot(curves, f"{args.model} ({n / 1e6:.1f}M parameters), batch {args.batch_size}, "
                      f"{out['network']}: {net}", args.png)
@@ -341,8 +369,9 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(out, indent=1))
         return 0
     print(f"model {args.model}: {n:,} parameters; network {out['network']}: {net}")
-    print(f"measured on this CPU: {t_c * 1e3:.2f} ms per mini-batch of {args.batch_size} "
-          f"(forward + backward), {t_u * 1e9:.2f} ns per parameter per update")
+    print(f"measured on this CPU: {t_c * 1e3:.2f} ms of CPU time per mini-batch of "
+          f"{args.batch_size} (forward + backward; {m['compute_wall_s'] * 1e3:.2f} ms wall at "
+          f"load average {m['load_average']:.1f}), {t_u * 1e9:.2f} ns per parameter per update")
     print(f"\npredicted examples/s (speed-up over one node) per strategy; deadreckon at "
           f"compression {args.compression:g}")
     print("nodes  " + "".join(f"{s:>22}" for s in names))
@@ -362,6 +391,8 @@ def main(argv: list[str] | None = None) -> int:
           "sharing this machine's cores): " + ("" if args.validate_cluster else
                                               "give --validate-cluster JSON"))
     if args.validate_cluster:
+        print(f"  (cores shared with {out['cluster'][0]['background'] if out['cluster'] else 0}"
+              " runnable threads of other jobs)")
         print(f"  {'network':>8} {'strategy':>12} {'ranks':>5} {'measured':>10} "
               f"{'predicted':>10} {'diff':>7} {'bytes/step':>12} {'model':>12}")
         for r in out["cluster"]:

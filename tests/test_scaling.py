@@ -45,6 +45,11 @@ def test_downpour_is_bounded_by_its_shards():
 def test_shared_cores_slow_compute_past_the_core_count():
     shared = replace(W, cores=2)
     assert shared.compute(2) == W.compute_s and shared.compute(8) == 4 * W.compute_s
+    # measured beside 2 other jobs' threads: 8 ranks and those 2 share 2 cores, against the
+    # 1 + 2 threads of the measurement
+    loaded = replace(W, cores=2, background=2.0)
+    assert loaded.compute(1) == W.compute_s
+    assert loaded.compute(8) == pytest.approx(W.compute_s * 10 / 3)
 
 
 def test_deadreckon_messages_follow_compress():
