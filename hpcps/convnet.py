@@ -76,6 +76,15 @@ def col2im(dcols: np.ndarray, in_shape, kh: int, kw: int, stride: int, pad: int,
     return dx[:, pad:pad + H, pad:pad + W, :] if pad else dx
 
 
+def _act_grad(name: str, a: np.ndarray, delta: np.ndarray) -> None:
+    """delta *= act'(z) through the output a = act(z); relu by a multiply with the mask a > 0
+    (several times faster than the boolean-index assignment of the MLP's version)."""
+    if name == "relu":
+        np.multiply(delta, a > 0, out=delta)
+    else:
+        _act_grad_inplace(name, a, delta)
+
+
 def _pool_slices(k: int, stride: int, ho: int, wo: int):
     """For each window position (i, j), row-major: the strided slices of the input that hold
     it for every output."""
@@ -315,7 +324,7 @@ class ConvNet:
             if kind == "fc":
                 a, z = cache
                 if not op.last:
-                    _act_grad_inplace(self.activation, z, delta)
+                    _act_grad(self.activation, z, delta)
                 np.matmul(a.T, delta, out=g[f"layer{op.param}/W"])
                 np.sum(delta, axis=0, out=g[f"layer{op.param}/b"])
                 if not first:
@@ -331,7 +340,7 @@ class ConvNet:
                 s = op.spec
                 _, ho, wo = op.out_shape
                 dz = np.ascontiguousarray(delta).reshape(-1, s.out)
-                _act_grad_inplace(self.activation, z, dz)
+                _act_grad(self.activation, z, dz)
                 gw = cols.T @ dz                          # (KH*KW*C, O)
                 g[f"layer{op.param}/W"][...] = gw.reshape(s.kh, s.kw, in_shape[3],
                                                           s.out).transpose(3, 2, 0, 1)
