@@ -74,7 +74,7 @@ import h5py
 import numpy as np
 
 from hpcps import __version__
-from hpcps.errors import CheckpointError
+from hpcps.errors import CheckpointError, HpcpsError
 
 FORMAT = "hpcps-checkpoint"
 LAYOUT_VERSION = 1
@@ -192,6 +192,44 @@ def layer_sizes(params: dict[str, np.ndarray]) -> list[int]:
     return sizes
 
 
+def conv_model(config: dict, dataset: dict):
+    """The :class:`~hpcps.convnet.ConvNet` a checkpoint's config names (``model``), on its
+    dataset's image shape; None for an MLP checkpoint."""
+    spec = config.get("model") if isinstance(config, dict) else None
+    if not spec:
+        return None
+    from hpcps.convnet import ConvNet
+    shape = dataset.get("image_shape") or (dataset.get("n_features", 0), 1, 1)
+    try:
+        return ConvNet(spec, shape, config.get("activation", "relu"))
+    except (ValueError, TypeError, HpcpsError) as exc:
+        raise CheckpointError(f"its config names model {spec!r}, which cannot be built on "
+                              f"images of shape {shape}: {exc}") from None
+
+
+def architecture_sizes(params: dict[str, np.ndarray], config: dict, dataset: dict) -> list[int]:
+    """:func:`layer_sizes` of an MLP checkpoint; for a conv model (``config["model"]``), its
+    parameters checked against the model's names and shapes (conv kernels ``(out, in, kh,
+    kw)``) and its ``sizes``: input units, then the output units of each layer with
+    parameters."""
+    model = conv_model(config, dataset)
+    if model is None:
+        return layer_sizes(params)
+    want = {name: shape for name, shape, _ in model.layout}
+    if not isinstance(params, dict) or set(params) != set(want):
+        have = sorted(params) if isinstance(params, dict) else type(params).__name__
+        raise CheckpointError(f"params {have} are not those of model {model.spec_text!r}: "
+                              f"{sorted(want)}")
+    for name, shape in want.items():
+        value = params[name]
+        if not isinstance(value, np.ndarray) or value.dtype != np.float32:
+            raise CheckpointError(f"param {name} must be a float32 ndarray")
+        if value.shape != shape:
+            raise CheckpointError(f"param {name} has shape {value.shape}; model "
+                                  f"{model.spec_text!r} needs {shape}")
+    return list(model.sizes)
+
+
 _sizes_of = layer_sizes  # check_compatible() has an argument of the same name
 
 
@@ -247,7 +285,8 @@ def _plain(value: Any, where: str) -> Any:
 def _checked(ckpt: Checkpoint) -> tuple[list[int], dict, dict, dict]:
     if not isinstance(ckpt, Checkpoint):
         raise CheckpointError(f"save() needs a Checkpoint, got {type(ckpt).__name__}")
-    sizes = layer_sizes(ckpt.params)
+    sizes = architecture_sizes(ckpt.params, ckpt.config if isinstance(ckpt.config, dict) else {},
+                               ckpt.dataset if isinstance(ckpt.dataset, dict) else {})
     if not isinstance(ckpt.optimizer, str) or not _OPT_KEY_PART.match(ckpt.optimizer):
         raise CheckpointError(
             "optimizer must be a name like 'sgd' or 'adagrad', got "
@@ -349,6 +388,30 @@ def _opt_description(optimizer: str, key: str, params: dict) -> str:
     return text
 
 
+def _write_conv_params(g: h5py.Group, model, params: dict, put) -> None:
+    """/params of a conv model: its spec and layers in the group's attributes, kernels
+    (out, in, kh, kw) as in ONNX and PyTorch (docs/conv.md)."""
+    g.attrs["description"] = _fixed_str(
+        f"the parameters of the network {model.spec_text!r} on {model.input_shape} images "
+        "(C, H, W); layers with parameters are numbered layer0, layer1, ...: conv kernels W "
+        "are (out_maps, in_maps, kh, kw) as in ONNX and PyTorch, fc weights W (fan_in, "
+        "fan_out) with y = act(x @ W + b) on the maps flattened in C, H, W order")
+    g.attrs["model_spec"] = _fixed_str(model.spec_text)
+    g.attrs["architecture"] = _fixed_str(model.describe())
+    for op in model.ops:
+        if op.param < 0:
+            continue
+        W, b = params[f"layer{op.param}/W"], params[f"layer{op.param}/b"]
+        if op.spec.kind == "conv":
+            what = (f"{op.spec.text}: kernels (out_maps, in_maps, kh, kw) = {W.shape}, "
+                    "cross-correlation as in torch.nn.functional.conv2d")
+        else:
+            what = f"{op.spec.text}: weights (fan_in, fan_out) = {W.shape}: y = act(x @ W + b)"
+        put(f"params/layer{op.param}/W", W, what)
+        put(f"params/layer{op.param}/b", b, f"{op.spec.text}: biases, one per output "
+            f"{'map' if op.spec.kind == 'conv' else 'unit'}, shape {b.shape}")
+
+
 def _write(path: Path, ckpt: Checkpoint) -> None:
     """Write ``ckpt`` to ``path`` (not atomically), flush and fsync it. save() wraps this."""
     sizes, config, dataset, metrics = _checked(ckpt)
@@ -380,11 +443,15 @@ def _write(path: Path, ckpt: Checkpoint) -> None:
             dset.attrs["description"] = _fixed_str(description)
 
         g = f.create_group("params")
-        g.attrs["description"] = _fixed_str(
-            f"the network's parameters, {len(sizes) - 1} fully connected layers of sizes "
-            f"{' -> '.join(map(str, sizes))}; layer i computes y = act(x @ W + b)"
-        )
-        for i in range(len(sizes) - 1):
+        conv = conv_model(config, dataset)
+        if conv is not None:
+            _write_conv_params(g, conv, ckpt.params, put)
+        else:
+            g.attrs["description"] = _fixed_str(
+                f"the network's parameters, {len(sizes) - 1} fully connected layers of sizes "
+                f"{' -> '.join(map(str, sizes))}; layer i computes y = act(x @ W + b)"
+            )
+        for i in range(len(sizes) - 1 if conv is None else 0):
             W, b = ckpt.params[f"layer{i}/W"], ckpt.params[f"layer{i}/b"]
             put(f"params/layer{i}/W", W,
                 f"weights of layer {i}, shape (fan_in, fan_out) = {W.shape}: y = act(x @ W + b)")
@@ -726,7 +793,7 @@ def check_compatible(ckpt: Checkpoint, layer_sizes: list[int], optimizer: str | 
         Warnings for the caller to print (empty when everything matches).
     """
     where = _where(ckpt)
-    have = _sizes_of(ckpt.params)
+    have = architecture_sizes(ckpt.params, ckpt.config, ckpt.dataset)
     want = [int(n) for n in layer_sizes]
     if have != want:
         raise CheckpointError(

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from hpcps.errors import ConfigError
+from hpcps.modelspec import PRESETS, is_conv_spec, parse_spec
 from hpcps.options import TAU_TYPE, Option, flag, parse_tau
 from hpcps.strategies.registry import DEFAULT, Strategy, strategies
 
@@ -53,6 +54,10 @@ COMMON = (
     Option("layers", LAYERS, "layer widths of the MLP, input to output, e.g. 784,512,512,10 "
            "(the first must match the dataset's features, the last its classes)",
            default=(784, 512, 512, 10)),
+    Option("model", str, "the network as a spec of conv, pool and fc layers instead of an MLP "
+           "(docs/conv.md), e.g. conv5x5x10,pool2,conv5x5x20,pool2,fc400,fc400,fc10, or a "
+           f"preset: {', '.join(PRESETS)}; needs a dataset with an image_shape; not with "
+           "--layers"),
     Option("activation", str, "hidden-layer activation: relu, tanh or sigmoid", default="relu",
            choices=ACTIVATIONS),
     Option("optimizer", str, "update rule applied where the parameters live: adagrad "
@@ -309,6 +314,12 @@ def _check_generic(cfg, spec: Strategy) -> None:
         raise ConfigError(f"--layers widths must be positive, got {cfg.layers}")
     if cfg.epochs is not None and cfg.steps is not None:
         raise ConfigError("give --epochs or --steps, not both")
+    if cfg.model is not None:
+        parse_spec(cfg.model)
+        if is_conv_spec(cfg.model) and cfg.partitions > 1:
+            raise ConfigError(f"--model {cfg.model} has conv layers, which run with "
+                              f"--partitions 1 only (model parallelism splits MLPs): got "
+                              f"--partitions {cfg.partitions}")
 
 
 def validate(cfg):
@@ -335,6 +346,9 @@ def parse(argv: Sequence[str] | None = None):
     if ns.get("config"):
         values.update(_read_toml(ns["config"]))
     values.update(ns)
+    if values.get("model") is not None and "layers" in values:
+        raise ConfigError("give --model or --layers, not both: --layers is an MLP's widths, "
+                          "--model a spec of conv, pool and fc layers")
     _check_types(values)
     return validate(Config(**values))
 

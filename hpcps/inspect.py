@@ -28,7 +28,8 @@ from typing import Any
 
 import numpy as np
 
-from hpcps.checkpoint import PARAM_NAME, flatten_keys, layer_sizes, load_with_header
+from hpcps.checkpoint import (PARAM_NAME, architecture_sizes, conv_model, flatten_keys,
+                              load_with_header)
 from hpcps.errors import CheckpointError
 
 
@@ -50,13 +51,17 @@ def _stats(a: np.ndarray) -> dict[str, Any]:
 def summarize(path: str | os.PathLike) -> dict[str, Any]:
     """The facts :func:`describe` prints, as a JSON-able dict (non-finite floats as strings)."""
     ckpt, header = load_with_header(path)
-    sizes = layer_sizes(ckpt.params)
+    sizes = architecture_sizes(ckpt.params, ckpt.config, ckpt.dataset)
+    conv = conv_model(ckpt.config, ckpt.dataset)
     n_params = sum(int(v.size) for v in ckpt.params.values())
     facts = {
         "path": str(path),
         **header,
         "step": ckpt.step,
         "layer_sizes": sizes,
+        "model": None if conv is None else {"spec": conv.spec_text,
+                                            "input_shape": list(conv.input_shape),
+                                            "layers": conv.describe()},
         "n_params": n_params,
         "params": {k: _stats(ckpt.params[k]) for k in sorted(ckpt.params, key=_param_order)},
         "optimizer": ckpt.optimizer,
@@ -117,8 +122,13 @@ def describe(path: str | os.PathLike) -> str:
         f"  step          {s['step']}",
         f"  layer sizes   {' -> '.join(map(str, s['layer_sizes']))}  ({s['n_params']:,} "
         "parameters)",
-        "params",
     ]
+    if s["model"] is not None:
+        lines.append(f"  model         {s['model']['spec']} on "
+                     f"{'x'.join(map(str, s['model']['input_shape']))} images "
+                     "(conv kernels (out, in, kh, kw))")
+        lines += [f"    {line}" for line in s["model"]["layers"]]
+    lines.append("params")
     width = max(len(k) for k in list(s["params"]) + list(s["opt_state"]))
     lines += [_fmt_stats(k, v, width) for k, v in s["params"].items()]
     lines.append(f"optimizer {s['optimizer']}" + ("" if s["opt_state"] else " (no state)"))

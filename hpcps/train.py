@@ -44,11 +44,12 @@ import numpy as np
 
 import dataclasses
 
-from hpcps import checkpoint, config, data, memory, slurm, timeline, trace
+from hpcps import checkpoint, config, convnet, data, memory, slurm, timeline, trace
 from hpcps.comm import PeerTimeout, ReplicaExchange, barrier, dup_comm, host
-from hpcps.errors import PREEMPTED_EXIT, ConfigError, HpcpsError, NonFiniteError
+from hpcps.errors import (PREEMPTED_EXIT, CheckpointError, ConfigError, HpcpsError,
+                          NonFiniteError)
 from hpcps.metrics import Metrics
-from hpcps.model import MLP, InitialWeights, PartitionedMLP, SingleExchange
+from hpcps.model import InitialWeights, PartitionedMLP, SingleExchange
 from hpcps.stacks import StackDumper
 from hpcps.stop import SignalFlag, StopVote
 from hpcps.strategies.context import (Context, explain_nonfinite, make_optimizer,
@@ -89,6 +90,9 @@ def _ensure_dataset(cfg: config.Config, rank: int) -> None:
 
 def _check_dataset(cfg: config.Config) -> data.DatasetInfo:
     info = data.open_dataset(cfg.data)
+    if cfg.model is not None:
+        convnet.build(cfg, info)  # refuses a flat dataset, a spec that does not fit
+        return info
     if cfg.layers[0] != info.n_features or cfg.layers[-1] != info.n_classes:
         raise ConfigError(
             f"--layers {','.join(map(str, cfg.layers))} does not fit dataset {cfg.data} "
@@ -104,7 +108,12 @@ def _load_resume(cfg: config.Config, info: data.DatasetInfo):
     checkpoint.check_finite(ckpt)
     if cfg.spec.check_resume is not None:
         cfg.spec.check_resume(cfg, ckpt)
-    warnings = checkpoint.check_compatible(ckpt, list(cfg.layers), optimizer=cfg.optimizer,
+    saved = ckpt.config.get("model")
+    if (saved and convnet.resolve(saved)) != (cfg.model and convnet.resolve(cfg.model)):
+        raise CheckpointError(f"checkpoint {cfg.resume} holds model {saved or 'an MLP'} but "
+                              f"this run asks for {cfg.model or 'an MLP (--layers)'}")
+    warnings = checkpoint.check_compatible(ckpt, convnet.build(cfg, info).sizes,
+                                           optimizer=cfg.optimizer,
                                            dataset=info.to_dict())
     return ckpt, warnings
 
@@ -147,7 +156,7 @@ def check_run_dir(run_dir: Path, given: bool) -> None:
 
 
 def _setup(cfg: config.Config, world, layout: Layout, info, ckpt, run_dir: Path) -> Context:
-    full = MLP(cfg.layers, cfg.activation)
+    full = convnet.build(cfg, info)
     P = layout.partitions
     if P > 1:  # refuse a layer narrower than P on every rank before any communication
         PartitionedMLP(cfg.layers, cfg.activation, P, 0)
@@ -162,8 +171,10 @@ def _setup(cfg: config.Config, world, layout: Layout, info, ckpt, run_dir: Path)
         model = PartitionedMLP(cfg.layers, cfg.activation, P,
                                role.partition if role.is_replica else 0, exchange)
     if ckpt is None:  # each rank draws only what it holds: memory falls as 1/P and 1/S
-        params = model.init_params(cfg.seed) if role.is_replica else \
-            InitialWeights(cfg.layers, cfg.activation, P, cfg.seed)  # servers slice it
+        if role.is_replica or cfg.model is not None:
+            params = model.init_params(cfg.seed)
+        else:  # an MLP's servers slice it
+            params = InitialWeights(cfg.layers, cfg.activation, P, cfg.seed)
         state, start = opt.init_state(len(params)), 0  # zeros: pages untouched cost nothing
     else:
         params, state = state_from_checkpoint(full, ckpt, opt.state_keys)
@@ -319,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
     ctx.stop = StopVote(vote_comm, flag, cfg.timeout)
     m = ctx.metrics
     how = cfg.spec.describe(cfg, info.n_train) if cfg.spec.describe else cfg.optimizer
-    m.message(_describe(cfg, layout) + f"; model {','.join(map(str, cfg.layers))} "
+    m.message(_describe(cfg, layout) + f"; model {convnet.describe_model(ctx.full_model)} "
               f"({ctx.full_model.n_params} parameters), {how}, {ctx.total_steps} steps "
               f"({ctx.epochs(ctx.total_steps):.2f} epochs) of {info.name}")
     if ckpt is not None:

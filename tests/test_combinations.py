@@ -7,7 +7,9 @@ here; its own option values go in ``OWN`` below):
   strategy has shards, else none; one coordinator where it has one; N = S + C + R * P;
 * ``--threads`` 1, 2;
 * the strategy's own options (``OWN``), defaults included (downpour's warm start stays on
-  unless the row says ``--warmup-steps 0``).
+  unless the row says ``--warmup-steps 0``);
+* the model (``MODELS``): the MLP of ``--layers`` or a conv model (``--model``, which runs
+  with P = 1 only and refuses ``--push activations``).
 
 Each combination is first judged in this process the way every rank judges it at start
 (``config.parse``, then the layout plan). Accepted: ``mpiexec -n N python -m hpcps.train`` on
@@ -43,7 +45,9 @@ from hpcps.strategies.registry import strategies
 FULL = os.environ.get("HPCPS_FULL_MATRIX") == "1"
 MIN_ACCURACY = 0.6
 LAYERS = "64,32,10"
-COMMON = ["--layers", LAYERS, "--eval-every", "0", "--checkpoint-every", "0",
+CONV = "conv3x3x8p1,pool2,fc32,fc10"  # digits: 8x8 -> 8x8x8 -> 4x4x8 -> 32 -> 10
+MODELS = [["--layers", LAYERS], ["--model", CONV]]
+COMMON = ["--eval-every", "0", "--checkpoint-every", "0",
           "--progress-every", "0.5", "--timeout", "60"]
 # run length: SGD steps are global mini-batches (enough for downpour's 200-step warm start to
 # end and the others to join); a batch method's step is one evaluation of its default batch,
@@ -82,8 +86,8 @@ OWN = {
 
 
 def dimensions(name: str, spec) -> tuple[list[str], list[list]]:
-    names = ["P", "R", "S", "T"]
-    dims = [[1, 2, 3], [1, 2, 3], [1, 2, 3] if spec.uses_servers else [0], [1, 2]]
+    names = ["P", "R", "S", "T", "model"]
+    dims = [[1, 2, 3], [1, 2, 3], [1, 2, 3] if spec.uses_servers else [0], [1, 2], MODELS]
     for option, values in OWN.get(name, {}).items():
         names.append(option)
         dims.append(values)
@@ -95,14 +99,14 @@ def run_options(spec) -> list[str]:
 
 
 def combination(name: str, spec, row) -> dict:
-    P, R, S, T, *own = row
+    P, R, S, T, model, *own = row
     n = S + int(spec.coordinator) + R * P
-    argv = ["--strategy", name, "--partitions", str(P), "--threads", str(T)]
+    argv = ["--strategy", name, "--partitions", str(P), "--threads", str(T), *model]
     if spec.uses_servers:
         argv += ["--servers", str(S)]
     for values in own:
         argv += values
-    label = f"{name}-P{P}-R{R}-S{S}-T{T}" + "".join(
+    label = f"{name}-P{P}-R{R}-S{S}-T{T}" + ("-conv" if "--model" in model else "") + "".join(
         "-" + "=".join(v.lstrip("-") for v in values) for values in own if values)
     return {"id": label, "n": n, "argv": argv + SETTINGS.get(name, [])}
 
@@ -119,7 +123,8 @@ def matrix() -> list[dict]:
         out += [combination(name, spec, row) for row in rows]
     # the README's 16-rank downpour grid with the default warm start (it used to hang)
     out.append({"id": "downpour-N16-S4-P2-default-warm-start", "n": 16,
-                "argv": ["--strategy", "downpour", "--servers", "4", "--partitions", "2"]})
+                "argv": ["--strategy", "downpour", "--servers", "4", "--partitions", "2",
+                         *MODELS[0]]})
     return out
 
 

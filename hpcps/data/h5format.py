@@ -16,6 +16,9 @@ Root attributes::
     n_classes       number of classes; labels are 0 .. n_classes-1
     description     what the examples are
     source          where the data came from (package, file, checksum)
+    image_shape     optional int64 [C, H, W]: each row of x is an image of C maps of H x W
+                    pixels, flattened C, H, W row-major (C*H*W = D); conv models
+                    (``--model``) need it. MNIST's is [1, 28, 28], digits' [1, 8, 8]
 
 Datasets, each with a ``description`` attribute saying what it holds::
 
@@ -70,6 +73,7 @@ def write_dataset(
     x_description: str,
     train: tuple[np.ndarray, np.ndarray],
     test: tuple[np.ndarray, np.ndarray],
+    image_shape: tuple[int, int, int] | None = None,
 ) -> Path:
     """Write one dataset file in layout 1, atomically.
 
@@ -88,6 +92,8 @@ def write_dataset(
             f.attrs["n_classes"] = int(n_classes)
             f.attrs["description"] = description
             f.attrs["source"] = source
+            if image_shape is not None:
+                f.attrs["image_shape"] = np.asarray(image_shape, dtype=np.int64)
             for split, (x, y) in zip(SPLITS, (train, test)):
                 group = f.create_group(split)
                 group.attrs["description"] = f"{split} split of {name}"
@@ -125,10 +131,17 @@ class DatasetInfo:
     n_features: int
     n_classes: int
     fingerprint: str
+    image_shape: tuple[int, int, int] | None = None
 
     def to_dict(self) -> dict:
-        """Plain JSON-able dict of the fields."""
-        return asdict(self)
+        """Plain JSON-able dict of the fields (``image_shape`` as a list, left out when the
+        dataset has none)."""
+        d = asdict(self)
+        if self.image_shape is None:
+            del d["image_shape"]
+        else:
+            d["image_shape"] = list(self.image_shape)
+        return d
 
 
 def _open_h5(path: str | os.PathLike) -> h5py.File:
@@ -239,6 +252,7 @@ def open_dataset(path: str | os.PathLike) -> DatasetInfo:
                 for lo, hi in ((0, min(n, _FINGERPRINT_ROWS)), (max(0, n - _FINGERPRINT_ROWS), n)):
                     digest.update(np.asarray(dx[lo:hi], dtype="<f4").tobytes())
             name = _attr_str(f.attrs.get("name", path.stem))
+            image_shape = _image_shape(f, path, splits["train"][0][1])
         except OSError as exc:
             raise DataError(f"cannot read dataset {path}: {exc} (truncated or corrupt?)") from exc
     return DatasetInfo(
@@ -249,7 +263,24 @@ def open_dataset(path: str | os.PathLike) -> DatasetInfo:
         n_features=splits["train"][0][1],
         n_classes=n_classes,
         fingerprint=digest.hexdigest()[:16],
+        image_shape=image_shape,
     )
+
+
+def _image_shape(f: h5py.File, path: Path, n_features: int) -> tuple[int, int, int] | None:
+    """The ``image_shape`` attribute, checked: three positive integers whose product is D."""
+    raw = f.attrs.get("image_shape")
+    if raw is None:
+        return None
+    a = np.asarray(raw)
+    if a.shape != (3,) or not np.issubdtype(a.dtype, np.integer) or a.min() < 1:
+        raise DataError(f"{path}: image_shape attribute {raw!r} is not three positive integers "
+                        "[C, H, W]")
+    shape = tuple(int(n) for n in a)
+    if shape[0] * shape[1] * shape[2] != n_features:
+        raise DataError(f"{path}: image_shape {list(shape)} holds {int(np.prod(shape))} values "
+                        f"but each row of x has {n_features}")
+    return shape
 
 
 def load_split(

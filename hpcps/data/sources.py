@@ -251,6 +251,7 @@ def prepare_mnist(
         x_description="28x28 pixels flattened row-major to 784 features, intensity in [0, 1]",
         train=train,
         test=test,
+        image_shape=(1, 28, 28),
     )
     log(f"wrote {out_path}: {len(train[1])} train / {len(test[1])} test")
     return path
@@ -285,6 +286,7 @@ def prepare_digits(
         x_description="8x8 pixels flattened row-major to 64 features, intensity in [0, 1]",
         train=(x[train_idx], y[train_idx]),
         test=(x[test_idx], y[test_idx]),
+        image_shape=(1, 8, 8),
     )
     log(f"wrote {out_path}: {len(train_idx)} train / {len(test_idx)} test")
     return path

@@ -37,6 +37,7 @@ from hpcps.options import (
     Option,
 )
 from hpcps.protocol import H, Message, Tag
+from hpcps.modelspec import is_conv_spec
 from hpcps.ps import activations
 from hpcps.ps.client import Client
 from hpcps.ps.consistency import SoftSync, StaleSynchronous
@@ -470,6 +471,11 @@ def _defaults(cfg) -> dict:
 
 def _validate(cfg) -> None:
     check_options(cfg)
+    if cfg.push == "activations" and is_conv_spec(cfg.model):
+        raise ConfigError(f"--push activations sends activations and errors of fully "
+                          f"connected layers; --model {cfg.model} has conv layers, whose "
+                          "shared kernels are small and pushed as gradients (Project Adam, "
+                          "section 3.2): use --push gradients")
     if cfg.push == "activations" and (cfg.compress == "threshold" or cfg.partitions > 1
                                       or cfg.threads > 1):
         raise ConfigError("--push activations goes with dense pushes of whole replicas: not "

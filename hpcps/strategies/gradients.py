@@ -57,12 +57,12 @@ class GradientSource:
                 timeout=cfg.timeout * 2 * ctx.model.n_layers)
             self._seen = (0, 0.0)  # the threads' exchange figures already reported
         elif self.threads > 1:
-            from hpcps.hogwild import HogwildEngine
-            self.engine = HogwildEngine(cfg.layers, cfg.activation, threads=self.threads,
-                                        batch=cfg.batch_size)
+            from hpcps.conv_hogwild import engine_for
+            self.engine = engine_for(ctx.full_model, cfg.activation, threads=self.threads,
+                                     batch=cfg.batch_size)
             self.order = np.arange(self.batch)
         self.compiled_one = None
-        if self.threads == 1 and not ctx.partitioned:
+        if self.threads == 1 and not ctx.partitioned and cfg.model is None:
             from hpcps import hogwild
             if hogwild.HAVE_EXTENSION:
                 self.compiled_one = hogwild.HogwildEngine(cfg.layers, cfg.activation,

@@ -413,9 +413,9 @@ def run_replica(ctx: Context) -> dict:
         slow = factor if who == grid.rank else 1.0
     task = np.zeros(TASK_SLOTS, dtype=np.int64)
     result = np.zeros(RESULT_SLOTS, dtype=np.float64)
-    from hpcps.hogwild import HogwildEngine
-    engine = HogwildEngine(cfg.layers, cfg.activation, threads=cfg.threads,
-                           batch=PORTION_CHUNK)   # see the module docstring
+    from hpcps.conv_hogwild import engine_for
+    engine = engine_for(ctx.full_model, cfg.activation, threads=cfg.threads,
+                        batch=PORTION_CHUNK)   # see the module docstring
     fetch = [Message(hi - lo) for lo, hi in slices]
     push = [Message(hi - lo) for lo, hi in slices]
     ask, ack = Message(0), Message(0)

@@ -1,0 +1,429 @@
+"""Convolutional networks on NumPy arrays: conv2d, max-pooling, fully connected, softmax. No MPI.
+
+A model is given as a spec, a comma-separated list of layers (``docs/conv.md``)::
+
+    convKHxKWxN[sS][pP]   2-D convolution, N output maps, kernel KH x KW, stride S (1),
+                          zero padding P (0) on every side; any number of input maps
+    poolK[sS]             K x K max-pooling, stride S (default K), no padding, floor mode
+    flatten               optional: C x H x W -> C*H*W, implied before the first fc
+    fcN                   fully connected, N units; the last layer is an fc of n_classes
+
+The hidden activation (``--activation``) follows every conv and every fc but the last, whose
+outputs are the logits of the softmax cross-entropy. Presets (:data:`PRESETS`) name specs:
+``adam-mnist`` is Project Adam's MNIST network (Chilimbi et al. 2014, section 5.1).
+
+:class:`ConvNet` has the interface the strategies use for :class:`hpcps.model.MLP`: one flat
+parameter vector (``n_params``, ``layout``, ``views``, ``flatten``, ``init_params``),
+``forward``, ``loss_and_grad``, ``loss`` and ``evaluate``, so a strategy needs no per-model
+code. Parameters are numbered over the layers that have them (``layer0`` the first conv, ...).
+A conv kernel is stored ``(out, in, kh, kw)`` in the flat vector and in checkpoints: the
+convention of ONNX and PyTorch (``torch.nn.Conv2d.weight``), so a checkpoint's kernels load
+elsewhere without a transpose. An fc layer's W is ``(fan_in, fan_out)`` as in the MLP, its
+input the flattened maps in C, H, W order (PyTorch's ``flatten``; ``nn.Linear.weight`` is
+W transposed).
+
+The computation works on NHWC arrays (maps last) so that a convolution is one GEMM: the input
+windows are copied into a matrix of (B*Ho*Wo) rows of KH*KW*C values (im2col) and multiplied by
+the kernels seen as a (KH*KW*C, N) matrix. The backward pass is two GEMMs and a scatter-add of
+the window gradients back onto the input (col2im). Everything follows the dtype of the
+parameter vector (float32 in training, float64 for the finite-difference tests).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from numpy.lib.stride_tricks import as_strided
+
+from hpcps.errors import ConfigError
+from hpcps.model import ACTIVATIONS, MLP, _act, _act_grad_inplace
+from hpcps.modelspec import LayerSpec, is_conv_spec, parse_spec, resolve  # noqa: F401
+
+# -- the layers' arithmetic on NHWC arrays ------------------------------------------------------
+def _windows(a: np.ndarray, kh: int, kw: int, stride: int, ho: int, wo: int) -> np.ndarray:
+    """A strided view (B, Ho, Wo, KH, KW, C) of the windows of a C-contiguous NHWC array."""
+    sb, sh, sw, sc = a.strides
+    return as_strided(a, (a.shape[0], ho, wo, kh, kw, a.shape[3]),
+                      (sb, stride * sh, stride * sw, sh, sw, sc), writeable=False)
+
+
+def im2col(a: np.ndarray, kh: int, kw: int, stride: int, pad: int, ho: int, wo: int):
+    """(B*Ho*Wo, KH*KW*C) matrix of the (zero-padded) input windows, a copy."""
+    if pad:
+        a = np.pad(a, ((0, 0), (pad, pad), (pad, pad), (0, 0)))
+    a = np.ascontiguousarray(a)
+    w = _windows(a, kh, kw, stride, ho, wo)
+    return w.reshape(a.shape[0] * ho * wo, kh * kw * a.shape[3])
+
+
+def col2im(dcols: np.ndarray, in_shape, kh: int, kw: int, stride: int, pad: int,
+           ho: int, wo: int) -> np.ndarray:
+    """The input gradient (B, H, W, C): each window's gradient added back where it came from."""
+    B, H, W, C = in_shape
+    dx = np.zeros((B, H + 2 * pad, W + 2 * pad, C), dtype=dcols.dtype)
+    d6 = dcols.reshape(B, ho, wo, kh, kw, C)
+    if ho * wo <= 4 * kh * kw:
+        # few output positions: one add of a (B, KH, KW, C) block per position, whose rows of
+        # KW*C values are contiguous (10x faster than the loop below for conv2 of adam-mnist)
+        for i in range(ho):
+            for j in range(wo):
+                dx[:, i * stride:i * stride + kh, j * stride:j * stride + kw, :] += d6[:, i, j]
+    else:
+        he, we = stride * (ho - 1) + 1, stride * (wo - 1) + 1
+        for i in range(kh):
+            for j in range(kw):
+                dx[:, i:i + he:stride, j:j + we:stride, :] += d6[:, :, :, i, j, :]
+    return dx[:, pad:pad + H, pad:pad + W, :] if pad else dx
+
+
+def _act_grad(name: str, a: np.ndarray, delta: np.ndarray) -> None:
+    """delta *= act'(z) through the output a = act(z); relu by a multiply with the mask a > 0
+    (several times faster than the boolean-index assignment of the MLP's version)."""
+    if name == "relu":
+        np.multiply(delta, a > 0, out=delta)
+    else:
+        _act_grad_inplace(name, a, delta)
+
+
+def _pool_slices(k: int, stride: int, ho: int, wo: int):
+    """For each window position (i, j), row-major: the strided slices of the input that hold
+    it for every output."""
+    he, we = stride * (ho - 1) + 1, stride * (wo - 1) + 1
+    return [(slice(None), slice(i, i + he, stride), slice(j, j + we, stride), slice(None))
+            for i in range(k) for j in range(k)]
+
+
+def maxpool(a: np.ndarray, k: int, stride: int, ho: int, wo: int) -> np.ndarray:
+    """Max-pooling of an NHWC array: (B, Ho, Wo, C), the maximum of k*k strided slices (no
+    window copy, no argmax: 20x faster than both on adam-mnist's first pool)."""
+    sl = _pool_slices(k, stride, ho, wo)
+    out = a[sl[0]].copy()
+    for s in sl[1:]:
+        np.maximum(out, a[s], out=out)
+    return out
+
+
+def maxpool_back(d: np.ndarray, a: np.ndarray, out: np.ndarray, k: int,
+                 stride: int) -> np.ndarray:
+    """Gradient of max-pooling: each output's gradient goes to the first position (row-major)
+    of its window that holds the maximum, as an argmax would choose."""
+    B, ho, wo, C = d.shape
+    dx = np.zeros(a.shape, dtype=d.dtype)
+    taken = np.zeros(out.shape, dtype=bool)
+    hit = np.empty(out.shape, dtype=bool)
+    part = np.empty(d.shape, dtype=d.dtype)
+    for s in _pool_slices(k, stride, ho, wo):
+        np.equal(a[s], out, out=hit)
+        hit &= ~taken
+        taken |= hit
+        np.multiply(d, hit, out=part)
+        if stride >= k:   # windows do not overlap: each input position is written once
+            dx[s] = part
+        else:
+            dx[s] += part
+    return dx
+
+
+@dataclass(frozen=True)
+class Op:
+    """One layer with its shapes: ``in_shape``/``out_shape`` are (C, H, W) or (n,)."""
+
+    spec: LayerSpec
+    in_shape: tuple
+    out_shape: tuple
+    param: int = -1        # index of its parameters (layer{param}/W, /b), -1 for none
+    last: bool = False     # the output layer (no activation: logits)
+
+
+class ConvNet:
+    """A network of conv, pool and fc layers on C x H x W images, softmax output.
+
+    Parameters
+    ----------
+    spec : the layers (see the module docstring) or a preset name.
+    input_shape : (C, H, W) of one example (the dataset's ``image_shape``).
+    activation : relu, tanh or sigmoid, after every conv and every fc but the last.
+
+    Raises ConfigError when the shapes do not fit (a kernel larger than its padded input, a
+    pool larger than its input).
+    """
+
+    def __init__(self, spec: str, input_shape, activation: str = "relu"):
+        if activation not in ACTIVATIONS:
+            raise ConfigError(f"unknown activation {activation!r}; choose one of {ACTIVATIONS}")
+        self.spec_text = resolve(spec)
+        self.specs = parse_spec(spec)
+        shape = tuple(int(n) for n in input_shape)
+        if len(shape) != 3 or min(shape) < 1:
+            raise ConfigError(f"a conv model needs an input of C x H x W, got {shape}")
+        self.input_shape = shape
+        self.activation = activation
+        self.ops: list[Op] = []
+        self.layout: list[tuple[str, tuple[int, ...], int]] = []
+        off, n_param = 0, 0
+        for i, s in enumerate(self.specs):
+            out = self._out_shape(s, shape)
+            param = -1
+            if s.kind in ("conv", "fc"):
+                param = n_param
+                n_param += 1
+                w_shape = (s.out, shape[0], s.kh, s.kw) if s.kind == "conv" \
+                    else (int(np.prod(shape)), s.out)
+                for name, sh in ((f"layer{param}/W", w_shape), (f"layer{param}/b", (s.out,))):
+                    self.layout.append((name, sh, off))
+                    off += int(np.prod(sh))
+            self.ops.append(Op(s, shape, out, param, i == len(self.specs) - 1))
+            shape = out
+        self.n_params = off
+        self.n_classes = self.specs[-1].out
+        self.n_features = int(np.prod(self.input_shape))
+        # units at the input and at the output of each layer with parameters (conv: maps x
+        # positions before pooling): what a checkpoint's layer_sizes attribute holds
+        self.sizes = [self.n_features] + [int(np.prod(op.out_shape)) for op in self.ops
+                                          if op.param >= 0]
+
+    def _out_shape(self, s: LayerSpec, shape: tuple) -> tuple:
+        if s.kind in ("fc", "flatten"):
+            return (s.out,) if s.kind == "fc" else (int(np.prod(shape)),)
+        C, H, W = shape
+        pad = s.pad if s.kind == "conv" else 0
+        ho = (H + 2 * pad - s.kh) // s.stride + 1
+        wo = (W + 2 * pad - s.kw) // s.stride + 1
+        if H + 2 * pad < s.kh or W + 2 * pad < s.kw:
+            raise ConfigError(
+                f"--model {self.spec_text!r}: layer {s.text} needs an input of at least "
+                f"{s.kh}x{s.kw} but gets {C}x{H}x{W}"
+                + (f" (padded to {H + 2 * pad}x{W + 2 * pad})" if pad else "")
+                + ": the spec does not fit the images")
+        return (s.out if s.kind == "conv" else C, ho, wo)
+
+    # -- description -------------------------------------------------------------------------
+    def describe(self) -> list[str]:
+        """One line per layer: kind, shapes, parameters."""
+        lines = []
+        for op in self.ops:
+            what = "x".join(map(str, op.out_shape))
+            extra = ""
+            if op.param >= 0:
+                w = dict((n, sh) for n, sh, _ in self.layout)[f"layer{op.param}/W"]
+                extra = f"  layer{op.param}/W {w}"
+            act = "" if op.last or op.spec.kind in ("pool", "flatten") else f" {self.activation}"
+            lines.append(f"{op.spec.text:<14} -> {what}{act}{extra}")
+        return lines
+
+    def __repr__(self) -> str:
+        return (f"ConvNet({self.spec_text!r}, {self.input_shape}, {self.activation!r}, "
+                f"{self.n_params} parameters)")
+
+    # -- parameters --------------------------------------------------------------------------
+    def init_params(self, seed: int) -> np.ndarray:
+        """He-normal weights for relu (Glorot-uniform otherwise), fan-in of a conv kernel
+        in*kh*kw; zero biases."""
+        rng = np.random.default_rng(seed)
+        flat = np.zeros(self.n_params, dtype=np.float32)
+        v = self.views(flat)
+        for op in self.ops:
+            if op.param < 0:
+                continue
+            W = v[f"layer{op.param}/W"]
+            if op.spec.kind == "conv":
+                fan_in = W.shape[1] * W.shape[2] * W.shape[3]
+                fan_out = W.shape[0] * W.shape[2] * W.shape[3]
+            else:
+                fan_in, fan_out = W.shape
+            if self.activation == "relu":
+                W[...] = rng.standard_normal(W.shape) * np.sqrt(2.0 / fan_in)
+            else:
+                lim = np.sqrt(6.0 / (fan_in + fan_out))
+                W[...] = rng.uniform(-lim, lim, W.shape)
+        return flat
+
+    def views(self, flat: np.ndarray) -> dict[str, np.ndarray]:
+        """Named views (no copy) into a flat vector of this model's length."""
+        if flat.shape != (self.n_params,):
+            raise ValueError(f"flat vector has shape {flat.shape}, model needs ({self.n_params},)")
+        return {name: flat[off:off + int(np.prod(shape))].reshape(shape)
+                for name, shape, off in self.layout}
+
+    def flatten(self, named: dict[str, np.ndarray]) -> np.ndarray:
+        """The inverse of :meth:`views`: a new flat vector from named arrays."""
+        flat = np.empty(self.n_params, dtype=np.float32)
+        views = self.views(flat)
+        for name, shape, _ in self.layout:
+            if name not in named:
+                raise ValueError(f"missing parameter {name}")
+            if tuple(named[name].shape) != shape:
+                raise ValueError(f"{name} has shape {named[name].shape}, expected {shape}")
+            views[name][...] = named[name]
+        return flat
+
+    # -- computation -------------------------------------------------------------------------
+    def _run(self, flat: np.ndarray, x: np.ndarray, keep: bool):
+        """Forward pass: (logits, per-layer caches for the backward pass, or None)."""
+        v = self.views(flat)
+        B = x.shape[0]
+        C, H, W = self.input_shape
+        if x.ndim != 2 or x.shape[1] != C * H * W:
+            raise ValueError(f"x has shape {x.shape}; this model takes (B, {C * H * W}) rows "
+                             f"of {C}x{H}x{W} images")
+        a = x.reshape(B, C, H, W).transpose(0, 2, 3, 1)   # NHWC
+        caches = [] if keep else None
+        for op in self.ops:
+            s = op.spec
+            cache = None
+            if s.kind == "conv":
+                _, ho, wo = op.out_shape
+                cols = im2col(a, s.kh, s.kw, s.stride, s.pad, ho, wo)
+                # kernels (O, C, KH, KW) -> (KH*KW*C, O), matching the column order of cols
+                wm = v[f"layer{op.param}/W"].transpose(2, 3, 1, 0).reshape(-1, s.out)
+                z = cols @ wm
+                z += v[f"layer{op.param}/b"]
+                _act(self.activation, z)
+                cache = (a.shape, cols, wm, z)
+                a = z.reshape(B, ho, wo, s.out)
+            elif s.kind == "pool":
+                _, ho, wo = op.out_shape
+                out = maxpool(a, s.kh, s.stride, ho, wo)
+                cache = (a, out)
+                a = out
+            elif s.kind == "flatten" or (s.kind == "fc" and a.ndim == 4):
+                if keep:
+                    caches.append((op, "flat", a.shape))
+                a = np.ascontiguousarray(a.transpose(0, 3, 1, 2)).reshape(B, -1)
+            if s.kind == "fc":
+                z = a @ v[f"layer{op.param}/W"]
+                z += v[f"layer{op.param}/b"]
+                if not op.last:
+                    _act(self.activation, z)
+                cache = (a, z)
+                a = z
+            if keep and cache is not None:
+                caches.append((op, s.kind, cache))
+        return a, caches
+
+    def forward(self, flat: np.ndarray, x: np.ndarray) -> list[np.ndarray]:
+        """``[x, logits]`` (the MLP's list ends with the logits too)."""
+        return [x, self._run(flat, x, keep=False)[0]]
+
+    def loss_and_grad(self, flat: np.ndarray, x: np.ndarray, y: np.ndarray,
+                      grad: np.ndarray | None = None) -> tuple[float, np.ndarray]:
+        """Mean softmax cross-entropy over the batch and its gradient (flat, dtype of flat).
+
+        ``grad``, when given, receives the gradient (overwritten, not accumulated).
+        """
+        if grad is None:
+            grad = np.empty(self.n_params, dtype=flat.dtype)
+        logits, caches = self._run(flat, x, keep=True)
+        loss, delta = MLP._softmax_xent(logits, y)
+        delta[np.arange(len(y)), y] -= 1.0
+        delta /= delta.dtype.type(len(y))
+        g = self.views(grad)
+        w = self.views(flat)
+        for op, kind, cache in reversed(caches):
+            first = op is self.ops[0]   # no gradient needed at the input of the first layer
+            if kind == "fc":
+                a, z = cache
+                if not op.last:
+                    _act_grad(self.activation, z, delta)
+                np.matmul(a.T, delta, out=g[f"layer{op.param}/W"])
+                np.sum(delta, axis=0, out=g[f"layer{op.param}/b"])
+                if not first:
+                    delta = delta @ w[f"layer{op.param}/W"].T
+            elif kind == "flat":
+                B, h, wd, c = cache
+                delta = delta.reshape(B, c, h, wd).transpose(0, 2, 3, 1)
+            elif kind == "pool":
+                a_in, out = cache
+                delta = maxpool_back(delta, a_in, out, op.spec.kh, op.spec.stride)
+            else:  # conv
+                in_shape, cols, wm, z = cache
+                s = op.spec
+                _, ho, wo = op.out_shape
+                dz = np.ascontiguousarray(delta).reshape(-1, s.out)
+                _act_grad(self.activation, z, dz)
+                gw = cols.T @ dz                          # (KH*KW*C, O)
+                g[f"layer{op.param}/W"][...] = gw.reshape(s.kh, s.kw, in_shape[3],
+                                                          s.out).transpose(3, 2, 0, 1)
+                np.sum(dz, axis=0, out=g[f"layer{op.param}/b"])
+                if not first:
+                    delta = col2im(dz @ wm.T, in_shape, s.kh, s.kw, s.stride, s.pad, ho, wo)
+        return loss, grad
+
+    def loss(self, flat: np.ndarray, x: np.ndarray, y: np.ndarray) -> float:
+        return MLP._softmax_xent(self._run(flat, x, keep=False)[0], y)[0]
+
+    def evaluate(self, flat: np.ndarray, x: np.ndarray, y: np.ndarray,
+                 batch: int = 1000) -> tuple[float, float]:
+        """(mean loss, accuracy) over a whole split, in batches to bound memory."""
+        total_loss, correct = 0.0, 0
+        for lo in range(0, len(y), batch):
+            logits = self._run(flat, x[lo:lo + batch], keep=False)[0]
+            loss, _ = MLP._softmax_xent(logits, y[lo:lo + batch])
+            total_loss += loss * len(logits)
+            correct += int(np.sum(np.argmax(logits, axis=1) == y[lo:lo + batch]))
+        n = max(1, len(y))
+        return total_loss / n, correct / n
+
+    # -- cost ----------------------------------------------------------------------------------
+    def flops_per_example(self) -> int:
+        """Multiply-adds x 2 of one example's forward and backward pass in the conv and fc
+        layers (forward GEMM, weight-gradient GEMM, input-gradient GEMM but for the first
+        layer)."""
+        total = 0
+        for op in self.ops:
+            if op.param < 0:
+                continue
+            s = op.spec
+            if s.kind == "conv":
+                macs = int(np.prod(op.out_shape)) * op.in_shape[0] * s.kh * s.kw
+            else:
+                macs = int(np.prod(op.in_shape)) * s.out
+            total += 2 * macs * (2 if op is self.ops[0] else 3)
+        return total
+
+    def connections(self) -> int:
+        """Connections of one forward pass (a weight used at one position counts once per
+        position): Project Adam's unit for "connections trained per second"."""
+        total = 0
+        for op in self.ops:
+            if op.param < 0:
+                continue
+            s = op.spec
+            if s.kind == "conv":
+                total += int(np.prod(op.out_shape)) * op.in_shape[0] * s.kh * s.kw
+            else:
+                total += int(np.prod(op.in_shape)) * s.out
+        return total
+
+
+def build(cfg, info) -> "ConvNet | MLP":
+    """The whole model a run's config asks for on its dataset: a :class:`ConvNet` for
+    ``--model``, else the :class:`MLP` of ``--layers``.
+
+    Raises ConfigError when a conv model meets a dataset without an ``image_shape``, or the
+    spec does not fit the images or the classes.
+    """
+    if cfg.model is None:
+        return MLP(cfg.layers, cfg.activation)
+    shape = info.image_shape
+    if shape is None:
+        if is_conv_spec(cfg.model):
+            raise ConfigError(
+                f"--model {cfg.model} has conv layers but dataset {info.path} declares no image "
+                "shape (its rows are flat vectors): a dataset for conv models has a root "
+                "attribute image_shape = [C, H, W] (docs/formats.md); prepare it again with "
+                "python -m hpcps.data prepare mnist|digits, or set the attribute with h5py")
+        shape = (info.n_features, 1, 1)
+    model = ConvNet(cfg.model, shape, cfg.activation)
+    if model.n_classes != info.n_classes:
+        raise ConfigError(f"--model {cfg.model} ends with {model.specs[-1].text}, but dataset "
+                          f"{info.path} has {info.n_classes} classes: the last layer must be "
+                          f"fc{info.n_classes}")
+    return model
+
+
+def describe_model(model) -> str:
+    """The model in a few words for the start line."""
+    if isinstance(model, ConvNet):
+        return f"{model.spec_text} on {'x'.join(map(str, model.input_shape))} images"
+    return ",".join(map(str, model.sizes))

@@ -1,0 +1,266 @@
+"""Conv models: the spec, the layers against finite differences and PyTorch, the dataset's image
+shape, checkpoints and inspect, the Hogwild engine, and a run with resume (docs/conv.md)."""
+from __future__ import annotations
+
+import h5py
+import numpy as np
+import pytest
+from mpirun import train
+
+from hpcps import checkpoint, config, convnet, data
+from hpcps.conv_hogwild import ConvHogwild, engine_for
+from hpcps.convnet import ConvNet, col2im, im2col, maxpool, maxpool_back
+from hpcps.errors import CheckpointError, ConfigError, DataError
+from hpcps.inspect import describe, summarize
+from hpcps.modelspec import PRESETS, is_conv_spec, parse_spec
+
+SMALL = "conv3x3x4s2p1,pool2s1,conv2x2x3,fc5,fc3"   # stride, padding, overlapping pool, C_in 2
+DIGITS_CONV = "conv3x3x8p1,pool2,fc32,fc10"
+
+
+def numeric_grad(model, p, x, y, which, eps=1e-6):
+    g = np.empty(len(which))
+    for n, i in enumerate(which):
+        q = p.copy()
+        q[i] += eps
+        hi = model.loss(q, x, y)
+        q[i] -= 2 * eps
+        g[n] = (hi - model.loss(q, x, y)) / (2 * eps)
+    return g
+
+
+@pytest.mark.parametrize("activation", ["relu", "tanh", "sigmoid"])
+def test_gradient_matches_finite_differences_in_float64(activation):
+    model = ConvNet(SMALL, (2, 9, 8), activation)
+    rng = np.random.default_rng(1)
+    p = model.init_params(3).astype(np.float64) + rng.normal(size=model.n_params) * 0.05
+    x, y = rng.random((5, 2 * 9 * 8)), rng.integers(0, 3, 5)
+    loss, g = model.loss_and_grad(p, x, y)
+    assert g.dtype == np.float64 and np.isclose(loss, model.loss(p, x, y))
+    # every bias and a sample of every weight array (the whole vector takes seconds)
+    which = np.concatenate([np.arange(off, off + int(np.prod(shape)))[:12]
+                            for _, shape, off in model.layout])
+    num = numeric_grad(model, p, x, y, which)
+    assert np.abs(num - g[which]).max() <= 1e-6 * max(1.0, np.abs(g).max())
+
+
+def direct_conv(x, W, b, stride, pad):
+    """Cross-correlation by loops, NCHW: the definition the im2col code must match."""
+    B, C, H, Wd = x.shape
+    O, _, kh, kw = W.shape
+    xp = np.pad(x, ((0, 0), (0, 0), (pad, pad), (pad, pad)))
+    ho, wo = (H + 2 * pad - kh) // stride + 1, (Wd + 2 * pad - kw) // stride + 1
+    out = np.empty((B, O, ho, wo))
+    for i in range(ho):
+        for j in range(wo):
+            win = xp[:, :, i * stride:i * stride + kh, j * stride:j * stride + kw]
+            out[:, :, i, j] = np.einsum("bchw,ochw->bo", win, W) + b
+    return out
+
+
+@pytest.mark.parametrize("stride,pad", [(1, 0), (2, 1), (3, 2)])
+def test_im2col_conv_and_col2im_match_loops(stride, pad):
+    rng = np.random.default_rng(2)
+    x = rng.random((2, 3, 7, 6))
+    W, b = rng.normal(size=(4, 3, 3, 2)), rng.normal(size=4)
+    ref = direct_conv(x, W, b, stride, pad)
+    ho, wo = ref.shape[2:]
+    a = x.transpose(0, 2, 3, 1)
+    cols = im2col(a, 3, 2, stride, pad, ho, wo)
+    out = (cols @ W.transpose(2, 3, 1, 0).reshape(-1, 4) + b).reshape(2, ho, wo, 4)
+    assert np.allclose(out.transpose(0, 3, 1, 2), ref)
+    # col2im is im2col's transpose: <im2col(a), d> == <a, col2im(d)>
+    d = rng.normal(size=cols.shape)
+    back = col2im(d, a.shape, 3, 2, stride, pad, ho, wo)
+    assert np.isclose(np.sum(cols * d), np.sum(a * back))
+
+
+def test_maxpool_routes_the_gradient_to_the_first_maximum():
+    a = np.zeros((1, 4, 4, 1))
+    a[0, 1, 1, 0] = 5.0                              # one clear maximum in window (0, 0)
+    out = maxpool(a, 2, 2, 2, 2)
+    assert out[0, 0, 0, 0] == 5.0 and out.sum() == 5.0
+    dx = maxpool_back(np.ones((1, 2, 2, 1)), a, out, 2, 2)
+    assert dx.sum() == 4 and dx[0, 1, 1, 0] == 1   # all-zero windows: their first position
+    assert dx[0, 0, 2, 0] == dx[0, 2, 0, 0] == dx[0, 2, 2, 0] == 1
+    # overlapping windows (pool3s1) add up where they share a maximum
+    b = np.zeros((1, 4, 4, 1))
+    b[0, 2, 2, 0] = 1.0
+    db = maxpool_back(np.ones((1, 2, 2, 1)), b, maxpool(b, 3, 1, 2, 2), 3, 1)
+    assert db[0, 2, 2, 0] == 4 and db.sum() == 4
+
+
+def test_adam_mnist_matches_pytorch():
+    torch = pytest.importorskip("torch")
+    F = torch.nn.functional
+    model = ConvNet("adam-mnist", (1, 28, 28))
+    assert model.n_params == 298090
+    rng = np.random.default_rng(0)
+    p = model.init_params(0)
+    x, y = rng.random((8, 784)).astype(np.float32), rng.integers(0, 10, 8)
+    t = {k: torch.tensor(v.copy(), requires_grad=True) for k, v in model.views(p).items()}
+    h = torch.tensor(x).reshape(8, 1, 28, 28)
+    for i in range(2):   # kernels (out, in, kh, kw) go to conv2d as they are
+        h = F.max_pool2d(F.relu(F.conv2d(h, t[f"layer{i}/W"], t[f"layer{i}/b"])), 2)
+    h = h.flatten(1)     # C, H, W order
+    for i in range(2, 5):
+        h = h @ t[f"layer{i}/W"] + t[f"layer{i}/b"]
+        h = F.relu(h) if i < 4 else h
+    ref = F.cross_entropy(h, torch.tensor(y))
+    ref.backward()
+    loss, g = model.loss_and_grad(p, x, y)
+    assert np.isclose(loss, ref.item(), rtol=1e-5)
+    for k, v in model.views(g).items():
+        assert np.allclose(v, t[k].grad.numpy(), atol=1e-5, rtol=1e-4), k
+
+
+def test_spec_grammar_presets_and_refusals():
+    assert [s.kind for s in parse_spec("adam-mnist")] == \
+        ["conv", "pool", "conv", "pool", "fc", "fc", "fc"]
+    s = parse_spec("conv3x5x16s2p1,maxpool3s2,flatten,fc10")
+    assert (s[0].kh, s[0].kw, s[0].out, s[0].stride, s[0].pad) == (3, 5, 16, 2, 1)
+    assert (s[1].kh, s[1].stride) == (3, 2) and s[2].kind == "flatten"
+    assert is_conv_spec("adam-mnist") and not is_conv_spec("fc10")
+    assert PRESETS["adam-mnist"].startswith("conv5x5x10")
+    for bad, words in [("conv5x5,fc10", "cannot read layer 'conv5x5'"),
+                       ("conv3x3x4,pool2", "must end with an fc"),
+                       ("fc20,conv3x3x4,fc10", "come first"),
+                       ("conv3x3x0,fc10", ">= 1"), ("", "empty")]:
+        with pytest.raises(ConfigError, match=words):
+            parse_spec(bad)
+    with pytest.raises(ConfigError, match="needs an input of at least 5x5 but gets 20x4x4"):
+        ConvNet("conv5x5x20,pool2,conv5x5x20,fc10", (1, 12, 12))
+    m = ConvNet("adam-mnist", (1, 28, 28))
+    assert m.sizes == [784, 5760, 1280, 400, 400, 10]
+    assert [op.out_shape for op in m.ops][:4] == [(10, 24, 24), (10, 12, 12), (20, 8, 8),
+                                                   (20, 4, 4)]
+
+
+def test_config_takes_model_and_refuses_what_it_cannot_run():
+    cfg = config.parse(["--model", "adam-mnist"])
+    assert cfg.model == "adam-mnist" and cfg.to_dict()["model"] == "adam-mnist"
+    with pytest.raises(ConfigError, match="not both"):
+        config.parse(["--model", "adam-mnist", "--layers", "784,10"])
+    with pytest.raises(ConfigError, match="--partitions 1 only"):
+        config.parse(["--model", "adam-mnist", "--strategy", "sync", "--partitions", "2"])
+    with pytest.raises(ConfigError, match="--push activations sends"):
+        config.parse(["--model", "adam-mnist", "--push", "activations"])
+    with pytest.raises(ConfigError, match="cannot read layer"):
+        config.parse(["--model", "conv5,fc10"])
+
+
+def test_config_file_takes_model(tmp_path):
+    f = tmp_path / "c.toml"
+    f.write_text('model = "conv3x3x8p1,pool2,fc32,fc10"\nstrategy = "sync"\n')
+    assert config.parse(["--config", str(f)]).model == "conv3x3x8p1,pool2,fc32,fc10"
+
+
+def flat_copy(src, dst):
+    with h5py.File(src) as f, h5py.File(dst, "w") as g:
+        for k in f.attrs:
+            if k != "image_shape":
+                g.attrs[k] = f.attrs[k]
+        for split in ("train", "test"):
+            for a in ("x", "y"):
+                g[f"{split}/{a}"] = f[f"{split}/{a}"][()]
+    return dst
+
+
+def test_image_shape_in_the_dataset(digits_h5, tmp_path):
+    info = data.open_dataset(digits_h5)
+    assert info.image_shape == (1, 8, 8) and info.to_dict()["image_shape"] == [1, 8, 8]
+    flat = data.open_dataset(flat_copy(digits_h5, tmp_path / "flat.h5"))
+    assert flat.image_shape is None and "image_shape" not in flat.to_dict()
+    cfg = config.parse(["--model", DIGITS_CONV, "--strategy", "sync"])
+    with pytest.raises(ConfigError, match="declares no image shape"):
+        convnet.build(cfg, flat)
+    # an fc-only spec needs no image shape
+    fc_only = convnet.build(config.parse(["--model", "fc32,fc10"]), flat)
+    assert fc_only.n_params == 64 * 32 + 32 + 330
+    with pytest.raises(ConfigError, match="has 10 classes"):
+        convnet.build(config.parse(["--model", "conv3x3x8,fc7"]), info)
+    bad = flat_copy(digits_h5, tmp_path / "bad.h5")
+    with h5py.File(bad, "a") as f:
+        f.attrs["image_shape"] = np.array([1, 8, 9])
+    with pytest.raises(DataError, match="holds 72 values but each row of x has 64"):
+        data.open_dataset(bad)
+
+
+def conv_checkpoint(digits_h5, seed=0):
+    cfg = config.parse(["--model", DIGITS_CONV, "--strategy", "sync"])
+    info = data.open_dataset(digits_h5)
+    model = convnet.build(cfg, info)
+    p = model.init_params(seed)
+    return model, checkpoint.Checkpoint(
+        params={k: v.copy() for k, v in model.views(p).items()}, optimizer="adagrad",
+        opt_state={f"accum/{k}": np.ones_like(v) for k, v in model.views(p).items()}, step=7,
+        config=cfg.to_dict(), dataset=info.to_dict())
+
+
+def test_checkpoint_holds_kernels_out_in_kh_kw_and_inspect_shows_the_model(digits_h5,
+                                                                          tmp_path):
+    model, ckpt = conv_checkpoint(digits_h5)
+    path = checkpoint.save(tmp_path / "c.h5", ckpt)
+    back = checkpoint.load(path)
+    assert back.params["layer0/W"].shape == (8, 1, 3, 3)
+    assert all(np.array_equal(back.params[k], v) for k, v in ckpt.params.items())
+    with h5py.File(path) as f:   # self-describing for h5py alone
+        assert f["params"].attrs["model_spec"].decode() == DIGITS_CONV
+        assert "(out_maps, in_maps, kh, kw)" in f["params/layer0/W"].attrs["description"].decode()
+    assert checkpoint.check_compatible(back, model.sizes, "adagrad", ckpt.dataset) == []
+    s = summarize(path)
+    assert s["model"]["spec"] == DIGITS_CONV and s["layer_sizes"] == [64, 512, 32, 10]
+    text = describe(path)
+    assert "conv3x3x8p1    -> 8x8x8 relu  layer0/W (8, 1, 3, 3)" in text
+    wrong = dict(ckpt.params, **{"layer0/W": np.zeros((1, 8, 3, 3), np.float32)})
+    with pytest.raises(CheckpointError, match=r"needs \(8, 1, 3, 3\)"):
+        checkpoint.save(tmp_path / "w.h5", checkpoint.Checkpoint(
+            params=wrong, optimizer="sgd", opt_state={}, step=0, config=ckpt.config,
+            dataset=ckpt.dataset))
+
+
+def test_hogwild_engine_trains_and_sums_gradients(digits_h5):
+    x, y = data.load_split(digits_h5, "train")
+    model = ConvNet(DIGITS_CONV, (1, 8, 8))
+    assert isinstance(engine_for(model, "relu", 2, 16), ConvHogwild)
+    p = model.init_params(0)
+    rows = np.arange(100)
+    # gradient_sum: the sum of per-batch gradients, the same for any thread count
+    ref = np.zeros_like(p)
+    for lo in range(0, 100, 16):
+        idx = rows[lo:lo + 16]
+        ref += model.loss_and_grad(p, x[idx], y[idx])[1] * len(idx)
+    for T in (1, 3):
+        loss_sum, g, n = ConvHogwild(model, T, 16).gradient_sum(p, x, y, rows)
+        assert n == 100 and np.allclose(g, ref, atol=1e-4)
+    # T = 1 is plain SGD, step for step
+    q, seq = p.copy(), p.copy()
+    delta = np.zeros_like(p)
+    ConvHogwild(model, 1, 16).train(q, x, y, rows[:64], 0.1, steps_per_thread=4, delta=delta)
+    for lo in range(0, 64, 16):
+        seq -= np.float32(0.1) * model.loss_and_grad(seq, x[lo:lo + 16], y[lo:lo + 16])[1]
+    assert np.allclose(q, seq, atol=1e-5) and np.allclose(delta, q - p, atol=1e-5)
+    # T = 2, lock-free: learns
+    order = np.random.default_rng(0).permutation(len(y))
+    eng = ConvHogwild(model, 2, 16)
+    before = model.evaluate(p, x, y)[0]
+    for _ in range(3):
+        eng.train(p, x, y, order, 0.05)
+    assert model.evaluate(p, x, y)[0] < 0.5 * before
+    with pytest.raises(ValueError, match="need"):
+        eng.train(p, x, y, order[:10], 0.05, steps_per_thread=1)
+
+
+def test_conv_run_resumes_and_refuses_another_model(digits_h5, tmp_path):
+    common = ["--strategy", "sync", "--model", DIGITS_CONV, "--data", str(digits_h5),
+              "--batch-size", "16", "--eval-every", "0", "--checkpoint-every", "0",
+              "--timeout", "60", "--run-dir", str(tmp_path)]
+    first = train(2, *common, "--steps", "100", timeout=120)
+    assert first.returncode == 0, first.output[-3000:]
+    ckpt = tmp_path / "checkpoint.h5"
+    again = train(2, *common, "--steps", "150", "--resume", str(ckpt), timeout=120)
+    assert again.returncode == 0, again.output[-3000:]
+    assert "resumed from" in again.stdout and checkpoint.load(ckpt).step == 150
+    other = train(2, *common[:2], "--model", "conv3x3x4,pool2,fc10", *common[4:],
+                  "--steps", "200", "--resume", str(ckpt), timeout=60)
+    assert other.returncode == 4 and "holds model " + DIGITS_CONV in other.stderr, other.stderr
