@@ -6,6 +6,8 @@ here; its own option values go in ``OWN`` below):
 * P (``--partitions``) 1, 2, 3; R (replicas) 1, 2, 3; S (``--servers``) 1, 2, 3 where the
   strategy has shards, else none; one coordinator where it has one; N = S + C + R * P;
 * ``--threads`` 1, 2;
+* ``--trace`` off, on (an accepted run with it must also write a trace.json holding every
+  rank's events);
 * the strategy's own options (``OWN``), defaults included (downpour's warm start stays on
   unless the row says ``--warmup-steps 0``);
 * the model (``MODELS``): the MLP of ``--layers`` or a conv model (``--model``, which runs
@@ -86,8 +88,9 @@ OWN = {
 
 
 def dimensions(name: str, spec) -> tuple[list[str], list[list]]:
-    names = ["P", "R", "S", "T", "model"]
-    dims = [[1, 2, 3], [1, 2, 3], [1, 2, 3] if spec.uses_servers else [0], [1, 2], MODELS]
+    names = ["P", "R", "S", "T", "model", "trace"]
+    dims = [[1, 2, 3], [1, 2, 3], [1, 2, 3] if spec.uses_servers else [0], [1, 2], MODELS,
+            [[], ["--trace"]]]
     for option, values in OWN.get(name, {}).items():
         names.append(option)
         dims.append(values)
@@ -99,7 +102,7 @@ def run_options(spec) -> list[str]:
 
 
 def combination(name: str, spec, row) -> dict:
-    P, R, S, T, model, *own = row
+    P, R, S, T, model, *own = row  # own: --trace, then the strategy's own options
     n = S + int(spec.coordinator) + R * P
     argv = ["--strategy", name, "--partitions", str(P), "--threads", str(T), *model]
     if spec.uses_servers:
@@ -172,6 +175,10 @@ def test_combination(case, digits_h5, tmp_path):
     s = summary[-1]
     assert s["step"] >= int(steps[1]), s
     assert s["test_accuracy"] >= MIN_ACCURACY, (s["test_accuracy"], run.stdout[-2000:])
+    if "--trace" in argv:
+        events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+        ranks = {e["pid"] for e in events if e["ph"] == "X"}
+        assert ranks == set(range(n)), (sorted(ranks), n)
 
 
 def test_the_sample_covers_every_pair():
