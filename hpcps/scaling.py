@@ -295,6 +295,7 @@ def plot(curves: dict, title: str, path: str) -> None:
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for name, pts in curves.items():
+        pts = [p for p in pts if p[1] > 0]  # node counts the strategy cannot run on
         ax.plot([p[0] for p in pts], [p[2] for p in pts], marker="o", ms=3, label=name)
     top = max(p[0] for pts in curves.values() for p in pts)
     ax.plot([1, top], [1, top], color="grey", lw=0.8, ls="--", label="linear")
@@ -362,7 +363,7 @@ def main(argv: list[str] | None = None) -> int:
         out["cluster"] = validate_cluster(args.validate_cluster,
                                           background=args.background_load)
     if args.png:
-        plot(curves, f"{args.model} ({n / 1e6:.1f}M parameters), batch {args.batch_size}, "
+        plot(curves, f"{args.model} ({n / 1e6:.1f}M parameters), batch {args.batch_size}\n"
                      f"{out['network']}: {net}", args.png)
         out["png"] = args.png
     if args.json:
