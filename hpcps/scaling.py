@@ -16,9 +16,9 @@ parameter for the optimizer's update:
 ``averaging``   every step compute and update; every k steps (``--average-every``) a ring
                 allreduce of the parameters and optimizer state.
 ``downpour``    every step a replica computes, pushes its 4n-byte gradient and fetches 4n
-                bytes of parameters from the S shards; a shard takes R pushes and serves R
-                fetches per round of steps and applies R updates of n/S parameters: the job
-                runs at the slower of the replicas and the shards. S nodes are shards
+                bytes of parameters from the S shards; a shard's loop, one request at a
+                time, takes R pushes, applies them and serves R fetches per round of steps:
+                the job runs at the slower of the replicas and the shards. S nodes are shards
                 (``--servers``, default 1), so R = N - S.
 ``deadreckon``  every step compute, threshold the residual and send one compressed message
                 (``HEADER + updates * bits / 8`` bytes, :mod:`hpcps.compress`) to each of the
@@ -78,7 +78,7 @@ class Workload:
     ----------
     n_params : parameters of the model.
     batch : examples per mini-batch per replica.
-    compute_s : seconds for one mini-batch's forward and backward pass on one node.
+    compute_s : seconds for one mini-batch's forward and backward pass on a core of its own.
     update_s_per_param : seconds of the optimizer's update per parameter.
     state_vectors : optimizer state vectors (adagrad: 1), averaged with the parameters.
     average_every : averaging's k.
@@ -86,11 +86,13 @@ class Workload:
         ``updates_per_step``; Strom's Table 3 gives update sizes).
     bits_per_update : deadreckon: bits per sent element (``bits_per_update`` in a summary).
     batch_examples : sandblaster: examples per L-BFGS iteration (the training set).
+    portion_s_per_example : sandblaster: seconds per example of a portion's gradient (large
+        batches run BLAS faster per example than mini-batches); default compute_s / batch.
     servers : downpour: parameter-server shards S (nodes that do not train).
     cores : cores shared by all nodes (the emulated cluster: every node is a namespace of one
         machine); None for real nodes, each with its own CPU.
-    background : runnable threads of other jobs on those cores (a shared machine's load),
-        present when ``compute_s`` was measured and while the nodes run.
+    background : runnable threads of other jobs on those cores while the nodes run (a
+        shared machine's load).
     """
 
     n_params: int
@@ -102,18 +104,18 @@ class Workload:
     updates_per_step: float = 0.0
     bits_per_update: float = 11.0
     batch_examples: int = 60000
+    portion_s_per_example: float | None = None
     servers: int = 1
     cores: int | None = None
     background: float = 0.0
 
     def compute(self, nodes: int) -> float:
-        """Seconds of one mini-batch when ``nodes`` ranks compute at once: on shared cores,
-        each runnable thread gets cores / (runnable threads) of a core, relative to the one
-        rank (and the background) ``compute_s`` was measured with."""
+        """Seconds of one mini-batch when ``nodes`` ranks compute at once: ``compute_s`` is
+        the time on a core of its own; on shared cores each of the runnable threads (ours
+        and the background's) gets cores / threads of a core."""
         if not self.cores:
             return self.compute_s
-        share = max(1.0, (nodes + self.background) / self.cores)
-        return self.compute_s * share / max(1.0, (1 + self.background) / self.cores)
+        return self.compute_s * max(1.0, (nodes + self.background) / self.cores)
 
 
 def ring(nbytes: float, R: int, alpha: float, beta: float) -> float:
@@ -163,17 +165,18 @@ def predict(strategy: str, w: Workload, nodes: int, alpha: float, beta: float) -
         R = nodes - S
         if R < 1:
             return 0.0
-        # a replica talks to every shard: S messages each way of n/S parameters
-        replica = w.compute(nodes) + 2 * (S * alpha + 4 * n * beta)
-        # a shard's link carries R pushes in and R fetches out per round (full duplex), and
-        # it applies R updates of n/S parameters
-        shard = R * (4 * n / S * beta + alpha) + R * n / S * w.update_s_per_param
+        # a replica talks to every shard: a push, an ask and a reply of n/S parameters each
+        replica = w.compute(nodes) + 3 * S * alpha + 2 * 4 * n * beta
+        # a shard's loop does one thing at a time (ps/gradient_shard.py): per replica step it
+        # receives the push, applies it, answers the ask with its n/S parameters
+        shard = R * (3 * alpha + 2 * 4 * n / S * beta + n / S * w.update_s_per_param)
         return R * b / max(replica, shard)
     if strategy == "sandblaster":
         R = nodes - 2
         if R < 1:
             return 0.0
-        work = w.compute(nodes) * w.batch_examples / b / R
+        per_example = w.portion_s_per_example or w.compute_s / b
+        work = w.compute(nodes) / w.compute_s * per_example * w.batch_examples / R
         shard = R * 2 * (alpha + 4 * n * beta)  # every replica's fetch and push, one link
         commands = 20 * alpha * 2  # the coordinator's L-BFGS commands, round trips
         return w.batch_examples / (work + shard + commands + 4 * n * w.update_s_per_param)
@@ -190,7 +193,8 @@ def curve(strategy: str, w: Workload, nodes: list[int], alpha: float, beta: floa
     return out
 
 
-def measure_compute(layers: list[int], batch: int, repeats: int = 5) -> dict:
+def measure_compute(layers: list[int], batch: int, repeats: int = 5,
+                    portion: int = 256) -> dict:
     """One mini-batch's forward and backward pass and an Adagrad update, on this CPU, one
     thread, medians of ``repeats``: ``compute_s`` and ``update_s_per_param`` in CPU seconds
     (what the work costs a core of its own, also on a loaded machine), ``compute_wall_s`` in
@@ -209,6 +213,12 @@ def measure_compute(layers: list[int], batch: int, repeats: int = 5) -> dict:
         model.loss_and_grad(params, x, y, grad)
         cpu.append(time.process_time() - c)
         wall.append(time.perf_counter() - w)
+    xp = rng.standard_normal((portion, layers[0])).astype(np.float32)
+    yp = rng.integers(0, layers[-1], portion)
+    model.loss_and_grad(params, xp, yp, grad)
+    c = time.process_time()
+    model.loss_and_grad(params, xp, yp, grad)
+    portion_s = (time.process_time() - c) / portion
     opt = Adagrad(0.01)
     state = opt.init_state(model.n_params)
     grad *= 1e-3
@@ -220,6 +230,7 @@ def measure_compute(layers: list[int], batch: int, repeats: int = 5) -> dict:
     return {"compute_s": statistics.median(cpu[1:]),
             "compute_wall_s": statistics.median(wall[1:]),
             "update_s_per_param": statistics.median(upd) / model.n_params,
+            "portion_s_per_example": portion_s,
             "load_average": os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0}
 
 
@@ -270,6 +281,7 @@ def validate_cluster(path: str, repeats: int = 5, background: float | None = Non
                 continue
             w = Workload(n_params=n, batch=batch, compute_s=t_c, update_s_per_param=t_u,
                          cores=cores, background=background,
+                         portion_s_per_example=m["portion_s_per_example"],
                          servers=max(1, run.get("servers", 1)))
             if run["strategy"] == "deadreckon" and run["replicas"] > 1:
                 # the updates per step depend on the data: take them from the run's bytes
@@ -295,6 +307,7 @@ def plot(curves: dict, title: str, path: str) -> None:
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for name, pts in curves.items():
+        pts = [p for p in pts if p[1] > 0]  # node counts the strategy cannot run on
         ax.plot([p[0] for p in pts], [p[2] for p in pts], marker="o", ms=3, label=name)
     top = max(p[0] for pts in curves.values() for p in pts)
     ax.plot([1, top], [1, top], color="grey", lw=0.8, ls="--", label="linear")
@@ -347,6 +360,7 @@ def main(argv: list[str] | None = None) -> int:
     n = sum((layers[i] + 1) * layers[i + 1] for i in range(len(layers) - 1))
     bits = 11.0
     w = Workload(n_params=n, batch=args.batch_size, compute_s=t_c, update_s_per_param=t_u,
+                 portion_s_per_example=m["portion_s_per_example"],
                  updates_per_step=4 * n / args.compression * 8 / bits, bits_per_update=bits,
                  servers=args.servers)
     names = args.strategies.split(",")
@@ -362,7 +376,7 @@ def main(argv: list[str] | None = None) -> int:
         out["cluster"] = validate_cluster(args.validate_cluster,
                                           background=args.background_load)
     if args.png:
-        plot(curves, f"{args.model} ({n / 1e6:.1f}M parameters), batch {args.batch_size}, "
+        plot(curves, f"{args.model} ({n / 1e6:.1f}M parameters), batch {args.batch_size}\n"
                      f"{out['network']}: {net}", args.png)
         out["png"] = args.png
     if args.json:
