@@ -196,7 +196,7 @@ def conv_model(config: dict, dataset: dict):
     """The :class:`~hpcps.convnet.ConvNet` a checkpoint's config names (``model``), on its
     dataset's image shape; None for an MLP checkpoint."""
     spec = config.get("model") if isinstance(config, dict) else None
-    if not spec:
+    if not isinstance(spec, str) or not spec:   # an MLP's run (config files of others: any)
         return None
     from hpcps.convnet import ConvNet
     shape = dataset.get("image_shape") or (dataset.get("n_features", 0), 1, 1)

@@ -32,6 +32,7 @@ and the README.
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import os
@@ -133,9 +134,15 @@ def matrix() -> list[dict]:
 
 def verdict(argv: list[str], n: int) -> str | None:
     """None if hpcps accepts ``argv`` on ``n`` ranks, else the message it refuses it with."""
+    return _verdict(tuple(argv), n)
+
+
+@functools.cache
+def _verdict(argv: tuple[str, ...], n: int) -> str | None:
+    # cached: the pairwise sampler and the coverage test judge the same rows many times
     from hpcps.train import plan  # imports mpi4py: only when the tests run
     try:
-        plan(config.parse(argv + COMMON), n)
+        plan(config.parse(list(argv) + COMMON), n)
     except ConfigError as exc:
         return str(exc)
     return None

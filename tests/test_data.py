@@ -61,7 +61,8 @@ def good_arrays(n_train=10, n_test=4, d=3):
 def test_prepare_digits_round_trip(digits_path):
     info = open_dataset(digits_path)
     assert info == DatasetInfo(path=str(digits_path), name="digits", n_train=1437, n_test=360,
-                               n_features=64, n_classes=10, fingerprint=info.fingerprint)
+                               n_features=64, n_classes=10, fingerprint=info.fingerprint,
+                               image_shape=(1, 8, 8))
     assert len(info.fingerprint) == 16
     assert json.loads(json.dumps(info.to_dict())) == info.to_dict()
 
