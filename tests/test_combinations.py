@@ -63,6 +63,7 @@ OWN = {
         "golomb": [[], ["--golomb", "off"]],
         "consistency": [[], ["--staleness-bound", "1"], ["--softsync", "2", "--staleness-lr",
                                                         "on"]],
+        "chunks": [[], ["--chunk-bytes", "1024"]],
     },
     "deadreckon": {"golomb": [[], ["--golomb", "off"]],
                    "warmup": [[], ["--warmup-steps", "0"]],
@@ -72,7 +73,8 @@ OWN = {
     "averaging": {"period": [["--average-every", "1"], []],
                   "state": [[], ["--average-state", "off"]],
                   "optimizer": [[], ["--optimizer", "momentum", "--nesterov", "on"]]},
-    "sandblaster": {"flush": [[], ["--flush-every", "1"]]},
+    "sandblaster": {"flush": [[], ["--flush-every", "1"]],
+                    "chunks": [[], ["--chunk-bytes", "1024"]]},
 }
 
 

@@ -24,9 +24,10 @@ import time
 import numpy as np
 
 from hpcps import compress
+from hpcps.chunks import DEFAULT_CHUNK_BYTES, ChunkPlan, chunk_elements
 from hpcps.comm import gather_to_root, wait_all
 from hpcps.errors import ConfigError
-from hpcps.options import INJECT_SLOW, GOLOMB, PREFETCH, TAU, WARMUP_STEPS, Option
+from hpcps.options import CHUNK_BYTES, INJECT_SLOW, GOLOMB, PREFETCH, TAU, WARMUP_STEPS, Option
 from hpcps.protocol import H, Message, Tag
 from hpcps.ps import activations
 from hpcps.ps.client import Client
@@ -40,7 +41,6 @@ from hpcps.strategies.context import (
 )
 from hpcps.strategies.loop import ReplicaLoop, check_options
 from hpcps.strategies.registry import SERVERS, Strategy
-from hpcps.topology import shard_range
 
 
 def part_sizes(ctx: Context) -> list[int]:
@@ -66,51 +66,57 @@ def clock_offsets(ctx: Context) -> list[int]:
     return [0] + [warmup] * (ctx.grid.layout.replicas - 1)
 
 
-def shards_of_partition(ctx: Context, part: int) -> list[tuple[int, int, int]]:
-    """(shard, lo, hi) for each shard holding partition ``part``'s slice, lo/hi within it.
+def partition_plan(ctx: Context, part: int) -> ChunkPlan:
+    """Which of partition ``part``'s own S/P shards holds which chunk of its slice.
 
-    Each partition has its own S/P shards (so a partition talks only to the shards that
-    hold its parameters), and splits its slice among them in contiguous chunks.
+    Each partition has its own S/P shards (so a partition talks only to the shards that hold
+    its parameters); its slice is cut into ``--chunk-bytes`` chunks hashed to them
+    (:mod:`hpcps.chunks`). Activation pushes keep one contiguous run of whole rows per shard.
     """
     per = ctx.grid.layout.servers // ctx.grid.layout.partitions
     if ctx.cfg.push == "activations":  # whole rows per shard (P = 1)
-        return [(j, lo, hi) for j, (lo, hi) in
-                enumerate(activations.row_aligned_ranges(ctx.model, per))]
-    size = part_sizes(ctx)[part]
-    return [(part * per + j, *shard_range(size, per, j)) for j in range(per)]
+        return ChunkPlan.contiguous(activations.row_aligned_ranges(ctx.model, per))
+    n = part_sizes(ctx)[part]
+    return ChunkPlan(n, chunk_elements(ctx.cfg.chunk_bytes, n, per), per)
 
 
-def global_ranges(ctx: Context) -> list[tuple[int, int]]:
-    """Every shard's chunk of the global vector (partition slices one after the other), in
-    shard order; consecutive, so gathering them in order rebuilds the global vector."""
+def shard_locals(ctx: Context) -> list[tuple[int, int, ChunkPlan, int]]:
+    """For every shard in order: (partition, offset of the partition's slice in the global
+    vector, the partition's plan, the shard's index among the partition's shards)."""
     sizes = part_sizes(ctx)
     base = np.cumsum([0] + sizes)
     out = []
     for part in range(len(sizes)):
-        out += [(int(base[part]) + lo, int(base[part]) + hi)
-                for _, lo, hi in shards_of_partition(ctx, part)]
+        plan = partition_plan(ctx, part)
+        out += [(part, int(base[part]), plan, j) for j in range(plan.n_shards)]
     return out
 
 
 class PackedPusher:
     """Strom-compressed pushes: the residual stays on the replica, each shard gets a message.
 
-    The accumulated gradient is added to the residual; elements past +-tau become 1-bit
-    words (``hpcps.compress.threshold``), which are cut at the shard boundaries (words are
-    sorted by index), re-based to each shard's slice and coded.
+    The accumulated gradient, permuted to shard order (each shard's chunks contiguous,
+    :meth:`hpcps.chunks.ChunkPlan.to_shard_order`), is added to the residual, kept in that
+    order; elements past +-tau become 1-bit words (``hpcps.compress.threshold``), which are
+    cut at the shard boundaries (words are sorted by index), re-based to each shard's local
+    vector and coded.
     """
 
-    def __init__(self, n: int, ranges, tau: float, golomb: bool):
+    def __init__(self, plan: ChunkPlan, tau: float, golomb: bool):
+        n = plan.n
+        self.plan = plan
         self.residual = np.zeros(n, dtype=np.float32)
+        self.ordered = np.empty(n, dtype=np.float32)
         self.out = np.empty(n, dtype=np.uint32)
         self.tau = tau
         self.golomb = golomb
-        self.ranges = list(ranges)
-        self.bounds = np.array([lo << 1 for lo, _ in ranges] + [n << 1], dtype=np.uint64)
+        self.ranges = list(plan.ranges)
+        self.bounds = np.array([lo << 1 for lo, _ in self.ranges] + [n << 1], dtype=np.uint64)
         self.words_sent = 0
 
     def bodies(self, grad: np.ndarray) -> list[np.ndarray]:
-        words = compress.threshold(self.residual, grad, self.tau, out=self.out)
+        ordered = self.plan.to_shard_order(grad, self.ordered)
+        words = compress.threshold(self.residual, ordered, self.tau, out=self.out)
         self.words_sent += len(words)
         cuts = np.searchsorted(words, self.bounds)
         return [compress.encode(words[cuts[s]:cuts[s + 1]] - np.uint32(lo << 1), self.golomb)
@@ -165,20 +171,20 @@ class DownpourReplica(ReplicaLoop):
         self.warmup = cfg.warmup_steps if ctx.start_step == 0 else 0
         super().__init__(ctx, steps_for_replica(ctx.remaining_steps, R, r, self.warmup))
         self.layout = layout
-        mine = shards_of_partition(ctx, grid.role.partition)
-        ranks = [layout.server_rank(shard) for shard, _, _ in mine]
-        ranges = [(lo, hi) for _, lo, hi in mine]
-        self.pusher = PackedPusher(model.n_params, ranges, cfg.tau, cfg.golomb == "on") \
+        part = grid.role.partition
+        plan = partition_plan(ctx, part)
+        ranks = [layout.server_rank(part * plan.n_shards + j) for j in range(plan.n_shards)]
+        self.pusher = PackedPusher(plan, cfg.tau, cfg.golomb == "on") \
             if cfg.compress == "threshold" else None
         self.activations = cfg.push == "activations"
         if self.activations:
-            self.chunks = [activations.pieces(model, lo, hi) for lo, hi in ranges]
+            self.chunks = [activations.pieces(model, lo, hi) for lo, hi in plan.ranges]
             k_max = cfg.batch_size * cfg.n_push
             bounds = [activations.max_message_bytes(model, c, k_max) for c in self.chunks]
         else:
-            bounds = [compress.max_message_bytes(hi - lo) for lo, hi in ranges]
+            bounds = [compress.max_message_bytes(size) for size in plan.sizes]
         packed = self.pusher is not None or self.activations
-        self.client = Client(grid.world, ranks, ranges, r, cfg.timeout,
+        self.client = Client(grid.world, ranks, plan, r, cfg.timeout,
                              packed_bytes=bounds if packed else None)
         self.rows_in, self.rows_err = [], []  # activation pushes: since the last push
         self.params = np.empty(model.n_params, dtype=np.float32)
@@ -335,22 +341,36 @@ def _finish_chief(ctx: Context, t0: float) -> dict:
 def run_server(ctx: Context) -> dict:
     cfg, grid = ctx.cfg, ctx.grid
     s = grid.role.shard
-    ranges = global_ranges(ctx)
-    lo, hi = ranges[s]
-    params = ctx.params[lo:hi].copy()
-    state = {k: v[lo:hi].copy() for k, v in ctx.opt_state.items()}
+    shards = shard_locals(ctx)
+    part, base, plan, j = shards[s]
+    size = plan.n
+
+    def mine(vec: np.ndarray) -> np.ndarray:
+        return plan.take(j, vec[base:base + size])
+
+    params = mine(ctx.params)
+    state = {k: mine(v) for k, v in ctx.opt_state.items()}
     keys = list(ctx.optimizer.state_keys)
+
+    def unshuffle(vec: np.ndarray) -> np.ndarray:
+        """The global vector from the shards' local vectors one after the other: each
+        partition's segment is in its plan's shard order."""
+        out = np.empty_like(vec)
+        for q, b, p, k in shards:
+            if k == 0:
+                p.from_shard_order(vec[b:b + p.n], out[b:b + p.n])
+        return out
 
     def gather() -> tuple[np.ndarray, dict] | None:
         """The whole model (MLP layout) and optimizer state on shard 0, from every shard's
-        chunk; None on the other shards. Collective over the server communicator."""
-        counts = [h - l for l, h in ranges]
+        chunks; None on the other shards. Collective over the server communicator."""
+        counts = [p.sizes[k] for _, _, p, k in shards]
         gathered = [gather_to_root(grid.server_comm, local, counts, cfg.timeout,
                                    "the other server shards to join a gather of the model")
                     for local in [params] + [state[k] for k in keys]]
         if s != 0:
             return None
-        full = [ctx.global_to_full(v) for v in gathered]
+        full = [ctx.global_to_full(unshuffle(v)) for v in gathered]
         return full[0], dict(zip(keys, full[1:]))
 
     def on_boundary(step: int) -> None:
@@ -363,10 +383,10 @@ def run_server(ctx: Context) -> dict:
                          n_replicas=grid.layout.replicas, step=ctx.start_step,
                          timeout=cfg.timeout, on_boundary=on_boundary,
                          boundary_every=cfg.checkpoint_every,
-                         policy=shard_policy(ctx, hi - lo),
-                         packed=shard_expander(hi - lo, cfg.tau)
+                         policy=shard_policy(ctx, len(params)),
+                         packed=shard_expander(len(params), cfg.tau)
                          if cfg.compress == "threshold" else
-                         shard_activation_handler(ctx, lo, hi, params, state)
+                         shard_activation_handler(ctx, *plan.ranges[j], params, state)
                          if cfg.push == "activations" else None,
                          tick=ctx.stop_tick)
     stats = server.serve()
@@ -400,6 +420,8 @@ def _defaults(cfg) -> dict:
     d = {"servers": cfg.partitions,  # one shard per partition
          "lr": 0.01, "n_fetch": 1, "n_push": 1, "warmup_steps": 200, "compress": "none",
          "batch_size": 32, "prefetch": 2, "push": "gradients"}
+    if cfg.push != "activations":  # activation pushes hold whole rows per shard, not chunks
+        d["chunk_bytes"] = DEFAULT_CHUNK_BYTES
     if cfg.compress == "threshold":
         d.update(tau=DOWNPOUR_TAU, golomb="on")
     return d
@@ -407,6 +429,10 @@ def _defaults(cfg) -> dict:
 
 def _validate(cfg) -> None:
     check_options(cfg)
+    if cfg.push == "activations" and cfg.chunk_bytes is not None:
+        raise ConfigError("--chunk-bytes does not apply to --push activations: a shard applies "
+                          "pushed layer inputs and errors to whole rows, so each shard holds one "
+                          "run of whole rows instead of hashed chunks")
     if cfg.push == "activations" and (cfg.compress == "threshold" or cfg.partitions > 1
                                       or cfg.threads > 1):
         raise ConfigError("--push activations goes with dense pushes of whole replicas: not "
@@ -524,7 +550,7 @@ STRATEGY = Strategy(
         Option("staleness_lr", str, "on: take each update at the rate lr/max(1, tau), tau "
                "its staleness (a softsync group's mean staleness) (default off)",
                choices=("on", "off")),
-        TAU, GOLOMB, PREFETCH, INJECT_SLOW),
+        TAU, GOLOMB, PREFETCH, INJECT_SLOW, CHUNK_BYTES),
     defaults=_defaults,
     validate=_validate,
     describe=_describe,
