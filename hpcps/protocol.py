@@ -33,6 +33,8 @@ class Tag(IntEnum):
     SB_PUSH_ACK = 15  # shard -> replica: push applied
     SB_STATE = 16     # coordinator -> shard 0: L-BFGS scalars and metrics for a checkpoint
     PUSH_ACTIVATIONS = 17  # replica -> shard: header + k rows of layer inputs and errors
+    HEARTBEAT = 18    # replica -> shard: header only, "still alive" (--heartbeat-timeout)
+    RESULT = 19       # any rank <-> reporter: final figures (pickled), when ranks may be lost
 
 
 class Op(IntEnum):

@@ -33,6 +33,7 @@ from hpcps.ps import activations
 from hpcps.ps.client import Client
 from hpcps.ps.consistency import SoftSync, StaleSynchronous
 from hpcps.ps.gradient_shard import GradientShard
+from hpcps.ps.liveness import HEARTBEATS_PER_TIMEOUT, HeartbeatThread, Liveness
 from hpcps.strategies.context import (
     Context,
     finish_on_chief,
@@ -169,7 +170,11 @@ class DownpourReplica(ReplicaLoop):
         layout = grid.layout
         r, R = grid.role.replica, layout.replicas
         self.warmup = cfg.warmup_steps if ctx.start_step == 0 else 0
-        super().__init__(ctx, steps_for_replica(ctx.remaining_steps, R, r, self.warmup))
+        # replicas may die: every replica runs until the shards have applied the run's steps,
+        # so the survivors take over a lost replica's share
+        self.may_lose = cfg.heartbeat_timeout is not None
+        super().__init__(ctx, ctx.remaining_steps if self.may_lose else
+                         steps_for_replica(ctx.remaining_steps, R, r, self.warmup))
         self.layout = layout
         part = grid.role.partition
         plan = partition_plan(ctx, part)
@@ -200,14 +205,23 @@ class DownpourReplica(ReplicaLoop):
         # pushed, from the warm-start offset), and its largest lead over the slowest replica
         self.clock = clock_offsets(ctx)[r]
         self.max_lead = 0
+        self.heartbeat = HeartbeatThread(grid.world, ranks, r, cfg.heartbeat_timeout /
+                                         HEARTBEATS_PER_TIMEOUT) \
+            if cfg.heartbeat_timeout is not None else None
 
     def run(self) -> dict:
-        if self.replica != 0 and self.warmup > 0:
-            self._wait_for_release()
-        elif not self.released:
-            self.ctx.metrics.message(f"warm start: replica 0 trains alone for {self.warmup} "
-                                     "steps")
-        return super().run()
+        if self.heartbeat is not None:
+            self.heartbeat.start()
+        try:
+            if self.replica != 0 and self.warmup > 0:
+                self._wait_for_release()
+            elif not self.released:
+                self.ctx.metrics.message(f"warm start: replica 0 trains alone for "
+                                         f"{self.warmup} steps")
+            return super().run()
+        finally:
+            if self.heartbeat is not None:
+                self.heartbeat.stop()
 
     def _wait_for_release(self) -> None:
         self.ctx.metrics.message(f"replica {self.replica} waits for replica 0's warm start")
@@ -274,6 +288,9 @@ class DownpourReplica(ReplicaLoop):
 
     def global_step(self) -> int:
         return self.info["step"]
+
+    def run_complete(self) -> bool:
+        return self.may_lose and self.info["step"] + self.acc_steps >= self.ctx.total_steps
 
     def progress_fields(self) -> dict:
         c, done = self.client, max(1, self.done)
@@ -379,6 +396,11 @@ def run_server(ctx: Context) -> dict:
             path = save_checkpoint(ctx, got[0], got[1], step)
             print(f"[hpcps] server shard 0 wrote checkpoint {path} at step {step}", flush=True)
 
+    liveness, replica_of = None, None
+    if cfg.heartbeat_timeout is not None:  # replicas may die (P = 1: replica r is rank r)
+        layout = grid.layout
+        liveness = Liveness(layout.replicas, cfg.heartbeat_timeout)
+        replica_of = {layout.replica_rank(r): r for r in range(layout.replicas)}
     server = GradientShard(grid.world, params, state, ctx.optimizer.apply,
                          n_replicas=grid.layout.replicas, step=ctx.start_step,
                          timeout=cfg.timeout, on_boundary=on_boundary,
@@ -388,7 +410,8 @@ def run_server(ctx: Context) -> dict:
                          if cfg.compress == "threshold" else
                          shard_activation_handler(ctx, *plan.ranges[j], params, state)
                          if cfg.push == "activations" else None,
-                         tick=ctx.stop_tick)
+                         tick=ctx.stop_tick, liveness=liveness, replica_of=replica_of,
+                         fatal=(0,))
     stats = server.serve()
     got = gather()
     if got is not None:
@@ -409,7 +432,8 @@ def run_server(ctx: Context) -> dict:
             "combined_pushes": getattr(server.policy, "combined", None),
             "clock_lead_max": server.policy.max_lead
             if isinstance(server.policy, StaleSynchronous) else None,
-            "max_staleness": stats.staleness_max, "step": server.step}
+            "max_staleness": stats.staleness_max, "step": server.step,
+            "lost_replicas": stats.lost_replicas, "discarded_pushes": stats.discarded_pushes}
 
 
 # -- declaration --------------------------------------------------------------------------------
@@ -451,6 +475,10 @@ def _validate(cfg) -> None:
     if cfg.staleness_bound is not None and cfg.n_fetch not in (None, 1):
         raise ConfigError("--staleness-bound holds a replica at its fetches, so it needs a "
                           f"fetch every step: use --n-fetch 1 (got {cfg.n_fetch})")
+    if cfg.heartbeat_timeout is not None and cfg.partitions > 1:
+        raise ConfigError("--heartbeat-timeout with --partitions > 1: the partitions of a "
+                          "replica exchange activations at every step, so one that dies stalls "
+                          "the others of its replica; replicas may die only with --partitions 1")
     if cfg.servers is not None and cfg.servers % cfg.partitions:
         raise ConfigError(f"--servers {cfg.servers} does not divide among --partitions "
                           f"{cfg.partitions}: each partition talks to its own server shards, so "
@@ -488,6 +516,13 @@ def _summarize(ctx: Context, results: list[dict]) -> dict:
         updates = sum(s["combined_updates"] for s in shards)
         out.update(softsync=cfg.softsync or 1, staleness_lr=cfg.staleness_lr or "off",
                    pushes_per_update=sum(s["combined_pushes"] for s in shards) / max(1, updates))
+    if cfg.heartbeat_timeout is not None:
+        lost = sorted({int(r) for s in shards for r in s["lost_replicas"]})
+        out.update(lost_ranks=[ctx.grid.layout.replica_rank(r) for r in lost],
+                   lost_why={str(ctx.grid.layout.replica_rank(r)): next(
+                       s["lost_replicas"][r] for s in shards if r in s["lost_replicas"])
+                       for r in lost},
+                   discarded_pushes=sum(s["discarded_pushes"] for s in shards))
     pushed = sum(r["bytes_sent"] for r in reps) / trained
     if cfg.push == "activations":
         out.update(push_bytes_per_step=round(pushed),
@@ -509,6 +544,11 @@ def _summary_lines(f: dict) -> list[str]:
     if "dense_push_bytes_per_step" in f:
         lines.append(f"pushed {f['push_bytes_per_step']:.0f} bytes per step of layer inputs and "
                      f"errors instead of {f['dense_push_bytes_per_step']} of gradient")
+    if f.get("lost_ranks"):
+        lines.append(f"lost replica rank(s) {f['lost_ranks']} during the run ("
+                     + "; ".join(f"rank {k}: {v}" for k, v in f["lost_why"].items())
+                     + f"); {f['discarded_pushes']} late push(es) from them discarded; the "
+                     "others finished the run")
     lines.append(f"staleness: mean {f['mean_staleness']:.2f}, max {f['max_staleness']:.0f} "
                  "shard updates between a replica's fetch and its push")
     if "softsync" in f:
@@ -550,7 +590,12 @@ STRATEGY = Strategy(
         Option("staleness_lr", str, "on: take each update at the rate lr/max(1, tau), tau "
                "its staleness (a softsync group's mean staleness) (default off)",
                choices=("on", "off")),
-        TAU, GOLOMB, PREFETCH, INJECT_SLOW, CHUNK_BYTES),
+        TAU, GOLOMB, PREFETCH, INJECT_SLOW, CHUNK_BYTES,
+        Option("heartbeat_timeout", float, "replicas may die: each replica sends the shards a "
+               "heartbeat 5 times per this many seconds, and one silent for longer is dropped; "
+               "the run goes on with the others (Project Adam; launch with mpiexec "
+               "-disable-auto-cleanup or srun --no-kill; --partitions 1; the chief, rank 0, "
+               "must survive; default: none, any failure ends the job)", check="positive")),
     defaults=_defaults,
     validate=_validate,
     describe=_describe,
