@@ -64,6 +64,7 @@ OWN = {
         "consistency": [[], ["--staleness-bound", "1"], ["--softsync", "2", "--staleness-lr",
                                                         "on"]],
         "chunks": [[], ["--chunk-bytes", "1024"]],
+        "faults": [[], ["--heartbeat-timeout", "20"]],
     },
     "deadreckon": {"golomb": [[], ["--golomb", "off"]],
                    "warmup": [[], ["--warmup-steps", "0"]],

@@ -73,6 +73,7 @@ class ShardStats:
     wall_s: float = 0.0
     done_replicas: list[int] = field(default_factory=list)
     lost_replicas: dict[int, str] = field(default_factory=dict)  # replica -> why
+    lost_after_s: dict[int, float] = field(default_factory=dict)  # replica -> silence at drop
     discarded_pushes: int = 0  # pushes that arrived from replicas already lost
 
 
@@ -265,6 +266,7 @@ class GradientShard:
             return
         self.liveness.drop(replica)
         self.stats.lost_replicas[replica] = why
+        self.stats.lost_after_s[replica] = self.liveness.lost[replica]
         self.done.add(replica)
         self.held = [h for h in self.held if h[1] != replica]
         self.policy.on_done(self, replica)  # the caller answers the fetches this released

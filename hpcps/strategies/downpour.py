@@ -433,7 +433,8 @@ def run_server(ctx: Context) -> dict:
             "clock_lead_max": server.policy.max_lead
             if isinstance(server.policy, StaleSynchronous) else None,
             "max_staleness": stats.staleness_max, "step": server.step,
-            "lost_replicas": stats.lost_replicas, "discarded_pushes": stats.discarded_pushes}
+            "lost_replicas": stats.lost_replicas, "lost_after_s": stats.lost_after_s,
+            "discarded_pushes": stats.discarded_pushes}
 
 
 # -- declaration --------------------------------------------------------------------------------
@@ -521,6 +522,11 @@ def _summarize(ctx: Context, results: list[dict]) -> dict:
         out.update(lost_ranks=[ctx.grid.layout.replica_rank(r) for r in lost],
                    lost_why={str(ctx.grid.layout.replica_rank(r)): next(
                        s["lost_replicas"][r] for s in shards if r in s["lost_replicas"])
+                       for r in lost},
+                   # seconds between the last message from a lost replica and its drop, the
+                   # longest over the shards: how long the shards waited for a dead replica
+                   lost_detected_s={str(ctx.grid.layout.replica_rank(r)): max(
+                       s["lost_after_s"][r] for s in shards if r in s["lost_after_s"])
                        for r in lost},
                    discarded_pushes=sum(s["discarded_pushes"] for s in shards))
     pushed = sum(r["bytes_sent"] for r in reps) / trained
