@@ -133,3 +133,7 @@ WARMUP_STEPS = Option("warmup_steps", int, "warm start: replica 0 trains alone f
                       "once; not applied when resuming", check="nonneg")
 GOLOMB = Option("golomb", str, "on: Golomb-Rice code the index gaps of compressed messages "
                 "(default); off: send the raw 32-bit words", choices=("on", "off"))
+CHUNK_BYTES = Option("chunk_bytes", int, "bytes per chunk of the parameter vector; chunks are "
+                     "hashed to the server shards (Project Adam; default 1048576 = 1 MiB); a "
+                     "model smaller than one chunk per shard is cut into one chunk per shard",
+                     check="positive")

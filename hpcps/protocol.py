@@ -34,6 +34,8 @@ class Tag(IntEnum):
     SB_STATE = 16     # coordinator -> shard 0: L-BFGS scalars and metrics for a checkpoint
     PUSH_ACTIVATIONS = 17  # replica -> shard: header + k rows of layer inputs and errors
     TRACE_CLOCK = 18  # --trace: a clock ping between a rank and rank 0 at start (hpcps.timeline)
+    HEARTBEAT = 19    # replica -> shard: header only, "still alive" (--heartbeat-timeout)
+    RESULT = 20       # any rank <-> reporter: final figures (pickled), when ranks may be lost
 
 
 class Op(IntEnum):

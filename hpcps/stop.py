@@ -58,6 +58,14 @@ class SignalFlag:
             signal.signal(s, self._handle)
         return self
 
+    def uninstall(self) -> None:
+        """For runs without a stop vote (ranks may die, :mod:`hpcps.faults`): SIGTERM gets
+        its default action back, and SIGUSR1 is ignored, since that is how Hydra's
+        ``mpiexec -disable-auto-cleanup`` tells the survivors that a rank died (its default
+        action would end them too)."""
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+
     def _handle(self, signum, frame) -> None:
         if self.signum == signal.SIGTERM and signum == signal.SIGTERM:
             signal.signal(signal.SIGTERM, signal.SIG_DFL)

@@ -44,7 +44,7 @@ import numpy as np
 
 import dataclasses
 
-from hpcps import checkpoint, config, convnet, data, memory, slurm, timeline, trace
+from hpcps import checkpoint, config, convnet, data, faults, memory, slurm, timeline, trace
 from hpcps.comm import PeerTimeout, ReplicaExchange, barrier, dup_comm, host
 from hpcps.errors import (PREEMPTED_EXIT, CheckpointError, ConfigError, HpcpsError,
                           NonFiniteError)
@@ -327,7 +327,15 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[hpcps] warning: {w}", flush=True)
     vote_comm = dup_comm(world, 1, cfg.timeout, "every rank to set up the stop vote")[0]
     ctx = _agree(world, _setup, cfg, world, layout, info, ckpt, run_dir)
-    ctx.stop = StopVote(vote_comm, flag, cfg.timeout)
+    may_lose = cfg.heartbeat_timeout is not None  # replicas may die (hpcps.faults)
+    if may_lose:  # no world-wide vote with ranks that may die: signals act as usual
+        flag.uninstall()
+        _agree(world, faults.check_thread_level)
+        verdict = faults.launcher_verdict(faults.ancestry(), os.environ)
+        if rank == 0 and verdict:
+            print(f"[hpcps] warning: {verdict}", flush=True)
+    else:
+        ctx.stop = StopVote(vote_comm, flag, cfg.timeout)
     m = ctx.metrics
     how = cfg.spec.describe(cfg, info.n_train) if cfg.spec.describe else cfg.optimizer
     m.message(_describe(cfg, layout) + f"; model {convnet.describe_model(ctx.full_model)} "
@@ -346,6 +354,14 @@ def main(argv: list[str] | None = None) -> int:
         except NonFiniteError as exc:  # say where, what is left, and the usual causes
             raise explain_nonfinite(ctx, exc) from None
         result = {**result, "role": ctx.grid.role.kind, "peak_rss_bytes": memory.peak_rss_bytes()}
+        if may_lose:
+            lost = faults.finish(world, ctx.reporter, result, ctx.grid.layout, cfg.timeout,
+                                 lambda results: _summary(ctx, results,
+                                                          time.perf_counter() - t_start))
+            m.close()
+            if lost:  # MPI_Finalize would wait for the dead ranks
+                faults.leave(0)
+            return 0
         stopped = ctx.stop.finish()  # every rank leaves the vote after the same round
         barrier(world, cfg.timeout, "every rank to finish training")
         if tl is not None:

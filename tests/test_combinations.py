@@ -72,6 +72,8 @@ OWN = {
         "golomb": [[], ["--golomb", "off"]],
         "consistency": [[], ["--staleness-bound", "1"], ["--softsync", "2", "--staleness-lr",
                                                         "on"]],
+        "chunks": [[], ["--chunk-bytes", "1024"]],
+        "faults": [[], ["--heartbeat-timeout", "20"]],
     },
     "deadreckon": {"tau": [["--tau", "0.003"], ["--tau", "auto", "--density", "0.02",
                                                   "--sparsity-warmup", "100"]],
@@ -84,7 +86,8 @@ OWN = {
     "averaging": {"period": [["--average-every", "1"], []],
                   "state": [[], ["--average-state", "off"]],
                   "optimizer": [[], ["--optimizer", "momentum", "--nesterov", "on"]]},
-    "sandblaster": {"flush": [[], ["--flush-every", "1"]]},
+    "sandblaster": {"flush": [[], ["--flush-every", "1"]],
+                    "chunks": [[], ["--chunk-bytes", "1024"]]},
 }
 
 

@@ -1,4 +1,4 @@
-"""The replica's side of the parameter server: fetch the slices, push gradient slices.
+"""The replica's side of the parameter server: fetch each shard's chunks, push their gradients.
 
 Buffers for every shard are allocated once. A push is non-blocking (two buffers per shard
 alternate, so the replica computes the next gradient while the last one is on the wire); a
@@ -10,18 +10,20 @@ import numpy as np
 from mpi4py import MPI
 
 from hpcps import trace
+from hpcps.chunks import ChunkPlan
 from hpcps.comm import wait_all
 from hpcps.protocol import ByteMessage, H, Message, Tag
 
 
 class Client:
-    """Talk to S shards, each holding ``ranges[s] = (lo, hi)`` of the flat parameter vector.
+    """Talk to S shards, each holding some chunks of the flat parameter vector.
 
     Parameters
     ----------
     comm : the communicator the shards listen on.
     server_ranks : rank of each shard in ``comm``.
-    ranges : slice of the flat vector each shard holds.
+    ranges : which chunks each shard holds: a :class:`~hpcps.chunks.ChunkPlan`, or one
+        contiguous ``(lo, hi)`` slice per shard.
     replica : this replica's index (sent along, for the shard's bookkeeping).
     timeout : seconds to wait for a shard before failing with its rank.
     """
@@ -30,16 +32,18 @@ class Client:
                  packed_bytes: list[int] | None = None):
         self.comm = comm
         self.server_ranks = list(server_ranks)
-        self.ranges = list(ranges)
+        self.plan = ranges if isinstance(ranges, ChunkPlan) else ChunkPlan.contiguous(ranges)
+        self.ranges = self.plan.ranges  # each shard's elements, in shard order
         self.replica = replica
         self.timeout = timeout
+        sizes = self.plan.sizes
         if packed_bytes is None:
-            self._push = [[Message(hi - lo), Message(hi - lo)] for lo, hi in self.ranges]
+            self._push = [[Message(n), Message(n)] for n in sizes]
         else:  # compressed or activation pushes: variable-size messages, bounded per shard
             self._push = [[ByteMessage(bound), ByteMessage(bound)] for bound in packed_bytes]
         self._push_req = [[MPI.REQUEST_NULL, MPI.REQUEST_NULL] for _ in self.ranges]
         self._slot = 0
-        self._params = [Message(hi - lo) for lo, hi in self.ranges]
+        self._params = [Message(n) for n in sizes]
         self._ask = Message(0)
         self._ask.header[H.SENDER] = replica
         self.versions = np.zeros(len(self.ranges))
@@ -57,9 +61,9 @@ class Client:
         for dest in self.server_ranks:
             self.comm.Send(self._ask.buf, dest=dest, tag=Tag.FETCH)
         wait_all(reqs, self.timeout, f"parameters from server ranks {self.server_ranks}")
-        for s, (lo, hi) in enumerate(self.ranges):
+        for s in range(len(self.server_ranks)):
             msg = self._params[s]
-            params[lo:hi] = msg.payload
+            self.plan.put(s, msg.payload, params)
             self.versions[s] = msg.header[H.VERSION]
             self.bytes_received += msg.buf.nbytes
         self.bytes_sent += self._ask.buf.nbytes * len(self.server_ranks)
@@ -91,11 +95,11 @@ class Client:
         t0 = tr.now() if tr is not None else 0
         slot = self._slot
         self._slot ^= 1
-        for s, (lo, hi) in enumerate(self.ranges):
+        for s in range(len(self.server_ranks)):
             msg = self._slot_for(s, slot)
             msg.header[H.STEPS] = steps
             msg.header[H.LOSS_SUM] = loss_sum
-            msg.payload[:] = grad[lo:hi]
+            self.plan.take(s, grad, out=msg.payload)
             self._push_req[s][slot] = self.comm.Isend(msg.buf, dest=self.server_ranks[s],
                                                       tag=Tag.PUSH)
             self.bytes_sent += msg.buf.nbytes

@@ -15,6 +15,14 @@ enough); held fetches are looked at again after every push and every DONE.
 
 Staleness of a push = updates this shard applied between the replica's fetch and its push.
 
+Replicas that may die (``liveness`` given, ``--heartbeat-timeout``): the shard also takes
+heartbeats, and a replica silent for the timeout is *lost*: the shard stops waiting for it
+(for the policies, as if it had sent DONE), drops its held fetches, and from then on discards
+its pushes. Receiving a push and sending a fetch reply wait only until the timeout, so a
+replica that dies half-way through a message is lost too instead of hanging the shard
+(:mod:`hpcps.ps.liveness`). Losing a replica in ``fatal`` (the chief, which evaluates and
+reports) ends the job.
+
 Numerical health, for every policy: a push whose training loss (a header scalar) is NaN or
 infinite is refused before anything is applied, naming the replica that sent it, and the
 shard's parameters are checked every ``HEALTH_EVERY`` updates (one pass over the slice,
@@ -33,8 +41,10 @@ import numpy as np
 from mpi4py import MPI
 
 from hpcps import trace
+from hpcps.comm import PeerTimeout
 from hpcps.errors import NonFiniteError
 from hpcps.protocol import HEADER_BYTES, ByteMessage, H, Message, Tag
+from hpcps.ps.liveness import Liveness, finished_by
 from hpcps.ps.serve import serve
 
 
@@ -63,6 +73,9 @@ class ShardStats:
     staleness_hist: list[int] = field(default_factory=lambda: [0] * STALENESS_BINS)
     wall_s: float = 0.0
     done_replicas: list[int] = field(default_factory=list)
+    lost_replicas: dict[int, str] = field(default_factory=dict)  # replica -> why
+    lost_after_s: dict[int, float] = field(default_factory=dict)  # replica -> silence at drop
+    discarded_pushes: int = 0  # pushes that arrived from replicas already lost
 
 
 class ShardPolicy:
@@ -106,13 +119,18 @@ class GradientShard:
         shard only knows bytes come in.
     policy : what a push and a fetch do (default :class:`ShardPolicy`: Downpour's).
     tick : called by the serving loop now and then (the job's stop vote, :mod:`hpcps.stop`).
+    liveness : when replicas may die: their heartbeats and silences (None: every replica is
+        waited for until DONE).
+    replica_of : ``{world rank: replica}``, to name the replica whose message broke off.
+    fatal : replicas whose loss ends the job (the chief).
     """
 
     def __init__(self, comm, params: np.ndarray, state: dict, apply: Callable,
                  n_replicas: int, step: int = 0, timeout: float = 600.0,
                  on_boundary: Callable[[int], None] | None = None, boundary_every: int = 0,
                  packed: tuple[int, int, Callable] | None = None, policy=None,
-                 tick: Callable[[], None] | None = None):
+                 tick: Callable[[], None] | None = None, liveness: Liveness | None = None,
+                 replica_of: dict[int, int] | None = None, fatal=()):
         self.comm = comm
         self.params = params
         self.state = state
@@ -126,7 +144,10 @@ class GradientShard:
         self.policy = policy or ShardPolicy()
         self.tick = tick
         self.stats = ShardStats()
-        self.done: set[int] = set()
+        self.done: set[int] = set()  # replicas no longer expected: finished, or lost
+        self.liveness = liveness
+        self.replica_of = dict(replica_of or {})
+        self.fatal = set(fatal)
         self.held: list[tuple[int, int, float]] = []  # (rank, replica, since) of held fetches
         n = len(params)
         self._push = Message(n)
@@ -148,21 +169,53 @@ class GradientShard:
                     Tag.DONE: self._recv_done}
         if self._packed_tag is not None:
             handlers[self._packed_tag] = self._recv_packed
+        if self.liveness is not None:
+            handlers[Tag.HEARTBEAT] = self._recv_heartbeat
         t0 = time.perf_counter()
         if self.n_replicas > 0:
             serve(self.comm, handlers, self.timeout, lambda: (
                 f"{self.n_replicas - len(self.done)} replica(s) to finish (done: "
                 f"{sorted(self.done)}; held fetches from ranks {[h[0] for h in self.held]})"),
-                self.tick)
+                self._tick)
         self.stats.wall_s = time.perf_counter() - t0
         self.stats.done_replicas = sorted(self.done)
         return self.stats
 
     # -- message handlers (hpcps.ps.serve calls them) ------------------------------------------
+    def _finished(self) -> bool:
+        return len(self.done) >= self.n_replicas
+
+    def _receive(self, buf, src: int, tag: int) -> bool:
+        """Receive a message whose arrival was probed; False if its sender died half-way
+        (then ``buf`` may still be written to: the caller replaces it)."""
+        if self.liveness is None:
+            self.comm.Recv(buf, source=src, tag=tag)
+            return True
+        req = self.comm.Irecv(buf, source=src, tag=tag)
+        if finished_by(req, time.monotonic() + self.liveness.timeout):
+            return True
+        self.lose(self.replica_of.get(src, -1), f"its message (tag {int(tag)}) broke off")
+        return False
+
+    def _from_lost(self, sender: int) -> bool:
+        """Whether a push came from a replica already lost (then it is discarded)."""
+        if self.liveness is None:
+            return False
+        if sender in self.liveness.lost:
+            self.stats.discarded_pushes += 1
+            return True
+        self.liveness.heard(sender)
+        return False
+
     def _recv_push(self, src: int, status) -> bool:
-        self.comm.Recv(self._push.buf, source=src, tag=Tag.PUSH)
+        if not self._receive(self._push.buf, src, Tag.PUSH):
+            self._push = Message(len(self.params))
+            self._answer_held()
+            return self._finished()
         h = self._push.header
         self.stats.bytes_in += self._push.buf.nbytes
+        if self._from_lost(int(h[H.SENDER])):
+            return False
         self.check_push(h)
         self.policy.on_push(self, int(h[H.SENDER]), h, self._push.payload)
         self._answer_held()
@@ -173,10 +226,15 @@ class GradientShard:
         if size > len(self._packed.buf):
             raise RuntimeError(f"push of {size} bytes from rank {src} is larger than any "
                                "valid message for this shard")
-        self.comm.Recv(self._packed.buf[:size], source=src, tag=self._packed_tag)
+        if not self._receive(self._packed.buf[:size], src, self._packed_tag):
+            self._packed = ByteMessage(len(self._packed.body))
+            self._answer_held()
+            return self._finished()
         h = self._packed.header
         body = self._packed.body[:size - HEADER_BYTES]
         self.stats.bytes_in += size
+        if self._from_lost(int(h[H.SENDER])):
+            return False
         self.check_push(h)
         tr = trace.ACTIVE
         t0 = tr.now() if tr is not None else 0
@@ -186,6 +244,38 @@ class GradientShard:
         self.policy.on_push(self, int(h[H.SENDER]), h, grad)
         self._answer_held()
         return False
+
+    def _recv_heartbeat(self, src: int, status) -> bool:
+        self.comm.Recv(self._small.buf, source=src, tag=Tag.HEARTBEAT)
+        self.liveness.heard(int(self._small.header[H.SENDER]))
+        return False
+
+    def _tick(self) -> bool:
+        """Between messages: the stop vote, and (replicas may die) drop the silent ones."""
+        if self.tick is not None:
+            self.tick()
+        if self.liveness is None:
+            return False
+        expected = [r for r in range(self.n_replicas) if r not in self.done]
+        for r in self.liveness.silent(expected):
+            self.lose(r, f"silent for more than {self.liveness.timeout:g} s")
+        self._answer_held()
+        return self._finished()
+
+    def lose(self, replica: int, why: str) -> None:
+        """Stop waiting for ``replica``: it is dead or silent past the heartbeat timeout."""
+        if replica in self.fatal:
+            raise PeerTimeout(f"replica {replica} (world rank 0, the chief: it evaluates, writes "
+                              f"the final checkpoint and reports) is lost: {why}; the run "
+                              "cannot finish without it")
+        if replica < 0 or replica in self.stats.lost_replicas or replica in self.done:
+            return
+        self.liveness.drop(replica)
+        self.stats.lost_replicas[replica] = why
+        self.stats.lost_after_s[replica] = self.liveness.lost[replica]
+        self.done.add(replica)
+        self.held = [h for h in self.held if h[1] != replica]
+        self.policy.on_done(self, replica)  # the caller answers the fetches this released
 
     def _recv_fetch(self, src: int, status) -> bool:
         self.comm.Recv(self._small.buf, source=src, tag=Tag.FETCH)
@@ -200,16 +290,20 @@ class GradientShard:
     def _recv_done(self, src: int, status) -> bool:
         self.comm.Recv(self._small.buf, source=src, tag=Tag.DONE)
         sender = int(self._small.header[H.SENDER])
+        if sender in self.done:  # lost before its DONE arrived
+            return False
         self.done.add(sender)
         self.policy.on_done(self, sender)
         self._answer_held()
-        return len(self.done) >= self.n_replicas
+        return self._finished()
 
     def _answer_held(self) -> None:
         if not self.held:
             return
         still = []
         for src, sender, since in self.held:
+            if sender in self.stats.lost_replicas:
+                continue
             if self.policy.may_answer(self, sender):
                 self.stats.held_s += time.perf_counter() - since
                 self.answer_fetch(src, sender)
@@ -299,6 +393,13 @@ class GradientShard:
         self._win_steps = self._win_pushes = 0
         self.policy.on_answer(self, sender, h)
         # The replica posted its receive before asking, so this send cannot deadlock.
-        self.comm.Send(r.buf, dest=src, tag=Tag.PARAMS)
+        if self.liveness is None:
+            self.comm.Send(r.buf, dest=src, tag=Tag.PARAMS)
+        else:  # ... unless it died since it asked
+            req = self.comm.Isend(r.buf, dest=src, tag=Tag.PARAMS)
+            if not finished_by(req, time.monotonic() + self.liveness.timeout):
+                self._reply = Message(len(self.params))
+                self.lose(sender, "it died waiting for parameters")
+                return
         self.stats.fetches += 1
         self.stats.bytes_out += r.buf.nbytes

@@ -10,7 +10,8 @@ The loop polls (``Iprobe``) rather than blocking in ``Recv``, so that it can fai
 ``timeout`` seconds without any message, naming what it still waits for, and between polls it
 yields the core (:class:`~hpcps.comm.Poller`): ranks are often oversubscribed. An optional
 ``tick`` is called when the loop is idle and every ``TICK_EVERY`` messages, so a serving rank
-still takes part in the job's stop vote (:mod:`hpcps.stop`).
+still takes part in the job's stop vote (:mod:`hpcps.stop`) and notices silent peers; a tick
+that returns True ends the loop (the last peer it waited for was lost).
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from hpcps.comm import PeerTimeout, Poller
 from hpcps.protocol import Tag
 
 Handler = Callable[[int, MPI.Status], "bool | None"]
+Tick = Callable[[], "bool | None"]
 TICK_EVERY = 64  # messages between two ticks of a busy loop
 
 
@@ -35,7 +37,7 @@ def _tag_name(tag: int) -> str:
 
 
 def serve(comm, handlers: Mapping[int, Handler], timeout: float,
-          waiting_for: Callable[[], str], tick: Callable[[], None] | None = None) -> None:
+          waiting_for: Callable[[], str], tick: Tick | None = None) -> None:
     """Dispatch messages on ``comm`` to ``handlers[tag]`` until a handler returns True.
 
     Parameters
@@ -44,7 +46,8 @@ def serve(comm, handlers: Mapping[int, Handler], timeout: float,
     handlers : ``{tag: handler(source, status)}``.
     timeout : seconds without any message before raising PeerTimeout.
     waiting_for : called for the timeout message: who and what the loop still waits for.
-    tick : called when idle and every ``TICK_EVERY`` messages (cheap: it must not wait).
+    tick : called when idle and every ``TICK_EVERY`` messages (cheap: it must not wait);
+        returning True ends the loop.
     """
     status = MPI.Status()
     poll = Poller()
@@ -52,8 +55,8 @@ def serve(comm, handlers: Mapping[int, Handler], timeout: float,
     handled = 0
     while True:
         if not comm.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG, status):
-            if tick is not None:
-                tick()
+            if tick is not None and tick():
+                return
             if time.monotonic() - last > timeout:
                 raise PeerTimeout(f"heard nothing for {timeout:.0f} s while waiting for "
                                   f"{waiting_for()}")
@@ -76,5 +79,5 @@ def serve(comm, handlers: Mapping[int, Handler], timeout: float,
         elif handler(source, status):
             return
         handled += 1
-        if tick is not None and handled % TICK_EVERY == 0:
-            tick()
+        if tick is not None and handled % TICK_EVERY == 0 and tick():
+            return

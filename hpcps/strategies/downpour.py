@@ -24,10 +24,12 @@ import time
 import numpy as np
 
 from hpcps import compress
+from hpcps.chunks import DEFAULT_CHUNK_BYTES, ChunkPlan, chunk_elements
 from hpcps.comm import gather_to_root, wait_all
 from hpcps.errors import ConfigError
 from hpcps import optim
 from hpcps.options import (
+    CHUNK_BYTES,
     COMPRESSION,
     GOLOMB,
     INJECT_SLOW,
@@ -42,6 +44,7 @@ from hpcps.ps import activations
 from hpcps.ps.client import Client
 from hpcps.ps.consistency import SoftSync, StaleSynchronous
 from hpcps.ps.gradient_shard import GradientShard
+from hpcps.ps.liveness import HEARTBEATS_PER_TIMEOUT, HeartbeatThread, Liveness
 from hpcps.strategies.context import (
     Context,
     finish_on_chief,
@@ -58,7 +61,6 @@ from hpcps.threshold import (
     clip_norm,
     describe_tau,
 )
-from hpcps.topology import shard_range
 
 TAU_BYTES = 4  # float32 tau in front of each compressed push: what each word stands for
 
@@ -86,63 +88,69 @@ def clock_offsets(ctx: Context) -> list[int]:
     return [0] + [warmup] * (ctx.grid.layout.replicas - 1)
 
 
-def shards_of_partition(ctx: Context, part: int) -> list[tuple[int, int, int]]:
-    """(shard, lo, hi) for each shard holding partition ``part``'s slice, lo/hi within it.
+def partition_plan(ctx: Context, part: int) -> ChunkPlan:
+    """Which of partition ``part``'s own S/P shards holds which chunk of its slice.
 
-    Each partition has its own S/P shards (so a partition talks only to the shards that
-    hold its parameters), and splits its slice among them in contiguous chunks.
+    Each partition has its own S/P shards (so a partition talks only to the shards that hold
+    its parameters); its slice is cut into ``--chunk-bytes`` chunks hashed to them
+    (:mod:`hpcps.chunks`). Activation pushes keep one contiguous run of whole rows per shard.
     """
     per = ctx.grid.layout.servers // ctx.grid.layout.partitions
     if ctx.cfg.push == "activations":  # whole rows per shard (P = 1)
-        return [(j, lo, hi) for j, (lo, hi) in
-                enumerate(activations.row_aligned_ranges(ctx.model, per))]
-    size = part_sizes(ctx)[part]
-    return [(part * per + j, *shard_range(size, per, j)) for j in range(per)]
+        return ChunkPlan.contiguous(activations.row_aligned_ranges(ctx.model, per))
+    n = part_sizes(ctx)[part]
+    return ChunkPlan(n, chunk_elements(ctx.cfg.chunk_bytes, n, per), per)
 
 
-def global_ranges(ctx: Context) -> list[tuple[int, int]]:
-    """Every shard's chunk of the global vector (partition slices one after the other), in
-    shard order; consecutive, so gathering them in order rebuilds the global vector."""
+def shard_locals(ctx: Context) -> list[tuple[int, int, ChunkPlan, int]]:
+    """For every shard in order: (partition, offset of the partition's slice in the global
+    vector, the partition's plan, the shard's index among the partition's shards)."""
     sizes = part_sizes(ctx)
     base = np.cumsum([0] + sizes)
     out = []
     for part in range(len(sizes)):
-        out += [(int(base[part]) + lo, int(base[part]) + hi)
-                for _, lo, hi in shards_of_partition(ctx, part)]
+        plan = partition_plan(ctx, part)
+        out += [(part, int(base[part]), plan, j) for j in range(plan.n_shards)]
     return out
 
 
 class PackedPusher:
     """Strom-compressed pushes: the residual stays on the replica, each shard gets a message.
 
-    The accumulated gradient is added to the residual; elements past +-tau become 1-bit
-    words (``hpcps.compress.threshold``), which are cut at the shard boundaries (words are
-    sorted by index), re-based to each shard's slice and coded. Each body starts with the
-    tau it was cut at (float32): with ``--tau auto`` every replica's tau is its own and
-    changes from push to push (:class:`hpcps.threshold.Threshold`).
+    The accumulated gradient, permuted to shard order (each shard's chunks contiguous,
+    :meth:`hpcps.chunks.ChunkPlan.to_shard_order`), is added to the residual, kept in that
+    order; elements past +-tau become 1-bit words (``hpcps.compress.threshold``), which are
+    cut at the shard boundaries (words are sorted by index), re-based to each shard's local
+    vector and coded. Each body starts with the tau it was cut at (float32): with ``--tau
+    auto`` every replica's tau is its own and changes from push to push
+    (:class:`hpcps.threshold.Threshold`).
 
     With momentum (``--optimizer momentum``) the replica keeps the velocity and pushes its
     thresholded velocity (Deep Gradient Compression's momentum correction,
     :class:`hpcps.threshold.Velocity`); the shards then take plain SGD steps.
     """
 
-    def __init__(self, n: int, ranges, thr: Threshold, golomb: bool,
+    def __init__(self, plan: ChunkPlan, thr: Threshold, golomb: bool,
                  momentum: float | None = None):
+        n = plan.n
+        self.plan = plan
         self.residual = np.zeros(n, dtype=np.float32)
+        self.ordered = np.empty(n, dtype=np.float32)
         self.out = np.empty(n, dtype=np.uint32)
         self.thr = thr
         self.golomb = golomb
         self.velocity = Velocity(n, momentum) if momentum is not None else None
-        self.ranges = list(ranges)
-        self.bounds = np.array([lo << 1 for lo, _ in ranges] + [n << 1], dtype=np.uint64)
+        self.ranges = list(plan.ranges)
+        self.bounds = np.array([lo << 1 for lo, _ in self.ranges] + [n << 1], dtype=np.uint64)
         self.words_sent = 0
         self.watch = ResidualWatch()
 
     def bodies(self, grad: np.ndarray) -> list[np.ndarray]:
+        ordered = self.plan.to_shard_order(grad, self.ordered)
         if self.velocity is not None:
-            self.velocity.accumulate(grad)
+            self.velocity.accumulate(ordered)
         tau = np.float32(self.thr.tau)
-        words = compress.threshold(self.residual, grad, float(tau), out=self.out)
+        words = compress.threshold(self.residual, ordered, float(tau), out=self.out)
         if self.velocity is not None:
             self.velocity.mask(words)
         self.thr.after_pass(self.residual, len(words))
@@ -214,25 +222,29 @@ class DownpourReplica(ReplicaLoop):
         layout = grid.layout
         r, R = grid.role.replica, layout.replicas
         self.warmup = cfg.warmup_steps if ctx.start_step == 0 else 0
-        super().__init__(ctx, steps_for_replica(ctx.remaining_steps, R, r, self.warmup))
+        # replicas may die: every replica runs until the shards have applied the run's steps,
+        # so the survivors take over a lost replica's share
+        self.may_lose = cfg.heartbeat_timeout is not None
+        super().__init__(ctx, ctx.remaining_steps if self.may_lose else
+                         steps_for_replica(ctx.remaining_steps, R, r, self.warmup))
         self.layout = layout
-        mine = shards_of_partition(ctx, grid.role.partition)
-        ranks = [layout.server_rank(shard) for shard, _, _ in mine]
-        ranges = [(lo, hi) for _, lo, hi in mine]
+        part = grid.role.partition
+        plan = partition_plan(ctx, part)
+        ranks = [layout.server_rank(part * plan.n_shards + j) for j in range(plan.n_shards)]
         self.pusher = PackedPusher(
-            model.n_params, ranges, Threshold.from_config(cfg, model.n_params, DOWNPOUR_TAU),
+            plan, Threshold.from_config(cfg, model.n_params, DOWNPOUR_TAU),
             cfg.golomb == "on", cfg.momentum if momentum_corrected(cfg) else None) \
             if cfg.compress == "threshold" else None
         self.grad_clip = (cfg.grad_clip or 0.0) / np.sqrt(R)
         self.activations = cfg.push == "activations"
         if self.activations:
-            self.chunks = [activations.pieces(model, lo, hi) for lo, hi in ranges]
+            self.chunks = [activations.pieces(model, lo, hi) for lo, hi in plan.ranges]
             k_max = cfg.batch_size * cfg.n_push
             bounds = [activations.max_message_bytes(model, c, k_max) for c in self.chunks]
         else:
-            bounds = [TAU_BYTES + compress.max_message_bytes(hi - lo) for lo, hi in ranges]
+            bounds = [TAU_BYTES + compress.max_message_bytes(size) for size in plan.sizes]
         packed = self.pusher is not None or self.activations
-        self.client = Client(grid.world, ranks, ranges, r, cfg.timeout,
+        self.client = Client(grid.world, ranks, plan, r, cfg.timeout,
                              packed_bytes=bounds if packed else None)
         self.rows_in, self.rows_err = [], []  # activation pushes: since the last push
         self.params = np.empty(model.n_params, dtype=np.float32)
@@ -248,14 +260,23 @@ class DownpourReplica(ReplicaLoop):
         # pushed, from the warm-start offset), and its largest lead over the slowest replica
         self.clock = clock_offsets(ctx)[r]
         self.max_lead = 0
+        self.heartbeat = HeartbeatThread(grid.world, ranks, r, cfg.heartbeat_timeout /
+                                         HEARTBEATS_PER_TIMEOUT) \
+            if cfg.heartbeat_timeout is not None else None
 
     def run(self) -> dict:
-        if self.replica != 0 and self.warmup > 0:
-            self._wait_for_release()
-        elif not self.released:
-            self.ctx.metrics.message(f"warm start: replica 0 trains alone for {self.warmup} "
-                                     "steps")
-        return super().run()
+        if self.heartbeat is not None:
+            self.heartbeat.start()
+        try:
+            if self.replica != 0 and self.warmup > 0:
+                self._wait_for_release()
+            elif not self.released:
+                self.ctx.metrics.message(f"warm start: replica 0 trains alone for "
+                                         f"{self.warmup} steps")
+            return super().run()
+        finally:
+            if self.heartbeat is not None:
+                self.heartbeat.stop()
 
     def _wait_for_release(self) -> None:
         self.ctx.metrics.message(f"replica {self.replica} waits for replica 0's warm start")
@@ -324,6 +345,9 @@ class DownpourReplica(ReplicaLoop):
 
     def global_step(self) -> int:
         return self.info["step"]
+
+    def run_complete(self) -> bool:
+        return self.may_lose and self.info["step"] + self.acc_steps >= self.ctx.total_steps
 
     def progress_fields(self) -> dict:
         c, done = self.client, max(1, self.done)
@@ -397,22 +421,36 @@ def _finish_chief(ctx: Context, t0: float) -> dict:
 def run_server(ctx: Context) -> dict:
     cfg, grid = ctx.cfg, ctx.grid
     s = grid.role.shard
-    ranges = global_ranges(ctx)
-    lo, hi = ranges[s]
-    params = ctx.params[lo:hi].copy()
-    state = {k: v[lo:hi].copy() for k, v in ctx.opt_state.items()}
+    shards = shard_locals(ctx)
+    part, base, plan, j = shards[s]
+    size = plan.n
+
+    def mine(vec: np.ndarray) -> np.ndarray:
+        return plan.take(j, vec[base:base + size])
+
+    params = mine(ctx.params)
+    state = {k: mine(v) for k, v in ctx.opt_state.items()}
     keys = list(ctx.optimizer.state_keys)
+
+    def unshuffle(vec: np.ndarray) -> np.ndarray:
+        """The global vector from the shards' local vectors one after the other: each
+        partition's segment is in its plan's shard order."""
+        out = np.empty_like(vec)
+        for q, b, p, k in shards:
+            if k == 0:
+                p.from_shard_order(vec[b:b + p.n], out[b:b + p.n])
+        return out
 
     def gather() -> tuple[np.ndarray, dict] | None:
         """The whole model (MLP layout) and optimizer state on shard 0, from every shard's
-        chunk; None on the other shards. Collective over the server communicator."""
-        counts = [h - l for l, h in ranges]
+        chunks; None on the other shards. Collective over the server communicator."""
+        counts = [p.sizes[k] for _, _, p, k in shards]
         gathered = [gather_to_root(grid.server_comm, local, counts, cfg.timeout,
                                    "the other server shards to join a gather of the model")
                     for local in [params] + [state[k] for k in keys]]
         if s != 0:
             return None
-        full = [ctx.global_to_full(v) for v in gathered]
+        full = [ctx.global_to_full(unshuffle(v)) for v in gathered]
         return full[0], dict(zip(keys, full[1:]))
 
     def on_boundary(step: int) -> None:
@@ -421,18 +459,24 @@ def run_server(ctx: Context) -> dict:
             path = save_checkpoint(ctx, got[0], got[1], step)
             print(f"[hpcps] server shard 0 wrote checkpoint {path} at step {step}", flush=True)
 
+    liveness, replica_of = None, None
+    if cfg.heartbeat_timeout is not None:  # replicas may die (P = 1: replica r is rank r)
+        layout = grid.layout
+        liveness = Liveness(layout.replicas, cfg.heartbeat_timeout)
+        replica_of = {layout.replica_rank(r): r for r in range(layout.replicas)}
     # momentum-corrected compressed pushes carry the velocity already: the shard steps SGD
     apply = optim.SGD(cfg.lr).apply if momentum_corrected(cfg) else ctx.optimizer.apply
     server = GradientShard(grid.world, params, state, apply,
                          n_replicas=grid.layout.replicas, step=ctx.start_step,
                          timeout=cfg.timeout, on_boundary=on_boundary,
                          boundary_every=cfg.checkpoint_every,
-                         policy=shard_policy(ctx, hi - lo),
-                         packed=shard_expander(hi - lo)
+                         policy=shard_policy(ctx, len(params)),
+                         packed=shard_expander(len(params))
                          if cfg.compress == "threshold" else
-                         shard_activation_handler(ctx, lo, hi, params, state)
+                         shard_activation_handler(ctx, *plan.ranges[j], params, state)
                          if cfg.push == "activations" else None,
-                         tick=ctx.stop_tick)
+                         tick=ctx.stop_tick, liveness=liveness, replica_of=replica_of,
+                         fatal=(0,))
     stats = server.serve()
     got = gather()
     if got is not None:
@@ -453,7 +497,9 @@ def run_server(ctx: Context) -> dict:
             "combined_pushes": getattr(server.policy, "combined", None),
             "clock_lead_max": server.policy.max_lead
             if isinstance(server.policy, StaleSynchronous) else None,
-            "max_staleness": stats.staleness_max, "step": server.step}
+            "max_staleness": stats.staleness_max, "step": server.step,
+            "lost_replicas": stats.lost_replicas, "lost_after_s": stats.lost_after_s,
+            "discarded_pushes": stats.discarded_pushes}
 
 
 # -- declaration --------------------------------------------------------------------------------
@@ -464,6 +510,8 @@ def _defaults(cfg) -> dict:
     d = {"servers": cfg.partitions,  # one shard per partition
          "lr": 0.01, "n_fetch": 1, "n_push": 1, "warmup_steps": 200, "compress": "none",
          "batch_size": 32, "prefetch": 2, "push": "gradients"}
+    if cfg.push != "activations":  # activation pushes hold whole rows per shard, not chunks
+        d["chunk_bytes"] = DEFAULT_CHUNK_BYTES
     if cfg.compress == "threshold":
         d.update(tau=DOWNPOUR_TAU, golomb="on")
     return d
@@ -476,6 +524,10 @@ def _validate(cfg) -> None:
                           f"connected layers; --model {cfg.model} has conv layers, whose "
                           "shared kernels are small and pushed as gradients (Project Adam, "
                           "section 3.2): use --push gradients")
+    if cfg.push == "activations" and cfg.chunk_bytes is not None:
+        raise ConfigError("--chunk-bytes does not apply to --push activations: a shard applies "
+                          "pushed layer inputs and errors to whole rows, so each shard holds one "
+                          "run of whole rows instead of hashed chunks")
     if cfg.push == "activations" and (cfg.compress == "threshold" or cfg.partitions > 1
                                       or cfg.threads > 1):
         raise ConfigError("--push activations goes with dense pushes of whole replicas: not "
@@ -501,6 +553,10 @@ def _validate(cfg) -> None:
     if cfg.staleness_bound is not None and cfg.n_fetch not in (None, 1):
         raise ConfigError("--staleness-bound holds a replica at its fetches, so it needs a "
                           f"fetch every step: use --n-fetch 1 (got {cfg.n_fetch})")
+    if cfg.heartbeat_timeout is not None and cfg.partitions > 1:
+        raise ConfigError("--heartbeat-timeout with --partitions > 1: the partitions of a "
+                          "replica exchange activations at every step, so one that dies stalls "
+                          "the others of its replica; replicas may die only with --partitions 1")
     if cfg.servers is not None and cfg.servers % cfg.partitions:
         raise ConfigError(f"--servers {cfg.servers} does not divide among --partitions "
                           f"{cfg.partitions}: each partition talks to its own server shards, so "
@@ -540,6 +596,18 @@ def _summarize(ctx: Context, results: list[dict]) -> dict:
         updates = sum(s["combined_updates"] for s in shards)
         out.update(softsync=cfg.softsync or 1, staleness_lr=cfg.staleness_lr or "off",
                    pushes_per_update=sum(s["combined_pushes"] for s in shards) / max(1, updates))
+    if cfg.heartbeat_timeout is not None:
+        lost = sorted({int(r) for s in shards for r in s["lost_replicas"]})
+        out.update(lost_ranks=[ctx.grid.layout.replica_rank(r) for r in lost],
+                   lost_why={str(ctx.grid.layout.replica_rank(r)): next(
+                       s["lost_replicas"][r] for s in shards if r in s["lost_replicas"])
+                       for r in lost},
+                   # seconds between the last message from a lost replica and its drop, the
+                   # longest over the shards: how long the shards waited for a dead replica
+                   lost_detected_s={str(ctx.grid.layout.replica_rank(r)): max(
+                       s["lost_after_s"][r] for s in shards if r in s["lost_after_s"])
+                       for r in lost},
+                   discarded_pushes=sum(s["discarded_pushes"] for s in shards))
     pushed = sum(r["bytes_sent"] for r in reps) / trained
     if cfg.push == "activations":
         out.update(push_bytes_per_step=round(pushed),
@@ -563,6 +631,11 @@ def _summary_lines(f: dict) -> list[str]:
     if "dense_push_bytes_per_step" in f:
         lines.append(f"pushed {f['push_bytes_per_step']:.0f} bytes per step of layer inputs and "
                      f"errors instead of {f['dense_push_bytes_per_step']} of gradient")
+    if f.get("lost_ranks"):
+        lines.append(f"lost replica rank(s) {f['lost_ranks']} during the run ("
+                     + "; ".join(f"rank {k}: {v}" for k, v in f["lost_why"].items())
+                     + f"); {f['discarded_pushes']} late push(es) from them discarded; the "
+                     "others finished the run")
     lines.append(f"staleness: mean {f['mean_staleness']:.2f}, max {f['max_staleness']:.0f} "
                  "shard updates between a replica's fetch and its push")
     if "softsync" in f:
@@ -604,7 +677,12 @@ STRATEGY = Strategy(
         Option("staleness_lr", str, "on: take each update at the rate lr/max(1, tau), tau "
                "its staleness (a softsync group's mean staleness) (default off)",
                choices=("on", "off")),
-        TAU, *COMPRESSION, GOLOMB, PREFETCH, INJECT_SLOW),
+        TAU, *COMPRESSION, GOLOMB, PREFETCH, INJECT_SLOW, CHUNK_BYTES,
+        Option("heartbeat_timeout", float, "replicas may die: each replica sends the shards a "
+               "heartbeat 5 times per this many seconds, and one silent for longer is dropped; "
+               "the run goes on with the others (Project Adam; launch with mpiexec "
+               "-disable-auto-cleanup or srun --no-kill; --partitions 1; the chief, rank 0, "
+               "must survive; default: none, any failure ends the job)", check="positive")),
     defaults=_defaults,
     validate=_validate,
     describe=_describe,

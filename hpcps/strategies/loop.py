@@ -91,6 +91,8 @@ class ReplicaLoop(ABC):
         ``checkpoint``, ``examples_per_s`` and ``figures`` (the strategy's own).
     loss_source() -> str : whose loss :meth:`step` returns, for the message when it is not
         finite (default: this replica's own mini-batches).
+    run_complete() -> bool : after an iteration: whether the run as a whole is done, so this
+        replica leaves before its ``steps`` (default False: each replica runs its share).
 
     Attributes a subclass sets: ``params`` (the vector this rank computes with, evaluated
     and checkpointed from replica 0), ``saves_checkpoints`` (False when the server shards
@@ -161,6 +163,9 @@ class ReplicaLoop(ABC):
     def loss_source(self) -> str:
         return "its own mini-batch" + ("es" if self.T > 1 else "")
 
+    def run_complete(self) -> bool:
+        return False
+
     # -- the loop ------------------------------------------------------------------------------
     def run(self) -> dict:
         ctx = self.ctx
@@ -195,6 +200,8 @@ class ReplicaLoop(ABC):
                     if m.due():
                         self.report()
                 self._evaluate_and_save()
+                if it + 1 < self.iterations and self.run_complete():
+                    break
                 if it + 1 < self.iterations and self._stop_now(it + 1):
                     self._note_stop()
                     break

@@ -48,11 +48,12 @@ from mpi4py import MPI
 
 from hpcps import trace
 from hpcps.blocks import block_range
+from hpcps.chunks import DEFAULT_CHUNK_BYTES, ChunkPlan, chunk_elements
 from hpcps.comm import PeerTimeout, Poller, gather_to_root, wait_all
 from hpcps.errors import CheckpointError, ConfigError, NonFiniteError
 from hpcps.metrics import DivergenceWatch
 from hpcps.optim import LBFGS
-from hpcps.options import INJECT_SLOW, Option, parse_inject_slow
+from hpcps.options import CHUNK_BYTES, INJECT_SLOW, Option, parse_inject_slow
 from hpcps.protocol import H, Message, Op, Tag, Task
 from hpcps.ps.lbfgs_shard import CMD_SLOTS, VectorShard
 from hpcps.schedule import PortionScheduler
@@ -60,7 +61,6 @@ from hpcps.strategies.context import (Context, check_test_loss, rate, save_check
                                       warn_divergence)
 from hpcps.strategies.loop import run_position
 from hpcps.strategies.registry import SERVERS, Strategy
-from hpcps.topology import shard_range
 
 TASK_SLOTS = 8     # kind, evaluation, portion, lo, hi, accept previous, vector id, data batch
 RESULT_SLOTS = 6   # kind, batch, portion, loss sum (or test loss), examples (or accuracy), spare
@@ -71,9 +71,10 @@ def vector_names(ctx: Context) -> list[str]:
     return LBFGS.vector_names(ctx.cfg.lbfgs_history)
 
 
-def shard_slices(ctx: Context) -> list[tuple[int, int]]:
-    S = ctx.grid.layout.servers
-    return [shard_range(ctx.full_model.n_params, S, s) for s in range(S)]
+def shard_plan(ctx: Context) -> ChunkPlan:
+    """Which shard holds which ``--chunk-bytes`` chunk of the parameters (:mod:`hpcps.chunks`)."""
+    n, S = ctx.full_model.n_params, ctx.grid.layout.servers
+    return ChunkPlan(n, chunk_elements(ctx.cfg.chunk_bytes, n, S), S)
 
 
 def batch_order(ctx: Context, batch: int) -> np.ndarray:
@@ -401,7 +402,7 @@ def run_replica(ctx: Context) -> dict:
     cfg, model, grid = ctx.cfg, ctx.model, ctx.grid
     world, layout = grid.world, grid.layout
     coord = layout.n_world - 1
-    slices = shard_slices(ctx)
+    plan = shard_plan(ctx)
     n = model.n_params
     x = np.empty(n, dtype=np.float32)
     acc = np.zeros(n, dtype=np.float32)
@@ -416,8 +417,8 @@ def run_replica(ctx: Context) -> dict:
     from hpcps.conv_hogwild import engine_for
     engine = engine_for(ctx.full_model, cfg.activation, threads=cfg.threads,
                         batch=PORTION_CHUNK)   # see the module docstring
-    fetch = [Message(hi - lo) for lo, hi in slices]
-    push = [Message(hi - lo) for lo, hi in slices]
+    fetch = [Message(size) for size in plan.sizes]
+    push = [Message(size) for size in plan.sizes]
     ask, ack = Message(0), Message(0)
     current, order, order_of = None, None, None
     done_portions = 0
@@ -433,13 +434,13 @@ def run_replica(ctx: Context) -> dict:
         if kind == Task.STOP:
             break
         if kind == Task.EVALUATE:
-            _fetch(world, layout, slices, fetch, ask, vec, x, cfg.timeout)
+            _fetch(world, layout, plan, fetch, ask, vec, x, cfg.timeout)
             loss, accuracy = model.evaluate(x, ctx.test_x, ctx.test_y)
             result[:] = (int(Task.EVALUATE), batch, 0, loss, accuracy, 0)
             world.Send(result, dest=coord, tag=Tag.SB_RESULT)
             continue
         if batch != current:  # parameters are fetched once per evaluation of a batch
-            _fetch(world, layout, slices, fetch, ask, vec, x, cfg.timeout)
+            _fetch(world, layout, plan, fetch, ask, vec, x, cfg.timeout)
             acc[:] = 0.0
             current = batch
         if data_batch != order_of:
@@ -467,10 +468,10 @@ def run_replica(ctx: Context) -> dict:
             result[:] = (int(Task.PORTION), batch, portion, loss * len(rows), len(rows), 0)
             world.Send(result, dest=coord, tag=Tag.SB_RESULT)
         elif kind == Task.FLUSH:
-            for s, (a, b) in enumerate(slices):
+            for s in range(plan.n_shards):
                 msg = push[s]
                 msg.header[H.VECTOR] = vec
-                msg.payload[:] = acc[a:b]
+                plan.take(s, acc, out=msg.payload)
                 req = world.Irecv(ack.buf, source=layout.server_rank(s), tag=Tag.SB_PUSH_ACK)
                 world.Send(msg.buf, dest=layout.server_rank(s), tag=Tag.SB_PUSH)
                 wait_all([req], cfg.timeout, f"server shard {s} to take a gradient push")
@@ -480,15 +481,15 @@ def run_replica(ctx: Context) -> dict:
     return {"replica_portions": done_portions, "compute_s": compute_s}
 
 
-def _fetch(world, layout, slices, msgs, ask, vec, out, timeout) -> None:
+def _fetch(world, layout, plan, msgs, ask, vec, out, timeout) -> None:
     reqs = [world.Irecv(msgs[s].buf, source=layout.server_rank(s), tag=Tag.PARAMS)
-            for s in range(len(slices))]
+            for s in range(plan.n_shards)]
     ask.header[H.VECTOR] = vec
-    for s in range(len(slices)):
+    for s in range(plan.n_shards):
         world.Send(ask.buf, dest=layout.server_rank(s), tag=Tag.FETCH)
     wait_all(reqs, timeout, "the server shards to send the parameters")
-    for s, (lo, hi) in enumerate(slices):
-        out[lo:hi] = msgs[s].payload
+    for s in range(plan.n_shards):
+        plan.put(s, msgs[s].payload, out)
 
 
 def _stall(world, coord, task, timeout) -> None:
@@ -509,21 +510,20 @@ def _stall(world, coord, task, timeout) -> None:
 def run_shard(ctx: Context) -> dict:
     cfg, grid = ctx.cfg, ctx.grid
     s = grid.role.shard
-    slices = shard_slices(ctx)
-    lo, hi = slices[s]
+    plan = shard_plan(ctx)
     names = vector_names(ctx)
     ids = {name: i for i, name in enumerate(names)}
     coord = grid.layout.n_world - 1
     saved = ["x", "g"] + [f"{k}{i}" for k in "sy" for i in range(cfg.lbfgs_history)]
 
     def on_gather(op: int, step: int) -> None:
-        counts = [b - a for a, b in slices]
-        whole = {name: gather_to_root(grid.server_comm, shard.vec[ids[name]], counts,
+        whole = {name: gather_to_root(grid.server_comm, shard.vec[ids[name]], plan.sizes,
                                       cfg.timeout,
                                       "the other server shards to join a checkpoint gather")
                  for name in saved}
         if s != 0:
             return
+        whole = {name: plan.from_shard_order(v) for name, v in whole.items()}
         extra = shard.note  # sent by the coordinator just before this command
         metrics = dict(extra["metrics"], lbfgs=extra["lbfgs"])
         state = {name: whole[name] for name in saved[1:]}
@@ -531,11 +531,11 @@ def run_shard(ctx: Context) -> dict:
         if op == Op.CHECKPOINT:
             print(f"[hpcps] server shard 0 wrote checkpoint {path} at step {step}", flush=True)
 
-    shard = VectorShard(grid.world, hi - lo, len(names), coord, cfg.timeout, on_gather,
+    shard = VectorShard(grid.world, plan.sizes[s], len(names), coord, cfg.timeout, on_gather,
                         ctx.stop_tick)
-    shard.vec[ids["x"]] = ctx.params[lo:hi]
+    plan.take(s, ctx.params, out=shard.vec[ids["x"]])
     for name, full in ctx.opt_state.items():  # resumed: gradient and history
-        shard.vec[ids[name]] = full[lo:hi]
+        plan.take(s, full, out=shard.vec[ids[name]])
     shard.serve()
     return {"shard": s, "commands": shard.commands}
 
@@ -588,9 +588,10 @@ STRATEGY = Strategy(
         INJECT_SLOW,
         Option("replica_timeout", float, "seconds without an answer before a replica's "
                "portions go to the others (default 60)", check="positive"),
+        CHUNK_BYTES,
     ),
     defaults={"servers": 1, "batch_size": 0, "lbfgs_history": 10, "portions": 64,
-              "flush_every": 4, "replica_timeout": 60.0},
+              "flush_every": 4, "replica_timeout": 60.0, "chunk_bytes": DEFAULT_CHUNK_BYTES},
     optimizers=("lbfgs",),
     model_parallel=False,
     whole_batch=True,

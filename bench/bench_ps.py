@@ -1,0 +1,158 @@
+"""Benchmark the fault-tolerant parameter server; print one JSON object.
+
+What it measures (``docs/fault-tolerance.md`` has the figures and what they mean)
+----------------------------------------------------------------------------------
+``chunk_balance``
+    Pure, no MPI: for models of 1.86M (MNIST 784-1024-1024-10), 100M and 1G float32
+    parameters cut into 1 MiB chunks over S = 2, 4, 8, 16 shards: the largest shard over the
+    mean (1.0 is perfect), the fraction of chunks that move when one shard leaves (the
+    largest over which shard leaves; 1/S is the least possible), and the time to compute
+    the plan.
+``heartbeats``
+    Downpour on N = 4 ranks (1 shard, 3 replicas), MNIST's default model, ``--steps`` global
+    steps, with and without ``--heartbeat-timeout`` (ranks started through
+    ``python -m hpcps.keeper`` with ``mpiexec -disable-auto-cleanup`` in both): training
+    examples/s, median and every value over ``--repeats`` runs.
+``replica_loss``
+    The same run with ``--heartbeat-timeout`` in which rank 2 (replica 2) is SIGKILLed once
+    the run passes a third of its steps: whether it completes, the lost ranks the summary
+    names, how long the shards went without hearing from the dead replica before dropping it
+    (``lost_detected_s``), test accuracy against the healthy runs', examples/s.
+
+Not measured, because hpcps does not do them: replicated shards (examples/s with 2 and 3
+copies, failover time) and the 75% epoch.
+
+Usage::
+
+    python bench/bench_ps.py                  # everything (several minutes on 2 cores)
+    python bench/bench_ps.py --only chunks    # the pure part, seconds
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path[:0] = [str(ROOT), str(HERE), str(ROOT / "tests")]
+
+from bench_train import (RunError, _kill_group, find_mpiexec, log, machine,  # noqa: E402
+                         read_metrics, start, summary_of)
+from machine import cpu_features  # noqa: E402
+
+MIB = 1 << 18  # float32 elements per 1 MiB chunk
+
+
+def bench_chunks() -> list[dict]:
+    from hpcps.chunks import ChunkPlan, moved_fraction
+    out = []
+    for n in (1_863_690, 100_000_000, 1_000_000_000):
+        for S in (2, 4, 8, 16):
+            if -(-n // MIB) < S:
+                continue
+            t = time.perf_counter()
+            plan = ChunkPlan(n, MIB, S)
+            plan_s = time.perf_counter() - t
+            moved = max(moved_fraction(plan, ChunkPlan(n, MIB, S, alive=[s for s in range(S)
+                                                                         if s != gone]))
+                        for gone in range(S))
+            out.append({"params": n, "chunks": plan.n_chunks, "shards": S,
+                        "largest_over_mean": round(plan.balance(), 4),
+                        "moved_when_one_leaves": round(moved, 4), "least_possible": round(1 / S, 4),
+                        "plan_s": round(plan_s, 4)})
+            log(f"chunks: {out[-1]}")
+    return out
+
+
+def command(mpiexec: str, run_dir: Path, args: list[str]) -> list[str]:
+    return [mpiexec, "-disable-auto-cleanup", "-n", "4", sys.executable, "-m", "hpcps.keeper",
+            "--run-dir", str(run_dir), *args]
+
+
+def run(mpiexec: str, workdir: Path, args: list[str], timeout: float,
+        kill_at: int | None = None) -> dict:
+    """One run; with ``kill_at``, SIGKILL rank 2 once the run reaches that global step."""
+    from faultinject import kill_rank, wait_for_step
+    run_dir = workdir / "run"
+    with open(workdir / "output.log", "wb") as out:
+        proc = start(command(mpiexec, run_dir, args), out)
+        try:
+            if kill_at is not None:
+                wait_for_step(run_dir / "metrics.jsonl", kill_at, timeout)
+                kill_rank(proc.pid, 2)
+            code = proc.wait(timeout=timeout)
+        except BaseException:
+            _kill_group(proc)
+            raise
+    if code != 0:
+        raise RunError(f"exit status {code}; see {workdir / 'output.log'}")
+    return summary_of(read_metrics(run_dir / "metrics.jsonl"))
+
+
+def bench_faults(mpiexec: str, tmp: Path, data: str, steps: int, repeats: int,
+                 timeout: float) -> dict:
+    base = ["--data", data, "--steps", str(steps), "--eval-every", "0",
+            "--checkpoint-every", "0", "--progress-every", "1", "--timeout", "60"]
+    beat = ["--heartbeat-timeout", "5"]
+    rates: dict[str, list] = {"without": [], "with": []}
+    accuracy = []
+    for i in range(repeats):
+        for name, extra in (("without", []), ("with", beat)):
+            d = tmp / f"hb-{name}-{i}"
+            d.mkdir()
+            s = run(mpiexec, d, base + extra, timeout)
+            rates[name].append(s["examples_per_s"])
+            if name == "with":
+                accuracy.append(s["test_accuracy"])
+            log(f"heartbeats {name} #{i}: {s['examples_per_s']} examples/s")
+    heartbeats = {k: {"examples_per_s_median": statistics.median(v), "examples_per_s": v}
+                  for k, v in rates.items()}
+    heartbeats["ratio_with_over_without"] = round(
+        heartbeats["with"]["examples_per_s_median"] /
+        heartbeats["without"]["examples_per_s_median"], 3)
+    losses = []
+    for i in range(repeats):
+        d = tmp / f"loss-{i}"
+        d.mkdir()
+        s = run(mpiexec, d, base + beat, timeout, kill_at=steps // 3)
+        losses.append({"lost_ranks": s["lost_ranks"], "lost_why": s["lost_why"],
+                       "lost_detected_s": s["lost_detected_s"],
+                       "step": s["step"], "test_accuracy": s["test_accuracy"],
+                       "examples_per_s": s["examples_per_s"]})
+        log(f"replica loss #{i}: {losses[-1]}")
+    return {"heartbeats": heartbeats,
+            "replica_loss": {"runs": losses,
+                             "healthy_test_accuracy": accuracy,
+                             "lost_detected_s_median": statistics.median(
+                                 v for r in losses for v in r["lost_detected_s"].values())}}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--only", choices=("chunks", "faults"))
+    ap.add_argument("--data", default=str(ROOT / "data" / "mnist.h5"))
+    ap.add_argument("--steps", type=int, default=900)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--timeout", type=float, default=600)
+    args = ap.parse_args(argv)
+    mpiexec = find_mpiexec()
+    out = {"bench": "bench_ps", "machine": {**machine(mpiexec), "cpu_features": cpu_features()},
+           "command": " ".join([os.path.basename(sys.executable), *sys.argv])}
+    if args.only in (None, "chunks"):
+        out["chunk_balance"] = bench_chunks()
+    if args.only in (None, "faults"):
+        with tempfile.TemporaryDirectory(prefix="bench_ps-") as tmp:
+            out.update(bench_faults(mpiexec, Path(tmp), args.data, args.steps, args.repeats,
+                                    args.timeout))
+    print(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

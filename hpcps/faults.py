@@ -1,0 +1,175 @@
+"""Runs whose replicas may die (``--heartbeat-timeout``): the launch check and the ending.
+
+Two things differ from a run in which one failure ends the job (``docs/fault-tolerance.md``):
+
+* **The launcher must let survivors live.** MPICH's ``mpiexec`` kills every rank when one
+  dies unless started with ``-disable-auto-cleanup``, and even then often does when a rank is
+  killed by a signal, unless each rank runs under :mod:`hpcps.keeper`; Slurm's ``srun`` kills
+  the step unless given ``--no-kill``. :func:`launcher_verdict` looks at this rank's
+  ancestors (Hydra's ``mpiexec`` is an ancestor of every rank on its own node), at
+  ``HPCPS_KEEPER`` and at ``SLURM_NO_KILL``, and says once, at start, when a failure would
+  take the job down anyway, or when it cannot tell.
+* **The end uses no collective over the world.** A collective that includes a dead rank never
+  completes, and ``MPI_Finalize`` waits for it. So every rank sends its final figures to the
+  reporter point to point (:func:`finish`); the reporter waits only for the ranks the shards
+  did not lose, writes the summary naming the lost ones, and tells every survivor whether
+  anyone was lost. Then, if so, the survivors flush their output and leave with
+  ``os._exit``, skipping ``MPI_Finalize`` (``mpiexec`` then returns the dead rank's status);
+  if not, the run ends as usual.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+from hpcps.comm import PeerTimeout, Poller
+from hpcps.errors import ConfigError
+from hpcps.keeper import KEEPER_ENV
+from hpcps.protocol import Tag
+
+LAUNCHERS = ("mpiexec", "mpirun", "mpiexec.hydra")
+NO_CLEANUP = ("-disable-auto-cleanup", "--disable-auto-cleanup", "-disable-auto-cleanup=1")
+
+
+def ancestry(pid: int | None = None, depth: int = 4) -> list[list[str]]:
+    """Command lines (argv lists) of this process's parent, grandparent, ... (Linux /proc;
+    empty where it cannot be read)."""
+    out = []
+    pid = os.getppid() if pid is None else pid
+    for _ in range(depth):
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            break
+        out.append([a.decode(errors="replace") for a in argv if a])
+        pid = int(stat.rsplit(")", 1)[1].split()[1])
+        if pid <= 1:
+            break
+    return out
+
+
+def launcher_verdict(ancestors: list[list[str]], environ) -> str | None:
+    """None if a dead rank will leave the others running; else what to say, once.
+
+    Parameters
+    ----------
+    ancestors : argv of the parent, grandparent, ... (:func:`ancestry`).
+    environ : the environment (``SLURM_*``).
+    """
+    for argv in ancestors:
+        if argv and Path(argv[0]).name in LAUNCHERS:
+            if not any(a in NO_CLEANUP for a in argv[1:]):
+                return (f"{Path(argv[0]).name} was started without -disable-auto-cleanup: "
+                        "it kills every rank when one dies, so --heartbeat-timeout cannot keep "
+                        "the run going (start it with mpiexec -disable-auto-cleanup -n N "
+                        "python -m hpcps.keeper ...)")
+            if environ.get(KEEPER_ENV) != "1":
+                return ("ranks started without hpcps.keeper: Hydra often kills every rank "
+                        "when one is killed even with -disable-auto-cleanup; start them with "
+                        "mpiexec -disable-auto-cleanup -n N python -m hpcps.keeper ...")
+            return None
+    if "SLURM_STEP_ID" in environ or "SLURM_JOB_ID" in environ:
+        if environ.get("SLURM_NO_KILL", "").lower() not in ("", "0", "no", "false"):
+            return None
+        return ("under Slurm without SLURM_NO_KILL set: srun kills the job step when one rank "
+                "dies unless started with --no-kill (set SLURM_NO_KILL=1 too, so hpcps can "
+                "see it); --heartbeat-timeout cannot keep the run going otherwise")
+    return ("cannot tell whether the launcher keeps the other ranks running when one dies "
+            "(no mpiexec among this rank's ancestors, not under Slurm): with MPICH use "
+            "mpiexec -disable-auto-cleanup, with Slurm srun --no-kill")
+
+
+def check_thread_level(provided: int | None = None) -> None:
+    """Refuse ``--heartbeat-timeout`` where MPI cannot send from a second thread: the
+    heartbeats go from a thread of their own while the main thread computes or waits."""
+    from hpcps.ps.liveness import has_thread_multiple
+    if not has_thread_multiple(provided):
+        raise ConfigError("--heartbeat-timeout needs an MPI library with MPI_THREAD_MULTIPLE "
+                          "(each replica sends its heartbeats from a thread of its own)")
+
+
+def lost_ranks(results: list, layout) -> list[int] | None:
+    """World ranks of the replicas any shard lost, once every shard has reported (else
+    None). Replica r with P = 1 is world rank ``layout.replica_rank(r)``."""
+    shards = [results[r] for r in layout.server_ranks]
+    if any(s is None for s in shards):
+        return None
+    lost = {int(r) for s in shards for r in s.get("lost_replicas", {})}
+    return sorted(layout.replica_rank(r) for r in lost)
+
+
+def finish(world, reporter: int, result: dict, layout, timeout: float,
+           summarize) -> bool:
+    """End a run without world collectives. Returns whether ranks were lost.
+
+    Parameters
+    ----------
+    world : the world communicator.
+    reporter : the rank that writes the summary.
+    result : this rank's final figures.
+    layout : the grid (:func:`lost_ranks` reads the shards' figures with it).
+    timeout : seconds to wait for a rank's figures before calling it lost too.
+    summarize : ``summarize(results)``, on the reporter (lost ranks' entries are
+        ``{"lost": True}``).
+    """
+    size, rank = world.Get_size(), world.Get_rank()
+    if rank != reporter:
+        world.send(result, dest=reporter, tag=Tag.RESULT)
+        req = world.irecv(source=reporter, tag=Tag.RESULT)
+        deadline = time.monotonic() + timeout
+        poll = Poller()
+        while True:
+            done, lost = req.test()
+            if done:
+                return bool(lost)
+            if time.monotonic() > deadline:
+                raise PeerTimeout(f"waited {timeout:.0f} s for the reporter (rank {reporter}) "
+                                  "to end the run")
+            poll.pause()
+    results: list = [None] * size
+    results[reporter] = result
+    lost: list[int] | None = None
+    deadline = time.monotonic() + timeout
+    poll = Poller()
+    while True:
+        if lost is None:
+            lost = lost_ranks(results, layout)
+        waiting = [r for r in range(size) if results[r] is None and r not in (lost or [])]
+        if not waiting:
+            break
+        status = _probe(world)
+        if status is not None:
+            results[status] = world.recv(source=status, tag=Tag.RESULT)
+            continue
+        if time.monotonic() > deadline:
+            raise PeerTimeout(f"waited {timeout:.0f} s for the final figures of rank(s) "
+                              f"{waiting}")
+        poll.pause()
+    for r in lost:
+        results[r] = {"lost": True}
+    summarize(results)
+    for r in range(size):
+        if r != reporter and r not in lost:
+            world.send(lost, dest=r, tag=Tag.RESULT)
+    return bool(lost)
+
+
+def _probe(world) -> int | None:
+    from mpi4py import MPI
+    status = MPI.Status()
+    if world.Iprobe(MPI.ANY_SOURCE, Tag.RESULT, status):
+        return status.Get_source()
+    return None
+
+
+def leave(code: int) -> None:
+    """End this process now, without ``MPI_Finalize`` (which would wait for a dead rank)."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)

@@ -1,0 +1,119 @@
+"""Knowing which replicas are still alive: heartbeats, silence, and waits that give up.
+
+MPI does not report a dead peer here (MPICH's fault-tolerant mode crashes at start with this
+library; see ``docs/fault-tolerance.md``): a receive posted for a rank that died never
+completes and never errors. So failure detection is the application's, as in Project Adam
+(section 3.3): every replica rank runs a :class:`HeartbeatThread` that sends a header-only
+``Tag.HEARTBEAT`` to its shards every ``timeout / HEARTBEATS_PER_TIMEOUT`` seconds, whatever
+its main thread is doing (a long evaluation, the warm-start wait, a slow step), and a shard's
+:class:`Liveness` calls a replica lost once it has heard nothing from it for ``timeout``
+seconds. The thread needs ``MPI_THREAD_MULTIPLE``; hpcps refuses ``--heartbeat-timeout``
+without it.
+
+A replica can also die half-way through a message the shard is receiving, or right after
+asking for parameters the shard is sending back; :func:`finished_by` waits for such a
+transfer only until a deadline, so that the shard drops the replica instead of hanging.
+"""
+from __future__ import annotations
+
+import threading
+import time
+
+from mpi4py import MPI
+
+from hpcps.comm import Poller
+from hpcps.protocol import H, Message, Tag
+
+HEARTBEATS_PER_TIMEOUT = 5  # a replica is lost after missing this many heartbeats in a row
+
+
+class HeartbeatThread:
+    """Send a heartbeat to each rank of ``dests`` every ``every`` seconds until :meth:`stop`.
+
+    Parameters
+    ----------
+    comm : communicator the shards listen on.
+    dests : ranks to send to.
+    replica : this replica's index (the header's SENDER).
+    every : seconds between two heartbeats.
+    """
+
+    def __init__(self, comm, dests, replica: int, every: float):
+        self.comm = comm
+        self.dests = list(dests)
+        self.every = every
+        self.msg = Message(0)
+        self.msg.header[H.SENDER] = replica
+        self.sent = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="hpcps-heartbeat", daemon=True)
+
+    def start(self) -> "HeartbeatThread":
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            for dest in self.dests:
+                # header-only messages go eagerly: this send never waits for the shard, even
+                # a dead one
+                self.comm.Send(self.msg.buf, dest=dest, tag=Tag.HEARTBEAT)
+            self.sent += 1
+            self._stop.wait(self.every)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+class Liveness:
+    """When each of ``n`` replicas was last heard from, and which are lost.
+
+    Parameters
+    ----------
+    n : replicas 0 .. n-1.
+    timeout : seconds of silence after which a replica still expected is lost.
+    clock : the time source (``time.monotonic``; tests pass their own).
+    """
+
+    def __init__(self, n: int, timeout: float, clock=time.monotonic):
+        self.timeout = timeout
+        self.clock = clock
+        now = clock()
+        self.last = [now] * n
+        self.lost: dict[int, float] = {}  # replica -> seconds of silence when it was dropped
+
+    def heard(self, replica: int) -> None:
+        self.last[replica] = self.clock()
+
+    def silent(self, expected) -> list[int]:
+        """Replicas among ``expected`` silent for longer than the timeout, not yet lost."""
+        now = self.clock()
+        return [r for r in expected
+                if r not in self.lost and now - self.last[r] > self.timeout]
+
+    def drop(self, replica: int) -> None:
+        self.lost[replica] = round(self.clock() - self.last[replica], 3)
+
+
+def finished_by(req, deadline: float) -> bool:
+    """Wait for ``req`` until ``deadline`` (``time.monotonic``); False if it did not finish
+    or failed.
+
+    MPICH reports some transfers from a dead rank as errors (a large message copied straight
+    from the sender's memory: ``process_vm_readv`` fails), and leaves others pending forever.
+    Either way the transfer is given up: a request left pending must not have its buffer
+    used again (the caller replaces it), since MPI may still write into or read from it."""
+    poll = Poller()
+    try:
+        while not req.Test():
+            if time.monotonic() > deadline:
+                return False
+            poll.pause()
+    except MPI.Exception:
+        return False
+    return True
+
+
+def has_thread_multiple(provided: int | None = None) -> bool:
+    return (MPI.Query_thread() if provided is None else provided) >= MPI.THREAD_MULTIPLE

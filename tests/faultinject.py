@@ -1,0 +1,67 @@
+"""Kill one rank of a running ``mpiexec`` job, for the fault tests: find it by PMI_RANK among
+the launcher's descendants (Hydra sets PMI_RANK in each rank's environment)."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+
+def descendants(pid: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(d.name))
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        for c in children.get(p, []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
+def rank_pid(launcher_pid: int, rank: int) -> int | None:
+    """The pid of the ``hpcps.train`` process of world rank ``rank`` started by the launcher
+    ``launcher_pid`` (not the ``hpcps.keeper`` that started it)."""
+    want = f"PMI_RANK={rank}".encode()
+    for pid in descendants(launcher_pid):
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if want in env and b"hpcps.train" in cmd:
+            return pid
+    return None
+
+
+def wait_for_step(metrics: Path, step: int, timeout: float) -> int:
+    """Wait until the run's metrics hold a progress record at ``step`` or beyond."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if metrics.exists():
+            for line in metrics.read_text().splitlines():
+                try:
+                    rec = json.loads(line)
+                except ValueError:
+                    continue  # a line being written
+                if rec.get("kind") == "progress" and rec.get("step", 0) >= step:
+                    return rec["step"]
+        time.sleep(0.1)
+    raise AssertionError(f"no progress record at step {step} in {metrics} within {timeout} s")
+
+
+def kill_rank(launcher_pid: int, rank: int) -> int:
+    pid = rank_pid(launcher_pid, rank)
+    if pid is None:
+        raise AssertionError(f"rank {rank} not found under launcher pid {launcher_pid}")
+    os.kill(pid, signal.SIGKILL)
+    return pid

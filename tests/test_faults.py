@@ -1,0 +1,121 @@
+"""Replicas that may die (--heartbeat-timeout): detection, refusals, and a SIGKILL mid-run."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from faultinject import kill_rank, wait_for_step
+from mpirun import ROOT, mpiexec
+
+from hpcps import config
+from hpcps.errors import ConfigError
+from hpcps.faults import launcher_verdict
+from hpcps.keeper import KEEPER_ENV
+from hpcps.ps.liveness import Liveness
+
+HYDRA = ["/work/venv/bin/mpiexec", "-disable-auto-cleanup", "-n", "4", "python"]
+
+
+# -- pure ----------------------------------------------------------------------------------------
+def test_launcher_verdict():
+    keeper = {KEEPER_ENV: "1"}
+    assert launcher_verdict([["python", "-m", "hpcps.keeper"], ["hydra_pmi_proxy"], HYDRA],
+                            keeper) is None
+    assert "without hpcps.keeper" in launcher_verdict([["hydra_pmi_proxy"], HYDRA], {})
+    plain = ["mpiexec", "-n", "4", "python"]
+    assert "without -disable-auto-cleanup" in launcher_verdict([["proxy"], plain], keeper)
+    slurm = {"SLURM_JOB_ID": "7", "SLURM_STEP_ID": "0"}
+    assert "srun" in launcher_verdict([["slurmstepd"]], slurm)
+    assert launcher_verdict([["slurmstepd"]], {**slurm, "SLURM_NO_KILL": "1"}) is None
+    assert "cannot tell" in launcher_verdict([["bash"]], {})
+
+
+def test_liveness_loses_only_the_silent():
+    now = [0.0]
+    live = Liveness(3, timeout=2.0, clock=lambda: now[0])
+    now[0] = 1.5
+    live.heard(0)
+    live.heard(1)
+    now[0] = 2.5
+    assert live.silent(range(3)) == [2]
+    live.drop(2)
+    assert live.lost == {2: 2.5}
+    now[0] = 3.6
+    assert live.silent([0, 1]) == [0, 1]
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["--strategy", "sync"], "applies only to --strategy downpour"),
+    (["--strategy", "averaging"], "applies only to --strategy downpour"),
+    (["--partitions", "2", "--servers", "2"], "--partitions > 1"),
+])
+def test_refused_where_a_death_cannot_be_survived(argv, match):
+    with pytest.raises(ConfigError, match=match):
+        config.parse(argv + ["--heartbeat-timeout", "5"])
+
+
+# -- a replica killed mid-run --------------------------------------------------------------------
+RUN = ["--layers", "64,32,10", "--steps", "1500", "--batch-size", "16", "--eval-every", "0",
+       "--checkpoint-every", "0", "--progress-every", "0.5", "--timeout", "30",
+       "--heartbeat-timeout", "2"]
+LIMIT_S = 150
+
+
+def launch(run_dir, digits_h5):
+    env = dict(os.environ, OPENBLAS_NUM_THREADS="1",
+               PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    cmd = [mpiexec(), "-disable-auto-cleanup", "-n", "4", sys.executable, "-m", "hpcps.keeper",
+           *RUN, "--data", str(digits_h5), "--run-dir", str(run_dir)]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env, start_new_session=True)
+
+
+def finish(proc, what):
+    try:
+        out, _ = proc.communicate(timeout=LIMIT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        raise AssertionError(f"{what}: no end within {LIMIT_S} s (hang?)\n{out[-3000:]}")
+    return out
+
+
+def summary(run_dir):
+    recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return next(r for r in recs if r["kind"] == "summary")
+
+
+def test_sigkill_of_a_replica_mid_run(digits_h5, tmp_path):
+    """Rank 2 (replica 2 of 3) is SIGKILLed a third of the way in: the shard drops it, the
+    other replicas take over its share, the run completes with exit code 0, the summary
+    names rank 2, and the accuracy is within 0.5 points of the same run without the kill."""
+    healthy = tmp_path / "healthy"
+    out = finish(launch(healthy, digits_h5), "healthy run")
+    base = summary(healthy)
+    assert base["lost_ranks"] == [], out[-2000:]
+
+    hurt = tmp_path / "hurt"
+    proc = launch(hurt, digits_h5)
+    try:
+        wait_for_step(hurt / "metrics.jsonl", 500, LIMIT_S)
+        kill_rank(proc.pid, 2)
+        killed_at = time.monotonic()
+    except BaseException:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
+    out = finish(proc, "run with rank 2 killed")
+    ended_s = time.monotonic() - killed_at
+    assert proc.returncode == 0, out[-3000:]
+    s = summary(hurt)
+    assert s["lost_ranks"] == [2], out[-3000:]
+    assert s["lost_why"]["2"], s["lost_why"]  # silent past the timeout, or a message broke off
+    assert "lost replica rank(s) [2]" in out
+    assert "hpcps.keeper: rank 2" in out and "SIGKILL" in out
+    assert s["step"] >= 1500 and s["step"] - s["steps_trained"] == 0
+    assert abs(s["test_accuracy"] - base["test_accuracy"]) <= 0.005, (s, base)
+    assert ended_s < LIMIT_S
