@@ -519,6 +519,10 @@ def _defaults(cfg) -> dict:
 
 def _validate(cfg) -> None:
     check_options(cfg)
+    if cfg.trace and cfg.heartbeat_timeout is not None:
+        raise ConfigError("--trace merges every rank's timeline at the end of the run, which "
+                          "needs every rank alive; with --heartbeat-timeout replicas may die: "
+                          "drop one of the two")
     if cfg.push == "activations" and is_conv_spec(cfg.model):
         raise ConfigError(f"--push activations sends activations and errors of fully "
                           f"connected layers; --model {cfg.model} has conv layers, whose "
