@@ -45,6 +45,14 @@ def test_deadreckon_auto_tau_keeps_replicas_identical(n, extra, digits_h5, tmp_p
     assert s["residual_warning"] is False
     assert_diagnostics(tmp_path, 0.02)
     assert "tau auto (density 0.02" in run.stdout
+    if "momentum" in extra:  # the checkpoint holds replica 0's velocity; resuming takes it
+        again = tmp_path / "resumed"
+        run = train(n, "--strategy", "deadreckon", "--data", str(digits_h5), "--run-dir",
+                    str(again), "--steps", "1200", "--tau", "auto", "--density", "0.02",
+                    "--resume", str(tmp_path / "checkpoint.h5"), *extra, *QUICK)
+        assert run.returncode == 0, run.output
+        s = records(again, "summary")[-1]
+        assert s["step"] == 1200 and s["replicas_identical"] is True
 
 
 def test_downpour_compressed_auto_tau_with_momentum_correction(digits_h5, tmp_path):

@@ -273,6 +273,8 @@ class DeadReckonReplica(ReplicaLoop):
         self.params = self.reckon.params
         self.comp = compress.Compressor(n, self.thr.tau, golomb=cfg.golomb == "on")
         self.velocity = Velocity(n, cfg.momentum) if cfg.optimizer == "momentum" else None
+        if self.velocity is not None and "velocity" in ctx.opt_state:
+            self.velocity.v[:] = ctx.opt_state["velocity"]  # resumed: replica 0's, saved
         self.grad_clip = (cfg.grad_clip or 0.0) / math.sqrt(self.R)
         self.residual_watch = ResidualWatch()
         self.peers = Peers(comm, n, cfg.timeout, ctx.stop_tick)
@@ -375,7 +377,9 @@ class DeadReckonReplica(ReplicaLoop):
         return out
 
     def checkpoint_state(self) -> dict:
-        return {}  # plain SGD: replica 0's copy, every delta it has applied so far
+        # replica 0's copy holds every delta it has applied so far; with momentum, its
+        # velocity is saved too (every replica resumes with it)
+        return {"velocity": self.velocity.v} if self.velocity is not None else {}
 
     def after_loop(self) -> None:
         if not self.released:  # the run was no longer than the warm start
@@ -401,9 +405,10 @@ class DeadReckonReplica(ReplicaLoop):
             checksums = rc.gather(checksums, root=0)
             checksums = [c for part in checksums for c in part] if checksums else checksums
         full = ctx.gather_full(self.params)
+        state = {k: ctx.gather_full(v) for k, v in self.checkpoint_state().items()}
         if not grid.is_chief:
             return {}
-        out = finish_on_chief(ctx, full, {}, ctx.start_step + steps_all, train_s)
+        out = finish_on_chief(ctx, full, state, ctx.start_step + steps_all, train_s)
         out["figures"] = message_figures(totals, steps_all, self.R, 4 * ctx.full_model.n_params)
         out["figures"].update(replicas_identical=bool(identical),
                               replica_checksums=[f"{c:08x}" for c in checksums],
