@@ -16,7 +16,7 @@ import pytest
 from mpirun import ROOT, train
 from test_train import QUICK, records
 
-from hpcps.report import FIGURES, load_run, load_runs, main, plan_figures, table_rows
+from hpcps.report import FIGURES, draw, load_run, load_runs, main, plan_figures, table_rows
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 ALL_FIGURES = {f.name for f in FIGURES}
@@ -228,8 +228,20 @@ def test_preemption_segments_are_marked(runs, tmp_path):
         (1, 400.0, "resumed")]
     assert [x for _, x, _ in time_panel.marks] == times
     out = tmp_path / "out"
-    assert main([str(runs["ssp"]), str(tmp_path / "preempted"), "--out", str(out)]) == 0
+    assert main([str(runs["ssp"]), str(tmp_path / "preempted"), "--out", str(out),
+                 "--no-figures"]) == 0
+    both = [load_run(runs["ssp"]), seg]
+    (loss,) = [(f, p) for f, p in plan_figures(both) if f.name == "loss"]
+    draw([loss], both, out)  # one figure: drawing them all is slow on a loaded machine
     assert_real_png(out / "loss.png")
     summary = (out / "summary.md").read_text()
     assert "preempted/metrics.jsonl; stopped on SIGUSR1; resumed (--resume auto) at step 300" \
         in summary
+
+
+def test_sandblaster_progress_says_how_far_along(runs):
+    """Sandblaster's progress records carry done_pct and eta_s like the SGD strategies'."""
+    prog = records(runs["lbfgs"], "progress")
+    assert prog and all("done_pct" in r and "eta_s" in r for r in prog), prog
+    assert prog[-1]["done_pct"] == 100.0 and prog[-1]["eta_s"] == 0.0
+    assert [r["done_pct"] for r in prog] == sorted(r["done_pct"] for r in prog)

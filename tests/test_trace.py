@@ -80,7 +80,7 @@ def check_trace(run_dir, ranks: int, server_ranks=()) -> dict:
     return doc
 
 
-COMMON = ["--layers", "64,32,10", "--steps", "240", "--batch-size", "16", "--eval-every", "0",
+COMMON = ["--layers", "64,32,10", "--steps", "160", "--batch-size", "16", "--eval-every", "0",
           "--checkpoint-every", "0", "--timeout", "60", "--trace"]
 
 
