@@ -36,7 +36,7 @@ import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
 from hpcps.errors import ConfigError
-from hpcps.model import ACTIVATIONS, MLP, _act, _act_grad_inplace
+from hpcps.model import ACTIVATIONS, MLP, _act, _act_grad_inplace, flatten_named
 from hpcps.modelspec import LayerSpec, is_conv_spec, parse_spec, resolve  # noqa: F401
 
 # -- the layers' arithmetic on NHWC arrays ------------------------------------------------------
@@ -133,6 +133,14 @@ class Op:
     out_shape: tuple
     param: int = -1        # index of its parameters (layer{param}/W, /b), -1 for none
     last: bool = False     # the output layer (no activation: logits)
+
+
+def _macs(op) -> int:
+    """Multiply-adds of one example's forward pass through a conv or fc layer ``op``."""
+    s = op.spec
+    if s.kind == "conv":
+        return int(np.prod(op.out_shape)) * op.in_shape[0] * s.kh * s.kw
+    return int(np.prod(op.in_shape)) * s.out
 
 
 class ConvNet:
@@ -247,15 +255,7 @@ class ConvNet:
 
     def flatten(self, named: dict[str, np.ndarray]) -> np.ndarray:
         """The inverse of :meth:`views`: a new flat vector from named arrays."""
-        flat = np.empty(self.n_params, dtype=np.float32)
-        views = self.views(flat)
-        for name, shape, _ in self.layout:
-            if name not in named:
-                raise ValueError(f"missing parameter {name}")
-            if tuple(named[name].shape) != shape:
-                raise ValueError(f"{name} has shape {named[name].shape}, expected {shape}")
-            views[name][...] = named[name]
-        return flat
+        return flatten_named(self, named)
 
     # -- computation -------------------------------------------------------------------------
     def _run(self, flat: np.ndarray, x: np.ndarray, keep: bool):
@@ -369,31 +369,13 @@ class ConvNet:
         """Multiply-adds x 2 of one example's forward and backward pass in the conv and fc
         layers (forward GEMM, weight-gradient GEMM, input-gradient GEMM but for the first
         layer)."""
-        total = 0
-        for op in self.ops:
-            if op.param < 0:
-                continue
-            s = op.spec
-            if s.kind == "conv":
-                macs = int(np.prod(op.out_shape)) * op.in_shape[0] * s.kh * s.kw
-            else:
-                macs = int(np.prod(op.in_shape)) * s.out
-            total += 2 * macs * (2 if op is self.ops[0] else 3)
-        return total
+        return sum(2 * _macs(op) * (2 if op is self.ops[0] else 3)
+                   for op in self.ops if op.param >= 0)
 
     def connections(self) -> int:
         """Connections of one forward pass (a weight used at one position counts once per
         position): Project Adam's unit for "connections trained per second"."""
-        total = 0
-        for op in self.ops:
-            if op.param < 0:
-                continue
-            s = op.spec
-            if s.kind == "conv":
-                total += int(np.prod(op.out_shape)) * op.in_shape[0] * s.kh * s.kw
-            else:
-                total += int(np.prod(op.in_shape)) * s.out
-        return total
+        return sum(_macs(op) for op in self.ops if op.param >= 0)
 
 
 def build(cfg, info) -> "ConvNet | MLP":

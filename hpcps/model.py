@@ -41,6 +41,20 @@ def _act_grad_inplace(name: str, a: np.ndarray, delta: np.ndarray) -> None:
         delta *= a * (1.0 - a)
 
 
+def flatten_named(model, named: dict[str, np.ndarray]) -> np.ndarray:
+    """A new flat float32 vector of ``model`` (anything with ``n_params``, ``layout`` of
+    ``(name, shape, offset)`` and ``views``) from its named arrays, each checked for shape."""
+    flat = np.empty(model.n_params, dtype=np.float32)
+    views = model.views(flat)
+    for name, shape, _ in model.layout:
+        if name not in named:
+            raise ValueError(f"missing parameter {name}")
+        if tuple(named[name].shape) != shape:
+            raise ValueError(f"{name} has shape {named[name].shape}, expected {shape}")
+        views[name][...] = named[name]
+    return flat
+
+
 class MLP:
     """A fully connected network ``sizes[0] -> ... -> sizes[-1]`` with softmax output.
 
@@ -87,15 +101,7 @@ class MLP:
 
     def flatten(self, named: dict[str, np.ndarray]) -> np.ndarray:
         """The inverse of :meth:`views`: a new flat vector from named arrays."""
-        flat = np.empty(self.n_params, dtype=np.float32)
-        views = self.views(flat)
-        for name, shape, _ in self.layout:
-            if name not in named:
-                raise ValueError(f"missing parameter {name}")
-            if tuple(named[name].shape) != shape:
-                raise ValueError(f"{name} has shape {named[name].shape}, expected {shape}")
-            views[name][...] = named[name]
-        return flat
+        return flatten_named(self, named)
 
     # -- computation ----------------------------------------------------------------------
     def forward(self, flat: np.ndarray, x: np.ndarray) -> list[np.ndarray]:
