@@ -23,6 +23,8 @@ from hpcps import progress
 
 
 def _fmt(v: Any) -> str:
+    if v is None:  # a figure with nothing to measure yet (say, a loss before the first step)
+        return "-"
     if isinstance(v, float):
         if math.isnan(v):
             return "-"

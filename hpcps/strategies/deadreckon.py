@@ -367,7 +367,8 @@ class DeadReckonReplica(ReplicaLoop):
                # each message goes to the R-1 peers; compression: this rank's slice of the
                # dense gradient over its message
                "bytes_per_step": round(nbytes / per * (self.R - 1)),
-               "compression": round(4 * self.n / max(1.0, nbytes / max(1, iters)), 1),
+               "compression": round(4 * self.n / (nbytes / max(1, iters)), 1) if nbytes
+               else None,  # nothing sent since the last record (the warm start)
                **self.thr.fields(self.comp.residual)}
         warning = self.residual_watch.update(out["residual_norm"], out["tau"])
         if warning:
@@ -424,7 +425,8 @@ def message_figures(totals, steps: int, replicas: int, dense_bytes: int) -> dict
         # every message goes to R-1 peers
         "bytes_per_step": nbytes / max(1, steps) * (replicas - 1),
         "updates_per_step": words / max(1, steps),
-        "compression_ratio": dense_bytes * msgs / nbytes if nbytes else float("inf"),
+        # None when nothing was sent (a run that ended within the warm start): JSON has no inf
+        "compression_ratio": dense_bytes * msgs / nbytes if nbytes else None,
         "bits_per_update": 8 * nbytes / max(1, words),
         # without the 16-byte message headers: what compares with the gap entropy
         "payload_bits_per_update": 8 * (nbytes - compress.HEADER_BYTES * msgs) / max(1, words),
@@ -457,9 +459,12 @@ def _describe(cfg, n_train: int) -> str:
 
 
 def _summary_lines(f: dict) -> list[str]:
-    return [f"{f['updates_per_step']:.0f} updates per step, {f['bits_per_update']:.1f} bits per "
-            f"update, compression {f['compression_ratio']:.0f}x of the dense gradient; "
-            f"replicas identical after draining: {f['replicas_identical']}"]
+    if f["compression_ratio"] is None:
+        sent = "no updates sent (the run ended within the warm start)"
+    else:
+        sent = (f"{f['updates_per_step']:.0f} updates per step, {f['bits_per_update']:.1f} bits "
+                f"per update, compression {f['compression_ratio']:.0f}x of the dense gradient")
+    return [f"{sent}; replicas identical after draining: {f['replicas_identical']}"]
 
 
 LR_SCALING = Option("lr_scaling", str, "the rate each of R replicas thresholds its gradient "
