@@ -332,14 +332,19 @@ def test_sandblaster_goes_on_without_a_dead_replica(digits_h5, tmp_path):
     """Replica rank 1 stops answering after its first portion. It is declared lost only once
     a task has waited --replica-timeout on it, so the run must outlast that: with the small
     model the compiled engine finishes 12 evaluations in about 0.3 s and the loss went
-    unnoticed in some runs; the wider model and 20 evaluations take about 4 s."""
+    unnoticed in some runs; the wider model and 20 evaluations take about 4 s. Every
+    evaluation must still match single-process L-BFGS: the lost replica's portions were done
+    by the others."""
     layers = "64,512,512,10"
     run = train(5, "--data", str(digits_h5), "--run-dir", str(tmp_path), "--steps", "20",
                 "--portions", "16", "--inject-slow", "1:stall", "--replica-timeout", "1",
                 *SB, "--layers", layers)
     assert run.returncode == 0, run.output
     s = records(tmp_path, "summary")[-1]
-    assert s["lost_replicas"] == [1] and s["portions_requeued"] >= 1, s
+    # its portion is either put back in the pool when it is declared lost, or was already
+    # copied to a faster replica as a backup before that (then nothing is left to requeue)
+    assert s["lost_replicas"] == [1], s
+    assert s["portions_requeued"] + s["portions_reissued"] >= 1, s
     ref = reference_lbfgs(digits_h5, 12, layers)
     # float32 sums over 16x more weights than the small model drift further from NumPy's
     np.testing.assert_allclose(sb_losses(tmp_path)[:8], ref[:8], rtol=1e-4)
