@@ -507,3 +507,28 @@ def test_torch_imported_after_mkl_is_warned():
     res = _run(code, {"HPCPS_BLAS": "mkl"}, timeout=300)
     assert res.stdout.strip() == "ok"
     assert "torch is imported after hpcps loaded Intel MKL" in res.stderr
+
+
+@needs_extension
+def test_kernels_load_without_all_of_scipy_linalg():
+    """Every rank imports the compiled kernels at start; their sgemm comes from
+    scipy.linalg.cython_blas, loaded alone (scipy.linalg's package is not imported), and a
+    later ``import scipy.linalg`` still works and shares that module."""
+    code = textwrap.dedent("""
+        import sys
+        import hpcps.train
+        from hpcps.kernels import gemm
+        assert gemm.HAVE_EXTENSION
+        assert "scipy.linalg.cython_blas" in sys.modules
+        assert "scipy.linalg" not in sys.modules, "scipy.linalg was imported"
+        import numpy as np
+        import scipy.linalg
+        from scipy.linalg import cython_blas
+        assert cython_blas is sys.modules["scipy.linalg.cython_blas"]
+        a = np.arange(6, dtype=np.float32).reshape(2, 3)
+        assert np.allclose(scipy.linalg.blas.sgemm(1.0, a, a.T), a @ a.T)
+        print("ok")
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, env={**os.environ, "HPCPS_NO_EXTENSION": ""})
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr

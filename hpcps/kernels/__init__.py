@@ -26,11 +26,42 @@ import importlib
 import math
 import operator
 import os
+import sys
 import warnings
 
 import numpy as np
 
 from . import reference
+
+def _load_cython_blas_alone() -> None:
+    """Load ``scipy.linalg.cython_blas`` without running ``scipy.linalg``'s ``__init__``.
+
+    The compiled kernels cimport sgemm from that module, and Cython imports it by its dotted
+    name, which imports the whole of ``scipy.linalg`` first (0.3-0.6 s of CPU, paid by every
+    MPI rank at start; a 4-rank job on 2 cores waited over a second for it). Loaded from its
+    file and put in ``sys.modules`` first, the module is found there and ``scipy.linalg``
+    is left unloaded until someone imports it (it then picks the loaded module up). On any
+    failure nothing is left behind and the usual import happens.
+    """
+    name = "scipy.linalg.cython_blas"
+    if name in sys.modules:
+        return
+    try:
+        import importlib.machinery
+        import importlib.util
+        spec = importlib.util.find_spec("scipy")  # a top-level find imports nothing
+        for root in (spec.submodule_search_locations or []) if spec else []:
+            for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+                path = os.path.join(root, "linalg", "cython_blas" + suffix)
+                if os.path.isfile(path):
+                    blas = importlib.util.spec_from_file_location(name, path)
+                    module = importlib.util.module_from_spec(blas)
+                    sys.modules[name] = module
+                    blas.loader.exec_module(module)
+                    return
+    except Exception:
+        sys.modules.pop(name, None)
+
 
 def load_extension(module: str, reference, who: str):
     """``(implementation, compiled?)``: the compiled module ``hpcps.kernels.<module>``, or
@@ -39,6 +70,7 @@ def load_extension(module: str, reference, who: str):
     if os.environ.get("HPCPS_NO_EXTENSION") == "1":
         return reference, False
     try:
+        _load_cython_blas_alone()
         return importlib.import_module(f"hpcps.kernels.{module}"), True
     except ImportError as exc:
         warnings.warn(
