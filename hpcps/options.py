@@ -105,11 +105,12 @@ def parse_tau(value):
 PREFETCH = Option("prefetch", int, "mini-batches a background thread prepares ahead of "
                   "training (default 2; 0: none)", check="nonneg")
 TAU = Option("tau", TAU_TYPE, "threshold of the compressed updates: each sent element moves "
-             "by +-tau (deadreckon: weight units, default 0.002; downpour --compress threshold: "
-             "gradient units, default 0.01); 'auto' adapts tau on each rank, from that "
-             "default, so that a fraction --density of the elements is sent per step")
+             "by +-tau (deadreckon: weight units, default auto, starting at 0.002; downpour "
+             "--compress threshold: gradient units, default 0.01); 'auto' adapts tau on each "
+             "rank so that a fraction --density of the elements is sent per step")
 DENSITY = Option("density", float, "--tau auto: the fraction of elements a compressed update "
-                 "sends, per step and rank (default 0.002)", check="positive")
+                 "sends, per step and rank (default 0.002, and at least 32 elements)",
+                 check="positive")
 SPARSITY_WARMUP = Option("sparsity_warmup", int, "--tau auto: over this many of a replica's "
                          "steps (from when it starts sending) the target density falls "
                          "geometrically from 64x --density to --density (Deep Gradient "

@@ -19,6 +19,9 @@ Adaptive threshold (``--tau auto``, ``--density D``)
     (gain 0.1, steps up to 1.25x) swung between 0.1x and 7x the target every other step
     (tests/test_threshold.py's synthetic stream); with the average and the gains above, the
     mean density of every 200-step window stays within a few percent of the target.
+    The target is at least ``MIN_WORDS`` words per step: on a small model a density meant
+    for a large one would send a handful of words (5 per step on the tests' 2,410-weight
+    digits model at 0.002), and the floor keeps its accuracy (docs/compression.md).
 
 Tau as an integer multiple of a unit
     ``deadreckon`` replicas keep weights as ``w0 + unit * count`` (an integer per weight),
@@ -73,7 +76,8 @@ from hpcps.errors import ConfigError
 from hpcps.options import AUTO, parse_tau
 
 __all__ = ["AUTO", "parse_tau", "warmup_density", "clip_norm", "Threshold", "Velocity",
-           "ResidualWatch", "residual_norm", "DEFAULT_DENSITY", "check_config", "describe_tau"]
+           "ResidualWatch", "residual_norm", "DEFAULT_DENSITY", "MIN_WORDS", "check_config",
+           "describe_tau", "target_density"]
 
 UNIT_DIVISOR = 2**16         # tau = m * unit; the initial tau is m = 65536 units
 MAX_MULTIPLE = 2**40         # tau at most 2**30 times the initial tau (counts are int64)
@@ -82,6 +86,7 @@ MAX_STEP = 1.1               # ... but by at most this factor in one step
 SMOOTHING = 0.1              # weight of the newest step in the density's moving average
 WARMUP_DENSITY_FACTOR = 64.0  # the sparsity warm-up starts at 64x the target density
 DEFAULT_DENSITY = 2e-3       # target density of --tau auto (docs/compression.md)
+MIN_WORDS = 32               # ... but at least this many words per step (small models)
 
 
 def check_config(cfg, default_tau) -> None:
@@ -102,7 +107,8 @@ def check_config(cfg, default_tau) -> None:
 def describe_tau(cfg) -> str:
     """``tau=0.002`` or ``tau auto (density 0.001, ...)``, and the clipping, for the start line."""
     if cfg.tau == AUTO:
-        text = f"tau auto (density {cfg.density or DEFAULT_DENSITY:g}"
+        text = (f"tau auto (density {cfg.density or DEFAULT_DENSITY:g}, at least {MIN_WORDS} "
+                "words per step")
         if cfg.sparsity_warmup:
             text += f", sparsity warm-up {cfg.sparsity_warmup} steps"
         text += ")"
@@ -113,6 +119,12 @@ def describe_tau(cfg) -> str:
     if cfg.grad_clip:
         text += f", gradient clip {cfg.grad_clip:g}/sqrt(R)"
     return text
+
+
+def target_density(density: float, n: int, min_words: int = MIN_WORDS) -> float:
+    """The density ``--tau auto`` aims at on a rank thresholding ``n`` elements: ``density``,
+    raised to ``min_words / n`` where that is more (capped at 1)."""
+    return min(1.0, max(density, min_words / max(1, n)))
 
 
 def warmup_density(step: int, target: float, warmup_steps: int) -> float:
@@ -178,7 +190,7 @@ class Threshold:
         ``--sparsity-warmup``, ``--residual-clip``); ``default_tau`` starts ``--tau auto``."""
         auto = cfg.tau == AUTO
         return cls(default_tau if auto else float(cfg.tau), n,
-                   density=(cfg.density or DEFAULT_DENSITY) if auto else None,
+                   density=target_density(cfg.density or DEFAULT_DENSITY, n) if auto else None,
                    warmup_steps=cfg.sparsity_warmup or 0,
                    residual_clip=cfg.residual_clip or 0.0)
 

@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 from test_train import QUICK, assert_learned, records, train
 
-from hpcps.strategies.deadreckon import DEFAULT_TAU
+from hpcps import checkpoint
+from hpcps.strategies.deadreckon import START_TAU
 from hpcps.strategies.downpour import DOWNPOUR_TAU
 
 DIAGNOSTICS = ("tau", "density", "residual_norm")
@@ -41,7 +42,7 @@ def test_deadreckon_auto_tau_keeps_replicas_identical(n, extra, digits_h5, tmp_p
         assert run.returncode == 0, run.output
         s = records(tmp_path, "summary")[-1]
     assert s["replicas_identical"] is True and len(set(s["replica_checksums"])) == 1, s
-    assert s["final_tau"] != pytest.approx(DEFAULT_TAU)  # tau moved
+    assert s["final_tau"] != pytest.approx(START_TAU)  # tau moved
     assert s["residual_warning"] is False
     assert_diagnostics(tmp_path, 0.02)
     assert "tau auto (density 0.02" in run.stdout
@@ -51,6 +52,9 @@ def test_deadreckon_auto_tau_keeps_replicas_identical(n, extra, digits_h5, tmp_p
                     str(again), "--steps", "1200", "--tau", "auto", "--density", "0.02",
                     "--resume", str(tmp_path / "checkpoint.h5"), *extra, *QUICK)
         assert run.returncode == 0, run.output
+        saved_tau = checkpoint.load(tmp_path / "checkpoint.h5").metrics["tau"]
+        assert saved_tau == pytest.approx(s["final_tau"])  # replica 0's, at the end
+        assert f"--tau auto resumes from the checkpoint's tau {saved_tau:.6g}" in run.stdout
         s = records(again, "summary")[-1]
         assert s["step"] == 1200 and s["replicas_identical"] is True
 

@@ -12,7 +12,7 @@ def test_defaults_fill_by_strategy():
     s = config.parse(["--strategy", "sync"])
     assert s.servers == 0 and s.n_fetch is None and s.warmup_steps is None and s.tau is None
     d = config.parse(["--strategy", "deadreckon"])
-    assert d.servers == 0 and d.optimizer == "sgd" and d.tau > 0 and d.golomb == "on"
+    assert d.servers == 0 and d.optimizer == "sgd" and d.tau == "auto" and d.golomb == "on"
     c = config.parse(["--compress", "threshold"])
     assert c.tau == DOWNPOUR_TAU and c.golomb == "on"
     assert config.parse([]).compress == "none" and config.parse([]).tau is None

@@ -201,12 +201,12 @@ def check_test_loss(loss: float, step: int) -> None:
 
 
 def finish_on_chief(ctx: Context, params: np.ndarray, state: dict, step: int,
-                    train_s: float) -> dict:
-    """The chief's end of a run: evaluate the final whole model, write the final checkpoint,
-    and return the summary's common figures."""
+                    train_s: float, saved: dict | None = None) -> dict:
+    """The chief's end of a run: evaluate the final whole model, write the final checkpoint
+    (with the scalars ``saved`` among its metrics), and return the summary's common figures."""
     test_loss, test_acc = evaluate(ctx, params, step)
     path = save_checkpoint(ctx, params, state, step,
-                           {"test_accuracy": test_acc, "test_loss": test_loss})
+                           {"test_accuracy": test_acc, "test_loss": test_loss, **(saved or {})})
     return {"step": step, "test_accuracy": test_acc, "test_loss": test_loss,
             "checkpoint": str(path),
             "examples_per_s": rate((step - ctx.start_step) * ctx.cfg.batch_size, train_s)}

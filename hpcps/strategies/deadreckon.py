@@ -62,6 +62,7 @@ from hpcps import compress, trace
 from hpcps.comm import barrier, wait_all
 from hpcps.errors import ConfigError
 from hpcps.options import (
+    AUTO,
     COMPRESSION,
     GOLOMB,
     INJECT_SLOW,
@@ -86,7 +87,7 @@ from hpcps.threshold import (
 
 # in front of each update message: the sender's step and its tau in units (int64 each)
 PREFIX_BYTES = 16
-DEFAULT_TAU = 0.002  # the fixed tau's default, and where --tau auto starts (weight units)
+START_TAU = 0.002  # where --tau auto (the default) starts, in weight units
 ENTROPY_EVERY = 16  # measure the index-gap entropy of every 16th message (for the metrics)
 
 
@@ -268,7 +269,10 @@ class DeadReckonReplica(ReplicaLoop):
                                                 self.warmup))
         n = ctx.model.n_params
         self.n = n
-        self.thr = Threshold.from_config(cfg, n, DEFAULT_TAU)
+        # an adaptive tau resumes where replica 0's was at the checkpoint (each replica then
+        # adapts its own again); residuals start empty, as they always did on resume
+        self.resumed_tau = (ctx.resumed or {}).get("tau") if cfg.tau == AUTO else None
+        self.thr = Threshold.from_config(cfg, n, self.resumed_tau or START_TAU)
         self.reckon = Reckoner(ctx.params, self.thr.unit)
         self.params = self.reckon.params
         self.comp = compress.Compressor(n, self.thr.tau, golomb=cfg.golomb == "on")
@@ -291,6 +295,8 @@ class DeadReckonReplica(ReplicaLoop):
 
     def run(self) -> dict:
         m = self.ctx.metrics
+        if self.resumed_tau and self.first:
+            m.message(f"--tau auto resumes from the checkpoint's tau {self.resumed_tau:.6g}")
         if self.cfg.lr_scaling != "sum":
             m.message(f"{self.R} replicas apply each other's steps: each thresholds "
                       f"lr {self.cfg.lr:g} scaled {self.cfg.lr_scaling} = {self.lr:.4g}")
@@ -382,6 +388,9 @@ class DeadReckonReplica(ReplicaLoop):
         # velocity is saved too (every replica resumes with it)
         return {"velocity": self.velocity.v} if self.velocity is not None else {}
 
+    def checkpoint_metrics(self) -> dict:
+        return {"tau": self.thr.tau} if self.thr.adaptive else {}
+
     def after_loop(self) -> None:
         if not self.released:  # the run was no longer than the warm start
             self._warm_start_weights()
@@ -409,7 +418,8 @@ class DeadReckonReplica(ReplicaLoop):
         state = {k: ctx.gather_full(v) for k, v in self.checkpoint_state().items()}
         if not grid.is_chief:
             return {}
-        out = finish_on_chief(ctx, full, state, ctx.start_step + steps_all, train_s)
+        out = finish_on_chief(ctx, full, state, ctx.start_step + steps_all, train_s,
+                              self.checkpoint_metrics())
         out["figures"] = message_figures(totals, steps_all, self.R, 4 * ctx.full_model.n_params)
         out["figures"].update(replicas_identical=bool(identical),
                               replica_checksums=[f"{c:08x}" for c in checksums],
@@ -480,7 +490,7 @@ STRATEGY = Strategy(
     roles={"replica": run},
     options=(LR_SCALING, WARMUP_STEPS, TAU, *COMPRESSION, GOLOMB, PREFETCH, INJECT_SLOW),
     validate=_validate,
-    defaults={"lr": 0.1, "tau": DEFAULT_TAU, "golomb": "on", "batch_size": 32, "prefetch": 2,
+    defaults={"lr": 0.1, "tau": AUTO, "golomb": "on", "batch_size": 32, "prefetch": 2,
               "lr_scaling": "sum", "warmup_steps": 100},
     # an Adagrad state would differ between replicas, so their weights would drift apart;
     # momentum runs on the replica's own gradients, before thresholding

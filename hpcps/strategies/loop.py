@@ -85,6 +85,8 @@ class ReplicaLoop(ABC):
     before_step() : at the start of each iteration (fetch, apply what peers sent, ...).
     progress_fields() -> dict : the strategy's figures for a progress record.
     checkpoint_state() -> dict : optimizer state vectors saved with periodic checkpoints.
+    checkpoint_metrics() -> dict : scalars saved with them (the chief's; read back from
+        ``ctx.resumed`` on ``--resume``).
     after_loop() : after the last iteration (last push, drain messages, ...).
     finish(train_s) -> dict : the final figures (collective parts included); the chief's
         dict goes into the summary: ``step``, ``test_accuracy``, ``test_loss``,
@@ -152,6 +154,9 @@ class ReplicaLoop(ABC):
         return {}
 
     def checkpoint_state(self) -> dict:
+        return {}
+
+    def checkpoint_metrics(self) -> dict:
         return {}
 
     def after_loop(self) -> None:
@@ -281,7 +286,8 @@ class ReplicaLoop(ABC):
             ctx.metrics.record("eval", step=step, epoch=round(ctx.epochs(step), 3),
                                test_accuracy=test_acc, test_loss=test_loss)
         if saving:
-            path = save_checkpoint(ctx, full, state, step, {"train_loss": self.last_loss})
+            path = save_checkpoint(ctx, full, state, step, {"train_loss": self.last_loss,
+                                                            **self.checkpoint_metrics()})
             ctx.metrics.record("checkpoint", echo=False, step=step, path=str(path))
 
 
