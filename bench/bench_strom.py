@@ -98,6 +98,10 @@ def main(argv=None) -> int:
     p.add_argument("--extra", default="", help="more deadreckon arguments, space-separated "
                    "(e.g. '--residual-clip 4')")
     p.add_argument("--no-reference", action="store_true", help="skip the uncompressed runs")
+    p.add_argument("--ref-extra", default="--warmup-steps 0",
+                   help="more arguments of the reference's downpour runs, space-separated "
+                        "(default '--warmup-steps 0'; e.g. '--warmup-steps 100' for the "
+                        "warm start deadreckon has)")
     p.add_argument("--min-compression", type=float, default=1000.0,
                    help="compression a passing run reaches (default 1000)")
     p.add_argument("--max-drop", type=float, default=0.3,
@@ -125,6 +129,7 @@ def main(argv=None) -> int:
     out = {"machine": bench_train.machine(mpiexec),
            "settings": {"replicas": a.replicas, "repeats": a.repeats, "lr": a.lr,
                         "quick": a.quick, "common_args": common, "deadreckon_extra": extra,
+                        "reference_extra": a.ref_extra.split(),
                         "min_compression": a.min_compression, "max_drop_points": a.max_drop,
                         "reference": "downpour --optimizer sgd (1 server rank + R replicas), "
                                      "dense pushes"},
@@ -145,7 +150,7 @@ def main(argv=None) -> int:
                     bench_train.log(f"R={R} uncompressed reference (downpour sgd), run {i + 1}")
                     refs["runs_detail"].append(run(
                         mpiexec, R + 1, ["--strategy", "downpour", "--optimizer", "sgd",
-                                         "--warmup-steps", "0", *common], tmp, a.timeout))
+                                         *a.ref_extra.split(), *common], tmp, a.timeout))
                     save()
                 refs.update(spread(refs["runs_detail"], None, 0, 0))
                 if "test_accuracy" in refs:
