@@ -6,7 +6,7 @@ MPI in tests/test_threshold.py; the runs' timeouts name the ranks waited on (tes
 from __future__ import annotations
 
 import pytest
-from test_train import QUICK, assert_learned, records, train
+from test_train import LAYERS, QUICK, assert_learned, records, train
 
 from hpcps import checkpoint
 from hpcps.strategies.deadreckon import START_TAU
@@ -69,3 +69,23 @@ def test_downpour_compressed_auto_tau_with_momentum_correction(digits_h5, tmp_pa
     assert s["compression_ratio"] > 1
     assert_diagnostics(tmp_path, 0.05)
     assert "momentum on the replicas, corrected; SGD on the shards" in run.stdout
+
+
+@pytest.mark.parametrize("partitions", [1, 2])
+def test_deadreckon_compression_counts_each_partitions_slice_once(partitions, digits_h5,
+                                                                  tmp_path):
+    """With P partitions each message covers a 1/P slice of the model: the summary's ratio is
+    the dense bytes of the whole model per replica step over the bytes sent for it, which
+    bits per update and updates per step give exactly (no warm start: every step sends), and
+    the progress records' ratios (the chief's slice) agree with it."""
+    run = train(2 * partitions, "--strategy", "deadreckon", "--partitions", str(partitions),
+                "--data", str(digits_h5), "--run-dir", str(tmp_path), "--steps", "300",
+                "--tau", "0.003", "--warmup-steps", "0", *QUICK)
+    assert run.returncode == 0, run.output
+    s = records(tmp_path, "summary")[-1]
+    sizes = [int(k) for k in LAYERS.split(",")]
+    n = sum(a * b + b for a, b in zip(sizes, sizes[1:]))
+    assert s["compression_ratio"] == pytest.approx(
+        32 * n / (s["bits_per_update"] * s["updates_per_step"]), rel=1e-9)
+    shown = [p["compression"] for p in records(tmp_path, "progress") if p.get("compression")]
+    assert shown and 0.5 < s["compression_ratio"] / sorted(shown)[len(shown) // 2] < 2, shown

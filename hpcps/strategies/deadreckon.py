@@ -289,7 +289,9 @@ class DeadReckonReplica(ReplicaLoop):
         self.released = self.warmup == 0
         self.warm_done = 0       # mini-batches replica 0 took alone (0 on the others)
         # totals of this rank's messages, and the index-gap entropy over a sample of them
-        self.sent = np.zeros(5)  # words, bytes, messages, entropy sum, entropy words
+        # words, bytes, messages, entropy sum, entropy words, the dense bytes the messages
+        # stand for (this rank's slice, 4 bytes per weight, per message)
+        self.sent = np.zeros(6)
         self._win = [0, 0, 0]    # words, bytes, iterations since the last progress record
         self._lag_mark = (0, 0)  # (lag_sum, received) at the last progress record
 
@@ -353,8 +355,9 @@ class DeadReckonReplica(ReplicaLoop):
             self.velocity.mask(words)
         thr.after_pass(self.comp.residual, len(words))
         self.sent[:3] += (len(words), len(msg), 1)
+        self.sent[5] += 4 * self.n
         if (t - 1) % ENTROPY_EVERY == 0 and len(words) > 1:
-            self.sent[3:] += (compress.gap_entropy_bits(words) * len(words), len(words))
+            self.sent[3:5] += (compress.gap_entropy_bits(words) * len(words), len(words))
         self._win = [self._win[0] + len(words), self._win[1] + len(msg), self._win[2] + 1]
         return loss
 
@@ -370,11 +373,9 @@ class DeadReckonReplica(ReplicaLoop):
         out = {"staleness": round((self.peers.lag_sum - lag)
                                   / max(1, self.peers.received - got), 2),
                "updates_per_step": round(words / per, 1),
-               # each message goes to the R-1 peers; compression: this rank's slice of the
-               # dense gradient over its message
+               # each message goes to the R-1 peers
                "bytes_per_step": round(nbytes / per * (self.R - 1)),
-               "compression": round(4 * self.n / (nbytes / max(1, iters)), 1) if nbytes
-               else None,  # nothing sent since the last record (the warm start)
+               "compression": compression_ratio(4 * self.n * iters, nbytes, digits=1),
                **self.thr.fields(self.comp.residual)}
         warning = self.residual_watch.update(out["residual_norm"], out["tau"])
         if warning:
@@ -420,7 +421,7 @@ class DeadReckonReplica(ReplicaLoop):
             return {}
         out = finish_on_chief(ctx, full, state, ctx.start_step + steps_all, train_s,
                               self.checkpoint_metrics())
-        out["figures"] = message_figures(totals, steps_all, self.R, 4 * ctx.full_model.n_params)
+        out["figures"] = message_figures(totals, steps_all, self.R)
         out["figures"].update(replicas_identical=bool(identical),
                               replica_checksums=[f"{c:08x}" for c in checksums],
                               final_tau=self.thr.tau,
@@ -428,15 +429,24 @@ class DeadReckonReplica(ReplicaLoop):
         return out
 
 
-def message_figures(totals, steps: int, replicas: int, dense_bytes: int) -> dict:
-    """Summary figures of every replica's messages (``totals`` as :meth:`finish` adds them)."""
-    words, nbytes, msgs, ent_sum, ent_words, lag, received = totals
+def compression_ratio(dense_bytes: float, sent_bytes: float, digits: int | None = None):
+    """Dense bytes of the slices the messages cover over the bytes sent for them; None when
+    nothing was sent (a run or progress interval within the warm start): JSON has no inf."""
+    if not sent_bytes:
+        return None
+    ratio = dense_bytes / sent_bytes
+    return ratio if digits is None else round(ratio, digits)
+
+
+def message_figures(totals, steps: int, replicas: int) -> dict:
+    """Summary figures of every replica's messages (``totals`` as :meth:`finish` adds them,
+    over replicas and partitions)."""
+    words, nbytes, msgs, ent_sum, ent_words, dense, lag, received = totals
     return {
         # every message goes to R-1 peers
         "bytes_per_step": nbytes / max(1, steps) * (replicas - 1),
         "updates_per_step": words / max(1, steps),
-        # None when nothing was sent (a run that ended within the warm start): JSON has no inf
-        "compression_ratio": dense_bytes * msgs / nbytes if nbytes else None,
+        "compression_ratio": compression_ratio(dense, nbytes),
         "bits_per_update": 8 * nbytes / max(1, words),
         # without the 16-byte message headers: what compares with the gap entropy
         "payload_bits_per_update": 8 * (nbytes - compress.HEADER_BYTES * msgs) / max(1, words),
