@@ -346,6 +346,13 @@ def parse(argv: Sequence[str] | None = None):
     if ns.get("config"):
         values.update(_read_toml(ns["config"]))
     values.update(ns)
+    return from_values(values)
+
+
+def from_values(values: dict[str, Any]):
+    """The validated config of the options given, by name (what :func:`parse` has once the
+    command line and any ``--config`` file are read); options not given are absent."""
+    values = dict(values)
     if values.get("model") is not None and "layers" in values:
         raise ConfigError("give --model or --layers, not both: --layers is an MLP's widths, "
                           "--model a spec of conv, pool and fc layers")

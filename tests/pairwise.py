@@ -2,7 +2,9 @@
 appears at least once (all-pairs sampling of a product too large to run whole).
 
 Pure and deterministic (no randomness: the same rows on every run and every machine); used by
-``tests/test_matrix.py`` to sample the combination matrix.
+``tests/test_combinations.py`` to sample the combination matrix. Rows are scored with NumPy
+(each row's pairs as ids, the pairs left as a boolean vector), so a product of 10^5 rows takes
+a second or two beyond judging them.
 
 A plain covering array is blind to combinations the program refuses: a pair such as
 ``--partitions 2`` with ``--threads 2`` may then be "covered" only by a row that also holds a
@@ -12,9 +14,10 @@ and the pairs that only refused rows hold (the refusals themselves) with refused
 """
 from __future__ import annotations
 
-import collections
 import itertools
 from typing import Callable, Sequence
+
+import numpy as np
 
 Pair = tuple[int, int, int, int]  # (dimension i, value index a, dimension j > i, value index b)
 
@@ -41,7 +44,7 @@ def pairwise(dims: Sequence[Sequence], accept: Callable[[tuple], bool] | None = 
     With ``accept`` (a pure function of a row of values), accepted rows first cover every
     pair that some accepted row holds; then refused rows cover the rest, each holding as few
     refused pairs as possible (a refusal tested alone, not masked by another). Meant for
-    products of up to about 10^5 rows (each is scored at every pick).
+    products of up to a few 10^5 rows (each is scored, as NumPy arrays, at every pick).
 
     Parameters
     ----------
@@ -65,37 +68,42 @@ def pairwise(dims: Sequence[Sequence], accept: Callable[[tuple], bool] | None = 
     def values(row: Sequence[int]) -> tuple:
         full = [0] * len(dims)
         for k, v in zip(free, row):
-            full[k] = v
+            full[k] = int(v)
         return tuple(dims[k][v] for k, v in enumerate(full))
 
     free_sizes = [sizes[k] for k in free]
-    rows = list(itertools.product(*(range(n) for n in free_sizes)))
-    covers = [row_pairs(r) for r in rows]
-    ok = [True] * len(rows) if accept is None else [bool(accept(values(r))) for r in rows]
-    feasible: set[Pair] = set()
-    for k in range(len(rows)):
-        if ok[k]:
-            feasible |= covers[k]
+    rows = np.array(list(itertools.product(*(range(n) for n in free_sizes))), dtype=np.int64)
+    # pair ids: dimension pair d = (i, j) owns ids base[d] .. base[d] + sizes[i] * sizes[j]
+    dim_pairs = list(itertools.combinations(range(len(free_sizes)), 2))
+    base = np.cumsum([0] + [free_sizes[i] * free_sizes[j] for i, j in dim_pairs])
+    covers = np.stack([base[d] + rows[:, i] * free_sizes[j] + rows[:, j]
+                       for d, (i, j) in enumerate(dim_pairs)], axis=1)  # rows x dim pairs
+    pair_dim = np.repeat(np.arange(len(dim_pairs)), np.diff(base))   # pair id -> dim pair
+    ok = (np.ones(len(rows), bool) if accept is None
+          else np.array([bool(accept(values(r))) for r in rows], dtype=bool))
+    feasible = np.zeros(base[-1], dtype=bool)
+    feasible[covers[ok].ravel()] = True
     chosen: list[int] = []
-    todo = set(feasible)
-    pool = [k for k in range(len(rows)) if ok[k]]
-    while todo:
-        left = collections.Counter((i, j) for i, _, j, _ in todo)
-
-        def gain(k: int) -> tuple[int, int, int]:
-            new = covers[k] & todo
-            return len(new), sum(left[i, j] for i, _, j, _ in new), -k
-        best = max(pool, key=gain)
+    todo = feasible.copy()
+    pool = np.flatnonzero(ok)
+    weight_span = len(dim_pairs) * max(free_sizes) ** 2 + 1  # more than any row's weight
+    while todo.any():
+        left = np.bincount(pair_dim[todo], minlength=len(dim_pairs))
+        new = todo[covers[pool]]                               # pool x dim pairs
+        score = new.sum(axis=1) * weight_span + (new * left).sum(axis=1)
+        best = int(pool[np.argmax(score)])  # argmax: the first, in product order, of the best
         chosen.append(best)
-        todo -= covers[best]
+        todo[covers[best]] = False
     # Refused rows: one refusal masks another (the program reports the first it finds), so
     # each row holds as few refused pairs as it can, and covers as many as it can after that.
-    todo = all_pairs(free_sizes) - feasible
-    pool = [k for k in range(len(rows)) if not ok[k]]
-    faults = {k: len(covers[k] - feasible) for k in pool}
-    while todo:
-        best = max((k for k in pool if covers[k] & todo),
-                   key=lambda k: (-faults[k], len(covers[k] & todo), -k))
+    todo = ~feasible
+    pool = np.flatnonzero(~ok)
+    faults = (~feasible[covers[pool]]).sum(axis=1)
+    span = len(dim_pairs) + 1
+    while todo.any():
+        new = todo[covers[pool]].sum(axis=1)
+        score = np.where(new > 0, -faults * span + new, np.iinfo(np.int64).min)
+        best = int(pool[np.argmax(score)])
         chosen.append(best)
-        todo -= covers[best]
+        todo[covers[best]] = False
     return [values(rows[k]) for k in chosen]
