@@ -99,9 +99,10 @@ def main(argv=None) -> int:
                    "(e.g. '--residual-clip 4')")
     p.add_argument("--no-reference", action="store_true", help="skip the uncompressed runs")
     p.add_argument("--ref-extra", default="--warmup-steps 0",
-                   help="more arguments of the reference's downpour runs, space-separated "
-                        "(default '--warmup-steps 0'; e.g. '--warmup-steps 100' for the "
-                        "warm start deadreckon has)")
+                   help="more arguments of the reference's downpour runs, space-separated, "
+                        "after the common ones (so '--lr X' overrides --lr there; default "
+                        "'--warmup-steps 0'; e.g. '--warmup-steps 100' for the warm start "
+                        "deadreckon has)")
     p.add_argument("--min-compression", type=float, default=1000.0,
                    help="compression a passing run reaches (default 1000)")
     p.add_argument("--max-drop", type=float, default=0.3,
@@ -150,7 +151,7 @@ def main(argv=None) -> int:
                     bench_train.log(f"R={R} uncompressed reference (downpour sgd), run {i + 1}")
                     refs["runs_detail"].append(run(
                         mpiexec, R + 1, ["--strategy", "downpour", "--optimizer", "sgd",
-                                         *a.ref_extra.split(), *common], tmp, a.timeout))
+                                         *common, *a.ref_extra.split()], tmp, a.timeout))
                     save()
                 refs.update(spread(refs["runs_detail"], None, 0, 0))
                 if "test_accuracy" in refs:
