@@ -189,7 +189,9 @@ def main(argv=None) -> int:
     p.add_argument("--epochs", type=float, default=2.0)
     p.add_argument("--eval-every", type=int, default=200)
     p.add_argument("--target", type=float, default=0.97)
-    p.add_argument("--data", default="/work/scratch/data/mnist.h5")
+    p.add_argument("--data", default=str(HERE.parents[1] / "data" / "mnist.h5"),
+                   help="MNIST as HDF5 (default: the repository's data/mnist.h5; "
+                        "python -m hpcps.data prepare mnist writes it)")
     p.add_argument("--layers", default="784,512,512,10")
     p.add_argument("--timeout", type=float, default=900.0)
     p.add_argument("--table", metavar="JSON", help="print the tables of a finished run's JSON")
