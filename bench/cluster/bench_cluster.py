@@ -155,7 +155,12 @@ def table(data: dict) -> str:
         lines.append("| strategy | N | layout | examples/s | bytes/step | t97 s | final acc |")
         lines.append("|---|---|---|---|---|---|---|")
         tta = {(r["strategy"], r["ranks"]): r for r in net.get("time_to_accuracy", [])}
-        for r in net.get("throughput", []):
+        runs = list(net.get("throughput", []))
+        seen = {(r["strategy"], r["ranks"]) for r in runs}
+        # a time-to-accuracy run with no throughput run of its own (--only time_to_accuracy)
+        # gives its own examples/s and bytes/step
+        runs += [r for key, r in tta.items() if key not in seen]
+        for r in runs:
             lay = f"S={r['servers']} R={r['replicas']}" + (" +coord" if r["coordinator"]
                                                            else "")
             t = tta.get((r["strategy"], r["ranks"]), {})
