@@ -289,9 +289,7 @@ class DeadReckonReplica(ReplicaLoop):
         self.released = self.warmup == 0
         self.warm_done = 0       # mini-batches replica 0 took alone (0 on the others)
         # totals of this rank's messages, and the index-gap entropy over a sample of them
-        # words, bytes, messages, entropy sum, entropy words, the dense bytes the messages
-        # stand for (this rank's slice, 4 bytes per weight, per message)
-        self.sent = np.zeros(6)
+        self.sent = np.zeros(5)  # words, bytes, messages, entropy sum, entropy words
         self._win = [0, 0, 0]    # words, bytes, iterations since the last progress record
         self._lag_mark = (0, 0)  # (lag_sum, received) at the last progress record
 
@@ -355,9 +353,8 @@ class DeadReckonReplica(ReplicaLoop):
             self.velocity.mask(words)
         thr.after_pass(self.comp.residual, len(words))
         self.sent[:3] += (len(words), len(msg), 1)
-        self.sent[5] += 4 * self.n
         if (t - 1) % ENTROPY_EVERY == 0 and len(words) > 1:
-            self.sent[3:5] += (compress.gap_entropy_bits(words) * len(words), len(words))
+            self.sent[3:] += (compress.gap_entropy_bits(words) * len(words), len(words))
         self._win = [self._win[0] + len(words), self._win[1] + len(msg), self._win[2] + 1]
         return loss
 
@@ -403,8 +400,10 @@ class DeadReckonReplica(ReplicaLoop):
         barrier(comm, self.cfg.timeout, "every replica to drain its messages")
         checksums = comm.gather(zlib.crc32(self.params.tobytes()), root=0)
         steps_all = comm.reduce(self.done, op=MPI.SUM, root=0)
-        totals = comm.reduce(np.array([*self.sent, self.peers.lag_sum, self.peers.received],
-                                      np.float64), op=MPI.SUM, root=0)
+        # the dense bytes this rank's messages stand for: its slice, 4 bytes a weight, each
+        dense = 4 * self.n * self.sent[2]
+        totals = comm.reduce(np.array([*self.sent, dense, self.peers.lag_sum,
+                                       self.peers.received], np.float64), op=MPI.SUM, root=0)
         if not self.first:
             return {}
         # replica 0's ranks hold the totals of their partition; add up the partitions
