@@ -31,7 +31,8 @@ def kernel(name: str) -> Extension:
         [f"ext/{name}.pyx"],
         include_dirs=[np.get_include(), "ext"],
         depends=(["ext/zero_skip.h", "ext/zero_skip.pxd", "ext/sgemm_ptr.pxi"]
-                 if name in ("hogwild", "gemm") else []),
+                 if name in ("hogwild", "gemm") else
+                 ["ext/sgemm_ptr.pxi"] if name == "convnet" else []),
         extra_compile_args=compile_args,
         extra_link_args=link_args,
         define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
@@ -39,9 +40,10 @@ def kernel(name: str) -> Extension:
 
 
 # adagrad: the server's update; compress: Strom's threshold/apply/Golomb-Rice; hogwild: the
-# nogil multi-threaded MLP engine; gemm: fused GEMM kernels (the last two call BLAS through
-# scipy.linalg.cython_blas, so scipy is a build requirement)
-extensions = [kernel(name) for name in ("adagrad", "compress", "hogwild", "gemm")]
+# nogil multi-threaded MLP engine; convnet: the same for conv networks; gemm: fused GEMM
+# kernels (the last three call BLAS through scipy.linalg.cython_blas, so scipy is a build
+# requirement)
+extensions = [kernel(name) for name in ("adagrad", "compress", "hogwild", "convnet", "gemm")]
 
 setup(
     ext_modules=cythonize(

@@ -2,12 +2,17 @@
 
 The same contract as :class:`hpcps.hogwild.HogwildEngine` (``train``, ``gradient_sum``,
 ``loss_and_grad``), so the strategies call either without knowing which model they train:
-:func:`engine_for` picks the engine for a model. T Python threads each train on their own
+:func:`engine_for` picks the engine for a model. T threads each train on their own
 mini-batches and add their updates into the shared parameter vector without a lock (Project
 Adam, section 3.2; the races this allows, and why training tolerates them, are described in
-:mod:`hpcps.hogwild`). A thread's forward and backward pass is the model's NumPy code
-(im2col + GEMM through NumPy's BLAS, which releases the GIL during each GEMM and each large
-elementwise operation, so the threads overlap there and serialize in the Python between them).
+:mod:`hpcps.hogwild`).
+
+The threads run the compiled engine (``ext/convnet.pyx``: the layers, the mini-batch loop and
+the update in nogil code, convolutions as im2col and ``sgemm`` a few examples at a time), built
+from the model by :func:`op_table`. Without the extension (not built, or
+``HPCPS_NO_EXTENSION=1``) they run the model's NumPy code, the reference the tests compare the
+compiled engine with: NumPy's BLAS releases the GIL during each GEMM and each large
+elementwise operation, so the threads overlap there and serialize in the Python between them.
 """
 from __future__ import annotations
 
@@ -18,6 +23,80 @@ import numpy as np
 
 from hpcps.blocks import block_range
 from hpcps.convnet import ConvNet
+from hpcps.kernels import blas, load_extension
+
+_compiled, _ = load_extension("_convnet", None, "hpcps.conv_hogwild")
+HAVE_EXTENSION = _compiled is not None
+
+# op kinds and the op table's columns: ext/convnet.pyx's K_* and O_* enums
+K_CONV, K_POOL, K_FLAT, K_FC = range(4)
+CHUNK_FLOATS = 65536  # ext/convnet.pyx: the largest im2col chunk, in floats
+COLUMNS = ("kind", "c", "h", "w", "oc", "oh", "ow", "kh", "kw", "stride", "pad", "w_off",
+           "b_off", "act", "dx", "out", "arg", "chunk")
+
+
+def op_table(model: ConvNet) -> np.ndarray:
+    """The compiled engine's description of ``model``: one int64 row per layer (columns
+    :data:`COLUMNS`; ``out``, ``arg`` and ``chunk`` are the engine's to fill). An fc layer
+    on maps gets the flatten before it as a row of its own; a flatten of a vector is
+    dropped. ``dx`` marks the layers whose input error is needed (some layer before them
+    has parameters)."""
+    offsets = {name: off for name, _, off in model.layout}
+    rows, below = [], False
+
+    def row(kind, ins, outs, **kw):
+        r = dict.fromkeys(COLUMNS, 0)
+        r.update(kind=kind, c=ins[0], h=ins[1], w=ins[2], oc=outs[0], oh=outs[1], ow=outs[2],
+                 dx=int(below), **kw)
+        rows.append([int(r[c]) for c in COLUMNS])
+
+    for op in model.ops:
+        s = op.spec
+        ins = tuple(op.in_shape) + (1,) * (3 - len(op.in_shape))
+        if s.kind == "flatten" or (s.kind == "fc" and len(op.in_shape) == 3):
+            if len(op.in_shape) == 3:
+                n = int(np.prod(op.in_shape))
+                row(K_FLAT, ins, (n, 1, 1))
+                ins = (n, 1, 1)
+            if s.kind == "flatten":
+                continue
+        if s.kind == "pool":
+            row(K_POOL, ins, op.out_shape, kh=s.kh, kw=s.kh, stride=s.stride)
+            continue
+        params = dict(w_off=offsets[f"layer{op.param}/W"], b_off=offsets[f"layer{op.param}/b"])
+        if s.kind == "conv":
+            row(K_CONV, ins, op.out_shape, kh=s.kh, kw=s.kw, stride=s.stride, pad=s.pad,
+                act=1, **params)
+        else:
+            row(K_FC, ins, (s.out, 1, 1), act=int(not op.last), **params)
+        below = True
+    return np.array(rows, dtype=np.int64).reshape(-1, len(COLUMNS))
+
+
+def conv_shapes(model: ConvNet, batch: int) -> tuple:
+    """The sgemm calls of one compiled training step, in :func:`hpcps.kernels.blas.mlp_shapes`'
+    form (what ``HPCPS_BLAS=auto`` times): per conv layer its forward, weight-gradient and
+    input-gradient products of one im2col chunk (``ext/convnet.pyx``'s ``CHUNK_FLOATS``), per
+    fc layer the MLP's three."""
+    shapes = []
+    for r in op_table(model):
+        k = dict(zip(COLUMNS, (int(v) for v in r)))
+        if k["kind"] == K_CONV:
+            K, O = k["c"] * k["kh"] * k["kw"], k["oc"]
+            per = k["oh"] * k["ow"] * K
+            M = max(1, min(batch, CHUNK_FLOATS // per)) * k["oh"] * k["ow"]
+            calls = [(M, K, O, False, True, 1.0), (O, M, K, True, False, 0.0)]
+        elif k["kind"] == K_FC:
+            calls = list(blas.mlp_shapes((k["c"], k["oc"]), batch))
+        else:
+            continue
+        if k["dx"] and k["kind"] == K_CONV:
+            calls.append((M, O, K, False, False, 0.0))
+        elif k["dx"]:
+            calls.append((batch, k["oc"], k["c"], False, True, 0.0))
+        shapes += [c for c in calls if c not in shapes]
+    return tuple((min(m, blas.MAX_DIM), min(kk, blas.MAX_DIM), min(n, blas.MAX_DIM), ta, tb, b)
+                 for m, kk, n, ta, tb, b in shapes)
 
 
 def engine_for(model, activation: str, threads: int, batch: int):
@@ -51,6 +130,14 @@ def _run_threads(fn, T: int) -> None:
         raise errors[0]
 
 
+def _rows(x: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(x, dtype=np.float32)
+
+
+def _labels(y: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(y, dtype=np.int64)
+
+
 class ConvHogwild:
     """T threads training one :class:`ConvNet`'s shared flat parameters, lock-free.
 
@@ -59,11 +146,12 @@ class ConvHogwild:
     model : the ConvNet.
     threads : T >= 1.
     batch : examples per mini-batch of each thread.
+    compiled : None (default) for the compiled engine when it is built, False for the
+        NumPy reference.
     """
 
-    compiled = False
-
-    def __init__(self, model: ConvNet, threads: int = 1, batch: int = 128):
+    def __init__(self, model: ConvNet, threads: int = 1, batch: int = 128,
+                 compiled: bool | None = None):
         for name, v in (("threads", threads), ("batch", batch)):
             if operator.index(v) < 1:
                 raise ValueError(f"{name} must be >= 1, got {v}")
@@ -71,8 +159,18 @@ class ConvHogwild:
         self.threads = int(threads)
         self.batch = int(batch)
         self.n_params = model.n_params
-        # one gradient buffer per thread, allocated once
-        self._grads = [np.empty(model.n_params, dtype=np.float32) for _ in range(self.threads)]
+        self.compiled = HAVE_EXTENSION if compiled is None else bool(compiled)
+        if self.compiled and not HAVE_EXTENSION:
+            raise ValueError("the compiled conv engine is not built")
+        self._engine = None
+        if self.compiled:
+            self._engine = _compiled.ConvEngine(op_table(model), model.n_params,
+                                                model.input_shape, self.threads, self.batch,
+                                                model.activation)
+            blas.ensure(conv_shapes(model, self.batch))
+        # one gradient buffer per thread, allocated once (the NumPy path)
+        self._grads = [] if self.compiled else \
+            [np.empty(model.n_params, dtype=np.float32) for _ in range(self.threads)]
 
     def _check(self, params, x, y, writable=True):
         if not isinstance(params, np.ndarray) or params.dtype != np.float32 \
@@ -82,6 +180,16 @@ class ConvHogwild:
             raise ValueError("params is read-only")
         if x.ndim != 2 or x.shape[1] != self.model.n_features or len(y) != len(x):
             raise ValueError(f"x must be (N, {self.model.n_features}) with one label per row")
+
+    def _order(self, order, x, y) -> np.ndarray:
+        """``order`` as int64, checked (the compiled engine trusts its indices and labels)."""
+        order = np.ascontiguousarray(order, dtype=np.int64)
+        if len(order) and (order.min() < 0 or order.max() >= len(x)):
+            raise IndexError(f"an index of order is outside the {len(x)} rows of x")
+        labels = np.asarray(y)[order]
+        if len(labels) and (labels.min() < 0 or labels.max() >= self.model.n_classes):
+            raise ValueError(f"labels must be in 0..{self.model.n_classes - 1}")
+        return order
 
     def train(self, params, x, y, order, lr, steps_per_thread=None, delta=None):
         """Train in place, T threads, each on its part of ``order`` (as
@@ -96,6 +204,7 @@ class ConvHogwild:
         lr = float(lr)
         if not np.isfinite(lr) or lr < 0:
             raise ValueError(f"lr must be finite and >= 0, got {lr}")
+        order = self._order(order, x, y)
         T, B = self.threads, self.batch
         if steps_per_thread is None:
             parts = [order[slice(*block_range(len(order), T, t))] for t in range(T)]
@@ -105,6 +214,9 @@ class ConvHogwild:
                 raise ValueError(f"order has {len(order)} indices; {T} threads x {S} steps "
                                  f"x batch {B} need {T * S * B}")
             parts = [order[t * S * B:(t + 1) * S * B] for t in range(T)]
+        if self.compiled:
+            return self._engine.train(params, _rows(x), _labels(y), order, lr,
+                                      0 if steps_per_thread is None else S, delta)
         losses = [0.0] * T
         neg_lr = np.float32(-lr)
 
@@ -131,6 +243,10 @@ class ConvHogwild:
         self._check(params, x, y, writable=False)
         if grad is None:
             grad = np.empty(self.n_params, dtype=np.float32)
+        rows = self._order(rows, x, y)
+        if self.compiled:
+            loss_sum, n = self._engine.gradient_sum(params, _rows(x), _labels(y), rows, grad)
+            return loss_sum, grad, n
         T, B = self.threads, self.batch
         sums = [np.zeros(self.n_params, dtype=np.float32) for _ in range(T)]
         losses = [0.0] * T
@@ -152,6 +268,14 @@ class ConvHogwild:
         return float(sum(losses)), grad, int(len(rows))
 
     def loss_and_grad(self, params, x, y, grad=None):
-        """Mean loss over the rows of x and its gradient, one thread."""
+        """Mean loss over the rows of x and its gradient, one thread; with the compiled
+        engine at most ``batch`` rows."""
         self._check(params, x, y, writable=False)
+        if self.compiled:
+            if len(x) > self.batch:
+                raise ValueError(f"{len(x)} rows, more than the engine's batch {self.batch}")
+            if grad is None:
+                grad = np.empty(self.n_params, dtype=np.float32)
+            self._order(np.arange(len(x)), x, y)
+            return self._engine.loss_and_grad(params, _rows(x), _labels(y), grad), grad
         return self.model.loss_and_grad(params, x, y, grad)

@@ -330,6 +330,8 @@ class ConvNet:
                 if not first:
                     delta = delta @ w[f"layer{op.param}/W"].T
             elif kind == "flat":
+                if first:   # the first layer's own flatten: no error below it to compute
+                    break
                 B, h, wd, c = cache
                 delta = delta.reshape(B, c, h, wd).transpose(0, 2, 3, 1)
             elif kind == "pool":

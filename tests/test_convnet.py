@@ -1,5 +1,6 @@
 """Conv models: the spec, the layers against finite differences and PyTorch, the dataset's image
-shape, checkpoints and inspect, the Hogwild engine, and a run with resume (docs/conv.md)."""
+shape, checkpoints and inspect, the Hogwild engine (compiled, against the NumPy reference), and
+a run with resume (docs/conv.md)."""
 from __future__ import annotations
 
 import h5py
@@ -8,6 +9,7 @@ import pytest
 from mpirun import train
 
 from hpcps import checkpoint, config, convnet, data
+from hpcps import conv_hogwild
 from hpcps.conv_hogwild import ConvHogwild, engine_for
 from hpcps.convnet import ConvNet, col2im, im2col, maxpool, maxpool_back
 from hpcps.errors import CheckpointError, ConfigError, DataError
@@ -219,7 +221,48 @@ def test_checkpoint_holds_kernels_out_in_kh_kw_and_inspect_shows_the_model(digit
             dataset=ckpt.dataset))
 
 
-def test_hogwild_engine_trains_and_sums_gradients(digits_h5):
+ENGINES = [pytest.param(True, id="compiled", marks=pytest.mark.skipif(
+    not conv_hogwild.HAVE_EXTENSION, reason="the compiled conv engine is not built")),
+    pytest.param(False, id="numpy")]
+
+
+@pytest.mark.skipif(not conv_hogwild.HAVE_EXTENSION, reason="the compiled engine is not built")
+@pytest.mark.parametrize("activation", ["relu", "tanh", "sigmoid"])
+@pytest.mark.parametrize("spec,shape", [
+    ("adam-mnist", (1, 28, 28)),
+    (SMALL, (2, 9, 7)),                              # stride, padding, overlapping pool
+    ("pool2,conv3x3x5p2,flatten,fc3", (3, 8, 8)),    # nothing to learn below the conv
+    ("conv3x3x4,conv2x2x6s2,fc3", (3, 7, 7)),        # conv on conv, C_in 3 (NHWC gather)
+    ("fc6,fc3", (1, 4, 4)),                          # fc on the maps, first
+])
+def test_compiled_engine_matches_the_numpy_model(spec, shape, activation):
+    model = ConvNet(spec, shape, activation)
+    rng = np.random.default_rng(2)
+    p = model.init_params(1) + rng.normal(size=model.n_params).astype(np.float32) * 0.01
+    x = rng.random((13, model.n_features), dtype=np.float32)
+    y = rng.integers(0, model.n_classes, 13)
+    loss, g = model.loss_and_grad(p, x, y)
+    eng = ConvHogwild(model, 1, 16)
+    assert eng.compiled
+    loss_c, g_c = eng.loss_and_grad(p, x, y)
+    assert loss_c == pytest.approx(loss, rel=1e-5)
+    assert np.abs(g_c - g).max() <= 1e-5 * np.abs(g).max()
+
+
+def test_compiled_engine_describes_the_model_as_ops():
+    table = conv_hogwild.op_table(ConvNet("adam-mnist", (1, 28, 28)))
+    col = {c: i for i, c in enumerate(conv_hogwild.COLUMNS)}
+    kinds = list(table[:, col["kind"]])
+    C, P, F, L = (conv_hogwild.K_CONV, conv_hogwild.K_POOL, conv_hogwild.K_FLAT,
+                  conv_hogwild.K_FC)
+    assert kinds == [C, P, C, P, F, L, L, L]   # the flatten before the first fc is explicit
+    assert list(table[:, col["dx"]]) == [0, 1, 1, 1, 1, 1, 1, 1]
+    assert list(table[:, col["act"]]) == [1, 0, 1, 0, 0, 1, 1, 0]
+    assert list(table[4, [col["c"], col["h"], col["w"], col["oc"]]]) == [20, 4, 4, 320]
+
+
+@pytest.mark.parametrize("compiled", ENGINES)
+def test_hogwild_engine_trains_and_sums_gradients(digits_h5, compiled):
     x, y = data.load_split(digits_h5, "train")
     model = ConvNet(DIGITS_CONV, (1, 8, 8))
     assert isinstance(engine_for(model, "relu", 2, 16), ConvHogwild)
@@ -231,24 +274,32 @@ def test_hogwild_engine_trains_and_sums_gradients(digits_h5):
         idx = rows[lo:lo + 16]
         ref += model.loss_and_grad(p, x[idx], y[idx])[1] * len(idx)
     for T in (1, 3):
-        loss_sum, g, n = ConvHogwild(model, T, 16).gradient_sum(p, x, y, rows)
+        loss_sum, g, n = ConvHogwild(model, T, 16, compiled).gradient_sum(p, x, y, rows)
         assert n == 100 and np.allclose(g, ref, atol=1e-4)
     # T = 1 is plain SGD, step for step
     q, seq = p.copy(), p.copy()
     delta = np.zeros_like(p)
-    ConvHogwild(model, 1, 16).train(q, x, y, rows[:64], 0.1, steps_per_thread=4, delta=delta)
+    ConvHogwild(model, 1, 16, compiled).train(q, x, y, rows[:64], 0.1, steps_per_thread=4,
+                                              delta=delta)
     for lo in range(0, 64, 16):
         seq -= np.float32(0.1) * model.loss_and_grad(seq, x[lo:lo + 16], y[lo:lo + 16])[1]
     assert np.allclose(q, seq, atol=1e-5) and np.allclose(delta, q - p, atol=1e-5)
     # T = 2, lock-free: learns
     order = np.random.default_rng(0).permutation(len(y))
-    eng = ConvHogwild(model, 2, 16)
+    eng = ConvHogwild(model, 2, 16, compiled)
     before = model.evaluate(p, x, y)[0]
     for _ in range(3):
         eng.train(p, x, y, order, 0.05)
     assert model.evaluate(p, x, y)[0] < 0.5 * before
     with pytest.raises(ValueError, match="need"):
         eng.train(p, x, y, order[:10], 0.05, steps_per_thread=1)
+    # indices and labels out of range are refused before any thread starts
+    with pytest.raises(IndexError, match="outside"):
+        eng.train(p, x, y, np.array([0, len(y)]), 0.05)
+    bad = y.copy()
+    bad[order[0]] = 10
+    with pytest.raises((ValueError, IndexError)):
+        eng.train(p, x, bad, order[:32], 0.05)
 
 
 def test_conv_run_resumes_and_refuses_another_model(digits_h5, tmp_path):

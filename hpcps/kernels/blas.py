@@ -72,7 +72,7 @@ ENV = "HPCPS_BLAS"
 _MKL_INTERFACE_LP64, _MKL_INTERFACE_ILP64 = 0, 1
 _MKL_THREADING_SEQUENTIAL = 1
 # the compiled modules whose sgemm pointer is set
-_EXTENSIONS = ("_gemm", "_hogwild")
+_EXTENSIONS = ("_gemm", "_hogwild", "_convnet")
 
 # auto's timing: rounds of every shape with each library, at least MIN_ROUNDS and at most
 # MAX_ROUNDS, stopping once TIME_BUDGET_S has passed; dimensions are clipped at MAX_DIM

@@ -14,9 +14,10 @@ class GradientSource:
 
     One mini-batch (T = 1) goes through the compiled engine's forward and backward pass
     (:meth:`hpcps.hogwild.HogwildEngine.loss_and_grad`: BLAS without temporaries, the first
-    layer skipping zero inputs) when the model is whole and the engine is built, else
-    through ``model.loss_and_grad`` (NumPy; always so with P > 1). Both compute the same
-    gradient, to float32 rounding.
+    layer skipping zero inputs; for a conv model
+    :meth:`hpcps.conv_hogwild.ConvHogwild.loss_and_grad`) when the model is whole and the
+    engine is built, else through ``model.loss_and_grad`` (NumPy; always so with P > 1).
+    Both compute the same gradient, to float32 rounding.
 
     The threads each take one SGD step (rate ``--lr``) on a scratch copy of the parameters,
     lock-free, and record the updates they applied; the mean gradient they stand for,
@@ -26,9 +27,10 @@ class GradientSource:
     T > 1 results are no longer bit-reproducible.
 
     With P = 1 the threads are :mod:`hpcps.hogwild`'s compiled nogil engine on the whole
-    model. With P > 1 they are :class:`hpcps.partitioned_hogwild.PartitionedHogwild`: thread
-    t of every partition rank of the replica computes one mini-batch (rows t*batch ..
-    (t+1)*batch of the T*batch the strategy hands over, the same rows on every partition)
+    model (:mod:`hpcps.conv_hogwild`'s for a conv model). With P > 1 they are
+    :class:`hpcps.partitioned_hogwild.PartitionedHogwild`: thread t of every partition rank
+    of the replica computes one mini-batch (rows t*batch .. (t+1)*batch of the T*batch the
+    strategy hands over, the same rows on every partition)
     through its own :class:`ReplicaExchange`, over its own duplicate of the replica
     communicator (made here, once, in thread order, on every partition rank alike), so
     the collectives of different threads never mix. That needs ``MPI_THREAD_MULTIPLE``
@@ -62,11 +64,14 @@ class GradientSource:
                                      batch=cfg.batch_size)
             self.order = np.arange(self.batch)
         self.compiled_one = None
-        if self.threads == 1 and not ctx.partitioned and cfg.model is None:
-            from hpcps import hogwild
-            if hogwild.HAVE_EXTENSION:
+        if self.threads == 1 and not ctx.partitioned:
+            from hpcps import conv_hogwild, hogwild
+            if cfg.model is None and hogwild.HAVE_EXTENSION:
                 self.compiled_one = hogwild.HogwildEngine(cfg.layers, cfg.activation,
                                                           threads=1, batch=cfg.batch_size)
+            elif cfg.model is not None and conv_hogwild.HAVE_EXTENSION:
+                self.compiled_one = conv_hogwild.ConvHogwild(ctx.full_model, threads=1,
+                                                             batch=cfg.batch_size)
 
     def __call__(self, params: np.ndarray, x: np.ndarray, y: np.ndarray,
                  grad: np.ndarray) -> float:

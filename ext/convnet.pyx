@@ -1,0 +1,583 @@
+# cython: cdivision=True, boundscheck=False, wraparound=False, initializedcheck=False
+"""Hogwild training of a convolutional network inside one process: T threads, no GIL.
+
+The compiled counterpart of ``hpcps.convnet.ConvNet`` (the NumPy reference, which the tests
+compare it with): the same layers (convolution with any kernel, stride and padding, max-pooling,
+flatten, fully connected, softmax cross-entropy), the same parameter layout (conv kernels
+``(out, in, kh, kw)``, fc weights ``(fan_in, fan_out)``) and the same arithmetic on NHWC
+activations, with the mini-batch loop, the layers and the update in nogil code. As in
+``ext/hogwild.pyx`` every thread owns a context allocated once (activations, pooling argmax,
+error buffers, im2col scratch and a gradient), gathers its own examples and adds its update
+into the shared parameter vector without a lock.
+
+A convolution is im2col and one ``sgemm``, done a few examples at a time: each chunk's window
+matrix (``CHUNK_FLOATS`` floats at most, so it stays in the core's L2 cache) is built, multiplied
+and, in the backward pass, built again rather than kept: the two copies cost less than a
+whole-batch window matrix that streams through memory. Window columns are ordered
+(in map, kernel row, kernel column), the order of the stored kernel's last three axes, so the
+kernel matrix is the parameter vector itself, used transposed, with no copy.
+
+BLAS is column-major: a row-major product ``C = A @ B`` is ``sgemm(N, N, n, m, k, B, A, C)``
+with the operands swapped; each call below has its row-major meaning beside it.
+
+A step computes the mini-batch's whole gradient at the weights it read, then adds ``-lr * g``
+to the parameters (and to ``delta``): the update rule of ``hpcps.conv_hogwild``'s NumPy path,
+so one thread alone computes what sequential SGD computes.
+
+Callers use ``hpcps.conv_hogwild``, which checks shapes, dtypes and labels; this module trusts
+its input.
+"""
+import threading
+
+import numpy as np
+
+from libc.math cimport expf, logf, tanhf
+from libc.stdint cimport int32_t, int64_t
+from libc.string cimport memcpy, memset
+
+cdef enum:
+    ALIGN = 16                  # floats: every buffer starts on a 64-byte boundary
+    CHUNK_FLOATS = 65536        # largest im2col chunk (256 KiB), but at least one example
+
+cdef enum:
+    K_CONV = 0
+    K_POOL = 1
+    K_FLAT = 2
+    K_FC = 3
+
+cdef enum:
+    ACT_RELU = 0
+    ACT_TANH = 1
+    ACT_SIGMOID = 2
+
+cdef enum:
+    MODE_GRAD = 0       # the mean gradient into the caller's buffer, no update
+    MODE_STEP = 1       # params -= lr * mean gradient (and delta -= the same)
+    MODE_SUM = 2        # the thread's sum += sum over the examples of their gradients
+
+# columns of the op table
+cdef enum:
+    O_KIND = 0
+    O_C = 1             # input maps (fc: input units)
+    O_H = 2
+    O_W = 3
+    O_OC = 4            # output maps (fc: units)
+    O_OH = 5
+    O_OW = 6
+    O_KH = 7
+    O_KW = 8
+    O_S = 9             # stride
+    O_P = 10            # padding
+    O_WOFF = 11         # offset of W in the parameter vector (-1: none)
+    O_BOFF = 12
+    O_ACT = 13          # 1: the activation follows this op
+    O_DX = 14           # 1: the error at this op's input is needed
+    O_OUT = 15          # offset of the op's output in a context
+    O_ARG = 16          # pool: offset of its argmax in the int context
+    O_CHUNK = 17        # conv: examples per im2col chunk
+    N_COLS = 18
+
+ACTIVATIONS = {"relu": ACT_RELU, "tanh": ACT_TANH, "sigmoid": ACT_SIGMOID}
+
+
+cdef inline Py_ssize_t _aligned(Py_ssize_t n) noexcept nogil:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+include "sgemm_ptr.pxi"
+
+
+cdef inline void _gemm(char ta, char tb, int m, int n, int k, float alpha,
+                       const float *a, int lda, const float *b, int ldb,
+                       float beta, float *c, int ldc) noexcept nogil:
+    # cython_blas takes non-const pointers; sgemm does not write a or b.
+    _f_sgemm(&ta, &tb, &m, &n, &k, &alpha, <float *> a, &lda, <float *> b, &ldb,
+             &beta, c, &ldc)
+
+
+cdef inline void _activate(int act, float *z, Py_ssize_t n) noexcept nogil:
+    cdef Py_ssize_t i
+    if act == ACT_RELU:
+        for i in range(n):
+            z[i] = z[i] if z[i] > 0.0 else 0.0
+    elif act == ACT_TANH:
+        for i in range(n):
+            z[i] = tanhf(z[i])
+    else:
+        for i in range(n):
+            z[i] = 1.0 / (1.0 + expf(-z[i]))
+
+
+cdef inline void _act_grad(int act, const float *a, float *d, Py_ssize_t n) noexcept nogil:
+    """d *= act'(z), from the activation's output a = act(z)."""
+    cdef Py_ssize_t i
+    if act == ACT_RELU:
+        for i in range(n):
+            d[i] = d[i] if a[i] > 0.0 else 0.0
+    elif act == ACT_TANH:
+        for i in range(n):
+            d[i] = d[i] * (1.0 - a[i] * a[i])
+    else:
+        for i in range(n):
+            d[i] = d[i] * (a[i] * (1.0 - a[i]))
+
+
+cdef void _im2col(const float *a, int nb, int C, int H, int W, int OH, int OW, int KH,
+                  int KW, int S, int P, float *cols) noexcept nogil:
+    """cols[(r*OH + oh)*OW + ow, (c*KH + i)*KW + j] = a[r, oh*S + i - P, ow*S + j - P, c]
+    (zero outside the image); a is NHWC."""
+    cdef int r, oh, ow, c, i, j, h, w
+    cdef Py_ssize_t K = <Py_ssize_t> C * KH * KW
+    cdef float *row
+    cdef const float *src
+    for r in range(nb):
+        for oh in range(OH):
+            for ow in range(OW):
+                row = cols + ((<Py_ssize_t> r * OH + oh) * OW + ow) * K
+                for i in range(KH):
+                    h = oh * S + i - P
+                    for j in range(KW):
+                        w = ow * S + j - P
+                        if h < 0 or h >= H or w < 0 or w >= W:
+                            for c in range(C):
+                                row[(c * KH + i) * KW + j] = 0.0
+                        else:
+                            src = a + ((<Py_ssize_t> r * H + h) * W + w) * C
+                            for c in range(C):
+                                row[(c * KH + i) * KW + j] = src[c]
+
+
+cdef void _col2im(const float *cols, int nb, int C, int H, int W, int OH, int OW, int KH,
+                  int KW, int S, int P, float *dx) noexcept nogil:
+    """dx[r, h, w, c] += every window value that came from there (dx NHWC, not cleared)."""
+    cdef int r, oh, ow, c, i, j, h, w
+    cdef Py_ssize_t K = <Py_ssize_t> C * KH * KW
+    cdef const float *row
+    cdef float *dst
+    for r in range(nb):
+        for oh in range(OH):
+            for ow in range(OW):
+                row = cols + ((<Py_ssize_t> r * OH + oh) * OW + ow) * K
+                for i in range(KH):
+                    h = oh * S + i - P
+                    if h < 0 or h >= H:
+                        continue
+                    for j in range(KW):
+                        w = ow * S + j - P
+                        if w < 0 or w >= W:
+                            continue
+                        dst = dx + ((<Py_ssize_t> r * H + h) * W + w) * C
+                        for c in range(C):
+                            dst[c] += row[(c * KH + i) * KW + j]
+
+
+cdef class ConvEngine:
+    """T threads training one convolutional network's flat float32 parameters.
+
+    ``ops`` is the op table (int64, one row per layer, columns ``O_*``) that
+    ``hpcps.conv_hogwild`` builds from a ``ConvNet``; ``n_params`` the vector's length;
+    ``batch`` the largest mini-batch; ``act`` the hidden activation.
+    """
+
+    cdef readonly int threads, batch, n_ops, n_params, n_in, n_classes
+    cdef readonly int in_c, in_h, in_w
+    cdef int act
+    cdef int64_t[:, ::1] ops
+    cdef const int64_t *ops_p        # the op table's rows, N_COLS each
+    cdef float[:, ::1] work          # (threads, context): activations, errors, cols, gradient
+    cdef int32_t[:, ::1] iwork       # (threads, int context): pooling argmax
+    cdef int64_t[:, ::1] labels
+    cdef double[::1] loss
+    cdef int64_t[::1] seen
+    cdef Py_ssize_t in_off, d0_off, d1_off, cols_off, dcols_off, g_off, sum_off
+
+    cdef float *p_params
+    cdef float *p_delta
+    cdef const float *p_x
+    cdef const int64_t *p_y
+    cdef const int64_t *p_order
+    cdef Py_ssize_t n_order, steps
+    cdef float lr
+    cdef int run_mode
+
+    def __init__(self, ops, int n_params, input_shape, int threads, int batch,
+                 str activation):
+        cdef Py_ssize_t off, ioff, widest, cols
+        cdef int i
+        self.ops = np.ascontiguousarray(ops, dtype=np.int64).copy()
+        self.n_ops = self.ops.shape[0]
+        if self.ops.shape[1] != N_COLS:
+            raise ValueError(f"the op table has {self.ops.shape[1]} columns, not {N_COLS}")
+        self.n_params = n_params
+        self.threads = threads
+        self.batch = batch
+        self.act = ACTIVATIONS[activation]
+        self.in_c, self.in_h, self.in_w = [int(v) for v in input_shape]
+        self.n_in = self.in_c * self.in_h * self.in_w
+        self.n_classes = int(self.ops[self.n_ops - 1, O_OC])
+        off, ioff = 0, 0
+        self.in_off = off
+        off += _aligned(<Py_ssize_t> batch * self.n_in)
+        widest = self.n_in
+        cols = 0
+        for i in range(self.n_ops):
+            n_out = self.ops[i, O_OC] * self.ops[i, O_OH] * self.ops[i, O_OW]
+            widest = max(widest, n_out)
+            self.ops[i, O_OUT] = off
+            off += _aligned(batch * n_out)
+            if self.ops[i, O_KIND] == K_POOL:
+                self.ops[i, O_ARG] = ioff
+                ioff += _aligned(batch * n_out)
+            if self.ops[i, O_KIND] == K_CONV:
+                per = self.ops[i, O_OH] * self.ops[i, O_OW] * self.ops[i, O_C] \
+                    * self.ops[i, O_KH] * self.ops[i, O_KW]
+                chunk = max(1, min(batch, CHUNK_FLOATS // max(1, per)))
+                self.ops[i, O_CHUNK] = chunk
+                cols = max(cols, chunk * per)
+        self.ops_p = &self.ops[0, 0]
+        self.d0_off = off
+        off += _aligned(batch * widest)
+        self.d1_off = off
+        off += _aligned(batch * widest)
+        self.cols_off = off
+        off += _aligned(cols)
+        self.dcols_off = off
+        off += _aligned(cols)
+        self.g_off = off
+        off += _aligned(n_params)
+        self.sum_off = off
+        off += _aligned(n_params)
+        # one allocation for all threads; rows padded so no two contexts share a cache line
+        self.work = np.zeros((threads, off), dtype=np.float32)
+        self.iwork = np.zeros((threads, max(ioff, 1)), dtype=np.int32)
+        self.labels = np.zeros((threads, batch), dtype=np.int64)
+        self.loss = np.zeros(threads, dtype=np.float64)
+        self.seen = np.zeros(threads, dtype=np.int64)
+
+    # -- one mini-batch, one thread ------------------------------------------------------
+    cdef void _step(self, int t, float *params, const float *x, const int64_t *y,
+                    const int64_t *rows, int nb, float *g) noexcept nogil:
+        """Forward and backward over ``nb`` examples (rows of x/y, or x/y themselves when
+        ``rows`` is NULL) in thread t's context: the mean loss's gradient (the sum's in
+        MODE_SUM) into g, the loss sum into loss[t]."""
+        cdef float *ctx = &self.work[t, 0]
+        cdef int32_t *ictx = &self.iwork[t, 0]
+        cdef int64_t *lab = &self.labels[t, 0]
+        cdef int i, r, c, h, w, oh, ow, p, q, cls, C, H, W, OC, OH, OW, KH, KW, S, P, kind
+        cdef int chunk, r0, nr, M, K, first_pos
+        cdef Py_ssize_t k, n, n_out, j, n_in = self.n_in, base, best_at, at
+        cdef float *a
+        cdef float *z
+        cdef float *d
+        cdef float *dp
+        cdef float *Wp
+        cdef float *bp
+        cdef float *gW
+        cdef float *gb
+        cdef float *cols = ctx + self.cols_off
+        cdef float *dcols = ctx + self.dcols_off
+        cdef int32_t *arg
+        cdef float m, s, v, best, inv_nb = 1.0 / nb
+        cdef double loss = 0.0
+        cdef const int64_t *o
+
+        if self.run_mode == MODE_SUM:
+            inv_nb = 1.0
+
+        # gather the examples, C x H x W rows into NHWC
+        a = ctx + self.in_off
+        C, H, W = self.in_c, self.in_h, self.in_w
+        for r in range(nb):
+            k = rows[r] if rows != NULL else r
+            lab[r] = y[k]
+            if C == 1:
+                memcpy(a + <Py_ssize_t> r * n_in, x + k * n_in, n_in * sizeof(float))
+            else:
+                for c in range(C):
+                    for j in range(H * W):
+                        a[<Py_ssize_t> r * n_in + j * C + c] = x[k * n_in + c * H * W + j]
+
+        # forward
+        for i in range(self.n_ops):
+            o = self.ops_p + i * N_COLS
+            kind = <int> o[O_KIND]
+            C, H, W = <int> o[O_C], <int> o[O_H], <int> o[O_W]
+            OC, OH, OW = <int> o[O_OC], <int> o[O_OH], <int> o[O_OW]
+            z = ctx + o[O_OUT]
+            n_out = <Py_ssize_t> OC * OH * OW
+            if kind == K_CONV:
+                KH, KW, S, P = <int> o[O_KH], <int> o[O_KW], <int> o[O_S], \
+                    <int> o[O_P]
+                K = C * KH * KW
+                Wp = params + o[O_WOFF]
+                bp = params + o[O_BOFF]
+                for j in range(<Py_ssize_t> nb * OH * OW):
+                    memcpy(z + j * OC, bp, OC * sizeof(float))
+                chunk = <int> o[O_CHUNK]
+                r0 = 0
+                while r0 < nb:
+                    nr = min(chunk, nb - r0)
+                    M = nr * OH * OW
+                    _im2col(a + <Py_ssize_t> r0 * H * W * C, nr, C, H, W, OH, OW, KH, KW, S, P,
+                            cols)
+                    # z[chunk] (M x OC) += cols (M x K) @ W^T, W (OC x K)
+                    _gemm(b'T', b'N', OC, M, K, 1.0, Wp, K, cols, K, 1.0,
+                          z + <Py_ssize_t> r0 * OH * OW * OC, OC)
+                    r0 += nr
+                _activate(self.act, z, nb * n_out)
+            elif kind == K_POOL:
+                KH, KW, S = <int> o[O_KH], <int> o[O_KW], <int> o[O_S]
+                arg = ictx + o[O_ARG]
+                for r in range(nb):
+                    for oh in range(OH):
+                        for ow in range(OW):
+                            for c in range(C):
+                                # the first maximum in row-major window order
+                                best_at = ((<Py_ssize_t> r * H + oh * S) * W + ow * S) * C + c
+                                best = a[best_at]
+                                for p in range(KH):
+                                    for q in range(KW):
+                                        at = ((<Py_ssize_t> r * H + oh * S + p) * W
+                                              + ow * S + q) * C + c
+                                        if a[at] > best:
+                                            best = a[at]
+                                            best_at = at
+                                j = ((<Py_ssize_t> r * OH + oh) * OW + ow) * C + c
+                                z[j] = best
+                                arg[j] = <int32_t> (best_at - <Py_ssize_t> r * H * W * C)
+            elif kind == K_FLAT:
+                # NHWC -> rows of C*H*W in (map, row, column) order, as PyTorch's flatten
+                for r in range(nb):
+                    base = <Py_ssize_t> r * n_out
+                    for j in range(H * W):
+                        for c in range(C):
+                            z[base + c * H * W + j] = a[base + j * C + c]
+            else:  # fully connected: z = act(a @ W + b), W (C x OC)
+                Wp = params + o[O_WOFF]
+                bp = params + o[O_BOFF]
+                for r in range(nb):
+                    memcpy(z + <Py_ssize_t> r * OC, bp, OC * sizeof(float))
+                _gemm(b'N', b'N', OC, nb, C, 1.0, Wp, OC, a, C, 1.0, z, OC)
+                if o[O_ACT]:
+                    _activate(self.act, z, nb * n_out)
+            a = z
+
+        # softmax cross-entropy; the logits become the output error (p - 1_y) / nb
+        n_out = self.n_classes
+        for r in range(nb):
+            d = a + <Py_ssize_t> r * n_out
+            m = d[0]
+            for j in range(1, n_out):
+                if d[j] > m:
+                    m = d[j]
+            cls = <int> lab[r]
+            loss += m - d[cls]
+            s = 0.0
+            for j in range(n_out):
+                v = expf(d[j] - m)
+                d[j] = v
+                s = s + v
+            loss += logf(s)
+            v = inv_nb / s
+            for j in range(n_out):
+                d[j] = d[j] * v
+            d[cls] = d[cls] - inv_nb
+        self.loss[t] += loss
+
+        # backward: d is the error at op i's output; dp receives the error at its input
+        d = a
+        for i in range(self.n_ops - 1, -1, -1):
+            o = self.ops_p + i * N_COLS
+            kind = <int> o[O_KIND]
+            if (kind == K_FLAT or kind == K_POOL) and not o[O_DX]:
+                break   # nothing below needs an error
+            C, H, W = <int> o[O_C], <int> o[O_H], <int> o[O_W]
+            OC, OH, OW = <int> o[O_OC], <int> o[O_OH], <int> o[O_OW]
+            z = ctx + o[O_OUT]
+            a = ctx + (self.ops_p[(i - 1) * N_COLS + O_OUT] if i > 0 else self.in_off)
+            n_out = <Py_ssize_t> OC * OH * OW
+            n = <Py_ssize_t> C * H * W
+            dp = ctx + (self.d0_off if d != ctx + self.d0_off else self.d1_off)
+            if kind == K_FC:
+                if o[O_ACT]:
+                    _act_grad(self.act, z, d, nb * n_out)
+                Wp = params + o[O_WOFF]
+                gW = g + o[O_WOFF]
+                gb = g + o[O_BOFF]
+                # gW (C x OC) = a^T @ d
+                _gemm(b'N', b'T', OC, C, nb, 1.0, d, OC, a, C, 0.0, gW, OC)
+                memset(gb, 0, OC * sizeof(float))
+                for r in range(nb):
+                    for j in range(OC):
+                        gb[j] += d[<Py_ssize_t> r * OC + j]
+                if o[O_DX]:
+                    # dp (nb x C) = d @ W^T
+                    _gemm(b'T', b'N', C, nb, OC, 1.0, Wp, OC, d, OC, 0.0, dp, C)
+            elif kind == K_FLAT:
+                for r in range(nb):
+                    base = <Py_ssize_t> r * n_out
+                    for j in range(H * W):
+                        for c in range(C):
+                            dp[base + j * C + c] = d[base + c * H * W + j]
+            elif kind == K_POOL:
+                arg = ictx + o[O_ARG]
+                memset(dp, 0, <Py_ssize_t> nb * n * sizeof(float))
+                for r in range(nb):
+                    for j in range(n_out):
+                        dp[<Py_ssize_t> r * n + arg[<Py_ssize_t> r * n_out + j]] += \
+                            d[<Py_ssize_t> r * n_out + j]
+            else:  # conv
+                KH, KW, S, P = <int> o[O_KH], <int> o[O_KW], <int> o[O_S], \
+                    <int> o[O_P]
+                K = C * KH * KW
+                _act_grad(self.act, z, d, nb * n_out)
+                Wp = params + o[O_WOFF]
+                gW = g + o[O_WOFF]
+                gb = g + o[O_BOFF]
+                memset(gb, 0, OC * sizeof(float))
+                for j in range(<Py_ssize_t> nb * OH * OW):
+                    for c in range(OC):
+                        gb[c] += d[j * OC + c]
+                if o[O_DX]:
+                    memset(dp, 0, <Py_ssize_t> nb * n * sizeof(float))
+                chunk = <int> o[O_CHUNK]
+                r0 = 0
+                while r0 < nb:
+                    nr = min(chunk, nb - r0)
+                    M = nr * OH * OW
+                    _im2col(a + <Py_ssize_t> r0 * n, nr, C, H, W, OH, OW, KH, KW, S, P, cols)
+                    # gW (OC x K) (+)= d[chunk]^T (OC x M) @ cols (M x K)
+                    _gemm(b'N', b'T', K, OC, M, 1.0, cols, K,
+                          d + <Py_ssize_t> r0 * OH * OW * OC, OC, 0.0 if r0 == 0 else 1.0,
+                          gW, K)
+                    if o[O_DX]:
+                        # dcols (M x K) = d[chunk] (M x OC) @ W (OC x K), then back onto dp
+                        _gemm(b'N', b'N', K, M, OC, 1.0, Wp, K,
+                              d + <Py_ssize_t> r0 * OH * OW * OC, OC, 0.0, dcols, K)
+                        _col2im(dcols, nr, C, H, W, OH, OW, KH, KW, S, P,
+                                dp + <Py_ssize_t> r0 * n)
+                    r0 += nr
+            d = dp
+
+    # -- one thread's share of a call ----------------------------------------------------
+    cdef void _run(self, int t) noexcept nogil:
+        cdef Py_ssize_t lo, hi, pos, per, extra, i
+        cdef int nb
+        cdef float *g = &self.work[t, 0] + self.g_off
+        cdef float *acc = &self.work[t, 0] + self.sum_off
+        cdef float *params = self.p_params
+        cdef float *delta = self.p_delta
+        cdef float u, lr = self.lr
+        cdef Py_ssize_t n = self.n_params
+        if self.run_mode == MODE_SUM:
+            memset(acc, 0, n * sizeof(float))
+        if self.steps > 0:
+            lo = t * self.steps * self.batch
+            hi = lo + self.steps * self.batch
+        else:   # the whole order, split by hpcps.blocks.block_range's rule
+            per = self.n_order // self.threads
+            extra = self.n_order % self.threads
+            lo = t * per + (t if t < extra else extra)
+            hi = lo + per + (1 if t < extra else 0)
+        self.loss[t] = 0.0
+        self.seen[t] = hi - lo
+        pos = lo
+        while pos < hi:
+            nb = <int> (self.batch if hi - pos > self.batch else hi - pos)
+            self._step(t, params, self.p_x, self.p_y, self.p_order + pos, nb, g)
+            if self.run_mode == MODE_SUM:
+                for i in range(n):
+                    acc[i] = acc[i] + g[i]
+            elif delta != NULL:
+                for i in range(n):
+                    u = -lr * g[i]
+                    params[i] = params[i] + u
+                    delta[i] = delta[i] + u
+            else:
+                for i in range(n):
+                    params[i] = params[i] - lr * g[i]
+            pos += nb
+
+    def _thread_main(self, int t):
+        with nogil:
+            self._run(t)
+
+    def _launch(self):
+        cdef int t, T = self.threads
+        if T == 1:
+            with nogil:
+                self._run(0)
+            return
+        workers = [threading.Thread(target=self._thread_main, args=(t,)) for t in range(1, T)]
+        for w in workers:
+            w.start()
+        self._thread_main(0)
+        for w in workers:
+            w.join()
+
+    def _bind(self, const float[:, ::1] x, const int64_t[::1] y, const int64_t[::1] order):
+        self.p_x = &x[0, 0]
+        self.p_y = &y[0]
+        self.p_order = &order[0] if order.shape[0] > 0 else NULL
+        self.n_order = order.shape[0]
+
+    def train(self, float[::1] params, const float[:, ::1] x, const int64_t[::1] y,
+              const int64_t[::1] order, float lr, Py_ssize_t steps_per_thread, delta):
+        """Run the T threads once over ``order``; return (loss_sum, examples).
+
+        ``steps_per_thread > 0``: thread t takes ``steps_per_thread`` mini-batches from
+        ``order[t*S*B : (t+1)*S*B]``; ``0``: the order is split evenly into T parts, each
+        walked in mini-batches (the last one may be smaller). ``delta`` may be None.
+        """
+        cdef float[::1] dv
+        if order.shape[0] == 0:
+            return 0.0, 0
+        self._bind(x, y, order)
+        self.p_params = &params[0]
+        self.p_delta = NULL
+        if delta is not None:
+            dv = delta
+            self.p_delta = &dv[0]
+        self.steps = steps_per_thread
+        self.lr = lr
+        self.run_mode = MODE_STEP
+        self._launch()
+        self.p_params = NULL
+        self.p_delta = NULL
+        return float(np.sum(self.loss)), int(np.sum(self.seen))
+
+    def gradient_sum(self, const float[::1] params, const float[:, ::1] x,
+                     const int64_t[::1] y, const int64_t[::1] order, float[::1] grad):
+        """Sum over the examples ``order`` of their loss and gradient, T threads each
+        summing an even share in mini-batches; the T sums are added into ``grad``
+        (overwritten) in thread order, so the same T and batch give the same bits.
+        Returns (loss_sum, examples)."""
+        cdef int t
+        cdef Py_ssize_t n = self.n_params
+        grad[:] = 0.0
+        if order.shape[0] == 0:
+            return 0.0, 0
+        self._bind(x, y, order)
+        self.p_params = <float *> &params[0]
+        self.p_delta = NULL
+        self.steps = 0
+        self.lr = 0.0
+        self.run_mode = MODE_SUM
+        self._launch()
+        self.p_params = NULL
+        out = np.asarray(grad)
+        for t in range(self.threads):
+            if self.seen[t] > 0:
+                out += np.asarray(self.work[t, self.sum_off:self.sum_off + n])
+        return float(np.sum(self.loss)), int(np.sum(self.seen))
+
+    def loss_and_grad(self, const float[::1] params, const float[:, ::1] x,
+                      const int64_t[::1] y, float[::1] grad):
+        """Mean loss over all rows of x (at most ``batch``) and its gradient into ``grad``,
+        in context 0."""
+        cdef int nb = x.shape[0]
+        self.loss[0] = 0.0
+        self.run_mode = MODE_GRAD
+        with nogil:
+            self._step(0, <float *> &params[0], &x[0, 0], &y[0], NULL, nb, &grad[0])
+        return self.loss[0] / nb
