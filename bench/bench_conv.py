@@ -2,11 +2,14 @@
 
 Examples/s of :class:`hpcps.conv_hogwild.ConvHogwild` training ``--model adam-mnist`` on MNIST
 (the dataset needs ``image_shape``; ``python -m hpcps.data prepare mnist`` writes it) with
-T = 1 and 2 Hogwild threads, mini-batch 128, plain SGD, and PyTorch on the CPU with the same
+T = 1 and 2 Hogwild threads of the compiled engine (``ext/convnet.pyx``), T = 1 of the NumPy
+reference (``engine_numpy_T1``, what runs without the extension), mini-batch 128, plain SGD,
+and PyTorch on the CPU with the same
 layers (``nn.Conv2d``, ``nn.MaxPool2d``, ``nn.Linear``), batch, examples and thread count
 (``torch.set_num_threads(T)``), in the same run, interleaved within each repeat so that load
 from other jobs hits both alike. Reported, per configuration: median and best examples/s over
-the repeats; ``gflops``, the engine's arithmetic rate (``ConvNet.flops_per_example``: forward,
+the repeats; ``machine.blas`` is the sgemm the compiled engine called (``HPCPS_BLAS``) and
+why; ``gflops``, the engine's arithmetic rate (``ConvNet.flops_per_example``: forward,
 weight-gradient and input-gradient GEMMs of the conv and fc layers) against ``sgemm_peak``,
 a 1024^3 single-threaded sgemm timed in the same run (x T for T threads); and
 ``connections_per_s``, Project Adam's figure of merit (connections of one forward pass,
@@ -32,9 +35,10 @@ import numpy as np  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from hpcps import data  # noqa: E402
+from hpcps import conv_hogwild, data  # noqa: E402
 from hpcps.conv_hogwild import ConvHogwild  # noqa: E402
 from hpcps.convnet import ConvNet  # noqa: E402
+from hpcps.kernels import blas  # noqa: E402
 from machine import cpu_features, cpu_model  # noqa: E402  (bench/machine.py)
 
 try:
@@ -56,8 +60,8 @@ def sgemm_peak(n: int = 1024, repeats: int = 3) -> float:
     return best
 
 
-def engine_runner(model, threads, x, y, steps):
-    engine = ConvHogwild(model, threads=threads, batch=BATCH)
+def engine_runner(model, threads, x, y, steps, compiled=None):
+    engine = ConvHogwild(model, threads=threads, batch=BATCH, compiled=compiled)
     params = model.init_params(0)
     rng = np.random.default_rng(threads)
 
@@ -125,7 +129,8 @@ def main():
     x, y = data.load_split(args.data, "train")
     model = ConvNet(SPEC, info.image_shape)
     runners = {"engine_T1": engine_runner(model, 1, x, y, args.steps),
-               "engine_T2": engine_runner(model, 2, x, y, args.steps)}
+               "engine_T2": engine_runner(model, 2, x, y, args.steps),
+               "engine_numpy_T1": engine_runner(model, 1, x, y, args.steps, compiled=False)}
     if torch is not None:
         runners["torch_T1"] = torch_runner(model, 1, x, y, args.steps)
         runners["torch_T2"] = torch_runner(model, 2, x, y, args.steps)
@@ -150,14 +155,16 @@ def main():
     def pair(a, b):
         return round(statistics.median(p / q for p, q in zip(samples[a], samples[b])), 3)
 
-    paired = {"engine_T2_over_T1": pair("engine_T2", "engine_T1")}
+    paired = {"engine_T2_over_T1": pair("engine_T2", "engine_T1"),
+              "compiled_over_numpy_T1": pair("engine_T1", "engine_numpy_T1")}
     if torch is not None:
         paired.update(engine_over_torch_T1=pair("engine_T1", "torch_T1"),
                       engine_over_torch_T2=pair("engine_T2", "torch_T2"),
                       torch_T2_over_T1=pair("torch_T2", "torch_T1"))
     out = {"machine": {"cpu": cpu_model(), "cpu_features": cpu_features(),
                        "cores": os.cpu_count(), "loadavg_end": os.getloadavg(),
-                       "numpy": np.__version__,
+                       "numpy": np.__version__, "compiled_engine": conv_hogwild.HAVE_EXTENSION,
+                       "blas": {k: v for k, v in blas.info().items() if k in ("blas", "reason")},
                        "torch": torch.__version__ if torch is not None else None},
            "model": SPEC, "n_params": model.n_params, "batch": BATCH, "lr": LR,
            "repeats": args.repeats, "steps_per_thread": args.steps,

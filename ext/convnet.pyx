@@ -75,7 +75,8 @@ cdef enum:
     O_OUT = 15          # offset of the op's output in a context
     O_ARG = 16          # pool: offset of its argmax in the int context
     O_CHUNK = 17        # conv: examples per im2col chunk
-    N_COLS = 18
+    O_WT = 18           # conv: offset of its kernel snapshot (OC x KH*KW*C) in a context
+    N_COLS = 19
 
 ACTIVATIONS = {"relu": ACT_RELU, "tanh": ACT_TANH, "sigmoid": ACT_SIGMOID}
 
@@ -124,51 +125,75 @@ cdef inline void _act_grad(int act, const float *a, float *d, Py_ssize_t n) noex
 
 cdef void _im2col(const float *a, int nb, int C, int H, int W, int OH, int OW, int KH,
                   int KW, int S, int P, float *cols) noexcept nogil:
-    """cols[(r*OH + oh)*OW + ow, (c*KH + i)*KW + j] = a[r, oh*S + i - P, ow*S + j - P, c]
-    (zero outside the image); a is NHWC."""
-    cdef int r, oh, ow, c, i, j, h, w
-    cdef Py_ssize_t K = <Py_ssize_t> C * KH * KW
-    cdef float *row
-    cdef const float *src
+    """cols[(r*OH + oh)*OW + ow, (i*KW + j)*C + c] = a[r, oh*S + i - P, ow*S + j - P, c]
+    (zero outside the image); a is NHWC, so a window row's KW*C values are contiguous."""
+    cdef int r, oh, ow, i, j, h, w0, lo, hi
+    cdef Py_ssize_t K = <Py_ssize_t> KH * KW * C, rowlen = <Py_ssize_t> KW * C
+    cdef float *dst
     for r in range(nb):
         for oh in range(OH):
             for ow in range(OW):
-                row = cols + ((<Py_ssize_t> r * OH + oh) * OW + ow) * K
+                dst = cols + ((<Py_ssize_t> r * OH + oh) * OW + ow) * K
+                w0 = ow * S - P
+                lo = -w0 if w0 < 0 else 0                 # first j inside the image
+                hi = W - w0 if W - w0 < KW else KW        # one past the last
                 for i in range(KH):
                     h = oh * S + i - P
-                    for j in range(KW):
-                        w = ow * S + j - P
-                        if h < 0 or h >= H or w < 0 or w >= W:
-                            for c in range(C):
-                                row[(c * KH + i) * KW + j] = 0.0
-                        else:
-                            src = a + ((<Py_ssize_t> r * H + h) * W + w) * C
-                            for c in range(C):
-                                row[(c * KH + i) * KW + j] = src[c]
+                    if h < 0 or h >= H or lo >= hi:
+                        memset(dst, 0, rowlen * sizeof(float))
+                    else:
+                        if lo > 0:
+                            memset(dst, 0, <Py_ssize_t> lo * C * sizeof(float))
+                        memcpy(dst + <Py_ssize_t> lo * C,
+                               a + ((<Py_ssize_t> r * H + h) * W + w0 + lo) * C,
+                               <Py_ssize_t> (hi - lo) * C * sizeof(float))
+                        if hi < KW:
+                            memset(dst + <Py_ssize_t> hi * C, 0,
+                                   <Py_ssize_t> (KW - hi) * C * sizeof(float))
+                    dst += rowlen
 
 
 cdef void _col2im(const float *cols, int nb, int C, int H, int W, int OH, int OW, int KH,
                   int KW, int S, int P, float *dx) noexcept nogil:
     """dx[r, h, w, c] += every window value that came from there (dx NHWC, not cleared)."""
-    cdef int r, oh, ow, c, i, j, h, w
-    cdef Py_ssize_t K = <Py_ssize_t> C * KH * KW
-    cdef const float *row
+    cdef int r, oh, ow, i, h, w0, lo, hi
+    cdef Py_ssize_t K = <Py_ssize_t> KH * KW * C, rowlen = <Py_ssize_t> KW * C, q, n
+    cdef const float *src
     cdef float *dst
     for r in range(nb):
         for oh in range(OH):
             for ow in range(OW):
-                row = cols + ((<Py_ssize_t> r * OH + oh) * OW + ow) * K
+                src = cols + ((<Py_ssize_t> r * OH + oh) * OW + ow) * K
+                w0 = ow * S - P
+                lo = -w0 if w0 < 0 else 0
+                hi = W - w0 if W - w0 < KW else KW
                 for i in range(KH):
                     h = oh * S + i - P
-                    if h < 0 or h >= H:
-                        continue
-                    for j in range(KW):
-                        w = ow * S + j - P
-                        if w < 0 or w >= W:
-                            continue
-                        dst = dx + ((<Py_ssize_t> r * H + h) * W + w) * C
-                        for c in range(C):
-                            dst[c] += row[(c * KH + i) * KW + j]
+                    if h >= 0 and h < H and lo < hi:
+                        dst = dx + ((<Py_ssize_t> r * H + h) * W + w0 + lo) * C
+                        n = <Py_ssize_t> (hi - lo) * C
+                        for q in range(n):
+                            dst[q] += src[<Py_ssize_t> lo * C + q]
+                    src += rowlen
+
+
+cdef void _kernel_to_windows(const float *Wp, int OC, int C, int KK, float *Wt) noexcept nogil:
+    """Wt[o, k*C + c] = W[o, c, k] (k = i*KW + j): the stored (out, in, kh, kw) kernels in the
+    windows' column order."""
+    cdef int o, c, k
+    for o in range(OC):
+        for c in range(C):
+            for k in range(KK):
+                Wt[(<Py_ssize_t> o * KK + k) * C + c] = Wp[(<Py_ssize_t> o * C + c) * KK + k]
+
+
+cdef void _windows_to_kernel(const float *Gt, int OC, int C, int KK, float *G) noexcept nogil:
+    """The inverse of _kernel_to_windows (a kernel gradient back to (out, in, kh, kw))."""
+    cdef int o, c, k
+    for o in range(OC):
+        for c in range(C):
+            for k in range(KK):
+                G[(<Py_ssize_t> o * C + c) * KK + k] = Gt[(<Py_ssize_t> o * KK + k) * C + c]
 
 
 cdef class ConvEngine:
@@ -189,7 +214,7 @@ cdef class ConvEngine:
     cdef int64_t[:, ::1] labels
     cdef double[::1] loss
     cdef int64_t[::1] seen
-    cdef Py_ssize_t in_off, d0_off, d1_off, cols_off, dcols_off, g_off, sum_off
+    cdef Py_ssize_t in_off, d0_off, d1_off, cols_off, dcols_off, gt_off, g_off, sum_off
 
     cdef float *p_params
     cdef float *p_delta
@@ -220,6 +245,7 @@ cdef class ConvEngine:
         off += _aligned(<Py_ssize_t> batch * self.n_in)
         widest = self.n_in
         cols = 0
+        wt = []
         for i in range(self.n_ops):
             n_out = self.ops[i, O_OC] * self.ops[i, O_OH] * self.ops[i, O_OW]
             widest = max(widest, n_out)
@@ -234,6 +260,7 @@ cdef class ConvEngine:
                 chunk = max(1, min(batch, CHUNK_FLOATS // max(1, per)))
                 self.ops[i, O_CHUNK] = chunk
                 cols = max(cols, chunk * per)
+                wt.append(i)
         self.ops_p = &self.ops[0, 0]
         self.d0_off = off
         off += _aligned(batch * widest)
@@ -243,6 +270,13 @@ cdef class ConvEngine:
         off += _aligned(cols)
         self.dcols_off = off
         off += _aligned(cols)
+        for i in wt:   # each conv layer's kernel snapshot, in window order
+            self.ops[i, O_WT] = off
+            off += _aligned(self.ops[i, O_OC] * self.ops[i, O_C] * self.ops[i, O_KH]
+                            * self.ops[i, O_KW])
+        self.gt_off = off   # a kernel gradient in window order, before it is put back
+        off += _aligned(max([self.ops[i, O_OC] * self.ops[i, O_C] * self.ops[i, O_KH]
+                             * self.ops[i, O_KW] for i in wt] or [0]))
         self.g_off = off
         off += _aligned(n_params)
         self.sum_off = off
@@ -309,7 +343,9 @@ cdef class ConvEngine:
                 KH, KW, S, P = <int> o[O_KH], <int> o[O_KW], <int> o[O_S], \
                     <int> o[O_P]
                 K = C * KH * KW
-                Wp = params + o[O_WOFF]
+                # this step's kernels, in window order; the backward pass uses them too
+                Wp = ctx + o[O_WT]
+                _kernel_to_windows(params + o[O_WOFF], OC, C, KH * KW, Wp)
                 bp = params + o[O_BOFF]
                 for j in range(<Py_ssize_t> nb * OH * OW):
                     memcpy(z + j * OC, bp, OC * sizeof(float))
@@ -320,7 +356,7 @@ cdef class ConvEngine:
                     M = nr * OH * OW
                     _im2col(a + <Py_ssize_t> r0 * H * W * C, nr, C, H, W, OH, OW, KH, KW, S, P,
                             cols)
-                    # z[chunk] (M x OC) += cols (M x K) @ W^T, W (OC x K)
+                    # z[chunk] (M x OC) += cols (M x K) @ Wt^T, Wt (OC x K)
                     _gemm(b'T', b'N', OC, M, K, 1.0, Wp, K, cols, K, 1.0,
                           z + <Py_ssize_t> r0 * OH * OW * OC, OC)
                     r0 += nr
@@ -331,20 +367,25 @@ cdef class ConvEngine:
                 for r in range(nb):
                     for oh in range(OH):
                         for ow in range(OW):
+                            # maps innermost (NHWC), so the compiler vectorizes over them;
+                            # the first maximum in row-major window order wins ties
+                            j = ((<Py_ssize_t> r * OH + oh) * OW + ow) * C
+                            base = ((<Py_ssize_t> oh * S) * W + ow * S) * C
+                            at = <Py_ssize_t> r * H * W * C
                             for c in range(C):
-                                # the first maximum in row-major window order
-                                best_at = ((<Py_ssize_t> r * H + oh * S) * W + ow * S) * C + c
-                                best = a[best_at]
-                                for p in range(KH):
-                                    for q in range(KW):
-                                        at = ((<Py_ssize_t> r * H + oh * S + p) * W
-                                              + ow * S + q) * C + c
-                                        if a[at] > best:
-                                            best = a[at]
-                                            best_at = at
-                                j = ((<Py_ssize_t> r * OH + oh) * OW + ow) * C + c
-                                z[j] = best
-                                arg[j] = <int32_t> (best_at - <Py_ssize_t> r * H * W * C)
+                                z[j + c] = a[at + base + c]
+                                arg[j + c] = <int32_t> (base + c)
+                            for p in range(KH):
+                                for q in range(KW):
+                                    if p == 0 and q == 0:
+                                        continue
+                                    best_at = base + (<Py_ssize_t> p * W + q) * C
+                                    for c in range(C):   # branch-free: blends
+                                        v = a[at + best_at + c]
+                                        m = z[j + c]
+                                        arg[j + c] = <int32_t> (best_at + c) if v > m \
+                                            else arg[j + c]
+                                        z[j + c] = v if v > m else m
             elif kind == K_FLAT:
                 # NHWC -> rows of C*H*W in (map, row, column) order, as PyTorch's flatten
                 for r in range(nb):
@@ -431,8 +472,8 @@ cdef class ConvEngine:
                     <int> o[O_P]
                 K = C * KH * KW
                 _act_grad(self.act, z, d, nb * n_out)
-                Wp = params + o[O_WOFF]
-                gW = g + o[O_WOFF]
+                Wp = ctx + o[O_WT]          # the kernels the forward pass used
+                gW = ctx + self.gt_off      # their gradient in window order
                 gb = g + o[O_BOFF]
                 memset(gb, 0, OC * sizeof(float))
                 for j in range(<Py_ssize_t> nb * OH * OW):
@@ -457,6 +498,7 @@ cdef class ConvEngine:
                         _col2im(dcols, nr, C, H, W, OH, OW, KH, KW, S, P,
                                 dp + <Py_ssize_t> r0 * n)
                     r0 += nr
+                _windows_to_kernel(gW, OC, C, KH * KW, g + o[O_WOFF])
             d = dp
 
     # -- one thread's share of a call ----------------------------------------------------

@@ -32,12 +32,12 @@ HAVE_EXTENSION = _compiled is not None
 K_CONV, K_POOL, K_FLAT, K_FC = range(4)
 CHUNK_FLOATS = 65536  # ext/convnet.pyx: the largest im2col chunk, in floats
 COLUMNS = ("kind", "c", "h", "w", "oc", "oh", "ow", "kh", "kw", "stride", "pad", "w_off",
-           "b_off", "act", "dx", "out", "arg", "chunk")
+           "b_off", "act", "dx", "out", "arg", "chunk", "wt")
 
 
 def op_table(model: ConvNet) -> np.ndarray:
     """The compiled engine's description of ``model``: one int64 row per layer (columns
-    :data:`COLUMNS`; ``out``, ``arg`` and ``chunk`` are the engine's to fill). An fc layer
+    :data:`COLUMNS`; ``out``, ``arg``, ``chunk`` and ``wt`` are the engine's to fill). An fc layer
     on maps gets the flatten before it as a row of its own; a flatten of a vector is
     dropped. ``dx`` marks the layers whose input error is needed (some layer before them
     has parameters)."""
