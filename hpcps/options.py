@@ -134,6 +134,10 @@ WARMUP_STEPS = Option("warmup_steps", int, "warm start: replica 0 trains alone f
                       "once; not applied when resuming", check="nonneg")
 GOLOMB = Option("golomb", str, "on: Golomb-Rice code the index gaps of compressed messages "
                 "(default); off: send the raw 32-bit words", choices=("on", "off"))
+WEIGHT_DECAY = Option("weight_decay", float, "L2 weight decay lambda: lambda * w (the gradient of "
+                      "lambda/2 * |w|^2 over every weight and bias) is added to each gradient a "
+                      "replica computes, before it is pushed, summed, thresholded or applied "
+                      "(default 0: none)", check="nonneg")
 CHUNK_BYTES = Option("chunk_bytes", int, "bytes per chunk of the parameter vector; chunks are "
                      "hashed to the server shards (Project Adam; default 1048576 = 1 MiB); a "
                      "model smaller than one chunk per shard is cut into one chunk per shard",

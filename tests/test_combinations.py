@@ -8,6 +8,8 @@ here; its own option values go in ``OWN`` below):
 * ``--threads`` 1, 2;
 * ``--trace`` off, on (an accepted run with it must also write a trace.json holding every
   rank's events);
+* ``--weight-decay`` off, 1e-4 (the strategies built on the replica loop take it; sandblaster
+  and downpour's ``--push activations`` refuse it);
 * the strategy's own options (``OWN``), defaults included (downpour's warm start stays on
   unless the row says ``--warmup-steps 0``);
 * the model (``MODELS``): the MLP of ``--layers`` or a conv model (``--model``, which runs
@@ -95,9 +97,9 @@ OWN = {
 
 
 def dimensions(name: str, spec) -> tuple[list[str], list[list]]:
-    names = ["P", "R", "S", "T", "model", "trace"]
+    names = ["P", "R", "S", "T", "model", "trace", "wd"]
     dims = [[1, 2, 3], [1, 2, 3], [1, 2, 3] if spec.uses_servers else [0], [1, 2], MODELS,
-            [[], ["--trace"]]]
+            [[], ["--trace"]], [[], ["--weight-decay", "1e-4"]]]
     for option, values in OWN.get(name, {}).items():
         names.append(option)
         dims.append(values)

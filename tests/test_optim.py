@@ -116,3 +116,32 @@ def test_lr_scale_is_a_rate_for_this_gradient(name):
         else:
             w_b = w
     np.testing.assert_allclose(w_a, w_b, rtol=1e-5, atol=1e-6)
+
+
+# -- weight decay (--weight-decay, added to every gradient in strategies/gradients.py) ---------
+def _weight_norm(path) -> float:
+    from hpcps import checkpoint
+    ck = checkpoint.load(path)
+    return float(np.sqrt(sum(np.sum(v.astype(np.float64) ** 2) for k, v in ck.params.items()
+                             if k.endswith("/W"))))
+
+
+@pytest.mark.parametrize("strategy,extra", [
+    ("sync", []), ("averaging", []), ("deadreckon", ["--lr", "0.05"]),
+    ("downpour", ["--threads", "2"])])
+def test_weight_decay_shrinks_the_weights_in_every_loop_strategy(digits_h5, tmp_path, strategy,
+                                                                  extra):
+    """The same run (seed, steps) with and without --weight-decay: the decayed one ends with
+    clearly smaller weights, and still learns."""
+    from mpirun import train
+    norms = {}
+    for wd in ("0", "0.05"):
+        run_dir = tmp_path / wd
+        out = train(2, "--strategy", strategy, "--layers", "64,32,10", "--data", str(digits_h5),
+                    "--steps", "400", "--batch-size", "16", "--eval-every", "0",
+                    "--checkpoint-every", "0", "--timeout", "60", "--run-dir", str(run_dir),
+                    "--weight-decay", wd, *extra, timeout=120)
+        assert out.returncode == 0, out.output[-2000:]
+        assert "final test accuracy" in out.output
+        norms[wd] = _weight_norm(run_dir / "checkpoint.h5")
+    assert norms["0.05"] < 0.8 * norms["0"], norms

@@ -25,9 +25,9 @@ from mpi4py import MPI
 
 from hpcps import trace
 from hpcps.comm import wait_all
-from hpcps.options import INJECT_SLOW, PREFETCH, Option
+from hpcps.options import Option
 from hpcps.strategies.context import Context, finish_on_chief, gather_state
-from hpcps.strategies.loop import ReplicaLoop, check_options
+from hpcps.strategies.loop import LOOP_OPTIONS, ReplicaLoop, check_options
 from hpcps.strategies.registry import Strategy
 
 
@@ -130,7 +130,7 @@ STRATEGY = Strategy(
         Option("average_state", str, "on: average the optimizer state (Adagrad's sums) with "
                "the parameters (default: the replicas then take the same step sizes); off: "
                "each replica keeps its own", choices=("on", "off")),
-        PREFETCH, INJECT_SLOW),
+        *LOOP_OPTIONS),
     validate=check_options,
     defaults={"lr": 0.01, "batch_size": 32, "prefetch": 2, "average_every": 4,
               "average_state": "on"},

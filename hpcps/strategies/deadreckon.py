@@ -65,8 +65,6 @@ from hpcps.options import (
     AUTO,
     COMPRESSION,
     GOLOMB,
-    INJECT_SLOW,
-    PREFETCH,
     TAU,
     WARMUP_STEPS,
     Option,
@@ -74,7 +72,7 @@ from hpcps.options import (
 from hpcps.protocol import Tag
 from hpcps.ps.serve import serve
 from hpcps.strategies.context import Context, finish_on_chief, steps_for_replica
-from hpcps.strategies.loop import ReplicaLoop, check_options
+from hpcps.strategies.loop import LOOP_OPTIONS, ReplicaLoop, check_options
 from hpcps.strategies.registry import Strategy
 from hpcps.threshold import (
     ResidualWatch,
@@ -497,7 +495,7 @@ STRATEGY = Strategy(
     help="Strom's thresholded 1-bit weight deltas sent peer to peer, each replica applying "
          "every replica's deltas (dead reckoning); no servers",
     roles={"replica": run},
-    options=(LR_SCALING, WARMUP_STEPS, TAU, *COMPRESSION, GOLOMB, PREFETCH, INJECT_SLOW),
+    options=(LR_SCALING, WARMUP_STEPS, TAU, *COMPRESSION, GOLOMB, *LOOP_OPTIONS),
     validate=_validate,
     defaults={"lr": 0.1, "tau": AUTO, "golomb": "on", "batch_size": 32, "prefetch": 2,
               "lr_scaling": "sum", "warmup_steps": 100},

@@ -32,8 +32,6 @@ from hpcps.options import (
     CHUNK_BYTES,
     COMPRESSION,
     GOLOMB,
-    INJECT_SLOW,
-    PREFETCH,
     TAU,
     WARMUP_STEPS,
     Option,
@@ -51,7 +49,7 @@ from hpcps.strategies.context import (
     save_checkpoint,
     steps_for_replica,
 )
-from hpcps.strategies.loop import ReplicaLoop, check_options
+from hpcps.strategies.loop import LOOP_OPTIONS, ReplicaLoop, check_options
 from hpcps.strategies.registry import SERVERS, Strategy
 from hpcps.threshold import (
     ResidualWatch,
@@ -528,6 +526,10 @@ def _validate(cfg) -> None:
                           f"connected layers; --model {cfg.model} has conv layers, whose "
                           "shared kernels are small and pushed as gradients (Project Adam, "
                           "section 3.2): use --push gradients")
+    if cfg.push == "activations" and cfg.weight_decay:
+        raise ConfigError("--weight-decay is added to the gradients a replica pushes; with "
+                          "--push activations the shards compute the fully connected layers' "
+                          "updates from activations and errors instead: use --push gradients")
     if cfg.push == "activations" and cfg.chunk_bytes is not None:
         raise ConfigError("--chunk-bytes does not apply to --push activations: a shard applies "
                           "pushed layer inputs and errors to whole rows, so each shard holds one "
@@ -681,7 +683,7 @@ STRATEGY = Strategy(
         Option("staleness_lr", str, "on: take each update at the rate lr/max(1, tau), tau "
                "its staleness (a softsync group's mean staleness) (default off)",
                choices=("on", "off")),
-        TAU, *COMPRESSION, GOLOMB, PREFETCH, INJECT_SLOW, CHUNK_BYTES,
+        TAU, *COMPRESSION, GOLOMB, *LOOP_OPTIONS, CHUNK_BYTES,
         Option("heartbeat_timeout", float, "replicas may die: each replica sends the shards a "
                "heartbeat 5 times per this many seconds, and one silent for longer is dropped; "
                "the run goes on with the others (Project Adam; launch with mpiexec "

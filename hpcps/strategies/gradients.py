@@ -63,6 +63,7 @@ class GradientSource:
             self.engine = engine_for(ctx.full_model, cfg.activation, threads=self.threads,
                                      batch=cfg.batch_size)
             self.order = np.arange(self.batch)
+        self.weight_decay = np.float32(cfg.weight_decay or 0.0)
         self.compiled_one = None
         if self.threads == 1 and not ctx.partitioned:
             from hpcps import conv_hogwild, hogwild
@@ -84,6 +85,8 @@ class GradientSource:
             loss = self.model.loss_and_grad(params, x, y, grad=grad)[0]
         else:
             loss = self._threads(params, x, y, grad)
+        if self.weight_decay:  # + the gradient of weight_decay/2 * |w|^2
+            grad += self.weight_decay * params
         if tr is not None:
             tr.span(trace.COMPUTE, "gradient", t0, {"examples": len(x)})
         return loss

@@ -40,7 +40,7 @@ from hpcps import checkpoint, trace
 from hpcps.data import Batches, Prefetcher
 from hpcps.errors import NonFiniteError
 from hpcps.metrics import DivergenceWatch
-from hpcps.options import parse_inject_slow
+from hpcps.options import INJECT_SLOW, PREFETCH, WEIGHT_DECAY, parse_inject_slow
 from hpcps.stacks import collect_wait
 from hpcps.stop import StopVote
 from hpcps.comm import PeerTimeout, dup_comm
@@ -48,6 +48,12 @@ from hpcps.strategies.context import (Context, crossed, evaluate, gather_state,
                                       model_parallel_figures, rate, save_checkpoint,
                                       warn_divergence)
 from hpcps.strategies.gradients import GradientSource
+
+
+# The options every strategy built on this loop takes (each lists ``*LOOP_OPTIONS``): batch
+# prefetch, a slowed replica for tests, and weight decay, added to every gradient here (in
+# ``GradientSource``), whatever the strategy then does with it.
+LOOP_OPTIONS = (PREFETCH, INJECT_SLOW, WEIGHT_DECAY)
 
 
 def check_options(cfg) -> None:

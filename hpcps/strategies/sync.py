@@ -19,9 +19,8 @@ from mpi4py import MPI
 
 from hpcps import trace
 from hpcps.comm import wait_all
-from hpcps.options import INJECT_SLOW, PREFETCH
 from hpcps.strategies.context import Context, finish_on_chief, gather_state
-from hpcps.strategies.loop import ReplicaLoop, check_options
+from hpcps.strategies.loop import LOOP_OPTIONS, ReplicaLoop, check_options
 from hpcps.strategies.registry import Strategy
 
 
@@ -105,7 +104,7 @@ STRATEGY = Strategy(
     help="replicas allreduce their gradients every step and apply the same update: one "
          "large-batch SGD, no servers, no staleness",
     roles={"replica": run},
-    options=(PREFETCH, INJECT_SLOW),
+    options=LOOP_OPTIONS,
     validate=check_options,
     defaults={"lr": 0.01, "batch_size": 32, "prefetch": 2},
     describe=lambda cfg, n_train: f"{cfg.optimizer} lr={cfg.lr}, batch "
