@@ -24,9 +24,10 @@ parameter for the optimizer's update:
                 (``HEADER + updates * bits / 8`` bytes, :mod:`hpcps.compress`) to each of the
                 R-1 peers; receive and apply theirs. The updates per step and bits per update
                 are inputs (they depend on the data and tau: take them from a run's summary).
-``sandblaster`` one L-BFGS iteration: the batch split over the replicas' portions, each
-                replica fetches the parameters and pushes its gradient once per iteration
-                through one shard; the coordinator's commands are small (alpha each).
+``sandblaster`` one batch evaluation: the batch split over the replicas' portions; each
+                replica fetches the parameters once and pushes its accumulated gradient
+                every ``--flush-every`` portions it computed (and its remainder), through one
+                shard; the coordinator's commands are small (alpha each).
 
 Bytes per step are the figures the strategies report in their summaries (``sync.py``,
 ``averaging.py``, ``downpour.py``, ``deadreckon.py``; ``--validate-cluster`` prints both).
@@ -88,6 +89,7 @@ class Workload:
     batch_examples : sandblaster: examples per L-BFGS iteration (the training set).
     portion_s_per_example : sandblaster: seconds per example of a portion's gradient (large
         batches run BLAS faster per example than mini-batches); default compute_s / batch.
+    portions, flush_every : sandblaster's ``--portions`` and ``--flush-every``.
     servers : downpour: parameter-server shards S (nodes that do not train).
     cores : cores shared by all nodes (the emulated cluster: every node is a namespace of one
         machine); None for real nodes, each with its own CPU.
@@ -105,6 +107,8 @@ class Workload:
     bits_per_update: float = 11.0
     batch_examples: int = 60000
     portion_s_per_example: float | None = None
+    portions: int = 64
+    flush_every: int = 4
     servers: int = 1
     cores: int | None = None
     background: float = 0.0
@@ -136,9 +140,16 @@ def bytes_per_step(strategy: str, w: Workload, R: int) -> float:
         return 2 * 4 * n + 3 * protocol.HEADER_BYTES * w.servers
     if strategy == "deadreckon":  # deadreckon.py: one message per step to each of R-1 peers
         return message_bytes(w) * (R - 1)
-    if strategy == "sandblaster":  # per iteration: parameters out, gradients in, per replica
-        return 2 * 4 * n * R
+    if strategy == "sandblaster":  # per batch evaluation: each replica's fetch and pushes
+        return 4 * n * sandblaster_transfers(w, R)
     raise ValueError(f"unknown strategy {strategy!r}; choose one of {STRATEGIES}")
+
+
+def sandblaster_transfers(w: Workload, R: int) -> int:
+    """Parameter vectors a batch evaluation moves: a fetch per replica, and per replica a push
+    of every ``flush_every`` portions of its share (about portions / R; the last push may be
+    short)."""
+    return R + R * -(-w.portions // (R * w.flush_every))
 
 
 def message_bytes(w: Workload) -> float:
@@ -177,7 +188,7 @@ def predict(strategy: str, w: Workload, nodes: int, alpha: float, beta: float) -
             return 0.0
         per_example = w.portion_s_per_example or w.compute_s / b
         work = w.compute(nodes) / w.compute_s * per_example * w.batch_examples / R
-        shard = R * 2 * (alpha + 4 * n * beta)  # every replica's fetch and push, one link
+        shard = sandblaster_transfers(w, R) * (alpha + 4 * n * beta)  # fetches, pushes: one link
         commands = 20 * alpha * 2  # the coordinator's L-BFGS commands, round trips
         return w.batch_examples / (work + shard + commands + 4 * n * w.update_s_per_param)
     raise ValueError(f"unknown strategy {strategy!r}; choose one of {STRATEGIES}")

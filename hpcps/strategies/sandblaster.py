@@ -347,8 +347,10 @@ def run_coordinator(ctx: Context) -> dict:
         "iterations": opt.iterations, "final_train_loss": opt.f, "loss_monotone": monotone,
         "median_batch_s": statistics.median(runner.stats["batch_s"] or [math.nan]),
         "coordinator_bytes_per_iteration": space.bytes_sent / max(1, opt.iterations),
-        # what moves per step (one batch evaluation) between coordinator and shards
+        # per step (one batch evaluation): the coordinator's commands and replies here; the
+        # replicas' fetches and pushes are added from their results (_summarize)
         "bytes_per_step": (space.bytes_sent + space.bytes_received) / max(1, space.evaluations),
+        "evaluations": space.evaluations,
         "commands_per_iteration": space.commands / max(1, opt.iterations),
         "portions_reissued": runner.stats["reissued"],
         "duplicates_discarded": runner.stats["duplicates"],
@@ -423,6 +425,8 @@ def run_replica(ctx: Context) -> dict:
     current, order, order_of = None, None, None
     done_portions = 0
     compute_s = 0.0
+    moved = 0  # bytes of parameters fetched and gradients pushed, with their requests
+    fetch_bytes = ask.buf.nbytes * plan.n_shards + sum(f.buf.nbytes for f in fetch)
     while True:
         wait_all([world.Irecv(task, source=coord, tag=Tag.SB_TASK)], cfg.timeout,
                  f"the coordinator (rank {coord}) to send work")
@@ -435,12 +439,14 @@ def run_replica(ctx: Context) -> dict:
             break
         if kind == Task.EVALUATE:
             _fetch(world, layout, plan, fetch, ask, vec, x, cfg.timeout)
+            moved += fetch_bytes
             loss, accuracy = model.evaluate(x, ctx.test_x, ctx.test_y)
             result[:] = (int(Task.EVALUATE), batch, 0, loss, accuracy, 0)
             world.Send(result, dest=coord, tag=Tag.SB_RESULT)
             continue
         if batch != current:  # parameters are fetched once per evaluation of a batch
             _fetch(world, layout, plan, fetch, ask, vec, x, cfg.timeout)
+            moved += fetch_bytes
             acc[:] = 0.0
             current = batch
         if data_batch != order_of:
@@ -475,10 +481,11 @@ def run_replica(ctx: Context) -> dict:
                 req = world.Irecv(ack.buf, source=layout.server_rank(s), tag=Tag.SB_PUSH_ACK)
                 world.Send(msg.buf, dest=layout.server_rank(s), tag=Tag.SB_PUSH)
                 wait_all([req], cfg.timeout, f"server shard {s} to take a gradient push")
+                moved += msg.buf.nbytes + ack.buf.nbytes
             acc[:] = 0.0
             result[:] = (int(Task.FLUSH), batch, 0, 0, 0, 0)
             world.Send(result, dest=coord, tag=Tag.SB_RESULT)
-    return {"replica_portions": done_portions, "compute_s": compute_s}
+    return {"replica_portions": done_portions, "compute_s": compute_s, "bytes_moved": moved}
 
 
 def _fetch(world, layout, plan, msgs, ask, vec, out, timeout) -> None:
@@ -570,6 +577,18 @@ def _summary_lines(f: dict) -> list[str]:
             f"{len(f['lost_replicas'])} replica(s) lost"]
 
 
+def _summarize(ctx: Context, results: list[dict]) -> dict:
+    """The coordinator's figures, with ``bytes_per_step`` counting every byte a step (one
+    batch evaluation) moves: the coordinator's commands and the replicas' parameter fetches
+    and gradient pushes (``replica_bytes_per_step``)."""
+    figures = dict(results[ctx.reporter].get("figures", {}))
+    evaluations = max(1, figures.pop("evaluations", 1))
+    replicas = sum(r.get("bytes_moved", 0) for r in results if r.get("role") == "replica")
+    figures["replica_bytes_per_step"] = replicas / evaluations
+    figures["bytes_per_step"] = figures.get("bytes_per_step", 0.0) + replicas / evaluations
+    return figures
+
+
 STRATEGY = Strategy(
     name="sandblaster",
     help="batch L-BFGS run by a coordinator through vector commands to the server shards; "
@@ -593,6 +612,7 @@ STRATEGY = Strategy(
     defaults={"servers": 1, "batch_size": 0, "lbfgs_history": 10, "portions": 64,
               "flush_every": 4, "replica_timeout": 60.0, "chunk_bytes": DEFAULT_CHUNK_BYTES},
     optimizers=("lbfgs",),
+    summarize=_summarize,
     model_parallel=False,
     whole_batch=True,
     epochs=40.0,  # a step is one evaluation of a whole batch (by default the whole set)
