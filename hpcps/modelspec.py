@@ -7,6 +7,7 @@ command line is read, before any rank loads data. The grammar is described in
 """
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 
@@ -42,8 +43,10 @@ def resolve(spec: str) -> str:
     return PRESETS.get(text, text.replace(" ", ""))
 
 
+@functools.lru_cache(maxsize=256)
 def parse_spec(spec: str) -> tuple[LayerSpec, ...]:
-    """The layers of a spec or preset name; ConfigError naming the bad token."""
+    """The layers of a spec or preset name; ConfigError naming the bad token. Pure, so
+    cached: every config check parses ``--model`` again."""
     text = resolve(spec)
     if not text:
         raise ConfigError("--model is empty: give layers such as "

@@ -6,9 +6,12 @@ allreduce. Its state (Adagrad's sum of squared gradients) is a dict of arrays th
 as the slice, so a shard keeps exactly the state of its own parameters and a checkpoint can
 gather and re-split it for any number of shards.
 
-``apply(w, g, state, lr_scale)`` takes one gradient at ``lr * lr_scale``: a per-gradient rate
-(staleness-dependent rates scale a late gradient's), which Adagrad applies to the step only,
-its accumulator taking the gradient as it is.
+``apply(w, g, state, lr_scale, step_scale)`` takes one gradient at ``lr * lr_scale``: a
+per-gradient rate (staleness-dependent rates scale a late gradient's), which Adagrad applies to
+the step only, its accumulator taking the gradient as it is. ``step_scale`` scales the step
+taken, the learning-rate schedule's multiplier (:func:`lr_factor`): the same as ``lr_scale``
+for SGD and Adagrad, while momentum takes the gradient into its velocity unscaled and scales
+the step ``lr * step_scale * v``, as a schedule on momentum SGD usually does.
 """
 from __future__ import annotations
 
@@ -33,8 +36,8 @@ class SGD:
         return {}
 
     def apply(self, w: np.ndarray, g: np.ndarray, state: dict[str, np.ndarray],
-              lr_scale: float = 1.0) -> None:
-        kernels.sgd_update(w, g, self.lr * lr_scale)
+              lr_scale: float = 1.0, step_scale: float = 1.0) -> None:
+        kernels.sgd_update(w, g, self.lr * lr_scale * step_scale)
 
 
 class Adagrad:
@@ -56,8 +59,8 @@ class Adagrad:
         return {"accum": np.zeros(n, dtype=np.float32)}
 
     def apply(self, w: np.ndarray, g: np.ndarray, state: dict[str, np.ndarray],
-              lr_scale: float = 1.0) -> None:
-        kernels.adagrad_update(w, g, state["accum"], self.lr * lr_scale, self.eps)
+              lr_scale: float = 1.0, step_scale: float = 1.0) -> None:
+        kernels.adagrad_update(w, g, state["accum"], self.lr * lr_scale * step_scale, self.eps)
 
 
 class Momentum:
@@ -83,7 +86,7 @@ class Momentum:
         return {"velocity": np.zeros(n, dtype=np.float32)}
 
     def apply(self, w: np.ndarray, g: np.ndarray, state: dict[str, np.ndarray],
-              lr_scale: float = 1.0) -> None:
+              lr_scale: float = 1.0, step_scale: float = 1.0) -> None:
         v = state["velocity"]
         v *= self.mu
         if lr_scale == 1.0:
@@ -91,11 +94,12 @@ class Momentum:
         else:  # this gradient's rate is lr * lr_scale, in the velocity as in the step
             g = np.float32(lr_scale) * g
             v += g
+        step = self._step if step_scale == 1.0 else np.float32(-self.lr * step_scale)
         if self.nesterov:  # w -= lr * (g + mu * v)
-            w += self._step * g
-            w += (self._step * self.mu) * v
+            w += step * g
+            w += (step * self.mu) * v
         else:
-            w += self._step * v
+            w += step * v
 
 
 class LBFGSState:
@@ -111,6 +115,36 @@ class LBFGSState:
 
     def init_state(self, n: int) -> dict[str, np.ndarray]:
         return {k: np.zeros(n, dtype=np.float32) for k in self.state_keys}
+
+
+# --lr-schedule: the learning rate's multiplier over a run
+SCHEDULES = ("constant", "cosine")
+
+
+def lr_factor(schedule: str | None, step: int, total: int) -> float:
+    """The learning rate's multiplier at global step ``step`` of a run of ``total``: 1 for
+    ``constant`` (or None); for ``cosine``, 0.5 (1 + cos(pi step / total)), which falls from 1
+    at the start to 0 at the end (SGDR's cosine annealing, Loshchilov & Hutter 2017, without
+    restarts). A resumed run continues the same curve: ``step`` is the global step."""
+    if schedule in (None, "constant") or total <= 0:
+        return 1.0
+    if schedule == "cosine":
+        return 0.5 * (1.0 + math.cos(math.pi * min(max(step, 0), total) / total))
+    raise ConfigError(f"unknown learning-rate schedule {schedule!r}; choose one of {SCHEDULES}")
+
+
+def scheduled(apply, schedule: str | None, step, total: int):
+    """An optimizer's ``apply`` whose steps follow ``schedule``: each call passes
+    :func:`lr_factor` at the global step ``step()`` as its ``step_scale`` (for a
+    parameter-server shard, which applies the pushes of every replica); ``apply`` itself for
+    ``constant``."""
+    if schedule in (None, "constant"):
+        return apply
+
+    def run(w, g, state, lr_scale: float = 1.0) -> None:
+        apply(w, g, state, lr_scale, step_scale=lr_factor(schedule, step(), total))
+
+    return run
 
 
 def make(name: str, lr: float | None, eps: float = 1e-8, history: int = 10,

@@ -134,6 +134,10 @@ WARMUP_STEPS = Option("warmup_steps", int, "warm start: replica 0 trains alone f
                       "once; not applied when resuming", check="nonneg")
 GOLOMB = Option("golomb", str, "on: Golomb-Rice code the index gaps of compressed messages "
                 "(default); off: send the raw 32-bit words", choices=("on", "off"))
+LR_SCHEDULE = Option("lr_schedule", str, "the learning rate over the run: constant (default) "
+                     "or cosine, annealed from --lr at the start to 0 at the last step "
+                     "(SGDR's cosine, no restarts); follows the global step, also on resume",
+                     choices=("constant", "cosine"))
 WEIGHT_DECAY = Option("weight_decay", float, "L2 weight decay lambda: lambda * w (the gradient of "
                       "lambda/2 * |w|^2 over every weight and bias) is added to each gradient a "
                       "replica computes, before it is pushed, summed, thresholded or applied "

@@ -8,8 +8,9 @@ here; its own option values go in ``OWN`` below):
 * ``--threads`` 1, 2;
 * ``--trace`` off, on (an accepted run with it must also write a trace.json holding every
   rank's events);
-* ``--weight-decay`` off, 1e-4 (the strategies built on the replica loop take it; sandblaster
-  and downpour's ``--push activations`` refuse it);
+* the update options of the strategies built on the replica loop: none, or ``--weight-decay
+  1e-4 --lr-schedule cosine`` (sandblaster and downpour's ``--push activations`` refuse both;
+  ``tests/test_config.py`` checks each refusal alone);
 * the strategy's own options (``OWN``), defaults included (downpour's warm start stays on
   unless the row says ``--warmup-steps 0``);
 * the model (``MODELS``): the MLP of ``--layers`` or a conv model (``--model``, which runs
@@ -55,6 +56,7 @@ MIN_ACCURACY = 0.6
 LAYERS = "64,32,10"
 CONV = "conv3x3x8p1,pool2,fc32,fc10"  # digits: 8x8 -> 8x8x8 -> 4x4x8 -> 32 -> 10
 MODELS = [["--layers", LAYERS], ["--model", CONV]]
+UPDATES = [[], ["--weight-decay", "1e-4", "--lr-schedule", "cosine"]]
 COMMON = ["--eval-every", "0", "--checkpoint-every", "0",
           "--progress-every", "0.5", "--timeout", "60"]
 # run length: SGD steps are global mini-batches (enough for downpour's 200-step warm start to
@@ -70,11 +72,11 @@ OWN = {
     "downpour": {
         "compress": [[], ["--compress", "threshold"],
                      ["--compress", "threshold", "--tau", "auto", "--density", "0.05",
-                      "--residual-clip", "4", "--grad-clip", "5", "--optimizer", "momentum"]],
+                      "--residual-clip", "4", "--grad-clip", "5", "--optimizer", "momentum"],
+                     ["--compress", "threshold", "--golomb", "off"]],
         "push": [[], ["--push", "activations"]],
         "periods": [[], ["--n-fetch", "2", "--n-push", "3"]],
         "warmup": [[], ["--warmup-steps", "0"]],
-        "golomb": [[], ["--golomb", "off"]],
         "consistency": [[], ["--staleness-bound", "1"], ["--softsync", "2", "--staleness-lr",
                                                         "on"]],
         "chunks": [[], ["--chunk-bytes", "1024"]],
@@ -97,9 +99,9 @@ OWN = {
 
 
 def dimensions(name: str, spec) -> tuple[list[str], list[list]]:
-    names = ["P", "R", "S", "T", "model", "trace", "wd"]
+    names = ["P", "R", "S", "T", "model", "trace", "update"]
     dims = [[1, 2, 3], [1, 2, 3], [1, 2, 3] if spec.uses_servers else [0], [1, 2], MODELS,
-            [[], ["--trace"]], [[], ["--weight-decay", "1e-4"]]]
+            [[], ["--trace"]], UPDATES]
     for option, values in OWN.get(name, {}).items():
         names.append(option)
         dims.append(values)

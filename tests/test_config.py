@@ -108,6 +108,12 @@ def test_missing_toml(tmp_path):
     (["--softsync", "0"], "must be positive"),
     (["--strategy", "sync", "--inject-slow", "1:never"], "wants RANK:FACTOR"),
     (["--inject-slow", "1:0.5"], "factor >= 1"),
+    (["--weight-decay", "-0.1"], ">= 0"),
+    (["--strategy", "sandblaster", "--weight-decay", "1e-4"], "applies only to --strategy"),
+    (["--push", "activations", "--weight-decay", "1e-4"], "use --push gradients"),
+    (["--lr-schedule", "step"], "invalid choice"),
+    (["--strategy", "sandblaster", "--lr-schedule", "cosine"], "applies only to --strategy"),
+    (["--push", "activations", "--lr-schedule", "cosine"], "fixed --lr in a fused kernel"),
 ])
 def test_bad_cli(argv, needle):
     with pytest.raises(ConfigError, match=needle):

@@ -145,3 +145,69 @@ def test_weight_decay_shrinks_the_weights_in_every_loop_strategy(digits_h5, tmp_
         assert "final test accuracy" in out.output
         norms[wd] = _weight_norm(run_dir / "checkpoint.h5")
     assert norms["0.05"] < 0.8 * norms["0"], norms
+
+
+# -- the learning-rate schedule (--lr-schedule) ------------------------------------------------
+def test_cosine_schedule_falls_from_one_to_zero():
+    f = [optim.lr_factor("cosine", s, 100) for s in (0, 25, 50, 75, 100, 130)]
+    np.testing.assert_allclose(f, [1.0, 0.5 + 0.5 * np.cos(np.pi / 4), 0.5,
+                                   0.5 - 0.5 * np.cos(np.pi / 4), 0.0, 0.0], atol=1e-12)
+    assert optim.lr_factor("constant", 99, 100) == optim.lr_factor(None, 5, 100) == 1.0
+    with pytest.raises(ConfigError, match="schedule"):
+        optim.lr_factor("linear", 1, 10)
+    # a shard's apply follows its step counter
+    step = [0]
+    apply = optim.scheduled(optim.SGD(1.0).apply, "cosine", lambda: step[0], 10)
+    w = np.zeros(1, np.float32)
+    apply(w, np.ones(1, np.float32), {})
+    step[0] = 5
+    apply(w, np.ones(1, np.float32), {}, lr_scale=0.5)
+    np.testing.assert_allclose(w, [-1.0 - 0.25])
+    sgd = optim.SGD(1.0)
+    assert optim.scheduled(sgd.apply, "constant", None, 10) == sgd.apply
+
+
+def test_momentum_schedule_scales_the_step_not_the_velocity():
+    opt = optim.make("momentum", 0.1, momentum=0.5)
+    w, st = np.zeros(1, np.float32), opt.init_state(1)
+    opt.apply(w, np.ones(1, np.float32), st)                  # v = 1, w = -0.1
+    opt.apply(w, np.ones(1, np.float32), st, step_scale=0.0)  # v = 1.5, no step
+    np.testing.assert_allclose([w[0], st["velocity"][0]], [-0.1, 1.5], rtol=1e-6)
+    opt.apply(w, np.zeros(1, np.float32), st, step_scale=0.5)  # v = 0.75, w -= 0.05 * 0.75
+    np.testing.assert_allclose(w, [-0.1 - 0.0375], rtol=1e-6)
+
+
+@pytest.mark.parametrize("strategy,extra", [
+    ("sync", []), ("averaging", []), ("deadreckon", ["--lr", "0.05"]), ("downpour", []),
+    ("downpour", ["--optimizer", "momentum"])])
+def test_cosine_schedule_ends_with_small_steps_and_follows_the_resumed_step(
+        digits_h5, tmp_path, strategy, extra):
+    """From the same checkpoint at step 360 of 400, the last 40 steps move the weights far
+    less under --lr-schedule cosine (its rate there is 0 to 0.1 of --lr) than at a constant
+    rate: the schedule follows the global step of the resumed run."""
+    from mpirun import train
+    common = ["--strategy", strategy, "--layers", "64,32,10", "--data", str(digits_h5),
+              "--batch-size", "16", "--eval-every", "0", "--checkpoint-every", "0",
+              "--timeout", "60", *extra]
+    start = tmp_path / "start"
+    out = train(2, *common, "--steps", "360", "--run-dir", str(start), timeout=120)
+    assert out.returncode == 0, out.output[-2000:]
+    w0 = _weights(start / "checkpoint.h5")
+    moved = {}
+    for schedule in ("constant", "cosine"):
+        run_dir = tmp_path / schedule
+        run_dir.mkdir()
+        ck = run_dir / "checkpoint.h5"
+        ck.write_bytes((start / "checkpoint.h5").read_bytes())
+        out = train(2, *common, "--steps", "400", "--resume", str(ck), "--lr-schedule",
+                    schedule, timeout=120)
+        assert out.returncode == 0, out.output[-2000:]
+        moved[schedule] = float(np.linalg.norm(_weights(ck) - w0))
+    # (deadreckon may move nothing: its small steps stay in the residual, below tau)
+    assert moved["constant"] > 0 and moved["cosine"] < 0.25 * moved["constant"], moved
+
+
+def _weights(path) -> np.ndarray:
+    from hpcps import checkpoint
+    ck = checkpoint.load(path)
+    return np.concatenate([v.ravel().astype(np.float64) for k, v in sorted(ck.params.items())])

@@ -53,7 +53,8 @@ class AveragingReplica(ReplicaLoop):
 
     def step(self, x, y) -> float:
         loss = self.source(self.params, x, y, self.grad)
-        self.ctx.optimizer.apply(self.params, self.grad, self.state)
+        self.ctx.optimizer.apply(self.params, self.grad, self.state,
+                                 step_scale=self.lr_factor())
         self.since += 1
         if self.since == self.every:
             self.average()

@@ -329,7 +329,7 @@ class DeadReckonReplica(ReplicaLoop):
     def step(self, x, y) -> float:
         loss = self.source(self.params, x, y, self.grad)
         if not self.released:  # replica 0 alone: plain SGD, nothing to send
-            self.grad *= self.warm_scale
+            self.grad *= self.warm_scale * np.float32(self.lr_factor())
             self.params += self.grad
             if self.done + self.T >= self.warmup:
                 self._warm_start_weights()
@@ -338,7 +338,8 @@ class DeadReckonReplica(ReplicaLoop):
             clip_norm(self.grad, self.grad_clip)
         if self.velocity is not None:
             self.velocity.accumulate(self.grad)
-        self.grad *= self.step_scale  # the SGD steps (T with threads) this replica would take
+        # the SGD steps (T with threads) this replica would take, at the scheduled rate
+        self.grad *= self.step_scale * np.float32(self.lr_factor())
         thr = self.thr
         multiple = thr.multiple
         self.comp.tau = thr.tau

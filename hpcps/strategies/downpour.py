@@ -464,6 +464,8 @@ def run_server(ctx: Context) -> dict:
         replica_of = {layout.replica_rank(r): r for r in range(layout.replicas)}
     # momentum-corrected compressed pushes carry the velocity already: the shard steps SGD
     apply = optim.SGD(cfg.lr).apply if momentum_corrected(cfg) else ctx.optimizer.apply
+    # --lr-schedule: the rate at the global step the shard has counted
+    apply = optim.scheduled(apply, cfg.lr_schedule, lambda: server.step, ctx.total_steps)
     server = GradientShard(grid.world, params, state, apply,
                          n_replicas=grid.layout.replicas, step=ctx.start_step,
                          timeout=cfg.timeout, on_boundary=on_boundary,
@@ -530,6 +532,10 @@ def _validate(cfg) -> None:
         raise ConfigError("--weight-decay is added to the gradients a replica pushes; with "
                           "--push activations the shards compute the fully connected layers' "
                           "updates from activations and errors instead: use --push gradients")
+    if cfg.push == "activations" and cfg.lr_schedule not in (None, "constant"):
+        raise ConfigError("--lr-schedule scales the updates the shards apply; --push "
+                          "activations computes the fully connected layers' updates at the "
+                          "fixed --lr in a fused kernel: use --push gradients")
     if cfg.push == "activations" and cfg.chunk_bytes is not None:
         raise ConfigError("--chunk-bytes does not apply to --push activations: a shard applies "
                           "pushed layer inputs and errors to whole rows, so each shard holds one "

@@ -36,11 +36,11 @@ from abc import ABC, abstractmethod
 
 import numpy as np
 
-from hpcps import checkpoint, trace
+from hpcps import checkpoint, optim, trace
 from hpcps.data import Batches, Prefetcher
 from hpcps.errors import NonFiniteError
 from hpcps.metrics import DivergenceWatch
-from hpcps.options import INJECT_SLOW, PREFETCH, WEIGHT_DECAY, parse_inject_slow
+from hpcps.options import INJECT_SLOW, LR_SCHEDULE, PREFETCH, WEIGHT_DECAY, parse_inject_slow
 from hpcps.stacks import collect_wait
 from hpcps.stop import StopVote
 from hpcps.comm import PeerTimeout, dup_comm
@@ -51,9 +51,10 @@ from hpcps.strategies.gradients import GradientSource
 
 
 # The options every strategy built on this loop takes (each lists ``*LOOP_OPTIONS``): batch
-# prefetch, a slowed replica for tests, and weight decay, added to every gradient here (in
-# ``GradientSource``), whatever the strategy then does with it.
-LOOP_OPTIONS = (PREFETCH, INJECT_SLOW, WEIGHT_DECAY)
+# prefetch, a slowed replica for tests, weight decay, added to every gradient (in
+# ``GradientSource``) whatever the strategy then does with it, and the learning-rate schedule,
+# which each strategy applies where its updates are taken (``ReplicaLoop.lr_factor``).
+LOOP_OPTIONS = (PREFETCH, INJECT_SLOW, WEIGHT_DECAY, LR_SCHEDULE)
 
 
 def check_options(cfg) -> None:
@@ -148,6 +149,10 @@ class ReplicaLoop(ABC):
     @abstractmethod
     def step(self, x: np.ndarray, y: np.ndarray) -> float:
         """One iteration on mini-batch ``(x, y)``; returns its training loss."""
+
+    def lr_factor(self) -> float:
+        """--lr-schedule's multiplier of the learning rate at this replica's global step."""
+        return optim.lr_factor(self.cfg.lr_schedule, self.global_step(), self.ctx.total_steps)
 
     @abstractmethod
     def global_step(self) -> int:

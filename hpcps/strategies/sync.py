@@ -24,13 +24,14 @@ from hpcps.strategies.loop import LOOP_OPTIONS, ReplicaLoop, check_options
 from hpcps.strategies.registry import Strategy
 
 
-def sync_step(comm, gradient, optimizer, params, state, x, y, buf, timeout: float) -> float:
+def sync_step(comm, gradient, optimizer, params, state, x, y, buf, timeout: float,
+              step_scale: float = 1.0) -> float:
     """One synchronous step; returns the mean training loss over all replicas' batches.
 
     ``gradient(params, x, y, grad) -> loss`` computes this replica's mean gradient (one
     mini-batch, or T of them with Hogwild threads); ``buf`` is a float32 array of
     ``len(params) + 1`` (the loss rides along with the gradient, so one allreduce carries
-    both).
+    both). ``step_scale`` is the learning-rate schedule's multiplier of the update.
     """
     n = len(params)
     loss = gradient(params, x, y, buf[:n])
@@ -44,7 +45,7 @@ def sync_step(comm, gradient, optimizer, params, state, x, y, buf, timeout: floa
         if tr is not None:
             tr.message("allreduce gradient", buf.nbytes, t0)
         buf *= np.float32(1.0 / comm.Get_size())
-    optimizer.apply(params, buf[:n], state)
+    optimizer.apply(params, buf[:n], state, step_scale=step_scale)
     return float(buf[n])
 
 
@@ -70,7 +71,7 @@ class SyncReplica(ReplicaLoop):
 
     def step(self, x, y) -> float:
         return sync_step(self.comm, self.source, self.ctx.optimizer, self.params, self.state,
-                         x, y, self.buf, self.cfg.timeout)
+                         x, y, self.buf, self.cfg.timeout, self.lr_factor())
 
     def global_step(self) -> int:
         return self.ctx.start_step + self.done * self.R
