@@ -30,9 +30,10 @@ def kernel(name: str) -> Extension:
         f"hpcps.kernels._{name}",
         [f"ext/{name}.pyx"],
         include_dirs=[np.get_include(), "ext"],
-        depends=(["ext/zero_skip.h", "ext/zero_skip.pxd", "ext/sgemm_ptr.pxi"]
-                 if name in ("hogwild", "gemm") else
-                 ["ext/sgemm_ptr.pxi"] if name == "convnet" else []),
+        depends=({"hogwild": ["ext/zero_skip.h", "ext/zero_skip.pxd", "ext/sgemm_ptr.pxi",
+                              "ext/layers.pxi"],
+                  "gemm": ["ext/zero_skip.h", "ext/zero_skip.pxd", "ext/sgemm_ptr.pxi"],
+                  "convnet": ["ext/sgemm_ptr.pxi", "ext/layers.pxi"]}.get(name, [])),
         extra_compile_args=compile_args,
         extra_link_args=link_args,
         define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],

@@ -31,12 +31,12 @@ import threading
 
 import numpy as np
 
-from libc.math cimport expf, logf, tanhf
 from libc.stdint cimport int32_t, int64_t
 from libc.string cimport memcpy, memset
 
+include "layers.pxi"
+
 cdef enum:
-    ALIGN = 16                  # floats: every buffer starts on a 64-byte boundary
     CHUNK_FLOATS = 65536        # largest im2col chunk (256 KiB), but at least one example
 
 cdef enum:
@@ -44,11 +44,6 @@ cdef enum:
     K_POOL = 1
     K_FLAT = 2
     K_FC = 3
-
-cdef enum:
-    ACT_RELU = 0
-    ACT_TANH = 1
-    ACT_SIGMOID = 2
 
 cdef enum:
     MODE_GRAD = 0       # the mean gradient into the caller's buffer, no update
@@ -78,56 +73,11 @@ cdef enum:
     O_WT = 18           # conv: offset of its kernel snapshot (OC x KH*KW*C) in a context
     N_COLS = 19
 
-ACTIVATIONS = {"relu": ACT_RELU, "tanh": ACT_TANH, "sigmoid": ACT_SIGMOID}
-
-
-cdef inline Py_ssize_t _aligned(Py_ssize_t n) noexcept nogil:
-    return (n + ALIGN - 1) // ALIGN * ALIGN
-
-
-include "sgemm_ptr.pxi"
-
-
-cdef inline void _gemm(char ta, char tb, int m, int n, int k, float alpha,
-                       const float *a, int lda, const float *b, int ldb,
-                       float beta, float *c, int ldc) noexcept nogil:
-    # cython_blas takes non-const pointers; sgemm does not write a or b.
-    _f_sgemm(&ta, &tb, &m, &n, &k, &alpha, <float *> a, &lda, <float *> b, &ldb,
-             &beta, c, &ldc)
-
-
-cdef inline void _activate(int act, float *z, Py_ssize_t n) noexcept nogil:
-    cdef Py_ssize_t i
-    if act == ACT_RELU:
-        for i in range(n):
-            z[i] = z[i] if z[i] > 0.0 else 0.0
-    elif act == ACT_TANH:
-        for i in range(n):
-            z[i] = tanhf(z[i])
-    else:
-        for i in range(n):
-            z[i] = 1.0 / (1.0 + expf(-z[i]))
-
-
-cdef inline void _act_grad(int act, const float *a, float *d, Py_ssize_t n) noexcept nogil:
-    """d *= act'(z), from the activation's output a = act(z)."""
-    cdef Py_ssize_t i
-    if act == ACT_RELU:
-        for i in range(n):
-            d[i] = d[i] if a[i] > 0.0 else 0.0
-    elif act == ACT_TANH:
-        for i in range(n):
-            d[i] = d[i] * (1.0 - a[i] * a[i])
-    else:
-        for i in range(n):
-            d[i] = d[i] * (a[i] * (1.0 - a[i]))
-
-
 cdef void _im2col(const float *a, int nb, int C, int H, int W, int OH, int OW, int KH,
                   int KW, int S, int P, float *cols) noexcept nogil:
     """cols[(r*OH + oh)*OW + ow, (i*KW + j)*C + c] = a[r, oh*S + i - P, ow*S + j - P, c]
     (zero outside the image); a is NHWC, so a window row's KW*C values are contiguous."""
-    cdef int r, oh, ow, i, j, h, w0, lo, hi
+    cdef int r, oh, ow, i, h, w0, lo, hi
     cdef Py_ssize_t K = <Py_ssize_t> KH * KW * C, rowlen = <Py_ssize_t> KW * C
     cdef float *dst
     for r in range(nb):
@@ -297,8 +247,8 @@ cdef class ConvEngine:
         cdef float *ctx = &self.work[t, 0]
         cdef int32_t *ictx = &self.iwork[t, 0]
         cdef int64_t *lab = &self.labels[t, 0]
-        cdef int i, r, c, h, w, oh, ow, p, q, cls, C, H, W, OC, OH, OW, KH, KW, S, P, kind
-        cdef int chunk, r0, nr, M, K, first_pos
+        cdef int i, r, c, oh, ow, p, q, C, H, W, OC, OH, OW, KH, KW, S, P, kind
+        cdef int chunk, r0, nr, M, K
         cdef Py_ssize_t k, n, n_out, j, n_in = self.n_in, base, best_at, at
         cdef float *a
         cdef float *z
@@ -311,7 +261,7 @@ cdef class ConvEngine:
         cdef float *cols = ctx + self.cols_off
         cdef float *dcols = ctx + self.dcols_off
         cdef int32_t *arg
-        cdef float m, s, v, best, inv_nb = 1.0 / nb
+        cdef float m, v, inv_nb = 1.0 / nb
         cdef double loss = 0.0
         cdef const int64_t *o
 
@@ -404,25 +354,7 @@ cdef class ConvEngine:
             a = z
 
         # softmax cross-entropy; the logits become the output error (p - 1_y) / nb
-        n_out = self.n_classes
-        for r in range(nb):
-            d = a + <Py_ssize_t> r * n_out
-            m = d[0]
-            for j in range(1, n_out):
-                if d[j] > m:
-                    m = d[j]
-            cls = <int> lab[r]
-            loss += m - d[cls]
-            s = 0.0
-            for j in range(n_out):
-                v = expf(d[j] - m)
-                d[j] = v
-                s = s + v
-            loss += logf(s)
-            v = inv_nb / s
-            for j in range(n_out):
-                d[j] = d[j] * v
-            d[cls] = d[cls] - inv_nb
+        loss = _softmax_xent(a, lab, nb, self.n_classes, inv_nb)
         self.loss[t] += loss
 
         # backward: d is the error at op i's output; dp receives the error at its input
@@ -503,7 +435,7 @@ cdef class ConvEngine:
 
     # -- one thread's share of a call ----------------------------------------------------
     cdef void _run(self, int t) noexcept nogil:
-        cdef Py_ssize_t lo, hi, pos, per, extra, i
+        cdef Py_ssize_t lo, hi, pos, i
         cdef int nb
         cdef float *g = &self.work[t, 0] + self.g_off
         cdef float *acc = &self.work[t, 0] + self.sum_off
@@ -513,14 +445,7 @@ cdef class ConvEngine:
         cdef Py_ssize_t n = self.n_params
         if self.run_mode == MODE_SUM:
             memset(acc, 0, n * sizeof(float))
-        if self.steps > 0:
-            lo = t * self.steps * self.batch
-            hi = lo + self.steps * self.batch
-        else:   # the whole order, split by hpcps.blocks.block_range's rule
-            per = self.n_order // self.threads
-            extra = self.n_order % self.threads
-            lo = t * per + (t if t < extra else extra)
-            hi = lo + per + (1 if t < extra else 0)
+        lo = _share(t, self.threads, self.steps, self.batch, self.n_order, &hi)
         self.loss[t] = 0.0
         self.seen[t] = hi - lo
         pos = lo
@@ -545,7 +470,7 @@ cdef class ConvEngine:
             self._run(t)
 
     def _launch(self):
-        cdef int t, T = self.threads
+        cdef int T = self.threads
         if T == 1:
             with nogil:
                 self._run(0)

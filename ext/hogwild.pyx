@@ -30,7 +30,6 @@ import threading
 import numpy as np
 
 from cython.parallel cimport prange
-from libc.math cimport expf, logf, tanhf
 from libc.stdint cimport int64_t
 from libc.string cimport memcpy
 from libc.string cimport memset
@@ -38,36 +37,13 @@ from libc.string cimport memset
 from zero_skip cimport (HP_ISA_NONE, hp_plan, hp_zskip_floats, hp_zskip_forward,
                         hp_zskip_ints, hp_zskip_plan, hp_zskip_supported, hp_zskip_update)
 
-cdef enum:
-    ALIGN = 16          # floats: every buffer starts on a 64-byte boundary
-
-cdef enum:
-    ACT_RELU = 0
-    ACT_TANH = 1
-    ACT_SIGMOID = 2
+include "layers.pxi"
 
 cdef enum:
     MODE_GRAD = 0       # write the gradient to a caller's buffer, do not update
     MODE_FUSED = 1      # params -= lr * grad, inside the GEMM
     MODE_DELTA = 2      # params -= lr * grad and delta -= lr * grad, via scratch
     MODE_SUM = 3        # grad += sum over the examples of their gradients (no update)
-
-ACTIVATIONS = {"relu": ACT_RELU, "tanh": ACT_TANH, "sigmoid": ACT_SIGMOID}
-
-
-cdef inline Py_ssize_t _aligned(Py_ssize_t n) noexcept nogil:
-    return (n + ALIGN - 1) // ALIGN * ALIGN
-
-
-include "sgemm_ptr.pxi"
-
-
-cdef inline void _gemm(char ta, char tb, int m, int n, int k, float alpha,
-                       const float *a, int lda, const float *b, int ldb,
-                       float beta, float *c, int ldc) noexcept nogil:
-    # cython_blas takes non-const pointers; sgemm does not write a or b.
-    _f_sgemm(&ta, &tb, &m, &n, &k, &alpha, <float *> a, &lda, <float *> b, &ldb,
-             &beta, c, &ldc)
 
 
 cdef class HogwildEngine:
@@ -186,7 +162,7 @@ cdef class HogwildEngine:
         cdef float *ctx = &self.work[t, 0]
         cdef int64_t *lab = &self.labels[t, 0]
         cdef int L = self.n_layers
-        cdef int l, r, j, n_in, n_out, cls
+        cdef int l, r, j, n_in, n_out
         cdef Py_ssize_t i, n, k
         cdef float *a
         cdef float *z
@@ -197,7 +173,7 @@ cdef class HogwildEngine:
         cdef float *gW
         cdef float *gb = ctx + self.gb_off
         cdef float *dl
-        cdef float m, s, v, u, inv_nb = 1.0 / nb
+        cdef float u, inv_nb = 1.0 / nb
         cdef double loss = 0.0
         cdef hp_plan plan
         cdef bint sparse = False, skip
@@ -234,41 +210,12 @@ cdef class HogwildEngine:
             else:
                 _gemm(b'N', b'N', n_out, nb, n_in, 1.0, W, n_out, a, n_in, 1.0, z, n_out)
             if l < L - 1:
-                n = <Py_ssize_t> nb * n_out
-                # branch-free forms: the compiler turns them into vector max/blend (a
-                # branch on the sign of each activation mispredicts half the time and
-                # cost ~15% of a step)
-                if self.act == ACT_RELU:
-                    for i in range(n):
-                        z[i] = z[i] if z[i] > 0.0 else 0.0
-                elif self.act == ACT_TANH:
-                    for i in range(n):
-                        z[i] = tanhf(z[i])
-                else:
-                    for i in range(n):
-                        z[i] = 1.0 / (1.0 + expf(-z[i]))
+                _activate(self.act, z, <Py_ssize_t> nb * n_out)
 
         # softmax cross-entropy; the logits buffer becomes the output error (p - 1_y) / nb
         n_out = self.sz[L]
         z = ctx + self.a_off[L]
-        for r in range(nb):
-            d = z + <Py_ssize_t> r * n_out
-            m = d[0]
-            for j in range(1, n_out):
-                if d[j] > m:
-                    m = d[j]
-            cls = <int> lab[r]
-            loss += m - d[cls]      # + log(sum exp(d - m)), added below
-            s = 0.0
-            for j in range(n_out):
-                v = expf(d[j] - m)
-                d[j] = v
-                s = s + v
-            loss += logf(s)
-            v = inv_nb / s
-            for j in range(n_out):
-                d[j] = d[j] * v
-            d[cls] = d[cls] - inv_nb
+        loss = _softmax_xent(z, lab, nb, n_out, inv_nb)
 
         # backward
         d = z
@@ -283,16 +230,7 @@ cdef class HogwildEngine:
                 # dp = (d @ W^T) * act'(a)
                 dp = ctx + (self.d0_off if (L - 1 - l) % 2 == 0 else self.d1_off)
                 _gemm(b'T', b'N', n_in, nb, n_out, 1.0, W, n_out, d, n_out, 0.0, dp, n_in)
-                n = <Py_ssize_t> nb * n_in
-                if self.act == ACT_RELU:
-                    for i in range(n):
-                        dp[i] = dp[i] if a[i] > 0.0 else 0.0
-                elif self.act == ACT_TANH:
-                    for i in range(n):
-                        dp[i] = dp[i] * (1.0 - a[i] * a[i])
-                else:
-                    for i in range(n):
-                        dp[i] = dp[i] * (a[i] * (1.0 - a[i]))
+                _act_grad(self.act, a, dp, <Py_ssize_t> nb * n_in)
             # bias gradient: column sums of d
             for j in range(n_out):
                 gb[j] = 0.0
@@ -350,21 +288,14 @@ cdef class HogwildEngine:
     # -- one thread's share of a train() call --------------------------------------------
     cdef void _run(self, int t) noexcept nogil:
         """Thread t's part of the order: [lo, hi), in mini-batches of ``batch``."""
-        cdef Py_ssize_t lo, hi, pos, per, extra
-        cdef int nb, s
+        cdef Py_ssize_t lo, hi, pos
+        cdef int nb
         cdef int mode = self.run_mode
         cdef float *grad = NULL
         if mode == MODE_SUM:   # each thread sums into its own scratch, added up after
             grad = &self.work[t, 0] + self.g_off
             memset(grad, 0, self.n_params * sizeof(float))
-        if self.steps > 0:
-            lo = t * self.steps * self.batch
-            hi = lo + self.steps * self.batch
-        else:   # the whole order, split by hpcps.blocks.block_range's rule (no Python here)
-            per = self.n_order // self.threads
-            extra = self.n_order % self.threads
-            lo = t * per + (t if t < extra else extra)
-            hi = lo + per + (1 if t < extra else 0)
+        lo = _share(t, self.threads, self.steps, self.batch, self.n_order, &hi)
         self.loss[t] = 0.0
         self.seen[t] = hi - lo
         pos = lo

@@ -244,7 +244,7 @@ def _summary(ctx: Context, results: list[dict], wall_s: float, stopped: bool = F
                    test_accuracy=mine.get("test_accuracy"), test_loss=mine.get("test_loss"),
                    stopped_early=stopped, total_steps=ctx.total_steps,
                    checkpoint=mine.get("checkpoint"), **memory.by_role(results),
-                   **_blas_in_use(), **figures)
+                   **_blas_in_use(results), **figures)
     m.message(f"finished {_describe(cfg, ctx.grid.layout)}")
     m.message(f"  {trained} steps this run (global step {step}, {rec['epoch']:.2f} epochs) in "
               f"{rec['train_s']:.1f} s: {rec['examples_per_s']:.0f} examples/s, "
@@ -262,12 +262,27 @@ def _summary(ctx: Context, results: list[dict], wall_s: float, stopped: bool = F
     m.message("  " + memory.describe(rec))
 
 
-def _blas_in_use() -> dict:
-    """``blas``: ``mkl`` or ``openblas``, the sgemm the compiled kernels call (``HPCPS_BLAS``),
-    ``numpy`` when they are not built; ``blas_reason``: why."""
+def _blas_chosen() -> dict | None:
+    """This rank's BLAS choice, if it ran a compiled kernel (see :func:`_blas_in_use`)."""
     from hpcps.kernels import HAVE_EXTENSION, blas
-    return blas.summary() if HAVE_EXTENSION else {"blas": "numpy",
-                                                  "blas_reason": "no compiled kernels"}
+    return blas.chosen() if HAVE_EXTENSION else None
+
+
+def _blas_in_use(results: list[dict]) -> dict:
+    """``blas``: ``mkl`` or ``openblas``, the sgemm the compiled kernels call (``HPCPS_BLAS``),
+    ``numpy`` when they are not built; ``blas_reason``: why. Each rank chooses its own when it
+    first runs a kernel: the reporter's choice when it computed, else the first replica's
+    (sandblaster's coordinator computes nothing)."""
+    from hpcps.kernels import HAVE_EXTENSION, blas
+    if not HAVE_EXTENSION:
+        return {"blas": "numpy", "blas_reason": "no compiled kernels"}
+    mine = blas.chosen()
+    if mine is None:
+        mine = next((r["blas_used"] for r in results
+                     if r.get("role") == "replica" and r.get("blas_used")), None)
+        if mine is not None:
+            mine = {**mine, "blas_reason": f"a replica's choice: {mine['blas_reason']}"}
+    return mine or blas.summary()
 
 
 def guarded(world, role: str, fn, *args, stacks: StackDumper | None = None,
@@ -353,7 +368,8 @@ def main(argv: list[str] | None = None) -> int:
             result = cfg.spec.run(ctx)
         except NonFiniteError as exc:  # say where, what is left, and the usual causes
             raise explain_nonfinite(ctx, exc) from None
-        result = {**result, "role": ctx.grid.role.kind, "peak_rss_bytes": memory.peak_rss_bytes()}
+        result = {**result, "role": ctx.grid.role.kind, "peak_rss_bytes": memory.peak_rss_bytes(),
+                  "blas_used": _blas_chosen()}
         if may_lose:
             lost = faults.finish(world, ctx.reporter, result, ctx.grid.layout, cfg.timeout,
                                  lambda results: _summary(ctx, results,

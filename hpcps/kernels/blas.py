@@ -401,3 +401,9 @@ def summary() -> dict:
     """``{"blas": name, "blas_reason": why}``: the two fields a run's summary records."""
     name = current()
     return {"blas": name, "blas_reason": _reason}
+
+
+def chosen() -> dict | None:
+    """:func:`summary` if this process has chosen its BLAS (it ran a compiled kernel), else
+    None (and nothing is chosen or timed here)."""
+    return {"blas": _current, "blas_reason": _reason} if _current is not None else None
