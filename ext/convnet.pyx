@@ -239,34 +239,24 @@ cdef class ConvEngine:
         self.seen = np.zeros(threads, dtype=np.int64)
 
     # -- one mini-batch, one thread ------------------------------------------------------
-    cdef void _step(self, int t, float *params, const float *x, const int64_t *y,
-                    const int64_t *rows, int nb, float *g) noexcept nogil:
-        """Forward and backward over ``nb`` examples (rows of x/y, or x/y themselves when
-        ``rows`` is NULL) in thread t's context: the mean loss's gradient (the sum's in
-        MODE_SUM) into g, the loss sum into loss[t]."""
+    cdef float *_forward(self, int t, const float *params, const float *x,
+                         const int64_t *y, const int64_t *rows, int nb) noexcept nogil:
+        """Gather ``nb`` examples (rows of x/y, or x/y themselves when ``rows`` is NULL) into
+        thread t's context and run the forward pass; returns the logits (nb x classes)."""
         cdef float *ctx = &self.work[t, 0]
         cdef int32_t *ictx = &self.iwork[t, 0]
         cdef int64_t *lab = &self.labels[t, 0]
         cdef int i, r, c, oh, ow, p, q, C, H, W, OC, OH, OW, KH, KW, S, P, kind
         cdef int chunk, r0, nr, M, K
-        cdef Py_ssize_t k, n, n_out, j, n_in = self.n_in, base, best_at, at
+        cdef Py_ssize_t k, n_out, j, n_in = self.n_in, base, best_at, at
         cdef float *a
         cdef float *z
-        cdef float *d
-        cdef float *dp
-        cdef float *Wp
-        cdef float *bp
-        cdef float *gW
-        cdef float *gb
+        cdef const float *Wp
+        cdef const float *bp
         cdef float *cols = ctx + self.cols_off
-        cdef float *dcols = ctx + self.dcols_off
         cdef int32_t *arg
-        cdef float m, v, inv_nb = 1.0 / nb
-        cdef double loss = 0.0
+        cdef float m, v
         cdef const int64_t *o
-
-        if self.run_mode == MODE_SUM:
-            inv_nb = 1.0
 
         # gather the examples, C x H x W rows into NHWC
         a = ctx + self.in_off
@@ -294,8 +284,8 @@ cdef class ConvEngine:
                     <int> o[O_P]
                 K = C * KH * KW
                 # this step's kernels, in window order; the backward pass uses them too
+                _kernel_to_windows(params + o[O_WOFF], OC, C, KH * KW, ctx + o[O_WT])
                 Wp = ctx + o[O_WT]
-                _kernel_to_windows(params + o[O_WOFF], OC, C, KH * KW, Wp)
                 bp = params + o[O_BOFF]
                 for j in range(<Py_ssize_t> nb * OH * OW):
                     memcpy(z + j * OC, bp, OC * sizeof(float))
@@ -352,6 +342,37 @@ cdef class ConvEngine:
                 if o[O_ACT]:
                     _activate(self.act, z, nb * n_out)
             a = z
+
+        return a
+
+    cdef void _step(self, int t, float *params, const float *x, const int64_t *y,
+                    const int64_t *rows, int nb, float *g) noexcept nogil:
+        """Forward and backward over ``nb`` examples (rows of x/y, or x/y themselves when
+        ``rows`` is NULL) in thread t's context: the mean loss's gradient (the sum's in
+        MODE_SUM) into g, the loss sum into loss[t]."""
+        cdef float *ctx = &self.work[t, 0]
+        cdef int32_t *ictx = &self.iwork[t, 0]
+        cdef int64_t *lab = &self.labels[t, 0]
+        cdef int i, r, c, C, H, W, OC, OH, OW, KH, KW, S, P, kind
+        cdef int chunk, r0, nr, M, K
+        cdef Py_ssize_t n, n_out, j, base
+        cdef float *a
+        cdef float *z
+        cdef float *d
+        cdef float *dp
+        cdef float *Wp
+        cdef float *gW
+        cdef float *gb
+        cdef float *cols = ctx + self.cols_off
+        cdef float *dcols = ctx + self.dcols_off
+        cdef int32_t *arg
+        cdef float inv_nb = 1.0 / nb
+        cdef double loss = 0.0
+        cdef const int64_t *o
+
+        if self.run_mode == MODE_SUM:
+            inv_nb = 1.0
+        a = self._forward(t, params, x, y, rows, nb)
 
         # softmax cross-entropy; the logits become the output error (p - 1_y) / nb
         loss = _softmax_xent(a, lab, nb, self.n_classes, inv_nb)
@@ -537,6 +558,29 @@ cdef class ConvEngine:
             if self.seen[t] > 0:
                 out += np.asarray(self.work[t, self.sum_off:self.sum_off + n])
         return float(np.sum(self.loss)), int(np.sum(self.seen))
+
+    def evaluate(self, const float[::1] params, const float[:, ::1] x, const int64_t[::1] y):
+        """(loss sum, correct predictions) over all rows of x, forward passes only, in
+        mini-batches of ``batch`` in context 0."""
+        cdef Py_ssize_t lo = 0, N = x.shape[0], correct = 0
+        cdef int nb, r, j, best, n_out = self.n_classes
+        cdef float *z
+        cdef double loss = 0.0
+        if N == 0:
+            return 0.0, 0
+        with nogil:
+            while lo < N:
+                nb = <int> (self.batch if N - lo > self.batch else N - lo)
+                z = self._forward(0, &params[0], &x[lo, 0], &y[lo], NULL, nb)
+                for r in range(nb):   # the first largest logit, as numpy.argmax
+                    best = 0
+                    for j in range(1, n_out):
+                        if z[r * n_out + j] > z[r * n_out + best]:
+                            best = j
+                    correct += best == y[lo + r]
+                loss += _softmax_xent(z, &self.labels[0, 0], nb, n_out, 1.0)
+                lo += nb
+        return loss, correct
 
     def loss_and_grad(self, const float[::1] params, const float[:, ::1] x,
                       const int64_t[::1] y, float[::1] grad):

@@ -16,6 +16,7 @@ elementwise operation, so the threads overlap there and serialize in the Python 
 """
 from __future__ import annotations
 
+import functools
 import operator
 import threading
 
@@ -97,6 +98,23 @@ def conv_shapes(model: ConvNet, batch: int) -> tuple:
         shapes += [c for c in calls if c not in shapes]
     return tuple((min(m, blas.MAX_DIM), min(kk, blas.MAX_DIM), min(n, blas.MAX_DIM), ta, tb, b)
                  for m, kk, n, ta, tb, b in shapes)
+
+
+EVAL_BATCH = 500  # examples per forward pass of an evaluation
+
+
+@functools.lru_cache(maxsize=4)
+def _evaluator(model: ConvNet) -> "ConvHogwild":
+    return ConvHogwild(model, threads=1, batch=EVAL_BATCH)
+
+
+def evaluate(model, params: np.ndarray, x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
+    """(mean loss, accuracy) of ``params`` over all of x, y: for a :class:`ConvNet` with the
+    compiled engine's forward pass when it is built (one engine per model, kept), else
+    ``model.evaluate`` (an MLP's NumPy forward pass is BLAS already)."""
+    if isinstance(model, ConvNet) and HAVE_EXTENSION and params.dtype == np.float32:
+        return _evaluator(model).evaluate(params, x, y)
+    return model.evaluate(params, x, y)
 
 
 def engine_for(model, activation: str, threads: int, batch: int):
@@ -266,6 +284,17 @@ class ConvHogwild:
         for s in sums:
             grad += s
         return float(sum(losses)), grad, int(len(rows))
+
+    def evaluate(self, params, x, y) -> tuple[float, float]:
+        """(mean loss, accuracy) over all rows of x, forward passes only (as
+        ``ConvNet.evaluate``), one thread."""
+        self._check(params, x, y, writable=False)
+        n = len(x)
+        if not self.compiled:
+            return self.model.evaluate(params, x, y)
+        self._order(np.arange(n), x, y)
+        loss_sum, correct = self._engine.evaluate(params, _rows(x), _labels(y))
+        return loss_sum / max(1, n), correct / max(1, n)
 
     def loss_and_grad(self, params, x, y, grad=None):
         """Mean loss over the rows of x and its gradient, one thread; with the compiled

@@ -247,6 +247,13 @@ def test_compiled_engine_matches_the_numpy_model(spec, shape, activation):
     loss_c, g_c = eng.loss_and_grad(p, x, y)
     assert loss_c == pytest.approx(loss, rel=1e-5)
     assert np.abs(g_c - g).max() <= 1e-5 * np.abs(g).max()
+    # evaluation: forward passes only, in mini-batches (37 rows, batches of 16)
+    xe = rng.random((37, model.n_features), dtype=np.float32)
+    ye = rng.integers(0, model.n_classes, 37)
+    want = model.evaluate(p, xe, ye)
+    got = eng.evaluate(p, xe, ye)
+    assert got[0] == pytest.approx(want[0], rel=1e-5) and got[1] == want[1]
+    assert conv_hogwild.evaluate(model, p, xe, ye) == pytest.approx(want, rel=1e-5)
 
 
 def test_compiled_engine_describes_the_model_as_ops():

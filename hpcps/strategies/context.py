@@ -189,7 +189,8 @@ def evaluate(ctx: Context, params: np.ndarray, step: int) -> tuple[float, float]
     Raises NonFiniteError when the test loss is NaN or infinite: the data are finite
     (checked at load), so the parameters overflow the forward pass, finite or not.
     """
-    loss, acc = ctx.full_model.evaluate(params, ctx.test_x, ctx.test_y)
+    from hpcps import conv_hogwild  # the compiled forward pass for conv models
+    loss, acc = conv_hogwild.evaluate(ctx.full_model, params, ctx.test_x, ctx.test_y)
     check_test_loss(loss, step)
     return loss, acc
 

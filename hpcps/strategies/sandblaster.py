@@ -416,6 +416,7 @@ def run_replica(ctx: Context) -> dict:
         slow = factor if who == grid.rank else 1.0
     task = np.zeros(TASK_SLOTS, dtype=np.int64)
     result = np.zeros(RESULT_SLOTS, dtype=np.float64)
+    from hpcps import conv_hogwild
     from hpcps.conv_hogwild import engine_for
     engine = engine_for(ctx.full_model, cfg.activation, threads=cfg.threads,
                         batch=PORTION_CHUNK)   # see the module docstring
@@ -440,7 +441,7 @@ def run_replica(ctx: Context) -> dict:
         if kind == Task.EVALUATE:
             _fetch(world, layout, plan, fetch, ask, vec, x, cfg.timeout)
             moved += fetch_bytes
-            loss, accuracy = model.evaluate(x, ctx.test_x, ctx.test_y)
+            loss, accuracy = conv_hogwild.evaluate(model, x, ctx.test_x, ctx.test_y)
             result[:] = (int(Task.EVALUATE), batch, 0, loss, accuracy, 0)
             world.Send(result, dest=coord, tag=Tag.SB_RESULT)
             continue
