@@ -74,13 +74,13 @@ def op_table(model: ConvNet) -> np.ndarray:
     return np.array(rows, dtype=np.int64).reshape(-1, len(COLUMNS))
 
 
-def conv_shapes(model: ConvNet, batch: int) -> tuple:
-    """The sgemm calls of one compiled training step, in :func:`hpcps.kernels.blas.mlp_shapes`'
-    form (what ``HPCPS_BLAS=auto`` times): per conv layer its forward, weight-gradient and
-    input-gradient products of one im2col chunk (``ext/convnet.pyx``'s ``CHUNK_FLOATS``), per
-    fc layer the MLP's three."""
+def conv_shapes(table: np.ndarray, batch: int) -> tuple:
+    """The sgemm calls of one compiled training step of the model whose :func:`op_table` is
+    ``table``, in :func:`hpcps.kernels.blas.mlp_shapes`' form (what ``HPCPS_BLAS=auto``
+    times): per conv layer its forward, weight-gradient and input-gradient products of one
+    im2col chunk (``ext/convnet.pyx``'s ``CHUNK_FLOATS``), per fc layer the MLP's three."""
     shapes = []
-    for r in op_table(model):
+    for r in table:
         k = dict(zip(COLUMNS, (int(v) for v in r)))
         if k["kind"] == K_CONV:
             K, O = k["c"] * k["kh"] * k["kw"], k["oc"]
@@ -182,10 +182,10 @@ class ConvHogwild:
             raise ValueError("the compiled conv engine is not built")
         self._engine = None
         if self.compiled:
-            self._engine = _compiled.ConvEngine(op_table(model), model.n_params,
-                                                model.input_shape, self.threads, self.batch,
-                                                model.activation)
-            blas.ensure(conv_shapes(model, self.batch))
+            table = op_table(model)
+            self._engine = _compiled.ConvEngine(table, model.n_params, model.input_shape,
+                                                self.threads, self.batch, model.activation)
+            blas.ensure(conv_shapes(table, self.batch))
         # one gradient buffer per thread, allocated once (the NumPy path)
         self._grads = [] if self.compiled else \
             [np.empty(model.n_params, dtype=np.float32) for _ in range(self.threads)]
@@ -224,17 +224,16 @@ class ConvHogwild:
             raise ValueError(f"lr must be finite and >= 0, got {lr}")
         order = self._order(order, x, y)
         T, B = self.threads, self.batch
-        if steps_per_thread is None:
+        S = 0 if steps_per_thread is None else operator.index(steps_per_thread)
+        if steps_per_thread is not None and (S < 1 or len(order) < T * S * B):
+            raise ValueError(f"order has {len(order)} indices; {T} threads x {S} steps "
+                             f"x batch {B} need {T * S * B}")
+        if self.compiled:
+            return self._engine.train(params, _rows(x), _labels(y), order, lr, S, delta)
+        if S == 0:
             parts = [order[slice(*block_range(len(order), T, t))] for t in range(T)]
         else:
-            S = operator.index(steps_per_thread)
-            if S < 1 or len(order) < T * S * B:
-                raise ValueError(f"order has {len(order)} indices; {T} threads x {S} steps "
-                                 f"x batch {B} need {T * S * B}")
             parts = [order[t * S * B:(t + 1) * S * B] for t in range(T)]
-        if self.compiled:
-            return self._engine.train(params, _rows(x), _labels(y), order, lr,
-                                      0 if steps_per_thread is None else S, delta)
         losses = [0.0] * T
         neg_lr = np.float32(-lr)
 
