@@ -121,12 +121,17 @@ class LBFGSState:
 SCHEDULES = ("constant", "cosine")
 
 
+def varies(schedule: str | None) -> bool:
+    """Whether ``schedule`` (``--lr-schedule``) changes the rate over a run."""
+    return schedule not in (None, "constant")
+
+
 def lr_factor(schedule: str | None, step: int, total: int) -> float:
     """The learning rate's multiplier at global step ``step`` of a run of ``total``: 1 for
     ``constant`` (or None); for ``cosine``, 0.5 (1 + cos(pi step / total)), which falls from 1
     at the start to 0 at the end (SGDR's cosine annealing, Loshchilov & Hutter 2017, without
     restarts). A resumed run continues the same curve: ``step`` is the global step."""
-    if schedule in (None, "constant") or total <= 0:
+    if not varies(schedule) or total <= 0:
         return 1.0
     if schedule == "cosine":
         return 0.5 * (1.0 + math.cos(math.pi * min(max(step, 0), total) / total))
@@ -138,7 +143,7 @@ def scheduled(apply, schedule: str | None, step, total: int):
     :func:`lr_factor` at the global step ``step()`` as its ``step_scale`` (for a
     parameter-server shard, which applies the pushes of every replica); ``apply`` itself for
     ``constant``."""
-    if schedule in (None, "constant"):
+    if not varies(schedule):
         return apply
 
     def run(w, g, state, lr_scale: float = 1.0) -> None:

@@ -532,7 +532,7 @@ def _validate(cfg) -> None:
         raise ConfigError("--weight-decay is added to the gradients a replica pushes; with "
                           "--push activations the shards compute the fully connected layers' "
                           "updates from activations and errors instead: use --push gradients")
-    if cfg.push == "activations" and cfg.lr_schedule not in (None, "constant"):
+    if cfg.push == "activations" and optim.varies(cfg.lr_schedule):
         raise ConfigError("--lr-schedule scales the updates the shards apply; --push "
                           "activations computes the fully connected layers' updates at the "
                           "fixed --lr in a fused kernel: use --push gradients")
