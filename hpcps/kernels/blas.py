@@ -399,8 +399,8 @@ def info() -> dict:
 
 def summary() -> dict:
     """``{"blas": name, "blas_reason": why}``: the two fields a run's summary records."""
-    name = current()
-    return {"blas": name, "blas_reason": _reason}
+    current()
+    return chosen()
 
 
 def chosen() -> dict | None:
