@@ -27,8 +27,6 @@ so one thread alone computes what sequential SGD computes.
 Callers use ``hpcps.conv_hogwild``, which checks shapes, dtypes and labels; this module trusts
 its input.
 """
-import threading
-
 import numpy as np
 
 from libc.stdint cimport int32_t, int64_t
@@ -496,12 +494,7 @@ cdef class ConvEngine:
             with nogil:
                 self._run(0)
             return
-        workers = [threading.Thread(target=self._thread_main, args=(t,)) for t in range(1, T)]
-        for w in workers:
-            w.start()
-        self._thread_main(0)
-        for w in workers:
-            w.join()
+        _on_threads(self._thread_main, T)
 
     def _bind(self, const float[:, ::1] x, const int64_t[::1] y, const int64_t[::1] order):
         self.p_x = &x[0, 0]

@@ -25,8 +25,6 @@ exactly what sequential SGD computes.
 Callers should use ``hpcps.hogwild``, which checks shapes, dtypes, index and label
 ranges and overlap before coming here; this module trusts its input.
 """
-import threading
-
 import numpy as np
 
 from cython.parallel cimport prange
@@ -378,13 +376,7 @@ cdef class HogwildEngine:
             for t in prange(T, nogil=True, num_threads=T, schedule="static", chunksize=1):
                 self._run(t)
         else:
-            workers = [threading.Thread(target=self._thread_main, args=(t,))
-                       for t in range(1, T)]
-            for w in workers:
-                w.start()
-            self._thread_main(0)
-            for w in workers:
-                w.join()
+            _on_threads(self._thread_main, T)
 
     def sparse_step_count(self):
         """Steps, over all threads and calls so far, whose first layer used the nonzeros."""

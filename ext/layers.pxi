@@ -2,6 +2,8 @@
 # ext/convnet.pyx, the conv network's): buffer alignment, the sgemm call, the activations and
 # their derivatives, and the softmax cross-entropy. Each module compiles its own copy, so
 # everything here is ``inline`` and as fast as written in place.
+import threading
+
 from libc.math cimport expf, logf, tanhf
 from libc.stdint cimport int64_t
 
@@ -58,6 +60,17 @@ cdef inline void _act_grad(int act, const float *a, float *d, Py_ssize_t n) noex
     else:
         for i in range(n):
             d[i] = d[i] * (a[i] * (1.0 - a[i]))
+
+
+def _on_threads(thread_main, int threads):
+    """Run ``thread_main(t)`` (an engine's, which enters its nogil loop) for t in
+    1..threads-1 on Python threads and t = 0 on this one; return when all have ended."""
+    workers = [threading.Thread(target=thread_main, args=(t,)) for t in range(1, threads)]
+    for w in workers:
+        w.start()
+    thread_main(0)
+    for w in workers:
+        w.join()
 
 
 cdef inline Py_ssize_t _share(int t, int threads, Py_ssize_t steps, Py_ssize_t batch,
