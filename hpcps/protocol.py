@@ -36,6 +36,8 @@ class Tag(IntEnum):
     TRACE_CLOCK = 18  # --trace: a clock ping between a rank and rank 0 at start (hpcps.timeline)
     HEARTBEAT = 19    # replica -> shard: header only, "still alive" (--heartbeat-timeout)
     RESULT = 20       # any rank <-> reporter: final figures (pickled), when ranks may be lost
+    EPOCH_DONE = 21   # replica -> server shard 0: share of epoch STEPS run (--epoch-quorum)
+    EPOCH_END = 22    # server shard 0 -> replica: epoch STEPS ended (-1: nothing follows)
 
 
 class Op(IntEnum):

@@ -46,6 +46,7 @@ import dataclasses
 
 from hpcps import checkpoint, config, convnet, data, faults, memory, slurm, timeline, trace
 from hpcps.comm import PeerTimeout, ReplicaExchange, barrier, dup_comm, host
+from hpcps.options import parse_inject_slow
 from hpcps.errors import (PREEMPTED_EXIT, CheckpointError, ConfigError, HpcpsError,
                           NonFiniteError)
 from hpcps.metrics import Metrics
@@ -214,8 +215,20 @@ def _setup(cfg: config.Config, world, layout: Layout, info, ckpt, run_dir: Path)
 
 
 def plan(cfg: config.Config, n_world: int) -> Layout:
-    """The grid of ranks ``cfg`` asks for on ``n_world`` ranks (ConfigError if it cannot fit)."""
-    return Layout.plan(n_world, cfg.servers, cfg.partitions, int(cfg.spec.coordinator))
+    """The grid of ranks ``cfg`` asks for on ``n_world`` ranks (ConfigError if it cannot fit,
+    or if --inject-slow names a rank that is not a replica's)."""
+    layout = Layout.plan(n_world, cfg.servers, cfg.partitions, int(cfg.spec.coordinator))
+    if cfg.inject_slow is not None:
+        who, _ = parse_inject_slow(cfg.inject_slow)
+        n_rep = layout.replicas * layout.partitions
+        if who >= n_rep:
+            role = layout.role(who) if who < n_world else None
+            where = (f"outside the job's {n_world} ranks" if role is None else
+                     f"server shard {role.shard}" if role.is_server else "the coordinator")
+            raise ConfigError(f"--inject-slow {cfg.inject_slow} names world rank {who}, "
+                              f"{where}; it slows a replica: the replicas are ranks 0-"
+                              f"{n_rep - 1} here")
+    return layout
 
 
 def _describe(cfg, layout: Layout) -> str:

@@ -80,7 +80,9 @@ OWN = {
         "consistency": [[], ["--staleness-bound", "1"], ["--softsync", "2", "--staleness-lr",
                                                         "on"]],
         "chunks": [[], ["--chunk-bytes", "1024"]],
-        "faults": [[], ["--heartbeat-timeout", "20"]],
+        # replicas that may die, Adam's epoch quorum, and the two together
+        "faults": [[], ["--heartbeat-timeout", "20"], ["--epoch-quorum", "0.75"],
+                   ["--heartbeat-timeout", "20", "--epoch-quorum", "0.5"]],
     },
     "deadreckon": {"tau": [["--tau", "0.003"], ["--tau", "auto", "--density", "0.02",
                                                   "--sparsity-warmup", "100"]],
@@ -234,7 +236,9 @@ def test_combination(case, digits_h5, tmp_path):
     summary = records(tmp_path, "summary")
     assert summary, run.output[-3000:]
     s = summary[-1]
-    assert s["step"] >= int(steps[1]), s
+    # an epoch quorum lets an epoch end without a slow replica's last mini-batches
+    least = int(steps[1]) // 2 if "--epoch-quorum" in argv else int(steps[1])
+    assert s["step"] >= least, s
     assert s["test_accuracy"] >= MIN_ACCURACY, (s["test_accuracy"], run.stdout[-2000:])
     if "--trace" in argv:
         events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]

@@ -123,6 +123,8 @@ class GradientShard:
         waited for until DONE).
     replica_of : ``{world rank: replica}``, to name the replica whose message broke off.
     fatal : replicas whose loss ends the job (the chief).
+    epochs : on server shard 0 with ``--epoch-quorum``: the keeper of the epochs' ends
+        (:class:`hpcps.ps.epochs.EpochKeeper`), told of every EPOCH_DONE, DONE and loss.
     """
 
     def __init__(self, comm, params: np.ndarray, state: dict, apply: Callable,
@@ -130,7 +132,7 @@ class GradientShard:
                  on_boundary: Callable[[int], None] | None = None, boundary_every: int = 0,
                  packed: tuple[int, int, Callable] | None = None, policy=None,
                  tick: Callable[[], None] | None = None, liveness: Liveness | None = None,
-                 replica_of: dict[int, int] | None = None, fatal=()):
+                 replica_of: dict[int, int] | None = None, fatal=(), epochs=None):
         self.comm = comm
         self.params = params
         self.state = state
@@ -148,6 +150,7 @@ class GradientShard:
         self.liveness = liveness
         self.replica_of = dict(replica_of or {})
         self.fatal = set(fatal)
+        self.epochs = epochs
         self.held: list[tuple[int, int, float]] = []  # (rank, replica, since) of held fetches
         n = len(params)
         self._push = Message(n)
@@ -171,12 +174,16 @@ class GradientShard:
             handlers[self._packed_tag] = self._recv_packed
         if self.liveness is not None:
             handlers[Tag.HEARTBEAT] = self._recv_heartbeat
+        if self.epochs is not None:
+            handlers[Tag.EPOCH_DONE] = self.epochs.on_epoch_done
         t0 = time.perf_counter()
         if self.n_replicas > 0:
             serve(self.comm, handlers, self.timeout, lambda: (
                 f"{self.n_replicas - len(self.done)} replica(s) to finish (done: "
                 f"{sorted(self.done)}; held fetches from ranks {[h[0] for h in self.held]})"),
                 self._tick)
+        if self.epochs is not None:
+            self.epochs.close(self.timeout)
         self.stats.wall_s = time.perf_counter() - t0
         self.stats.done_replicas = sorted(self.done)
         return self.stats
@@ -274,6 +281,8 @@ class GradientShard:
         self.stats.lost_replicas[replica] = why
         self.stats.lost_after_s[replica] = self.liveness.lost[replica]
         self.done.add(replica)
+        if self.epochs is not None:
+            self.epochs.on_lost(replica)
         self.held = [h for h in self.held if h[1] != replica]
         self.policy.on_done(self, replica)  # the caller answers the fetches this released
 
@@ -290,6 +299,8 @@ class GradientShard:
     def _recv_done(self, src: int, status) -> bool:
         self.comm.Recv(self._small.buf, source=src, tag=Tag.DONE)
         sender = int(self._small.header[H.SENDER])
+        if self.epochs is not None:  # answered, even if it was (wrongly) taken for lost
+            self.epochs.on_done(sender)
         if sender in self.done:  # lost before its DONE arrived
             return False
         self.done.add(sender)

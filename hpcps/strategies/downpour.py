@@ -25,7 +25,7 @@ import numpy as np
 
 from hpcps import compress
 from hpcps.chunks import DEFAULT_CHUNK_BYTES, ChunkPlan, chunk_elements
-from hpcps.comm import gather_to_root, wait_all
+from hpcps.comm import dup_comm, gather_to_root, wait_all
 from hpcps.errors import ConfigError
 from hpcps import optim
 from hpcps.options import (
@@ -41,6 +41,7 @@ from hpcps.modelspec import is_conv_spec
 from hpcps.ps import activations
 from hpcps.ps.client import Client
 from hpcps.ps.consistency import SoftSync, StaleSynchronous
+from hpcps.ps.epochs import EpochClock, EpochKeeper, epoch_plan
 from hpcps.ps.gradient_shard import GradientShard
 from hpcps.ps.liveness import HEARTBEATS_PER_TIMEOUT, HeartbeatThread, Liveness
 from hpcps.strategies.context import (
@@ -84,6 +85,19 @@ def clock_offsets(ctx: Context) -> list[int]:
     replica 0's warm start begin with its warm-start steps (they start from its parameters)."""
     warmup = ctx.cfg.warmup_steps if ctx.start_step == 0 else 0
     return [0] + [warmup] * (ctx.grid.layout.replicas - 1)
+
+
+def warmup_steps(ctx: Context) -> int:
+    """Replica 0's warm-start steps in this run (none when resuming)."""
+    return ctx.cfg.warmup_steps if ctx.start_step == 0 else 0
+
+
+def epochs_of(ctx: Context) -> list[tuple[int, list[int]]]:
+    """--epoch-quorum: the run's epochs and each replica's share of them
+    (:func:`hpcps.ps.epochs.epoch_plan`; every rank computes the same)."""
+    n = ctx.dataset.n_train
+    return epoch_plan(ctx.start_step, ctx.total_steps, n / ctx.cfg.batch(n),
+                      ctx.grid.layout.replicas, warmup_steps(ctx))
 
 
 def partition_plan(ctx: Context, part: int) -> ChunkPlan:
@@ -219,14 +233,27 @@ class DownpourReplica(ReplicaLoop):
         cfg, model, grid = ctx.cfg, ctx.model, ctx.grid
         layout = grid.layout
         r, R = grid.role.replica, layout.replicas
-        self.warmup = cfg.warmup_steps if ctx.start_step == 0 else 0
+        self.warmup = warmup_steps(ctx)
         # replicas may die: every replica runs until the shards have applied the run's steps,
-        # so the survivors take over a lost replica's share
+        # so the survivors take over a lost replica's share (with --epoch-quorum: its share
+        # of each epoch, which ends without it)
         self.may_lose = cfg.heartbeat_timeout is not None
-        super().__init__(ctx, ctx.remaining_steps if self.may_lose else
+        shares = [s[r] for _, s in epochs_of(ctx)] if cfg.epoch_quorum is not None else None
+        super().__init__(ctx, sum(shares) if shares is not None else
+                         ctx.remaining_steps if self.may_lose else
                          steps_for_replica(ctx.remaining_steps, R, r, self.warmup))
         self.layout = layout
         part = grid.role.partition
+        self.epochs = None
+        if shares is not None:
+            # each epoch's share is run in whole iterations of T mini-batches
+            self.iterations = sum(-(-k // self.T) for k in shares)
+            agree = dup_comm(grid.replica_comm, 1, cfg.timeout, "the other partitions of "
+                             "this replica to set up the epoch clock")[0] \
+                if layout.partitions > 1 else None
+            self.epochs = EpochClock(grid.world, layout.server_rank(0), shares, r,
+                                     cfg.timeout, announce=part == 0, agree=agree)
+        self.advance_due = False  # an iteration ran whose end the epoch clock has not seen
         plan = partition_plan(ctx, part)
         ranks = [layout.server_rank(part * plan.n_shards + j) for j in range(plan.n_shards)]
         self.pusher = PackedPusher(
@@ -334,6 +361,7 @@ class DownpourReplica(ReplicaLoop):
             self.acc += self.grad
         self.acc_steps += T
         self.loss_sum += loss * T
+        self.advance_due = self.epochs is not None
         if self.acc_steps >= self.cfg.n_push:
             self._push()
         if not self.released and self.done + T >= self.warmup:
@@ -345,6 +373,9 @@ class DownpourReplica(ReplicaLoop):
         return self.info["step"]
 
     def run_complete(self) -> bool:
+        if self.epochs is not None:
+            self.advance_due = False
+            return self.epochs.advance(self.T)
         return self.may_lose and self.info["step"] + self.acc_steps >= self.ctx.total_steps
 
     def progress_fields(self) -> dict:
@@ -369,9 +400,13 @@ class DownpourReplica(ReplicaLoop):
             self._push()
         if not self.released:
             self._release()
+        if self.advance_due and not self.stopped_early:  # the last iteration's epoch end
+            self.epochs.advance(self.T)
         wait_all(self.release_reqs, self.cfg.timeout,
                  "other replicas to take the warm-start release")
         self.client.done()
+        if self.epochs is not None:
+            self.epochs.drain()
 
     def finish(self, train_s: float) -> dict:
         c = self.client
@@ -381,6 +416,8 @@ class DownpourReplica(ReplicaLoop):
                "words_sent": self.pusher.words_sent if self.pusher else None,
                "final_tau": self.pusher.thr.tau if self.pusher else None,
                "residual_warning": self.pusher.watch.fired if self.pusher else None}
+        if self.epochs is not None:
+            out.update(epoch_left=self.epochs.left, epoch_wait_s=self.epochs.waited_s)
         if self.ctx.grid.is_chief:
             out.update(_finish_chief(self.ctx, self._t0))
         return out
@@ -457,6 +494,12 @@ def run_server(ctx: Context) -> dict:
             path = save_checkpoint(ctx, got[0], got[1], step)
             print(f"[hpcps] server shard 0 wrote checkpoint {path} at step {step}", flush=True)
 
+    keeper = None
+    if cfg.epoch_quorum is not None and s == 0:
+        layout = grid.layout
+        keeper = EpochKeeper(grid.world, epochs_of(ctx), cfg.epoch_quorum,
+                             [[layout.replica_rank(r, p) for p in range(layout.partitions)]
+                              for r in range(layout.replicas)])
     liveness, replica_of = None, None
     if cfg.heartbeat_timeout is not None:  # replicas may die (P = 1: replica r is rank r)
         layout = grid.layout
@@ -476,7 +519,7 @@ def run_server(ctx: Context) -> dict:
                          shard_activation_handler(ctx, *plan.ranges[j], params, state)
                          if cfg.push == "activations" else None,
                          tick=ctx.stop_tick, liveness=liveness, replica_of=replica_of,
-                         fatal=(0,))
+                         fatal=(0,), epochs=keeper)
     stats = server.serve()
     got = gather()
     if got is not None:
@@ -499,7 +542,8 @@ def run_server(ctx: Context) -> dict:
             if isinstance(server.policy, StaleSynchronous) else None,
             "max_staleness": stats.staleness_max, "step": server.step,
             "lost_replicas": stats.lost_replicas, "lost_after_s": stats.lost_after_s,
-            "discarded_pushes": stats.discarded_pushes}
+            "discarded_pushes": stats.discarded_pushes,
+            "epochs": keeper.figures() if keeper is not None else None}
 
 
 # -- declaration --------------------------------------------------------------------------------
@@ -519,6 +563,12 @@ def _defaults(cfg) -> dict:
 
 def _validate(cfg) -> None:
     check_options(cfg)
+    if cfg.epoch_quorum is not None and cfg.epoch_quorum > 1:
+        raise ConfigError(f"--epoch-quorum is the fraction of replicas an epoch waits for, "
+                          f"at most 1 (Project Adam: 0.75); got {cfg.epoch_quorum}")
+    if cfg.epoch_quorum is not None and cfg.staleness_bound is not None:
+        raise ConfigError("--epoch-quorum lets an epoch end without its slowest replicas, "
+                          "--staleness-bound holds every replica to the slowest: choose one")
     if cfg.trace and cfg.heartbeat_timeout is not None:
         raise ConfigError("--trace merges every rank's timeline at the end of the run, which "
                           "needs every rank alive; with --heartbeat-timeout replicas may die: "
@@ -608,6 +658,11 @@ def _summarize(ctx: Context, results: list[dict]) -> dict:
         updates = sum(s["combined_updates"] for s in shards)
         out.update(softsync=cfg.softsync or 1, staleness_lr=cfg.staleness_lr or "off",
                    pushes_per_update=sum(s["combined_pushes"] for s in shards) / max(1, updates))
+    if cfg.epoch_quorum is not None:
+        keeper = next(s["epochs"] for s in shards if s["shard"] == 0)
+        out.update(epoch_quorum=cfg.epoch_quorum, **keeper,
+                   epoch_left_steps=sum(r["epoch_left"] for r in reps),
+                   epoch_wait_s=max((r["epoch_wait_s"] for r in reps), default=0.0))
     if cfg.heartbeat_timeout is not None:
         lost = sorted({int(r) for s in shards for r in s["lost_replicas"]})
         out.update(lost_ranks=[ctx.grid.layout.replica_rank(r) for r in lost],
@@ -648,6 +703,14 @@ def _summary_lines(f: dict) -> list[str]:
                      + "; ".join(f"rank {k}: {v}" for k, v in f["lost_why"].items())
                      + f"); {f['discarded_pushes']} late push(es) from them discarded; the "
                      "others finished the run")
+    if "epoch_quorum" in f:
+        counted = sorted(set(zip(f["epoch_finished"], f["epoch_counted"])))
+        lines.append(f"epoch quorum {f['epoch_quorum']:g}: {f['epochs_ended']} of "
+                     f"{f['epochs_planned']} epoch(s) ended, when "
+                     + ", ".join(f"{a} of {b}" for a, b in counted)
+                     + f" replicas had run their share; stragglers left "
+                     f"{f['epoch_left_steps']} mini-batch(es) of their shares to the next "
+                     f"epoch; epochs took {', '.join(f'{t:.1f}' for t in f['epoch_s'])} s")
     lines.append(f"staleness: mean {f['mean_staleness']:.2f}, max {f['max_staleness']:.0f} "
                  "shard updates between a replica's fetch and its push")
     if "softsync" in f:
@@ -690,6 +753,12 @@ STRATEGY = Strategy(
                "its staleness (a softsync group's mean staleness) (default off)",
                choices=("on", "off")),
         TAU, *COMPRESSION, GOLOMB, *LOOP_OPTIONS, CHUNK_BYTES,
+        Option("epoch_quorum", float, "Project Adam's end of epoch: an epoch ends once this "
+               "fraction of the replicas has run its share of it (0.75 in the paper); the "
+               "others leave the rest of theirs and start the next epoch, whose examples they "
+               "take up where they stopped. The replicas that finish first wait for the end "
+               "(1: every replica finishes every epoch; default: no epoch barrier, each "
+               "replica runs its share of the whole run)", check="positive"),
         Option("heartbeat_timeout", float, "replicas may die: each replica sends the shards a "
                "heartbeat 5 times per this many seconds, and one silent for longer is dropped; "
                "the run goes on with the others (Project Adam; launch with mpiexec "
