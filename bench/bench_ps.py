@@ -19,13 +19,23 @@ What it measures (``docs/fault-tolerance.md`` has the figures and what they mean
     names, how long the shards went without hearing from the dead replica before dropping it
     (``lost_detected_s``), test accuracy against the healthy runs', examples/s.
 
+``quorum``
+    Project Adam's end of epoch: downpour on N = 5 ranks (1 shard, 4 replicas), the
+    adam-mnist conv model (compute-bound, so a slow replica shows), ``--epochs`` 2, replica 3
+    made 3x slower (``--inject-slow 3:3``); without ``--epoch-quorum`` (no epoch barrier),
+    with ``--epoch-quorum 1`` (every replica finishes every epoch) and with ``0.75``: the
+    time of each epoch as server shard 0 ended it, the run's wall time, global steps taken,
+    mini-batches the straggler left, and test accuracy, over ``--repeats`` runs. Needs MNIST
+    with its image shape (``python -m hpcps.data prepare mnist`` writes it).
+
 Not measured, because hpcps does not do them: replicated shards (examples/s with 2 and 3
-copies, failover time) and the 75% epoch.
+copies, failover time).
 
 Usage::
 
     python bench/bench_ps.py                  # everything (several minutes on 2 cores)
     python bench/bench_ps.py --only chunks    # the pure part, seconds
+    python bench/bench_ps.py --only quorum --repeats 2
 """
 from __future__ import annotations
 
@@ -70,18 +80,18 @@ def bench_chunks() -> list[dict]:
     return out
 
 
-def command(mpiexec: str, run_dir: Path, args: list[str]) -> list[str]:
-    return [mpiexec, "-disable-auto-cleanup", "-n", "4", sys.executable, "-m", "hpcps.keeper",
-            "--run-dir", str(run_dir), *args]
+def command(mpiexec: str, run_dir: Path, args: list[str], n: int = 4) -> list[str]:
+    return [mpiexec, "-disable-auto-cleanup", "-n", str(n), sys.executable, "-m",
+            "hpcps.keeper", "--run-dir", str(run_dir), *args]
 
 
 def run(mpiexec: str, workdir: Path, args: list[str], timeout: float,
-        kill_at: int | None = None) -> dict:
+        kill_at: int | None = None, n: int = 4) -> dict:
     """One run; with ``kill_at``, SIGKILL rank 2 once the run reaches that global step."""
     from faultinject import kill_rank, wait_for_step
     run_dir = workdir / "run"
     with open(workdir / "output.log", "wb") as out:
-        proc = start(command(mpiexec, run_dir, args), out)
+        proc = start(command(mpiexec, run_dir, args, n), out)
         try:
             if kill_at is not None:
                 wait_for_step(run_dir / "metrics.jsonl", kill_at, timeout)
@@ -133,12 +143,46 @@ def bench_faults(mpiexec: str, tmp: Path, data: str, steps: int, repeats: int,
                                  v for r in losses for v in r["lost_detected_s"].values())}}
 
 
+QUORUMS = (("no_barrier", []), ("quorum_1", ["--epoch-quorum", "1"]),
+           ("quorum_0.75", ["--epoch-quorum", "0.75"]))
+
+
+def bench_quorum(mpiexec: str, tmp: Path, data: str, epochs: float, repeats: int,
+                 timeout: float) -> dict:
+    base = ["--data", data, "--model", "adam-mnist", "--epochs", str(epochs),
+            "--eval-every", "0", "--checkpoint-every", "0", "--progress-every", "5",
+            "--inject-slow", "3:3", "--timeout", "120"]
+    out: dict[str, dict] = {name: {"runs": []} for name, _ in QUORUMS}
+    for i in range(repeats):  # alternate the settings, so drifts of load hit each alike
+        for name, extra in QUORUMS:
+            d = tmp / f"quorum-{name}-{i}"
+            d.mkdir()
+            t = time.perf_counter()
+            s = run(mpiexec, d, base + extra, timeout, n=5)
+            got = {"wall_s": round(time.perf_counter() - t, 2), "train_s": s["train_s"],
+                   "step": s["step"], "test_accuracy": s["test_accuracy"],
+                   "epoch_s": s.get("epoch_s"), "left_steps": s.get("epoch_left_steps"),
+                   "finished_when_ended": s.get("epoch_finished")}
+            out[name]["runs"].append(got)
+            log(f"quorum {name} #{i}: {got}")
+    for name, doc in out.items():
+        runs = doc["runs"]
+        doc["train_s_median"] = statistics.median(r["train_s"] for r in runs)
+        epoch_s = [t for r in runs for t in (r["epoch_s"] or [])]
+        doc["epoch_s_median"] = statistics.median(epoch_s) if epoch_s else \
+            round(doc["train_s_median"] / epochs, 3)  # no barrier: the run's mean epoch
+    out["epoch_time_ratio_0.75_over_1"] = round(out["quorum_0.75"]["epoch_s_median"] /
+                                                out["quorum_1"]["epoch_s_median"], 3)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--only", choices=("chunks", "faults"))
+    ap.add_argument("--only", choices=("chunks", "faults", "quorum"))
     ap.add_argument("--data", default=str(ROOT / "data" / "mnist.h5"))
     ap.add_argument("--steps", type=int, default=900)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--epochs", type=float, default=2, help="quorum: epochs per run")
     ap.add_argument("--timeout", type=float, default=600)
     args = ap.parse_args(argv)
     mpiexec = find_mpiexec()
@@ -150,6 +194,10 @@ def main(argv: list[str] | None = None) -> int:
         with tempfile.TemporaryDirectory(prefix="bench_ps-") as tmp:
             out.update(bench_faults(mpiexec, Path(tmp), args.data, args.steps, args.repeats,
                                     args.timeout))
+    if args.only in (None, "quorum"):
+        with tempfile.TemporaryDirectory(prefix="bench_ps-") as tmp:
+            out["quorum"] = bench_quorum(mpiexec, Path(tmp), args.data, args.epochs,
+                                         args.repeats, args.timeout)
     print(json.dumps(out, indent=1))
     return 0
 
