@@ -78,6 +78,7 @@ from hpcps.errors import CheckpointError, HpcpsError
 
 FORMAT = "hpcps-checkpoint"
 LAYOUT_VERSION = 1
+PERSISTED = "persisted"  # the group of a persistence manifest (its chunk steps)
 
 DESCRIPTION = (
     "hpcps training checkpoint: the network's weights under /params, optimizer state under "
@@ -412,8 +413,25 @@ def _write_conv_params(g: h5py.Group, model, params: dict, put) -> None:
             f"{'map' if op.spec.kind == 'conv' else 'unit'}, shape {b.shape}")
 
 
-def _write(path: Path, ckpt: Checkpoint) -> None:
-    """Write ``ckpt`` to ``path`` (not atomically), flush and fsync it. save() wraps this."""
+def _virtual(f: h5py.File, name: str, shape, dtype, pieces) -> h5py.Dataset:
+    """A virtual dataset ``name`` of ``shape`` assembled from ``pieces``: ``[(file, dataset,
+    its length, [(index, start, count)])]``, each mapping ``source[start:start + count]`` of a
+    1-D source dataset onto the hyperslab ``index``."""
+    layout = h5py.VirtualLayout(shape=tuple(shape), dtype=dtype)
+    for file, dset, length, maps in pieces:
+        src = h5py.VirtualSource(file, dset, shape=(length,))
+        for index, start, count in maps:
+            layout[index] = src[start:start + count]
+    fill = np.nan if np.dtype(dtype).kind == "f" else -1
+    return f.create_virtual_dataset(name, layout, fillvalue=fill)
+
+
+def _write(path: Path, ckpt: Checkpoint, virtual: dict | None = None) -> None:
+    """Write ``ckpt`` to ``path`` (not atomically), flush and fsync it. save() wraps this.
+
+    ``virtual``: write a persistence manifest instead (:mod:`hpcps.ps.persist`): every
+    dataset is virtual, ``virtual[name]`` says from which pieces of which shard files, and
+    the arrays of ``ckpt`` only give the shapes."""
     sizes, config, dataset, metrics = _checked(ckpt)
     config_json = json.dumps(config)
     dataset_json = json.dumps(dataset)
@@ -439,8 +457,20 @@ def _write(path: Path, ckpt: Checkpoint) -> None:
         a["meta_sha256"] = _fixed_str(digest)
 
         def put(name: str, data: np.ndarray, description: str) -> None:
-            dset = f.create_dataset(name, data=data, chunks=True, fletcher32=True)
+            if virtual is None:
+                dset = f.create_dataset(name, data=data, chunks=True, fletcher32=True)
+            else:
+                dset = _virtual(f, name, data.shape, data.dtype, virtual[name])
             dset.attrs["description"] = _fixed_str(description)
+
+        if virtual is not None:
+            g = f.create_group(PERSISTED)
+            g.attrs["description"] = _fixed_str(
+                "this checkpoint is a manifest: its datasets are virtual, read from the server "
+                "shards' own files (hpcps/ps/persist.py, docs/fault-tolerance.md); its step "
+                "is the smallest of chunk_step, the step at which each chunk was last written")
+            _virtual(f, f"{PERSISTED}/chunk_step", virtual[f"{PERSISTED}/chunk_step"][0],
+                     np.int64, virtual[f"{PERSISTED}/chunk_step"][1])
 
         g = f.create_group("params")
         conv = conv_model(config, dataset)
@@ -489,7 +519,7 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-def save(path: str | os.PathLike, ckpt: Checkpoint) -> Path:
+def save(path: str | os.PathLike, ckpt: Checkpoint, virtual: dict | None = None) -> Path:
     """Write ``ckpt`` to ``path`` atomically and return the path.
 
     The state is checked first (nothing is written for bad input). The file is written as
@@ -514,7 +544,7 @@ def save(path: str | os.PathLike, ckpt: Checkpoint) -> Path:
     tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
     try:
         tmp.unlink(missing_ok=True)  # a stale temp of a crashed save by a process with our pid
-        _write(tmp, ckpt)
+        _write(tmp, ckpt, virtual)
         os.replace(tmp, path)
     except BaseException as exc:
         try:
@@ -617,9 +647,12 @@ def load_with_header(path: str | os.PathLike) -> tuple[Checkpoint, dict[str, Any
                     name = f"layer{i}/{part}"
                     if name not in f["params"]:
                         raise missing(f"the dataset /params/{name}")
+            if PERSISTED in f:
+                _check_sources(f, path)
             params = {k: d[()] for k, d in _datasets(f["params"]).items()}
             opt_state = {k: d[()] for k, d in _datasets(f["optimizer"]).items()}
             step = a["step"]
+            persisted = _persisted_step(f) if PERSISTED in f else None
             optimizer = _attr_str(f["optimizer"].attrs, "name")
             config_json = _attr_str(a, "config_json")
             dataset_json = _attr_str(a, "dataset_json")
@@ -659,6 +692,8 @@ def load_with_header(path: str | os.PathLike) -> tuple[Checkpoint, dict[str, Any
         raise CheckpointError(
             f"checkpoint {path} is unreadable (truncated or corrupt): {exc}"
         ) from exc
+    if persisted is not None:  # a manifest: the step its shard files hold
+        step = persisted
     ckpt = Checkpoint(params=params, optimizer=optimizer, opt_state=opt_state, step=int(step),
                       config=config, dataset=dataset, metrics=metrics, path=path)
     try:
@@ -672,11 +707,33 @@ def load_with_header(path: str | os.PathLike) -> tuple[Checkpoint, dict[str, Any
     return ckpt, header
 
 
+def _check_sources(f: h5py.File, path: Path) -> None:
+    """A manifest's shard files must all be there: a missing one would read as fill values."""
+    for name in [f"{PERSISTED}/chunk_step"] + [f"params/{k}" for k in _datasets(f["params"])]:
+        for source in f[name].virtual_sources():
+            where = Path(source.file_name)
+            where = where if where.is_absolute() else path.parent / where
+            if not where.is_file():
+                raise CheckpointError(f"checkpoint {path} is a persistence manifest, and the "
+                                      f"server shard file {where} it reads is missing")
+
+
+def _persisted_step(f: h5py.File) -> int:
+    steps = np.asarray(f[f"{PERSISTED}/chunk_step"][()])
+    if len(steps) == 0 or steps.min() < 0:
+        raise CheckpointError(f"checkpoint {f.filename}: a shard file lacks the steps of its "
+                              "chunks")
+    return int(steps.min())
+
+
 def peek_step(path: str | os.PathLike) -> int | None:
-    """The step of the checkpoint at ``path`` from its root attribute alone (no arrays read),
-    or None when there is no readable checkpoint there. For messages about a stopped run."""
+    """The step of the checkpoint at ``path`` from its root attribute alone (no arrays read;
+    for a persistence manifest, its chunks' steps), or None when there is no readable
+    checkpoint there. For messages about a stopped run and for ``--resume auto``."""
     try:
         with h5py.File(path, "r") as f:
+            if PERSISTED in f:
+                return _persisted_step(f)
             step = f.attrs.get("step")
             return int(step) if isinstance(step, (int, np.integer)) else None
     except Exception:  # missing, not HDF5, damaged: there is no checkpoint to name

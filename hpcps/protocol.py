@@ -75,6 +75,7 @@ class H(IntEnum):
     SENDER = 6        # replica index of the sender (for messages and error reports)
     VECTOR = 7        # sandblaster FETCH / SB_PUSH: which of the shard's vectors
     CLOCK = 8         # PARAMS under a staleness bound: steps completed by the slowest live replica
+    UNPERSISTED = 9   # PARAMS with --persist-every: global steps applied since the last flush
 
 
 HEADER_SLOTS = len(H)

@@ -74,7 +74,8 @@ class Client:
         self.last_reply = {"step": int(h[H.STEPS]), "loss": float(h[H.LOSS_SUM]),
                            "staleness": float(h[H.STALENESS]),
                            "max_staleness": float(h[H.MAX_STALENESS]),
-                           "clock": float(h[H.CLOCK])}
+                           "clock": float(h[H.CLOCK]),
+                           "unpersisted": int(h[H.UNPERSISTED])}
         return self.last_reply
 
     def _slot_for(self, s: int, slot: int):

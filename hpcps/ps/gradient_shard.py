@@ -125,6 +125,9 @@ class GradientShard:
     fatal : replicas whose loss ends the job (the chief).
     epochs : on server shard 0 with ``--epoch-quorum``: the keeper of the epochs' ends
         (:class:`hpcps.ps.epochs.EpochKeeper`), told of every EPOCH_DONE, DONE and loss.
+    persist : with ``--persist-every``: the shard's write-back cache
+        (:class:`hpcps.ps.persist.Persister`), told of every update and asked between
+        messages whether a flush is due.
     """
 
     def __init__(self, comm, params: np.ndarray, state: dict, apply: Callable,
@@ -132,7 +135,8 @@ class GradientShard:
                  on_boundary: Callable[[int], None] | None = None, boundary_every: int = 0,
                  packed: tuple[int, int, Callable] | None = None, policy=None,
                  tick: Callable[[], None] | None = None, liveness: Liveness | None = None,
-                 replica_of: dict[int, int] | None = None, fatal=(), epochs=None):
+                 replica_of: dict[int, int] | None = None, fatal=(), epochs=None,
+                 persist=None):
         self.comm = comm
         self.params = params
         self.state = state
@@ -151,6 +155,7 @@ class GradientShard:
         self.replica_of = dict(replica_of or {})
         self.fatal = set(fatal)
         self.epochs = epochs
+        self.persist = persist
         self.held: list[tuple[int, int, float]] = []  # (rank, replica, since) of held fetches
         n = len(params)
         self._push = Message(n)
@@ -184,6 +189,8 @@ class GradientShard:
                 self._tick)
         if self.epochs is not None:
             self.epochs.close(self.timeout)
+        if self.persist is not None:  # the final state, on disk before the shard reports
+            self.persist.close(self.step)
         self.stats.wall_s = time.perf_counter() - t0
         self.stats.done_replicas = sorted(self.done)
         return self.stats
@@ -261,6 +268,8 @@ class GradientShard:
         """Between messages: the stop vote, and (replicas may die) drop the silent ones."""
         if self.tick is not None:
             self.tick()
+        if self.persist is not None:
+            self.persist.maybe_flush(self.step)
         if self.liveness is None:
             return False
         expected = [r for r in range(self.n_replicas) if r not in self.done]
@@ -365,6 +374,8 @@ class GradientShard:
         self.version += 1
         if self.version % HEALTH_EVERY == 0:
             self.check_params()
+        if self.persist is not None:
+            self.persist.touch()
 
     def account(self, h: np.ndarray, stale: float) -> None:
         """Count a push (of staleness ``stale``, see :meth:`staleness`): global step,
@@ -372,6 +383,8 @@ class GradientShard:
         steps = int(h[H.STEPS])
         before = self.step
         self.step += steps
+        if self.persist is not None:
+            self.persist.maybe_flush(self.step)
         self.stats.pushes += 1
         self.stats.staleness_sum += stale
         self.stats.staleness_max = max(self.stats.staleness_max, stale)
@@ -400,6 +413,8 @@ class GradientShard:
         h[H.LOSS_SUM] = self._last_loss
         h[H.STALENESS] = self._win_stale / self._win_pushes if self._win_pushes else 0.0
         h[H.MAX_STALENESS] = self._win_stale_max
+        if self.persist is not None:
+            h[H.UNPERSISTED] = self.persist.unpersisted(self.step)
         self._win_loss = self._win_stale = self._win_stale_max = 0.0
         self._win_steps = self._win_pushes = 0
         self.policy.on_answer(self, sender, h)

@@ -38,7 +38,7 @@ from hpcps.options import (
 )
 from hpcps.protocol import H, Message, Tag
 from hpcps.modelspec import is_conv_spec
-from hpcps.ps import activations
+from hpcps.ps import activations, persist
 from hpcps.ps.client import Client
 from hpcps.ps.consistency import SoftSync, StaleSynchronous
 from hpcps.ps.epochs import EpochClock, EpochKeeper, epoch_plan
@@ -61,6 +61,7 @@ from hpcps.threshold import (
     describe_tau,
 )
 
+MANIFEST = persist.MANIFEST_NAME
 TAU_BYTES = 4  # float32 tau in front of each compressed push: what each word stands for
 
 
@@ -393,6 +394,9 @@ class DownpourReplica(ReplicaLoop):
                 self.ctx.metrics.message(warning)
         if self.cfg.staleness_bound is not None:
             out["clock_lead_max"] = self.max_lead
+        if self.cfg.persist_every is not None:  # as server shard 0 last said
+            out["unpersisted_steps"] = self.info.get("unpersisted", 0)
+            out["persisted_step"] = self.info["step"] - out["unpersisted_steps"]
         return out
 
     def after_loop(self) -> None:
@@ -500,6 +504,8 @@ def run_server(ctx: Context) -> dict:
         keeper = EpochKeeper(grid.world, epochs_of(ctx), cfg.epoch_quorum,
                              [[layout.replica_rank(r, p) for p in range(layout.partitions)]
                               for r in range(layout.replicas)])
+    persister = persist.start(ctx, s, shards, params, state, cfg.persist_every,
+                              ctx.start_step) if cfg.persist_every is not None else None
     liveness, replica_of = None, None
     if cfg.heartbeat_timeout is not None:  # replicas may die (P = 1: replica r is rank r)
         layout = grid.layout
@@ -519,7 +525,7 @@ def run_server(ctx: Context) -> dict:
                          shard_activation_handler(ctx, *plan.ranges[j], params, state)
                          if cfg.push == "activations" else None,
                          tick=ctx.stop_tick, liveness=liveness, replica_of=replica_of,
-                         fatal=(0,), epochs=keeper)
+                         fatal=(0,), epochs=keeper, persist=persister)
     stats = server.serve()
     got = gather()
     if got is not None:
@@ -543,7 +549,8 @@ def run_server(ctx: Context) -> dict:
             "max_staleness": stats.staleness_max, "step": server.step,
             "lost_replicas": stats.lost_replicas, "lost_after_s": stats.lost_after_s,
             "discarded_pushes": stats.discarded_pushes,
-            "epochs": keeper.figures() if keeper is not None else None}
+            "epochs": keeper.figures() if keeper is not None else None,
+            "persist": persister.figures() if persister is not None else None}
 
 
 # -- declaration --------------------------------------------------------------------------------
@@ -663,6 +670,16 @@ def _summarize(ctx: Context, results: list[dict]) -> dict:
         out.update(epoch_quorum=cfg.epoch_quorum, **keeper,
                    epoch_left_steps=sum(r["epoch_left"] for r in reps),
                    epoch_wait_s=max((r["epoch_wait_s"] for r in reps), default=0.0))
+    if cfg.persist_every is not None:
+        kept = [s["persist"] for s in shards]
+        out.update(persist_every_s=cfg.persist_every,
+                   persist_flushes=sum(k["flushes"] for k in kept),
+                   persist_skipped_rounds=sum(k["skipped_rounds"] for k in kept),
+                   persist_bytes=sum(k["bytes_written"] for k in kept),
+                   persist_write_s=max(k["write_s"] for k in kept),
+                   persist_copy_s=max(k["copy_s"] for k in kept),
+                   persist_max_window_steps=max(k["max_window_steps"] for k in kept),
+                   persisted_step=min(k["persisted_step"] for k in kept))
     if cfg.heartbeat_timeout is not None:
         lost = sorted({int(r) for s in shards for r in s["lost_replicas"]})
         out.update(lost_ranks=[ctx.grid.layout.replica_rank(r) for r in lost],
@@ -711,6 +728,13 @@ def _summary_lines(f: dict) -> list[str]:
                      + f" replicas had run their share; stragglers left "
                      f"{f['epoch_left_steps']} mini-batch(es) of their shares to the next "
                      f"epoch; epochs took {', '.join(f'{t:.1f}' for t in f['epoch_s'])} s")
+    if "persist_every_s" in f:
+        lines.append(f"persisted every {f['persist_every_s']:g} s: {f['persist_flushes']} "
+                     f"flush(es) of {f['persist_bytes'] / 2**20:.1f} MiB in all "
+                     f"({f['persist_skipped_rounds']} round(s) skipped while the writer was "
+                     f"busy); at most {f['persist_max_window_steps']} step(s) applied and not "
+                     f"yet on disk; {MANIFEST} reads the shards' files at step "
+                     f"{f['persisted_step']}")
     lines.append(f"staleness: mean {f['mean_staleness']:.2f}, max {f['max_staleness']:.0f} "
                  "shard updates between a replica's fetch and its push")
     if "softsync" in f:
@@ -753,6 +777,11 @@ STRATEGY = Strategy(
                "its staleness (a softsync group's mean staleness) (default off)",
                choices=("on", "off")),
         TAU, *COMPRESSION, GOLOMB, *LOOP_OPTIONS, CHUNK_BYTES,
+        Option("persist_every", float, "delayed persistence: every this many seconds each "
+               "server shard writes the chunks updated since its last flush to its own HDF5 "
+               "file from a background thread, and checkpoint-persisted.h5 reads them as "
+               "virtual datasets (Project Adam; --resume takes it; default: none)",
+               check="positive"),
         Option("epoch_quorum", float, "Project Adam's end of epoch: an epoch ends once this "
                "fraction of the replicas has run its share of it (0.75 in the paper); the "
                "others leave the rest of theirs and start the next epoch, whose examples they "
