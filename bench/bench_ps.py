@@ -28,6 +28,14 @@ What it measures (``docs/fault-tolerance.md`` has the figures and what they mean
     mini-batches the straggler left, and test accuracy, over ``--repeats`` runs. Needs MNIST
     with its image shape (``python -m hpcps.data prepare mnist`` writes it).
 
+``persist``
+    Downpour on N = 4 ranks (1 shard, 3 replicas), MNIST 784-1024-1024-10 (1.86M parameters,
+    Adagrad: 14.9 MB of state per shard), ``--steps``: examples/s without persistence and
+    with ``--persist-every`` 1 s and 0.1 s (median over ``--repeats``, alternated), and from
+    the shard: flushes, rounds skipped while the writer was busy, seconds spent copying
+    snapshots (the only pause of service) and writing, the largest window of steps applied
+    and not yet on disk.
+
 Not measured, because hpcps does not do them: replicated shards (examples/s with 2 and 3
 copies, failover time).
 
@@ -36,6 +44,7 @@ Usage::
     python bench/bench_ps.py                  # everything (several minutes on 2 cores)
     python bench/bench_ps.py --only chunks    # the pure part, seconds
     python bench/bench_ps.py --only quorum --repeats 2
+    python bench/bench_ps.py --only persist --repeats 3
 """
 from __future__ import annotations
 
@@ -176,9 +185,40 @@ def bench_quorum(mpiexec: str, tmp: Path, data: str, epochs: float, repeats: int
     return out
 
 
+PERSIST = (("none", []), ("every_1s", ["--persist-every", "1"]),
+           ("every_0.1s", ["--persist-every", "0.1"]))
+
+
+def bench_persist(mpiexec: str, tmp: Path, data: str, steps: int, repeats: int,
+                  timeout: float) -> dict:
+    base = ["--data", data, "--layers", "784,1024,1024,10", "--steps", str(steps),
+            "--eval-every", "0", "--checkpoint-every", "0", "--progress-every", "5",
+            "--timeout", "120"]
+    out: dict[str, dict] = {name: {"runs": []} for name, _ in PERSIST}
+    for i in range(repeats):
+        for name, extra in PERSIST:
+            d = tmp / f"persist-{name}-{i}"
+            d.mkdir()
+            s = run(mpiexec, d, base + extra, timeout)
+            got = {"examples_per_s": s["examples_per_s"], "step": s["step"]}
+            got.update({k: s[k] for k in ("persist_flushes", "persist_skipped_rounds",
+                                          "persist_bytes", "persist_write_s",
+                                          "persist_copy_s", "persist_max_window_steps",
+                                          "train_s") if k in s})
+            out[name]["runs"].append(got)
+            log(f"persist {name} #{i}: {got}")
+    for doc in out.values():
+        doc["examples_per_s_median"] = statistics.median(r["examples_per_s"]
+                                                         for r in doc["runs"])
+    for name in ("every_1s", "every_0.1s"):
+        out[f"ratio_{name}_over_none"] = round(out[name]["examples_per_s_median"] /
+                                               out["none"]["examples_per_s_median"], 3)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--only", choices=("chunks", "faults", "quorum"))
+    ap.add_argument("--only", choices=("chunks", "faults", "quorum", "persist"))
     ap.add_argument("--data", default=str(ROOT / "data" / "mnist.h5"))
     ap.add_argument("--steps", type=int, default=900)
     ap.add_argument("--repeats", type=int, default=3)
@@ -194,6 +234,10 @@ def main(argv: list[str] | None = None) -> int:
         with tempfile.TemporaryDirectory(prefix="bench_ps-") as tmp:
             out.update(bench_faults(mpiexec, Path(tmp), args.data, args.steps, args.repeats,
                                     args.timeout))
+    if args.only in (None, "persist"):
+        with tempfile.TemporaryDirectory(prefix="bench_ps-") as tmp:
+            out["persist"] = bench_persist(mpiexec, Path(tmp), args.data, args.steps,
+                                           args.repeats, args.timeout)
     if args.only in (None, "quorum"):
         with tempfile.TemporaryDirectory(prefix="bench_ps-") as tmp:
             out["quorum"] = bench_quorum(mpiexec, Path(tmp), args.data, args.epochs,

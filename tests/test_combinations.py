@@ -75,7 +75,7 @@ OWN = {
                       "--residual-clip", "4", "--grad-clip", "5", "--optimizer", "momentum"],
                      ["--compress", "threshold", "--golomb", "off"]],
         "push": [[], ["--push", "activations"]],
-        "periods": [[], ["--n-fetch", "2", "--n-push", "3"]],
+        "periods": [[], ["--n-fetch", "2", "--n-push", "3"], ["--persist-every", "0.05"]],
         "warmup": [[], ["--warmup-steps", "0"]],
         "consistency": [[], ["--staleness-bound", "1"], ["--softsync", "2", "--staleness-lr",
                                                         "on"]],

@@ -132,6 +132,11 @@ def test_the_manifest_holds_the_final_state_and_resumes_on_another_n(n, extra, d
         assert f["params/layer0/W"].is_virtual
         assert np.array_equal(f["params/layer0/W"][()], final.params["layer0/W"])
     assert "persisted every 0.02 s" in run.stdout
+    shard = next((tmp_path / "a" / "persist").glob("*/shard-1.h5"))
+    shard.rename(shard.with_suffix(".gone"))
+    with pytest.raises(checkpoint.CheckpointError, match="shard file .*shard-1.h5.* is missing"):
+        checkpoint.load(tmp_path / "a" / MANIFEST_NAME)
+    shard.with_suffix(".gone").rename(shard)
     keep = extra[extra.index("--optimizer"):][:2] if "--optimizer" in extra else []
     keep += extra[extra.index("--model"):][:2] if "--model" in extra else []
     more = train(3, "--data", str(digits_h5), *model, *keep, "--steps", str(final.step + 60),
@@ -185,3 +190,48 @@ def test_sigkill_of_the_whole_job_loses_at_most_the_reported_window(digits_h5, t
                  "--run-dir", str(run_dir))
     assert more.returncode == 0, more.output[-3000:]
     assert f"step {manifest.step}" in more.output, more.output[-2000:]
+
+
+CHILD = r'''
+import os, signal, sys
+import numpy as np
+from pathlib import Path
+from hpcps.ps import persist
+
+path, die_at = Path(sys.argv[1]), int(sys.argv[2])
+params, accum = np.zeros(12, np.float32), np.zeros(12, np.float32)
+chunks = [(0, 4), (4, 4), (8, 4)]
+offsets = persist.create_shard_file(path, params, {"accum": accum}, chunks, 0, 0)
+p = persist.Persister(path, {"params": params, "state/accum": accum}, chunks, offsets, 0.0, 0)
+params[:] = 1; accum[:] = 1; p.touch(); p.maybe_flush(10); p._busy_wait()
+real, calls = os.pwrite, [0]
+
+def dying(fd, data, offset):
+    calls[0] += 1
+    if calls[0] == die_at:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return real(fd, data, offset)
+
+os.pwrite = dying
+params[:] = 2; accum[:] = 2; p.touch(); p.maybe_flush(20); p._busy_wait()
+'''
+
+
+@pytest.mark.parametrize("die_at", range(1, 11))
+def test_a_kill_inside_a_flush_leaves_a_readable_file_no_newer_than_it_says(die_at, tmp_path):
+    """A shard process SIGKILLed at each of the 10 writes of a flush (3 chunks x values,
+    state, step; then every chunk's step): the file opens with plain h5py, and every chunk
+    holds values at least as new as its recorded step (10 or 20)."""
+    path = tmp_path / "shard-0.h5"
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    child = subprocess.run([sys.executable, "-c", CHILD, str(path), str(die_at)], env=env,
+                           capture_output=True, text=True, timeout=60)
+    assert child.returncode == -signal.SIGKILL, child.stderr
+    with h5py.File(path) as f:
+        steps, params, accum = f["chunk_step"][()], f["params"][()], f["state/accum"][()]
+    for c, step in enumerate(steps):
+        values = {float(v) for v in params[4 * c:4 * c + 4]} | \
+            {float(v) for v in accum[4 * c:4 * c + 4]}
+        assert step in (10, 20)
+        assert values <= ({2.0} if step == 20 else {1.0, 2.0}), (die_at, c, step, values)
+    assert (steps == 20).all() == (die_at == 10)  # each dirty chunk stamped after its values
