@@ -152,6 +152,25 @@ def bench_faults(mpiexec: str, tmp: Path, data: str, steps: int, repeats: int,
                                  v for r in losses for v in r["lost_detected_s"].values())}}
 
 
+def alternated(mpiexec: str, tmp: Path, kind: str, settings, base: list[str], repeats: int,
+               timeout: float, keys: tuple[str, ...], n: int = 4) -> dict[str, dict]:
+    """Run every setting ``(name, extra options)`` ``repeats`` times, alternating them so
+    that drifts of load hit each alike; per setting, each run's summary figures ``keys``
+    (those it has) and its wall time."""
+    out: dict[str, dict] = {name: {"runs": []} for name, _ in settings}
+    for i in range(repeats):
+        for name, extra in settings:
+            d = tmp / f"{kind}-{name}-{i}"
+            d.mkdir()
+            t = time.perf_counter()
+            s = run(mpiexec, d, base + extra, timeout, n=n)
+            got = {"wall_s": round(time.perf_counter() - t, 2),
+                   **{k: s[k] for k in keys if k in s}}
+            out[name]["runs"].append(got)
+            log(f"{kind} {name} #{i}: {got}")
+    return out
+
+
 QUORUMS = (("no_barrier", []), ("quorum_1", ["--epoch-quorum", "1"]),
            ("quorum_0.75", ["--epoch-quorum", "0.75"]))
 
@@ -161,23 +180,13 @@ def bench_quorum(mpiexec: str, tmp: Path, data: str, epochs: float, repeats: int
     base = ["--data", data, "--model", "adam-mnist", "--epochs", str(epochs),
             "--eval-every", "0", "--checkpoint-every", "0", "--progress-every", "5",
             "--inject-slow", "3:3", "--timeout", "120"]
-    out: dict[str, dict] = {name: {"runs": []} for name, _ in QUORUMS}
-    for i in range(repeats):  # alternate the settings, so drifts of load hit each alike
-        for name, extra in QUORUMS:
-            d = tmp / f"quorum-{name}-{i}"
-            d.mkdir()
-            t = time.perf_counter()
-            s = run(mpiexec, d, base + extra, timeout, n=5)
-            got = {"wall_s": round(time.perf_counter() - t, 2), "train_s": s["train_s"],
-                   "step": s["step"], "test_accuracy": s["test_accuracy"],
-                   "epoch_s": s.get("epoch_s"), "left_steps": s.get("epoch_left_steps"),
-                   "finished_when_ended": s.get("epoch_finished")}
-            out[name]["runs"].append(got)
-            log(f"quorum {name} #{i}: {got}")
+    out = alternated(mpiexec, tmp, "quorum", QUORUMS, base, repeats, timeout,
+                     ("train_s", "step", "test_accuracy", "epoch_s", "epoch_left_steps",
+                      "epoch_finished"), n=5)
     for name, doc in out.items():
         runs = doc["runs"]
         doc["train_s_median"] = statistics.median(r["train_s"] for r in runs)
-        epoch_s = [t for r in runs for t in (r["epoch_s"] or [])]
+        epoch_s = [t for r in runs for t in r.get("epoch_s", [])]
         doc["epoch_s_median"] = statistics.median(epoch_s) if epoch_s else \
             round(doc["train_s_median"] / epochs, 3)  # no barrier: the run's mean epoch
     out["epoch_time_ratio_0.75_over_1"] = round(out["quorum_0.75"]["epoch_s_median"] /
@@ -194,19 +203,10 @@ def bench_persist(mpiexec: str, tmp: Path, data: str, steps: int, repeats: int,
     base = ["--data", data, "--layers", "784,1024,1024,10", "--steps", str(steps),
             "--eval-every", "0", "--checkpoint-every", "0", "--progress-every", "5",
             "--timeout", "120"]
-    out: dict[str, dict] = {name: {"runs": []} for name, _ in PERSIST}
-    for i in range(repeats):
-        for name, extra in PERSIST:
-            d = tmp / f"persist-{name}-{i}"
-            d.mkdir()
-            s = run(mpiexec, d, base + extra, timeout)
-            got = {"examples_per_s": s["examples_per_s"], "step": s["step"]}
-            got.update({k: s[k] for k in ("persist_flushes", "persist_skipped_rounds",
-                                          "persist_bytes", "persist_write_s",
-                                          "persist_copy_s", "persist_max_window_steps",
-                                          "train_s") if k in s})
-            out[name]["runs"].append(got)
-            log(f"persist {name} #{i}: {got}")
+    out = alternated(mpiexec, tmp, "persist", PERSIST, base, repeats, timeout,
+                     ("examples_per_s", "step", "train_s", "persist_flushes",
+                      "persist_skipped_rounds", "persist_bytes", "persist_write_s",
+                      "persist_copy_s", "persist_max_window_steps"))
     for doc in out.values():
         doc["examples_per_s_median"] = statistics.median(r["examples_per_s"]
                                                          for r in doc["runs"])
