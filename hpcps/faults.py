@@ -91,9 +91,22 @@ def check_thread_level(provided: int | None = None) -> None:
                           "(each replica sends its heartbeats from a thread of its own)")
 
 
-def lost_ranks(results: list, layout) -> list[int] | None:
-    """World ranks of the replicas any shard lost, once every shard has reported (else
-    None). Replica r with P = 1 is world rank ``layout.replica_rank(r)``."""
+def check_options(cfg) -> None:
+    """What no strategy can do while replicas may die (its ``validate`` calls this)."""
+    if cfg.trace and cfg.heartbeat_timeout is not None:
+        raise ConfigError("--trace merges every rank's timeline at the end of the run, which "
+                          "needs every rank alive; with --heartbeat-timeout replicas may die: "
+                          "drop one of the two")
+
+
+def lost_ranks(results: list, layout, reporter: int = 0) -> list[int] | None:
+    """World ranks of the replicas lost, once that is known (else None): the reporter's own
+    ``lost_ranks`` when it has them (sandblaster's coordinator), else those any shard lost,
+    once every shard has reported (replica r with P = 1 is world rank
+    ``layout.replica_rank(r)``)."""
+    mine = results[reporter]
+    if mine is not None and "lost_ranks" in mine:
+        return sorted(int(r) for r in mine["lost_ranks"])
     shards = [results[r] for r in layout.server_ranks]
     if any(s is None for s in shards):
         return None
@@ -136,7 +149,7 @@ def finish(world, reporter: int, result: dict, layout, timeout: float,
     poll = Poller()
     while True:
         if lost is None:
-            lost = lost_ranks(results, layout)
+            lost = lost_ranks(results, layout, reporter)
         waiting = [r for r in range(size) if results[r] is None and r not in (lost or [])]
         if not waiting:
             break

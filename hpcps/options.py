@@ -142,6 +142,15 @@ WEIGHT_DECAY = Option("weight_decay", float, "L2 weight decay lambda: lambda * w
                       "lambda/2 * |w|^2 over every weight and bias) is added to each gradient a "
                       "replica computes, before it is pushed, summed, thresholded or applied "
                       "(default 0: none)", check="nonneg")
+HEARTBEAT_TIMEOUT = Option(
+    "heartbeat_timeout", float, "replicas may die (Project Adam; launch with mpiexec "
+    "-disable-auto-cleanup ... python -m hpcps.keeper, or srun --no-kill): the run goes on "
+    "without a replica rank that dies, and ends without collectives over the world. downpour "
+    "(--partitions 1): each replica sends the shards a heartbeat 5 times per this many seconds, "
+    "and one silent for longer is dropped; sandblaster: the coordinator drops a replica silent "
+    "for --replica-timeout, and a shard waits at most this long for a message to or from a "
+    "replica. The chief, rank 0, must survive (default: none, any failure ends the job)",
+    check="positive")
 CHUNK_BYTES = Option("chunk_bytes", int, "bytes per chunk of the parameter vector; chunks are "
                      "hashed to the server shards (Project Adam; default 1048576 = 1 MiB); a "
                      "model smaller than one chunk per shard is cut into one chunk per shard",

@@ -96,7 +96,8 @@ OWN = {
                   "state": [[], ["--average-state", "off"]],
                   "optimizer": [[], ["--optimizer", "momentum", "--nesterov", "on"]]},
     "sandblaster": {"flush": [[], ["--flush-every", "1"]],
-                    "chunks": [[], ["--chunk-bytes", "1024"]]},
+                    "chunks": [[], ["--chunk-bytes", "1024"]],
+                    "faults": [[], ["--heartbeat-timeout", "20"]]},
 }
 
 

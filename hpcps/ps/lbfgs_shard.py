@@ -10,14 +10,21 @@ Replicas fetch a vector slice at the start of a batch and push the gradient they
 accumulated over accepted portions. Pushes go into a per-replica pending buffer and reach
 the accumulator only when the coordinator COMMITs that replica (after it reported its flush),
 so a replica declared lost (BAN) cannot leave half its work in the gradient.
+
+Replicas that may die (``--heartbeat-timeout``, ``may_lose`` here): receiving a push and
+sending a fetch reply wait at most that long, so a replica killed half-way through a message
+does not hang the shard; the shard then ignores the replica from then on, as after a BAN
+(the coordinator bans it too once it has been silent for ``--replica-timeout``).
 """
 from __future__ import annotations
 
+import time
 from typing import Callable
 
 import numpy as np
 
 from hpcps.protocol import H, Message, Op, Tag
+from hpcps.ps.liveness import finished_by
 from hpcps.ps.serve import serve
 
 CMD_SLOTS = 6  # op, a, b, alpha, step, spare (float64)
@@ -36,10 +43,13 @@ class VectorShard:
     on_gather : called as ``on_gather(op, step)`` on CHECKPOINT and FINISH; every shard
         calls it at the same command, so it may run a collective over the shards.
     tick : called by the serving loop now and then (the job's stop vote, :mod:`hpcps.stop`).
+    may_lose : seconds to wait for a transfer to or from a replica that may have died (None:
+        replicas do not die, every transfer is waited for).
     """
 
     def __init__(self, comm, n: int, n_vectors: int, coordinator: int, timeout: float,
-                 on_gather: Callable[[int, int], None], tick: Callable[[], None] | None = None):
+                 on_gather: Callable[[int, int], None], tick: Callable[[], None] | None = None,
+                 may_lose: float | None = None):
         self.comm = comm
         self.n = n
         self.vec = np.zeros((n_vectors, n), dtype=np.float32)
@@ -47,6 +57,8 @@ class VectorShard:
         self.timeout = timeout
         self.on_gather = on_gather
         self.tick = tick
+        self.may_lose = may_lose
+        self.broken: list[int] = []  # replicas whose transfer broke off
         self.pending: dict[int, np.ndarray] = {}
         self.banned: set[int] = set()
         self.acc: int | None = None
@@ -74,12 +86,29 @@ class VectorShard:
         self.comm.Recv(self._ask.buf, source=src, tag=Tag.FETCH)
         r = self._params
         r.payload[:] = self.vec[int(self._ask.header[H.VECTOR])]
-        self.comm.Send(r.buf, dest=src, tag=Tag.PARAMS)
+        if self.may_lose is None:
+            self.comm.Send(r.buf, dest=src, tag=Tag.PARAMS)
+        elif not finished_by(self.comm.Isend(r.buf, dest=src, tag=Tag.PARAMS),
+                             time.monotonic() + self.may_lose):
+            self._params = Message(self.n)  # MPI may still read the old buffer
+            self._drop(src)
         return False
+
+    def _drop(self, src: int) -> None:
+        """A transfer with replica rank ``src`` broke off: it died; ignore it from now on."""
+        self.broken.append(src)
+        self.banned.add(src)
+        self.pending.pop(src, None)
 
     def _recv_push(self, src: int, status) -> bool:
         """Gradients of accepted portions wait in the replica's pending buffer until COMMIT."""
-        self.comm.Recv(self._push.buf, source=src, tag=Tag.SB_PUSH)
+        if self.may_lose is None:
+            self.comm.Recv(self._push.buf, source=src, tag=Tag.SB_PUSH)
+        elif not finished_by(self.comm.Irecv(self._push.buf, source=src, tag=Tag.SB_PUSH),
+                             time.monotonic() + self.may_lose):
+            self._push = Message(self.n)  # MPI may still write the old buffer
+            self._drop(src)
+            return False
         if src not in self.banned:
             buf = self.pending.setdefault(src, np.zeros(self.n, dtype=np.float32))
             buf += self._push.payload

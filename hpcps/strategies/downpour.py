@@ -23,7 +23,7 @@ import time
 
 import numpy as np
 
-from hpcps import compress
+from hpcps import compress, faults
 from hpcps.chunks import DEFAULT_CHUNK_BYTES, ChunkPlan, chunk_elements
 from hpcps.comm import dup_comm, gather_to_root, wait_all
 from hpcps.errors import ConfigError
@@ -32,6 +32,7 @@ from hpcps.options import (
     CHUNK_BYTES,
     COMPRESSION,
     GOLOMB,
+    HEARTBEAT_TIMEOUT,
     TAU,
     WARMUP_STEPS,
     Option,
@@ -570,16 +571,13 @@ def _defaults(cfg) -> dict:
 
 def _validate(cfg) -> None:
     check_options(cfg)
+    faults.check_options(cfg)
     if cfg.epoch_quorum is not None and cfg.epoch_quorum > 1:
         raise ConfigError(f"--epoch-quorum is the fraction of replicas an epoch waits for, "
                           f"at most 1 (Project Adam: 0.75); got {cfg.epoch_quorum}")
     if cfg.epoch_quorum is not None and cfg.staleness_bound is not None:
         raise ConfigError("--epoch-quorum lets an epoch end without its slowest replicas, "
                           "--staleness-bound holds every replica to the slowest: choose one")
-    if cfg.trace and cfg.heartbeat_timeout is not None:
-        raise ConfigError("--trace merges every rank's timeline at the end of the run, which "
-                          "needs every rank alive; with --heartbeat-timeout replicas may die: "
-                          "drop one of the two")
     if cfg.push == "activations" and is_conv_spec(cfg.model):
         raise ConfigError(f"--push activations sends activations and errors of fully "
                           f"connected layers; --model {cfg.model} has conv layers, whose "
@@ -788,11 +786,7 @@ STRATEGY = Strategy(
                "take up where they stopped. The replicas that finish first wait for the end "
                "(1: every replica finishes every epoch; default: no epoch barrier, each "
                "replica runs its share of the whole run)", check="positive"),
-        Option("heartbeat_timeout", float, "replicas may die: each replica sends the shards a "
-               "heartbeat 5 times per this many seconds, and one silent for longer is dropped; "
-               "the run goes on with the others (Project Adam; launch with mpiexec "
-               "-disable-auto-cleanup or srun --no-kill; --partitions 1; the chief, rank 0, "
-               "must survive; default: none, any failure ends the job)", check="positive")),
+        HEARTBEAT_TIMEOUT),
     defaults=_defaults,
     validate=_validate,
     describe=_describe,

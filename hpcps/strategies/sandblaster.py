@@ -46,14 +46,15 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from hpcps import trace
+from hpcps import faults, trace
 from hpcps.blocks import block_range
 from hpcps.chunks import DEFAULT_CHUNK_BYTES, ChunkPlan, chunk_elements
 from hpcps.comm import PeerTimeout, Poller, gather_to_root, wait_all
 from hpcps.errors import CheckpointError, ConfigError, NonFiniteError
 from hpcps.metrics import DivergenceWatch
 from hpcps.optim import LBFGS
-from hpcps.options import CHUNK_BYTES, INJECT_SLOW, Option, parse_inject_slow
+from hpcps.options import (CHUNK_BYTES, HEARTBEAT_TIMEOUT, INJECT_SLOW, Option,
+                           parse_inject_slow)
 from hpcps.protocol import H, Message, Op, Tag, Task
 from hpcps.ps.lbfgs_shard import CMD_SLOTS, VectorShard
 from hpcps.schedule import PortionScheduler
@@ -356,8 +357,10 @@ def run_coordinator(ctx: Context) -> dict:
         "duplicates_discarded": runner.stats["duplicates"],
         "portions_requeued": runner.stats["requeued"],
         "lost_replicas": runner.stats["lost_replicas"]}
+    lost = {"lost_ranks": list(runner.stats["lost_replicas"])} \
+        if cfg.heartbeat_timeout is not None else {}  # for hpcps.faults.finish
     return {"step": step, "train_s": train_s, "test_accuracy": test_acc, "test_loss": test_loss,
-            "checkpoint": str(ctx.run_dir / "checkpoint.h5"),
+            **lost, "checkpoint": str(ctx.run_dir / "checkpoint.h5"),
             "examples_per_s": rate(batch_n * space.evaluations, train_s), "figures": figures}
 
 
@@ -540,12 +543,12 @@ def run_shard(ctx: Context) -> dict:
             print(f"[hpcps] server shard 0 wrote checkpoint {path} at step {step}", flush=True)
 
     shard = VectorShard(grid.world, plan.sizes[s], len(names), coord, cfg.timeout, on_gather,
-                        ctx.stop_tick)
+                        ctx.stop_tick, may_lose=cfg.heartbeat_timeout)
     plan.take(s, ctx.params, out=shard.vec[ids["x"]])
     for name, full in ctx.opt_state.items():  # resumed: gradient and history
         plan.take(s, full, out=shard.vec[ids[name]])
     shard.serve()
-    return {"shard": s, "commands": shard.commands}
+    return {"shard": s, "commands": shard.commands, "broken_transfers": shard.broken}
 
 
 # -- declaration --------------------------------------------------------------------------------
@@ -555,6 +558,7 @@ def _validate(cfg) -> None:
                           "step's length by its line search")
     if cfg.inject_slow is not None:
         parse_inject_slow(cfg.inject_slow)
+    faults.check_options(cfg)
 
 
 def _check_resume(cfg, ckpt) -> None:
@@ -587,6 +591,8 @@ def _summarize(ctx: Context, results: list[dict]) -> dict:
     replicas = sum(r.get("bytes_moved", 0) for r in results if r.get("role") == "replica")
     figures["replica_bytes_per_step"] = replicas / evaluations
     figures["bytes_per_step"] = figures.get("bytes_per_step", 0.0) + replicas / evaluations
+    if ctx.cfg.heartbeat_timeout is not None:  # named as downpour names them
+        figures["lost_ranks"] = sorted(figures["lost_replicas"])
     return figures
 
 
@@ -605,7 +611,7 @@ STRATEGY = Strategy(
                "(default 64)", check="positive"),
         Option("flush_every", int, "a replica pushes its accumulated gradient every this many "
                "portions (default 4)", check="positive"),
-        INJECT_SLOW,
+        INJECT_SLOW, HEARTBEAT_TIMEOUT,
         Option("replica_timeout", float, "seconds without an answer before a replica's "
                "portions go to the others (default 60)", check="positive"),
         CHUNK_BYTES,
