@@ -42,6 +42,7 @@ import functools
 import itertools
 import json
 import os
+import types
 
 import pytest
 from pairwise import all_pairs, pairwise, row_pairs
@@ -149,23 +150,41 @@ def _judge(name: str, spec, row) -> bool:
     (about 10^5 rows for downpour). The command line is cut into the pieces each dimension
     adds, each piece is parsed once, and their options are merged in command-line order (a
     later piece wins where two set one option, as argparse does), then judged by
-    ``config.from_values`` and the layout plan as ``config.parse`` would. Checked against
-    the whole-command-line judgement by test_the_fast_judgement_agrees."""
+    ``config.from_values`` and the layout plan as ``config.parse`` would. R enters only the
+    number of ranks, not the options, so the options are judged once for every R. Checked
+    against the whole-command-line judgement by test_the_fast_judgement_agrees."""
     P, R, S, T, model, *own = row
-    pieces = [("--strategy", name, "--partitions", str(P), "--threads", str(T)), tuple(model)]
+    cfg = _options(name, (P, S, T, tuple(model), *(tuple(v) for v in own)))
+    if cfg is None:
+        return False
+    from hpcps.train import plan  # imports mpi4py: only when the tests run
+    try:
+        plan(cfg, S + int(spec.coordinator) + R * P)
+    except ConfigError:
+        return False
+    return True
+
+
+@functools.cache
+def _options(name: str, key: tuple):
+    """What the layout plan reads of a row's Config (its options: everything but R), or
+    None if they are refused. Only those few fields are kept: the product has ~10^5 keys."""
+    spec = strategies()[name]
+    P, S, T, model, *own = key
+    pieces = [("--strategy", name, "--partitions", str(P), "--threads", str(T)), model]
     if spec.uses_servers:
         pieces.append(("--servers", str(S)))
-    pieces += [tuple(values) for values in own]
+    pieces += list(own)
     pieces += [tuple(SETTINGS.get(name, [])), tuple(run_options(spec) + COMMON)]
     values: dict = {}
     for piece in pieces:
         values.update(_given(piece))
-    from hpcps.train import plan  # imports mpi4py: only when the tests run
     try:
-        plan(config.from_values(values), S + int(spec.coordinator) + R * P)
+        cfg = config.from_values(values)
     except ConfigError:
-        return False
-    return True
+        return None
+    return types.SimpleNamespace(servers=cfg.servers, partitions=cfg.partitions, spec=cfg.spec,
+                                 inject_slow=cfg.inject_slow)
 
 
 @functools.cache
