@@ -4,11 +4,14 @@ Two things differ from a run in which one failure ends the job (``docs/fault-tol
 
 * **The launcher must let survivors live.** MPICH's ``mpiexec`` kills every rank when one
   dies unless started with ``-disable-auto-cleanup``, and even then often does when a rank is
-  killed by a signal, unless each rank runs under :mod:`hpcps.keeper`; Slurm's ``srun`` kills
-  the step unless given ``--no-kill``. :func:`launcher_verdict` looks at this rank's
-  ancestors (Hydra's ``mpiexec`` is an ancestor of every rank on its own node), at
-  ``HPCPS_KEEPER`` and at ``SLURM_NO_KILL``, and says once, at start, when a failure would
-  take the job down anyway, or when it cannot tell.
+  killed by a signal, unless each rank runs under :mod:`hpcps.keeper`. Slurm's ``srun`` ends
+  the step when a task exits with a non-zero status or a signal under ``--kill-on-bad-exit``
+  (or a site's ``KillOnBadExit=1``), which the keeper's exit 0 is not, and when a task has
+  exited for ``--wait`` seconds (a site's ``WaitTime``), which ``--wait=0`` turns off
+  (measured with Slurm 22.05, ``docs/fault-tolerance.md``; ``--no-kill`` is about failed
+  nodes, not tasks). :func:`launcher_verdict` looks at this rank's ancestors (Hydra's
+  ``mpiexec`` is an ancestor of every rank on its own node) and at ``HPCPS_KEEPER``, and says
+  once, at start, when a failure would take the job down anyway, or when it cannot tell.
 * **The end uses no collective over the world.** A collective that includes a dead rank never
   completes, and ``MPI_Finalize`` waits for it. So every rank sends its final figures to the
   reporter point to point (:func:`finish`); the reporter waits only for the ranks the shards
@@ -72,14 +75,15 @@ def launcher_verdict(ancestors: list[list[str]], environ) -> str | None:
                         "mpiexec -disable-auto-cleanup -n N python -m hpcps.keeper ...")
             return None
     if "SLURM_STEP_ID" in environ or "SLURM_JOB_ID" in environ:
-        if environ.get("SLURM_NO_KILL", "").lower() not in ("", "0", "no", "false"):
-            return None
-        return ("under Slurm without SLURM_NO_KILL set: srun kills the job step when one rank "
-                "dies unless started with --no-kill (set SLURM_NO_KILL=1 too, so hpcps can "
-                "see it); --heartbeat-timeout cannot keep the run going otherwise")
+        if environ.get(KEEPER_ENV) == "1":
+            return None  # srun's --wait (a site's WaitTime) cannot be seen from here: docs
+        return ("under Slurm, ranks started without hpcps.keeper: srun ends the job step when "
+                "one dies if --kill-on-bad-exit or the site's KillOnBadExit=1 is in force; "
+                "start them with srun --wait=0 ... python -m hpcps.keeper ...")
     return ("cannot tell whether the launcher keeps the other ranks running when one dies "
             "(no mpiexec among this rank's ancestors, not under Slurm): with MPICH use "
-            "mpiexec -disable-auto-cleanup, with Slurm srun --no-kill")
+            "mpiexec -disable-auto-cleanup -n N python -m hpcps.keeper, with Slurm "
+            "srun --wait=0 ... python -m hpcps.keeper")
 
 
 def check_thread_level(provided: int | None = None) -> None:

@@ -144,7 +144,8 @@ WEIGHT_DECAY = Option("weight_decay", float, "L2 weight decay lambda: lambda * w
                       "(default 0: none)", check="nonneg")
 HEARTBEAT_TIMEOUT = Option(
     "heartbeat_timeout", float, "replicas may die (Project Adam; launch with mpiexec "
-    "-disable-auto-cleanup ... python -m hpcps.keeper, or srun --no-kill): the run goes on "
+    "-disable-auto-cleanup ... python -m hpcps.keeper, or srun --wait=0 ... python -m "
+    "hpcps.keeper): the run goes on "
     "without a replica rank that dies, and ends without collectives over the world. downpour "
     "(--partitions 1): each replica sends the shards a heartbeat 5 times per this many seconds, "
     "and one silent for longer is dropped; sandblaster: the coordinator drops a replica silent "

@@ -30,8 +30,8 @@ def test_launcher_verdict():
     plain = ["mpiexec", "-n", "4", "python"]
     assert "without -disable-auto-cleanup" in launcher_verdict([["proxy"], plain], keeper)
     slurm = {"SLURM_JOB_ID": "7", "SLURM_STEP_ID": "0"}
-    assert "srun" in launcher_verdict([["slurmstepd"]], slurm)
-    assert launcher_verdict([["slurmstepd"]], {**slurm, "SLURM_NO_KILL": "1"}) is None
+    assert "srun --wait=0" in launcher_verdict([["slurmstepd"]], slurm)
+    assert launcher_verdict([["slurmstepd"]], {**slurm, **keeper}) is None
     assert "cannot tell" in launcher_verdict([["bash"]], {})
 
 

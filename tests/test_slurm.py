@@ -218,3 +218,43 @@ def test_srun_without_pmi_is_refused(cluster, digits_h5, tmp_path):
     assert run.returncode == 2, run.stdout + run.stderr
     assert "srun started 2 tasks but MPI sees 1 rank(s)" in run.stderr
     assert not (tmp_path / "runs").exists()
+
+
+def test_a_rank_killed_under_srun_leaves_the_others_running(cluster, digits_h5, tmp_path):
+    """srun --kill-on-bad-exit=1 (what a site's KillOnBadExit=1 does) would cancel the step
+    when a rank dies; started through hpcps.keeper with --wait=0, the other ranks of a
+    downpour run with --heartbeat-timeout finish it, rank 2 named lost, exit code 0."""
+    from faultinject import wait_for_step
+
+    run_dir = tmp_path / "run"
+    cmd = ["srun", "--mpi=pmi2", "-n", "4", "--overcommit", "--kill-on-bad-exit=1",
+           "--wait=0", sys.executable, "-m", "hpcps.keeper", "--data", str(digits_h5),
+           *SMALL, "--steps", "20000", "--heartbeat-timeout", "2", "--eval-every", "0",
+           "--run-dir", str(run_dir)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=job_env(), start_new_session=True)
+    try:
+        wait_for_step(run_dir / "metrics.jsonl", 1500, 90)
+        victim = next(int(d.name) for d in Path("/proc").iterdir() if d.name.isdigit()
+                      and _is_rank(d, 2, run_dir))
+        os.kill(victim, 9)
+        out, _ = proc.communicate(timeout=120)
+    except BaseException:
+        os.killpg(proc.pid, 9)
+        raise
+    assert proc.returncode == 0, out[-3000:]
+    recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    summary = next(r for r in recs if r["kind"] == "summary")
+    assert summary["lost_ranks"] == [2] and summary["step"] >= 20000, out[-3000:]
+    assert "hpcps.keeper: rank 2" in out
+
+
+def _is_rank(proc_dir: Path, rank: int, run_dir: Path) -> bool:
+    """Whether /proc/<pid> is the hpcps.train process of Slurm task ``rank`` of this run."""
+    try:
+        env = (proc_dir / "environ").read_bytes().split(b"\0")
+        cmd = (proc_dir / "cmdline").read_bytes()
+    except OSError:
+        return False
+    return (f"SLURM_PROCID={rank}".encode() in env and b"hpcps.train" in cmd
+            and str(run_dir).encode() in cmd)
