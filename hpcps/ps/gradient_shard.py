@@ -156,6 +156,7 @@ class GradientShard:
         self.fatal = set(fatal)
         self.epochs = epochs
         self.persist = persist
+        self.applied_step = self.step  # --persist-every: the steps the parameters hold
         self.held: list[tuple[int, int, float]] = []  # (rank, replica, since) of held fetches
         n = len(params)
         self._push = Message(n)
@@ -269,7 +270,7 @@ class GradientShard:
         if self.tick is not None:
             self.tick()
         if self.persist is not None:
-            self.persist.maybe_flush(self.step)
+            self.persist.maybe_flush(self.applied_step)
         if self.liveness is None:
             return False
         expected = [r for r in range(self.n_replicas) if r not in self.done]
@@ -376,6 +377,11 @@ class GradientShard:
             self.check_params()
         if self.persist is not None:
             self.persist.touch()
+            # the steps in the parameters now: counted pushes (a softsync group's pushes are
+            # counted as they arrive, applied together; the push being applied is counted
+            # after this), so never more than the updates applied
+            self.applied_step = self.step
+            self.persist.maybe_flush(self.applied_step)
 
     def account(self, h: np.ndarray, stale: float) -> None:
         """Count a push (of staleness ``stale``, see :meth:`staleness`): global step,
@@ -383,8 +389,6 @@ class GradientShard:
         steps = int(h[H.STEPS])
         before = self.step
         self.step += steps
-        if self.persist is not None:
-            self.persist.maybe_flush(self.step)
         self.stats.pushes += 1
         self.stats.staleness_sum += stale
         self.stats.staleness_max = max(self.stats.staleness_max, stale)
@@ -414,7 +418,7 @@ class GradientShard:
         h[H.STALENESS] = self._win_stale / self._win_pushes if self._win_pushes else 0.0
         h[H.MAX_STALENESS] = self._win_stale_max
         if self.persist is not None:
-            h[H.UNPERSISTED] = self.persist.unpersisted(self.step)
+            h[H.UNPERSISTED] = self.persist.unpersisted(self.step)  # since the last flush
         self._win_loss = self._win_stale = self._win_stale_max = 0.0
         self._win_steps = self._win_pushes = 0
         self.policy.on_answer(self, sender, h)
