@@ -97,7 +97,7 @@ class EpochCount:
         self.finished = [set() for _ in shares]  # replicas done with each epoch
         self.gone: set[int] = set()  # sent DONE: finished with every epoch
         self.lost: set[int] = set()
-        self.waited_for: list[int] = []  # replicas finished when each epoch ended
+        self.waited_for: list[int] = []  # replicas that had run their share when each ended
         self.of: list[int] = []  # replicas counted in each epoch (share, not lost)
 
     @property
@@ -125,11 +125,11 @@ class EpochCount:
         while not self.over:
             i = self.next
             n, need = self.need(i)
-            have = len([r for r, s in enumerate(self.shares[i]) if s > 0 and r not in self.lost
-                        and (r in self.finished[i] or r in self.gone)])
-            if have < need:
+            counted = [r for r, s in enumerate(self.shares[i]) if s > 0 and r not in self.lost]
+            ran = [r for r in counted if r in self.finished[i]]
+            if len(ran) + len([r for r in counted if r in self.gone and r not in ran]) < need:
                 break
-            self.waited_for.append(have)
+            self.waited_for.append(len(ran))  # fewer than needed: the others had left
             self.of.append(n)
             out.append(i)
             self.next += 1
@@ -174,6 +174,8 @@ class EpochKeeper:
 
     def _announce(self, ended: list[int]) -> None:
         for i in ended:
+            if not self.running:  # every replica has left (a stop): nothing ends any more
+                return
             self.ended_at.append(time.perf_counter() - self.t0)
             for r in sorted(self.running):
                 self._send(r, i)
@@ -194,9 +196,10 @@ class EpochKeeper:
     def figures(self) -> dict:
         c = self.count
         starts = [0.0] + self.ended_at[:-1]
-        return {"epochs_ended": c.next, "epochs_planned": len(self.plan),
+        n = len(self.ended_at)  # the epochs that ended while replicas were running
+        return {"epochs_ended": n, "epochs_planned": len(self.plan),
                 "epoch_s": [round(b - a, 3) for a, b in zip(starts, self.ended_at)],
-                "epoch_finished": c.waited_for, "epoch_counted": c.of}
+                "epoch_finished": c.waited_for[:n], "epoch_counted": c.of[:n]}
 
 
 class EpochClock:

@@ -19,6 +19,7 @@ written by shard 0 while training goes on.
 """
 from __future__ import annotations
 
+import math
 import time
 
 import numpy as np
@@ -720,10 +721,13 @@ def _summary_lines(f: dict) -> list[str]:
                      "others finished the run")
     if "epoch_quorum" in f:
         counted = sorted(set(zip(f["epoch_finished"], f["epoch_counted"])))
+        left = any(a < math.ceil(f["epoch_quorum"] * b - 1e-9) for a, b in counted)
         lines.append(f"epoch quorum {f['epoch_quorum']:g}: {f['epochs_ended']} of "
                      f"{f['epochs_planned']} epoch(s) ended, when "
                      + ", ".join(f"{a} of {b}" for a, b in counted)
-                     + f" replicas had run their share; stragglers left "
+                     + " replicas had run their share"
+                     + (" (the others had left the run)" if left else "")
+                     + "; stragglers left "
                      f"{f['epoch_left_steps']} mini-batch(es) of their shares to the next "
                      f"epoch; epochs took {', '.join(f'{t:.1f}' for t in f['epoch_s'])} s")
     if "persist_every_s" in f:
