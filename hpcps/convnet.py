@@ -306,10 +306,14 @@ class ConvNet:
         return [x, self._run(flat, x, keep=False)[0]]
 
     def loss_and_grad(self, flat: np.ndarray, x: np.ndarray, y: np.ndarray,
-                      grad: np.ndarray | None = None) -> tuple[float, np.ndarray]:
+                      grad: np.ndarray | None = None,
+                      parts: dict | None = None) -> tuple[float, np.ndarray]:
         """Mean softmax cross-entropy over the batch and its gradient (flat, dtype of flat).
 
         ``grad``, when given, receives the gradient (overwritten, not accumulated).
+        ``parts``, when given, receives for each fully connected layer ``{param layer: (its
+        inputs (B, fan_in), the errors at its output (B, fan_out))}``, whose product is its
+        W gradient (Project Adam's activation pushes, :mod:`hpcps.ps.activations`).
         """
         if grad is None:
             grad = np.empty(self.n_params, dtype=flat.dtype)
@@ -325,6 +329,8 @@ class ConvNet:
                 a, z = cache
                 if not op.last:
                     _act_grad(self.activation, z, delta)
+                if parts is not None:
+                    parts[op.param] = (a.copy(), delta.copy())
                 np.matmul(a.T, delta, out=g[f"layer{op.param}/W"])
                 np.sum(delta, axis=0, out=g[f"layer{op.param}/b"])
                 if not first:
@@ -350,6 +356,18 @@ class ConvNet:
                 if not first:
                     delta = col2im(dz @ wm.T, in_shape, s.kh, s.kw, s.stride, s.pad, ho, wo)
         return loss, grad
+
+    def loss_grad_and_parts(self, flat: np.ndarray, x: np.ndarray, y: np.ndarray,
+                            grad: np.ndarray | None = None):
+        """(mean loss, inputs, errors, gradient): per layer with parameters, the inputs and
+        output errors of a fully connected layer (None for a conv layer), and the whole
+        gradient (of which the conv layers' parts are pushed as they are)."""
+        parts: dict = {}
+        loss, grad = self.loss_and_grad(flat, x, y, grad, parts)
+        n = sum(1 for op in self.ops if op.param >= 0)
+        inputs = [parts[p][0] if p in parts else None for p in range(n)]
+        errors = [parts[p][1] if p in parts else None for p in range(n)]
+        return loss, inputs, errors, grad
 
     def loss(self, flat: np.ndarray, x: np.ndarray, y: np.ndarray) -> float:
         return MLP._softmax_xent(self._run(flat, x, keep=False)[0], y)[0]

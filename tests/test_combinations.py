@@ -14,7 +14,7 @@ here; its own option values go in ``OWN`` below):
 * the strategy's own options (``OWN``), defaults included (downpour's warm start stays on
   unless the row says ``--warmup-steps 0``);
 * the model (``MODELS``): the MLP of ``--layers`` or a conv model (``--model``, which runs
-  with P = 1 only and refuses ``--push activations``).
+  with P = 1 only; with ``--push activations`` its conv layers go dense).
 
 Each combination is first judged in this process the way every rank judges it at start
 (``config.parse``, then the layout plan). Accepted: ``mpiexec -n N python -m hpcps.train`` on

@@ -12,6 +12,11 @@ shard holds (shards are cut at row boundaries so each holds whole rows of W), wh
 to a shard contains, how the shard applies it. Per layer the shard receives only the input
 columns of the rows it holds and the whole error block (each value sent once to each shard
 that needs it).
+
+A conv model (:class:`hpcps.convnet.ConvNet`) pushes its conv layers' kernels and biases as
+dense gradients, always (Adam, section 3.2: weight sharing makes them small), and its fully
+connected layers as above; a conv layer is one unit of the vector (pieces of kind ``dW`` and
+``db``), never cut between shards.
 """
 from __future__ import annotations
 
@@ -24,21 +29,34 @@ from hpcps.kernels import gemm
 
 @dataclass(frozen=True)
 class Piece:
-    """A shard's part of one layer: rows r0..r1 of W, or its bias b (r0 = r1 = -1)."""
+    """A shard's part of one layer: rows r0..r1 of W, or its bias b (r0 = r1 = -1), or a
+    conv layer's whole kernels or biases, pushed dense (``dW``, ``db``)."""
 
     layer: int
-    kind: str        # "W" or "b"
+    kind: str        # "W", "b" (fully connected), "dW", "db" (conv)
     r0: int
     r1: int
     offset: int      # where the piece starts in the shard's slice
     size: int        # floats
 
 
+def layer_dims(model) -> list[tuple[int, int] | None]:
+    """Per layer with parameters: (fan_in, fan_out) of a fully connected layer, None for a
+    conv layer (from the model's layout: an MLP's, or a ConvNet's)."""
+    return [(shape[0], shape[1]) if len(shape) == 2 else None
+            for name, shape, _ in model.layout if name.endswith("/W")]
+
+
 def units(model) -> list[tuple[int, str, int, int]]:
-    """(layer, kind, row, width) for every row of every W and every b, in flat order."""
+    """(layer, kind, row, width) for every row of every fully connected W and every b, and
+    each conv layer's kernels and biases as one unit each, in flat order."""
+    sizes = {name: int(np.prod(shape)) for name, shape, _ in model.layout}
     out = []
-    for l in range(model.n_layers):
-        fan_in, fan_out = model.sizes[l], model.sizes[l + 1]
+    for l, dims in enumerate(layer_dims(model)):
+        if dims is None:
+            out += [(l, "dW", -1, sizes[f"layer{l}/W"]), (l, "db", -1, sizes[f"layer{l}/b"])]
+            continue
+        fan_in, fan_out = dims
         out += [(l, "W", r, fan_out) for r in range(fan_in)]
         out.append((l, "b", -1, fan_out))
     return out
@@ -76,17 +94,30 @@ def pieces(model, lo: int, hi: int) -> list[Piece]:
     return out
 
 
+def parts(model, flat: np.ndarray, x: np.ndarray, y: np.ndarray, grad: np.ndarray):
+    """What a replica pushes is made of: (mean loss, inputs, errors) per layer with
+    parameters (None for a conv layer); for a conv model ``grad`` also receives the whole
+    gradient, whose conv layers' parts go dense (an MLP's is left alone)."""
+    if hasattr(model, "loss_grad_and_parts"):  # a ConvNet
+        loss, inputs, errors, _ = model.loss_grad_and_parts(flat, x, y, grad)
+        return loss, inputs, errors
+    return model.loss_and_parts(flat, x, y)
+
+
 def activation_layers(model, k: int) -> list[bool]:
     """Per layer: push activations and errors (True) rather than the dense gradient."""
-    return [k * (model.sizes[l] + model.sizes[l + 1]) < model.sizes[l] * model.sizes[l + 1]
-            for l in range(model.n_layers)]
+    return [d is not None and k * (d[0] + d[1]) < d[0] * d[1] for d in layer_dims(model)]
 
 
-def pack(model, chunk: list[Piece], modes, inputs, errors) -> np.ndarray:
-    """The float32 message for one shard, from k rows of every layer's inputs and errors."""
+def pack(model, chunk: list[Piece], modes, inputs, errors, dense=None) -> np.ndarray:
+    """The float32 message for one shard, from k rows of every fully connected layer's inputs
+    and errors, and (a conv model) ``dense``: the named gradient arrays of its conv layers."""
     parts = []
     sent_e = set()
     for p in chunk:
+        if p.kind in ("dW", "db"):
+            parts.append(dense[f"layer{p.layer}/{p.kind[1]}"].ravel())
+            continue
         A, E = inputs[p.layer], errors[p.layer]
         if modes[p.layer]:
             if p.kind == "W":
@@ -105,10 +136,11 @@ def pack(model, chunk: list[Piece], modes, inputs, errors) -> np.ndarray:
 def message_floats(model, chunk: list[Piece], k: int) -> int:
     """Length of :func:`pack`'s message for ``k`` examples (the receiver's bound)."""
     modes = activation_layers(model, k)
+    dims = layer_dims(model)
     n, sent_e = 0, set()
     for p in chunk:
-        N = model.sizes[p.layer + 1]
         if modes[p.layer]:
+            N = dims[p.layer][1]
             n += k * (p.r1 - p.r0) if p.kind == "W" else 0
             if p.layer not in sent_e:
                 n += k * N
@@ -120,7 +152,9 @@ def message_floats(model, chunk: list[Piece], k: int) -> int:
 
 def max_message_bytes(model, chunk: list[Piece], k_max: int) -> int:
     """Bytes no message to this chunk exceeds for up to ``k_max`` examples, in either mode."""
-    return 4 * sum(p.size + k_max * (p.r1 - p.r0 + model.sizes[p.layer + 1]) for p in chunk)
+    dims = layer_dims(model)
+    return 4 * sum(p.size + (k_max * (p.r1 - p.r0 + dims[p.layer][1])
+                             if dims[p.layer] is not None else 0) for p in chunk)
 
 
 def apply(model, chunk: list[Piece], k: int, payload: np.ndarray, params: np.ndarray,
@@ -131,16 +165,17 @@ def apply(model, chunk: list[Piece], k: int, payload: np.ndarray, params: np.nda
         raise ValueError(f"activation push of {len(payload)} floats for {k} examples, "
                          f"expected {expected}")
     modes = activation_layers(model, k)
+    dims = layer_dims(model)
     pos, errors = 0, {}
     adagrad = getattr(optimizer, "name", "") == "adagrad"
     for p in chunk:
-        N = model.sizes[p.layer + 1]
         w = params[p.offset:p.offset + p.size]
         st = {key: v[p.offset:p.offset + p.size] for key, v in state.items()}
         if not modes[p.layer]:
             optimizer.apply(w, payload[pos:pos + p.size], st)
             pos += p.size
             continue
+        N = dims[p.layer][1]
         A = None
         if p.kind == "W":
             rows = p.r1 - p.r0

@@ -39,7 +39,6 @@ from hpcps.options import (
     Option,
 )
 from hpcps.protocol import H, Message, Tag
-from hpcps.modelspec import is_conv_spec
 from hpcps.ps import activations, persist
 from hpcps.ps.client import Client
 from hpcps.ps.consistency import SoftSync, StaleSynchronous
@@ -324,14 +323,17 @@ class DownpourReplica(ReplicaLoop):
     def _push(self) -> None:
         model, client = self.ctx.model, self.client
         if self.activations:
-            ins = [np.concatenate([a[i] for a in self.rows_in]) for i in range(model.n_layers)]
-            errs = [np.concatenate([e[i] for e in self.rows_err])
-                    for i in range(model.n_layers)]
-            k = len(ins[0])
+            layers = range(len(self.rows_in[0]))
+            ins = [None if self.rows_in[0][i] is None else
+                   np.concatenate([a[i] for a in self.rows_in]) for i in layers]
+            errs = [None if self.rows_err[0][i] is None else
+                    np.concatenate([e[i] for e in self.rows_err]) for i in layers]
+            k = len(next(e for e in errs if e is not None))  # rows since the last push
             modes = activations.activation_layers(model, k)
-            client.push_packed([activations.pack(model, c, modes, ins, errs).view(np.uint8)
-                                for c in self.chunks], self.acc_steps, self.loss_sum,
-                               tag=Tag.PUSH_ACTIVATIONS, rows=k)
+            dense = model.views(self.acc)  # a conv model's conv layers: summed gradients
+            client.push_packed([activations.pack(model, c, modes, ins, errs, dense)
+                                .view(np.uint8) for c in self.chunks],
+                               self.acc_steps, self.loss_sum, tag=Tag.PUSH_ACTIVATIONS, rows=k)
             self.rows_in.clear()
             self.rows_err.clear()
         elif self.pusher is None:
@@ -352,9 +354,11 @@ class DownpourReplica(ReplicaLoop):
     def step(self, x, y) -> float:
         T = self.T
         if self.activations:  # keep what the gradient is made of, not the gradient
-            loss, ins, errs = self.ctx.model.loss_and_parts(self.params, x, y)
+            loss, ins, errs = activations.parts(self.ctx.model, self.params, x, y, self.grad)
             self.rows_in.append(ins)
             self.rows_err.append(errs)
+            if activations.layer_dims(self.ctx.model).count(None):  # conv layers: dense
+                self.acc += self.grad
         else:
             loss = self.source(self.params, x, y, self.grad)
             if self.grad_clip > 0:
@@ -579,11 +583,6 @@ def _validate(cfg) -> None:
     if cfg.epoch_quorum is not None and cfg.staleness_bound is not None:
         raise ConfigError("--epoch-quorum lets an epoch end without its slowest replicas, "
                           "--staleness-bound holds every replica to the slowest: choose one")
-    if cfg.push == "activations" and is_conv_spec(cfg.model):
-        raise ConfigError(f"--push activations sends activations and errors of fully "
-                          f"connected layers; --model {cfg.model} has conv layers, whose "
-                          "shared kernels are small and pushed as gradients (Project Adam, "
-                          "section 3.2): use --push gradients")
     if cfg.push == "activations" and cfg.weight_decay:
         raise ConfigError("--weight-decay is added to the gradients a replica pushes; with "
                           "--push activations the shards compute the fully connected layers' "
