@@ -128,15 +128,16 @@ def finish(world, reporter: int, result: dict, layout, timeout: float,
     reporter : the rank that writes the summary.
     result : this rank's final figures.
     layout : the grid (:func:`lost_ranks` reads the shards' figures with it).
-    timeout : seconds to wait for a rank's figures before calling it lost too.
+    timeout : seconds to wait for a rank's figures before calling it lost too (a replica
+        that dies after its last push, which its shards therefore never lost).
     summarize : ``summarize(results)``, on the reporter (lost ranks' entries are
-        ``{"lost": True}``).
+        ``{"lost": True}``, with ``why`` and ``after_s`` for those lost here).
     """
     size, rank = world.Get_size(), world.Get_rank()
     if rank != reporter:
         world.send(result, dest=reporter, tag=Tag.RESULT)
         req = world.irecv(source=reporter, tag=Tag.RESULT)
-        deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + 2 * timeout + 10  # the reporter may wait `timeout`
         poll = Poller()
         while True:
             done, lost = req.test()
@@ -161,12 +162,19 @@ def finish(world, reporter: int, result: dict, layout, timeout: float,
         if status is not None:
             results[status] = world.recv(source=status, tag=Tag.RESULT)
             continue
-        if time.monotonic() > deadline:
-            raise PeerTimeout(f"waited {timeout:.0f} s for the final figures of rank(s) "
-                              f"{waiting}")
+        if time.monotonic() > deadline:  # died after its shards stopped waiting for it
+            if any(not layout.role(r).is_replica for r in waiting):
+                raise PeerTimeout(f"waited {timeout:.0f} s for the final figures of rank(s) "
+                                  f"{waiting}")
+            for r in waiting:
+                results[r] = {"lost": True, "after_s": round(timeout, 1),
+                              "why": f"it sent no final figures within {timeout:g} s: it "
+                                     "died after its shards had stopped waiting for it"}
+            lost = sorted(set(lost or []) | set(waiting))
+            break
         poll.pause()
     for r in lost:
-        results[r] = {"lost": True}
+        results[r] = results[r] if results[r] is not None else {"lost": True}
     summarize(results)
     for r in range(size):
         if r != reporter and r not in lost:

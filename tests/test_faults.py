@@ -64,7 +64,7 @@ def test_refused_where_a_death_cannot_be_survived(argv, match):
 # MNIST's 10,000 test images (digits has 360: 0.5 points would be under 2 images), a small
 # model so that the two runs stay short
 RUN = ["--layers", "784,64,10", "--steps", "2000", "--batch-size", "32", "--eval-every", "0",
-       "--checkpoint-every", "0", "--progress-every", "0.5", "--timeout", "30",
+       "--checkpoint-every", "0", "--progress-every", "0.1", "--timeout", "30",
        "--heartbeat-timeout", "2"]
 LIMIT_S = 150
 

@@ -679,16 +679,19 @@ def _summarize(ctx: Context, results: list[dict]) -> dict:
                    persist_max_window_steps=max(k["max_window_steps"] for k in kept),
                    persisted_step=min(k["persisted_step"] for k in kept))
     if cfg.heartbeat_timeout is not None:
+        layout = ctx.grid.layout
         lost = sorted({int(r) for s in shards for r in s["lost_replicas"]})
-        out.update(lost_ranks=[ctx.grid.layout.replica_rank(r) for r in lost],
-                   lost_why={str(ctx.grid.layout.replica_rank(r)): next(
-                       s["lost_replicas"][r] for s in shards if r in s["lost_replicas"])
-                       for r in lost},
-                   # seconds between the last message from a lost replica and its drop, the
-                   # longest over the shards: how long the shards waited for a dead replica
-                   lost_detected_s={str(ctx.grid.layout.replica_rank(r)): max(
-                       s["lost_after_s"][r] for s in shards if r in s["lost_after_s"])
-                       for r in lost},
+        why = {str(layout.replica_rank(r)): next(
+            s["lost_replicas"][r] for s in shards if r in s["lost_replicas"]) for r in lost}
+        # seconds between the last message from a lost replica and its drop, the longest over
+        # the shards: how long the shards waited for a dead replica
+        after = {str(layout.replica_rank(r)): max(
+            s["lost_after_s"][r] for s in shards if r in s["lost_after_s"]) for r in lost}
+        for rank, r in enumerate(results):  # died after its last push (hpcps.faults.finish)
+            if r.get("lost") and "why" in r:
+                why[str(rank)], after[str(rank)] = r["why"], r["after_s"]
+        out.update(lost_ranks=sorted(int(k) for k in why), lost_why=why,
+                   lost_detected_s=after,
                    discarded_pushes=sum(s["discarded_pushes"] for s in shards))
     pushed = sum(r["bytes_sent"] for r in reps) / trained
     if cfg.push == "activations":
