@@ -78,12 +78,11 @@ OWN = {
         "push": [[], ["--push", "activations"]],
         "periods": [[], ["--n-fetch", "2", "--n-push", "3"], ["--persist-every", "0.05"]],
         "warmup": [[], ["--warmup-steps", "0"]],
+        # how replicas are held together (Adam's epoch quorum excludes a staleness bound)
         "consistency": [[], ["--staleness-bound", "1"], ["--softsync", "2", "--staleness-lr",
-                                                        "on"]],
+                                                        "on"], ["--epoch-quorum", "0.75"]],
         "chunks": [[], ["--chunk-bytes", "1024"]],
-        # replicas that may die, Adam's epoch quorum, and the two together
-        "faults": [[], ["--heartbeat-timeout", "20"], ["--epoch-quorum", "0.75"],
-                   ["--heartbeat-timeout", "20", "--epoch-quorum", "0.5"]],
+        "faults": [[], ["--heartbeat-timeout", "20"]],
     },
     "deadreckon": {"tau": [["--tau", "0.003"], ["--tau", "auto", "--density", "0.02",
                                                   "--sparsity-warmup", "100"]],
