@@ -35,16 +35,24 @@ def test_activation_push_equals_dense_push(opt_name, k, shards):
     y = rng.integers(0, 6, k)
     _, grad = model.loss_and_grad(params, x, y)
     _, inputs, errors = model.loss_and_parts(params, x, y)
-    dense_params = params.copy()
-    opt = optim.make(opt_name, 0.05)
-    dense_state = opt.init_state(model.n_params)
-    opt.apply(dense_params, grad, dense_state)
     modes = act.activation_layers(model, k)
     assert any(modes) == (k == 4)
+    assert_shards_update_as_dense(model, params, grad, inputs, errors, modes, k, shards,
+                                  optim.make(opt_name, 0.05))
+
+
+def assert_shards_update_as_dense(model, params, grad, inputs, errors, modes, k, shards, opt,
+                                  dense=None):
+    """Every shard's update from its message (of the size the sender and receiver agree on,
+    within the receiver's bound) equals the dense gradient's, parameters and state."""
+    dense_params = params.copy()
+    dense_state = opt.init_state(model.n_params)
+    opt.apply(dense_params, grad, dense_state)
     for lo, hi in act.row_aligned_ranges(model, shards):
         chunk = act.pieces(model, lo, hi)
-        msg = act.pack(model, chunk, modes, inputs, errors)
+        msg = act.pack(model, chunk, modes, inputs, errors, dense)
         assert len(msg) == act.message_floats(model, chunk, k)
+        assert 4 * len(msg) <= act.max_message_bytes(model, chunk, k)
         mine = params[lo:hi].copy()
         state = opt.init_state(hi - lo)
         act.apply(model, chunk, k, msg, mine, state, opt)
@@ -84,24 +92,10 @@ def test_a_conv_models_push_equals_its_dense_push(opt_name, k, shards):
     assert inputs[0] is None and errors[0] is None  # the conv layer
     modes = act.activation_layers(model, k)
     assert modes == [False] + [k == 2] * 3
-    opt = optim.make(opt_name, 0.05)
-    dense_params = params.copy()
-    dense_state = opt.init_state(model.n_params)
-    opt.apply(dense_params, grad, dense_state)
     conv_units = {(u[0], u[1]) for u in act.units(model) if u[1] in ("dW", "db")}
     assert conv_units == {(0, "dW"), (0, "db")}
-    for lo, hi in act.row_aligned_ranges(model, shards):
-        chunk = act.pieces(model, lo, hi)
-        msg = act.pack(model, chunk, modes, inputs, errors, model.views(grad))
-        assert len(msg) == act.message_floats(model, chunk, k)
-        assert 4 * len(msg) <= act.max_message_bytes(model, chunk, k)
-        mine = params[lo:hi].copy()
-        state = opt.init_state(hi - lo)
-        act.apply(model, chunk, k, msg, mine, state, opt)
-        np.testing.assert_allclose(mine, dense_params[lo:hi], rtol=1e-5, atol=1e-6)
-        for key in state:
-            np.testing.assert_allclose(state[key], dense_state[key][lo:hi], rtol=1e-5,
-                                       atol=1e-7)
+    assert_shards_update_as_dense(model, params, grad, inputs, errors, modes, k, shards,
+                                  optim.make(opt_name, 0.05), model.views(grad))
 
 
 def test_adam_mnist_pushes_fewer_bytes_at_small_batches():

@@ -264,6 +264,8 @@ class DownpourReplica(ReplicaLoop):
             if cfg.compress == "threshold" else None
         self.grad_clip = (cfg.grad_clip or 0.0) / np.sqrt(R)
         self.activations = cfg.push == "activations"
+        # a conv model's conv layers go dense with activation pushes: their summed gradient
+        self.dense_layers = self.activations and None in activations.layer_dims(model)
         if self.activations:
             self.chunks = [activations.pieces(model, lo, hi) for lo, hi in plan.ranges]
             k_max = cfg.batch_size * cfg.n_push
@@ -357,7 +359,7 @@ class DownpourReplica(ReplicaLoop):
             loss, ins, errs = activations.parts(self.ctx.model, self.params, x, y, self.grad)
             self.rows_in.append(ins)
             self.rows_err.append(errs)
-            if activations.layer_dims(self.ctx.model).count(None):  # conv layers: dense
+            if self.dense_layers:
                 self.acc += self.grad
         else:
             loss = self.source(self.params, x, y, self.grad)
