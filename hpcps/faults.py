@@ -105,17 +105,18 @@ def check_options(cfg) -> None:
 
 def lost_ranks(results: list, layout, reporter: int = 0) -> list[int] | None:
     """World ranks of the replicas lost, once that is known (else None): the reporter's own
-    ``lost_ranks`` when it has them (sandblaster's coordinator), else those any shard lost,
-    once every shard has reported (replica r with P = 1 is world rank
-    ``layout.replica_rank(r)``)."""
+    ``lost_ranks`` when it has them (sandblaster's coordinator), else the replicas and shards
+    (``--ps-copies``) any shard lost, once every shard not lost has reported (replica r with
+    P = 1 is world rank ``layout.replica_rank(r)``)."""
     mine = results[reporter]
     if mine is not None and "lost_ranks" in mine:
         return sorted(int(r) for r in mine["lost_ranks"])
-    shards = [results[r] for r in layout.server_ranks]
-    if any(s is None for s in shards):
+    shards = [results[r] for r in layout.server_ranks if results[r] is not None]
+    dead = {int(k) for s in shards for k in s.get("lost_shard_ranks", {})}
+    if any(results[r] is None and r not in dead for r in layout.server_ranks):
         return None
     lost = {int(r) for s in shards for r in s.get("lost_replicas", {})}
-    return sorted(layout.replica_rank(r) for r in lost)
+    return sorted({layout.replica_rank(r) for r in lost} | dead)
 
 
 def finish(world, reporter: int, result: dict, layout, timeout: float,

@@ -35,11 +35,12 @@ def by_role(results: list[dict]) -> dict:
 
     ``peak_rss_mib``: the largest peak per role, in MiB; ``peak_rss_mib_by_rank``: every
     rank's ``[role, MiB]`` in world-rank order."""
-    per_rank = [[r.get("role", "?"), round(r.get("peak_rss_bytes", 0) / MIB, 1)]
+    per_rank = [[r.get("role", "lost"), round(r.get("peak_rss_bytes", 0) / MIB, 1)]
                 for r in results]
     largest: dict[str, float] = {}
     for role, mib in per_rank:
-        largest[role] = max(largest.get(role, 0.0), mib)
+        if role != "lost":  # a rank lost during the run reported nothing
+            largest[role] = max(largest.get(role, 0.0), mib)
     return {"peak_rss_mib": largest, "peak_rss_mib_by_rank": per_rank}
 
 

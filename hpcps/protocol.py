@@ -38,6 +38,16 @@ class Tag(IntEnum):
     RESULT = 20       # any rank <-> reporter: final figures (pickled), when ranks may be lost
     EPOCH_DONE = 21   # replica -> server shard 0: share of epoch STEPS run (--epoch-quorum)
     EPOCH_END = 22    # server shard 0 -> replica: epoch STEPS ended (-1: nothing follows)
+    # --ps-copies > 1 (hpcps.ps.replicated): a set's primary and its secondaries
+    REPLICATE = 23    # primary -> secondary: a dense push it applied, as the replica sent it
+    REPLICATE_PACKED = 24  # primary -> secondary: a compressed push it applied, as sent
+    REPL_ACK = 25     # secondary -> primary: set SET applied up to its VERSION
+    PUSH_ACK = 26     # primary -> replica: push SEQ of set SET is committed
+    NEW_PRIMARY = 27  # new primary -> replicas and shards: it serves set SET, shard PEER is dead
+    SET_STATE = 28    # new primary -> secondary: set SET's whole state, replacing its copy
+    FINAL_DONE = 29   # world rank 0 -> shards: it holds every set's final state; leave
+    FINAL_SET = 30    # a set's primary -> world rank 0: the set's final state
+    CKPT_SET = 31     # a set's primary -> the collector shard: the set's state at step STEPS
 
 
 class Op(IntEnum):
@@ -76,6 +86,9 @@ class H(IntEnum):
     VECTOR = 7        # sandblaster FETCH / SB_PUSH: which of the shard's vectors
     CLOCK = 8         # PARAMS under a staleness bound: steps completed by the slowest live replica
     UNPERSISTED = 9   # PARAMS with --persist-every: global steps applied since the last flush
+    SET = 10          # --ps-copies > 1: which chunk set (a home shard's chunks) a message is of
+    SEQ = 11          # --ps-copies > 1, PUSH: the replica's push count, 1, 2, ... (dedup, acks)
+    PEER = 12         # NEW_PRIMARY: the shard found dead; SET_STATE: pushes applied to the set
 
 
 HEADER_SLOTS = len(H)

@@ -332,6 +332,10 @@ class GradientShard:
                 still.append((src, sender, since))
         self.held = still
 
+    def decode(self, header: np.ndarray, body: np.ndarray) -> np.ndarray | None:
+        """A variable-size push's body as a dense gradient (None: applied already)."""
+        return self._handle(header, body)
+
     # -- numerical health ----------------------------------------------------------------------
     def check_push(self, h: np.ndarray) -> None:
         """Refuse a push whose training loss is not finite, before it is applied: its

@@ -39,7 +39,7 @@ from hpcps.options import (
     Option,
 )
 from hpcps.protocol import H, Message, Tag
-from hpcps.ps import activations, persist
+from hpcps.ps import activations, persist, replicated
 from hpcps.ps.client import Client
 from hpcps.ps.consistency import SoftSync, StaleSynchronous
 from hpcps.ps.epochs import EpochClock, EpochKeeper, epoch_plan
@@ -273,8 +273,13 @@ class DownpourReplica(ReplicaLoop):
         else:
             bounds = [TAU_BYTES + compress.max_message_bytes(size) for size in plan.sizes]
         packed = self.pusher is not None or self.activations
-        self.client = Client(grid.world, ranks, plan, r, cfg.timeout,
-                             packed_bytes=bounds if packed else None)
+        if cfg.ps_copies > 1:
+            self.client = replicated.ReplicatedClient(grid.world, ranks, plan, r, cfg.timeout,
+                                                      cfg.ps_copies,
+                                                      packed_bytes=bounds if packed else None)
+        else:
+            self.client = Client(grid.world, ranks, plan, r, cfg.timeout,
+                                 packed_bytes=bounds if packed else None)
         self.rows_in, self.rows_err = [], []  # activation pushes: since the last push
         self.params = np.empty(model.n_params, dtype=np.float32)
         self.grad = np.empty(model.n_params, dtype=np.float32)
@@ -292,6 +297,8 @@ class DownpourReplica(ReplicaLoop):
         self.heartbeat = HeartbeatThread(grid.world, ranks, r, cfg.heartbeat_timeout /
                                          HEARTBEATS_PER_TIMEOUT) \
             if cfg.heartbeat_timeout is not None else None
+        if cfg.ps_copies > 1:  # it stops beating a shard found dead
+            self.client.heartbeat = self.heartbeat
 
     def run(self) -> dict:
         if self.heartbeat is not None:
@@ -430,6 +437,8 @@ class DownpourReplica(ReplicaLoop):
                "residual_warning": self.pusher.watch.fired if self.pusher else None}
         if self.epochs is not None:
             out.update(epoch_left=self.epochs.left, epoch_wait_s=self.epochs.waited_s)
+        if self.cfg.ps_copies > 1:
+            out.update(c.figures())
         if self.ctx.grid.is_chief:
             out.update(_finish_chief(self.ctx, self._t0))
         return out
@@ -452,6 +461,14 @@ def _finish_chief(ctx: Context, t0: float) -> dict:
     start of the chief's loop) to its arrival: replica 0's own loop may end long before a slow
     replica's, and its rate would then overstate the job's."""
     layout = ctx.grid.layout
+    if ctx.cfg.ps_copies > 1:  # each set from its primary at the end
+        cfg = ctx.cfg
+        params, state, step, applied = replicated.receive_final(
+            ctx.grid.world, partition_plan(ctx, 0), list(ctx.optimizer.state_keys),
+            layout.server_ranks, cfg.heartbeat_timeout, cfg.timeout)
+        train_s = time.perf_counter() - t0
+        out = finish_on_chief(ctx, params, state, step, train_s)
+        return {**out, "train_s": train_s, "ps_applied": applied}
     msg = _final_message(ctx)
     req = ctx.grid.world.Irecv(msg.buf, source=layout.server_rank(0), tag=Tag.FINAL)
     wait_all([req], ctx.cfg.timeout, f"the final parameters from server shard 0 "
@@ -466,6 +483,8 @@ def _finish_chief(ctx: Context, t0: float) -> dict:
 
 # -- server shards -----------------------------------------------------------------------------
 def run_server(ctx: Context) -> dict:
+    if ctx.cfg.ps_copies > 1:
+        return run_replicated_server(ctx)
     cfg, grid = ctx.cfg, ctx.grid
     s = grid.role.shard
     shards = shard_locals(ctx)
@@ -561,14 +580,70 @@ def run_server(ctx: Context) -> dict:
             "persist": persister.figures() if persister is not None else None}
 
 
+def run_replicated_server(ctx: Context) -> dict:
+    """A shard of a run with ``--ps-copies C > 1``: a copy of each of C chunk sets
+    (:mod:`hpcps.ps.replicated`)."""
+    cfg, grid = ctx.cfg, ctx.grid
+    layout = grid.layout
+    me, S, R = grid.role.shard, layout.servers, layout.replicas
+    plan = partition_plan(ctx, 0)
+    keys = list(ctx.optimizer.state_keys)
+    liveness = Liveness(R, cfg.heartbeat_timeout)
+    replica_of = {layout.replica_rank(r): r for r in range(R)}
+    server = None
+    sets = {}
+    for h in replicated.sets_of(me, S, cfg.ps_copies):
+        params = plan.take(h, ctx.params)
+        state = {k: plan.take(h, v) for k, v in ctx.opt_state.items()}
+        apply = optim.SGD(cfg.lr).apply if momentum_corrected(cfg) else ctx.optimizer.apply
+        apply = optim.scheduled(apply, cfg.lr_schedule, lambda h=h: sets[h].step,
+                                ctx.total_steps)
+        sets[h] = GradientShard(grid.world, params, state, apply, n_replicas=R,
+                                step=ctx.start_step, timeout=cfg.timeout,
+                                on_boundary=lambda b, h=h: server.boundary(h, b),
+                                boundary_every=cfg.checkpoint_every,
+                                policy=replicated.SetPolicy(h),
+                                packed=shard_expander(len(params))
+                                if cfg.compress == "threshold" else None,
+                                liveness=liveness, replica_of=replica_of, fatal=(0,))
+
+    def save(step: int, parts: dict) -> None:
+        params, state = replicated.assemble(plan, parts, keys)
+        path = save_checkpoint(ctx, params, state, step)
+        print(f"[hpcps] server shard {me} wrote checkpoint {path} at step {step}", flush=True)
+
+    server = replicated.ReplicatedServer(grid.world, me, layout.server_ranks,
+                                         [layout.replica_rank(r) for r in range(R)],
+                                         cfg.ps_copies, sets, keys, cfg.heartbeat_timeout,
+                                         cfg.timeout, save=save)
+    server.serve()
+    stats = [cs.stats for cs in sets.values()]
+    pushes = max(1, sum(s.pushes for s in stats))
+    return {"shard": me, "pushes": sum(s.pushes for s in stats),
+            "fetches": sum(s.fetches for s in stats),
+            "bytes_in": sum(s.bytes_in for s in stats),
+            "bytes_out": sum(s.bytes_out for s in stats),
+            "mean_staleness": sum(s.staleness_sum for s in stats) / pushes,
+            "max_staleness": max(s.staleness_max for s in stats),
+            "staleness_hist": [sum(col) for col in zip(*(s.staleness_hist for s in stats))],
+            "held_fetches": 0, "held_s": 0.0, "combined_updates": None,
+            "combined_pushes": None, "clock_lead_max": None,
+            "step": max(cs.step for cs in sets.values()),
+            "lost_replicas": server.lost_replicas, "lost_after_s": server.lost_after_s,
+            "epochs": None, "persist": None, **server.figures()}
+
+
 # -- declaration --------------------------------------------------------------------------------
+PS_HEARTBEAT_TIMEOUT = 10.0  # --heartbeat-timeout's default with --ps-copies > 1 (seconds)
 DOWNPOUR_TAU = 0.01  # default threshold of compressed pushes (gradient units, not weight units)
 
 
 def _defaults(cfg) -> dict:
     d = {"servers": cfg.partitions,  # one shard per partition
          "lr": 0.01, "n_fetch": 1, "n_push": 1, "warmup_steps": 200, "compress": "none",
-         "batch_size": 32, "prefetch": 2, "push": "gradients"}
+         "batch_size": 32, "prefetch": 2, "push": "gradients", "ps_copies": 1}
+    if (cfg.ps_copies or 1) > 1:  # replicated shards detect deaths by heartbeats
+        d["heartbeat_timeout"] = PS_HEARTBEAT_TIMEOUT
     if cfg.push != "activations":  # activation pushes hold whole rows per shard, not chunks
         d["chunk_bytes"] = DEFAULT_CHUNK_BYTES
     if cfg.compress == "threshold":
@@ -579,6 +654,8 @@ def _defaults(cfg) -> dict:
 def _validate(cfg) -> None:
     check_options(cfg)
     faults.check_options(cfg)
+    if cfg.ps_copies is not None and cfg.ps_copies > 1:
+        _validate_copies(cfg)
     if cfg.epoch_quorum is not None and cfg.epoch_quorum > 1:
         raise ConfigError(f"--epoch-quorum is the fraction of replicas an epoch waits for, "
                           f"at most 1 (Project Adam: 0.75); got {cfg.epoch_quorum}")
@@ -632,6 +709,28 @@ def _validate(cfg) -> None:
                           f"S must be a multiple of P (e.g. --servers {cfg.partitions})")
 
 
+def _validate_copies(cfg) -> None:
+    """What replicated shards (--ps-copies > 1) go with."""
+    copies, servers = cfg.ps_copies, cfg.servers or cfg.partitions
+    if cfg.partitions > 1:
+        raise ConfigError("--ps-copies > 1 with --partitions > 1: replicated shards let the "
+                          "run go on without a dead rank, and the partitions of a replica "
+                          "cannot go on without one of theirs; use --partitions 1")
+    if copies > servers:
+        raise ConfigError(f"--ps-copies {copies} puts each chunk set on {copies} distinct "
+                          f"server shards: use --servers {copies} or more (got {servers})")
+    for name, given in (("--push activations", cfg.push == "activations"),
+                        ("--softsync", cfg.softsync is not None),
+                        ("--staleness-lr on", cfg.staleness_lr == "on"),
+                        ("--staleness-bound", cfg.staleness_bound is not None),
+                        ("--epoch-quorum", cfg.epoch_quorum is not None),
+                        ("--persist-every", cfg.persist_every is not None)):
+        if given:
+            raise ConfigError(f"--ps-copies > 1 replicates each push as the primary applied "
+                              f"it, one at a time; {name} is not replicated: drop one of the "
+                              "two")
+
+
 def _describe(cfg, n_train: int) -> str:
     how = f"{cfg.optimizer} lr={cfg.lr} on the shards, batch {cfg.batch_size}/replica"
     if cfg.compress == "threshold":
@@ -653,8 +752,9 @@ def _summarize(ctx: Context, results: list[dict]) -> dict:
     out = {"bytes_per_step": moved / trained,
            "mean_staleness": sum(s["mean_staleness"] for s in shards) / max(1, len(shards)),
            "max_staleness": max((s["max_staleness"] for s in shards), default=0.0),
-           # pushes by staleness as shard 0 saw them: bins 0, 1, 2-3, 4-7, ..., >= 256
-           "staleness_hist": next(s["staleness_hist"] for s in shards if s["shard"] == 0)}
+           # pushes by staleness as the first shard that reported saw them: bins 0, 1, 2-3,
+           # 4-7, ..., >= 256 (shard 0 unless it was lost)
+           "staleness_hist": min(shards, key=lambda s: s["shard"])["staleness_hist"]}
     out.update(results[ctx.reporter].get("figures", {}))  # the chief's model-parallel figures
     if cfg.staleness_bound is not None:  # per shard, averaged over the shards
         out.update(staleness_bound=cfg.staleness_bound,
@@ -680,6 +780,19 @@ def _summarize(ctx: Context, results: list[dict]) -> dict:
                    persist_copy_s=max(k["copy_s"] for k in kept),
                    persist_max_window_steps=max(k["max_window_steps"] for k in kept),
                    persisted_step=min(k["persisted_step"] for k in kept))
+    if cfg.ps_copies > 1:
+        chief = results[ctx.reporter]
+        takeovers = [t for s in shards for t in s["takeovers"]]
+        out.update(ps_copies=cfg.ps_copies,
+                   pushes_committed=sum(r["pushes_committed"] for r in reps),
+                   ps_applied=chief.get("ps_applied"),
+                   resent_pushes=sum(r["resent_pushes"] for r in reps),
+                   replicated_pushes=sum(s["replicated_pushes"] for s in shards),
+                   takeovers=[{**t, "served_after_s": None if t["first_served_at"] is None
+                               else round(t["first_served_at"] - t["detected_at"]
+                                          + t["silent_s"], 3)} for t in takeovers],
+                   lost_shard_ranks=sorted({int(k) for s in shards
+                                            for k in s["lost_shard_ranks"]}))
     if cfg.heartbeat_timeout is not None:
         layout = ctx.grid.layout
         lost = sorted({int(r) for s in shards for r in s["lost_replicas"]})
@@ -692,6 +805,10 @@ def _summarize(ctx: Context, results: list[dict]) -> dict:
         for rank, r in enumerate(results):  # died after its last push (hpcps.faults.finish)
             if r.get("lost") and "why" in r:
                 why[str(rank)], after[str(rank)] = r["why"], r["after_s"]
+        for s in shards:  # server shards lost (--ps-copies > 1)
+            for rank, reason in s.get("lost_shard_ranks", {}).items():
+                why.setdefault(str(rank), f"server shard {layout.role(int(rank)).shard}: "
+                                          f"{reason}")
         out.update(lost_ranks=sorted(int(k) for k in why), lost_why=why,
                    lost_detected_s=after,
                    discarded_pushes=sum(s["discarded_pushes"] for s in shards))
@@ -719,10 +836,23 @@ def _summary_lines(f: dict) -> list[str]:
         lines.append(f"pushed {f['push_bytes_per_step']:.0f} bytes per step of layer inputs and "
                      f"errors instead of {f['dense_push_bytes_per_step']} of gradient")
     if f.get("lost_ranks"):
-        lines.append(f"lost replica rank(s) {f['lost_ranks']} during the run ("
+        kinds = "rank(s)" if f.get("lost_shard_ranks") else "replica rank(s)"
+        lines.append(f"lost {kinds} {f['lost_ranks']} during the run ("
                      + "; ".join(f"rank {k}: {v}" for k, v in f["lost_why"].items())
                      + f"); {f['discarded_pushes']} late push(es) from them discarded; the "
                      "others finished the run")
+    if "ps_copies" in f:
+        applied = f["ps_applied"] or []
+        line = (f"{f['ps_copies']} copies of every chunk set: {f['pushes_committed']} pushes "
+                f"committed, applied to the sets {sorted(set(applied))} time(s)")
+        for t in f["takeovers"]:
+            line += (f"; set {t['set']} taken over from shard {t['from_shard']} (silent "
+                     f"{t['silent_s']:.1f} s), serving again "
+                     + (f"{t['served_after_s']:.1f} s after its last sign of life"
+                        if t["served_after_s"] is not None else "never (no request came)"))
+        if f["resent_pushes"]:
+            line += f"; {f['resent_pushes']} uncommitted push(es) sent again to a new primary"
+        lines.append(line)
     if "epoch_quorum" in f:
         counted = sorted(set(zip(f["epoch_finished"], f["epoch_counted"])))
         left = any(a < math.ceil(f["epoch_quorum"] * b - 1e-9) for a, b in counted)
@@ -794,7 +924,13 @@ STRATEGY = Strategy(
                "take up where they stopped. The replicas that finish first wait for the end "
                "(1: every replica finishes every epoch; default: no epoch barrier, each "
                "replica runs its share of the whole run)", check="positive"),
-        HEARTBEAT_TIMEOUT),
+        HEARTBEAT_TIMEOUT,
+        Option("ps_copies", int, "copies of every chunk set on distinct server shards "
+               "(Project Adam: 3): the primary applies a push, forwards it to the "
+               "secondaries and acknowledges it once they hold it; a secondary takes over a "
+               "primary silent for --heartbeat-timeout (10 s unless given) and replicas "
+               "re-route to it (default 1: one copy, a dead shard ends the job)",
+               check="positive")),
     defaults=_defaults,
     validate=_validate,
     describe=_describe,
