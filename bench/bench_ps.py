@@ -36,8 +36,15 @@ What it measures (``docs/fault-tolerance.md`` has the figures and what they mean
     snapshots (the only pause of service) and writing, the largest window of steps applied
     and not yet on disk.
 
-Not measured, because hpcps does not do them: replicated shards (examples/s with 2 and 3
-copies, failover time).
+``copies``
+    Replicated shards: downpour on N = 6 ranks (3 shards, 3 replicas), MNIST's default model,
+    ``--steps``, ``--heartbeat-timeout 5``, with ``--ps-copies`` 1, 2 and 3 (alternated):
+    examples/s, median over ``--repeats``. Then ``failover``: ``--ps-copies 2`` with server
+    shard 0 (rank 3, the primary of set 0) SIGKILLed a third of the way in: whether the run
+    completes, pushes committed against pushes each set applied, uncommitted pushes sent
+    again, how long the successor went without hearing from the dead shard before taking
+    over (``silent_s``), the seconds from the kill to the first request the successor served
+    for the set (``kill_to_served_s``), and test accuracy against the healthy 2-copy runs'.
 
 Usage::
 
@@ -45,6 +52,7 @@ Usage::
     python bench/bench_ps.py --only chunks    # the pure part, seconds
     python bench/bench_ps.py --only quorum --repeats 2
     python bench/bench_ps.py --only persist --repeats 3
+    python bench/bench_ps.py --only copies --repeats 3
 """
 from __future__ import annotations
 
@@ -95,8 +103,10 @@ def command(mpiexec: str, run_dir: Path, args: list[str], n: int = 4) -> list[st
 
 
 def run(mpiexec: str, workdir: Path, args: list[str], timeout: float,
-        kill_at: int | None = None, n: int = 4) -> dict:
-    """One run; with ``kill_at``, SIGKILL rank 2 once the run reaches that global step."""
+        kill_at: int | None = None, n: int = 4, victim: int = 2, killed: list | None = None
+        ) -> dict:
+    """One run; with ``kill_at``, SIGKILL rank ``victim`` once the run reaches that global
+    step (and append the time of the kill to ``killed``)."""
     from faultinject import kill_rank, wait_for_step
     run_dir = workdir / "run"
     with open(workdir / "output.log", "wb") as out:
@@ -104,7 +114,9 @@ def run(mpiexec: str, workdir: Path, args: list[str], timeout: float,
         try:
             if kill_at is not None:
                 wait_for_step(run_dir / "metrics.jsonl", kill_at, timeout)
-                kill_rank(proc.pid, 2)
+                kill_rank(proc.pid, victim)
+                if killed is not None:
+                    killed.append(time.time())
             code = proc.wait(timeout=timeout)
         except BaseException:
             _kill_group(proc)
@@ -216,9 +228,49 @@ def bench_persist(mpiexec: str, tmp: Path, data: str, steps: int, repeats: int,
     return out
 
 
+COPIES = tuple((f"copies_{c}", ["--ps-copies", str(c)]) for c in (1, 2, 3))
+
+
+def bench_copies(mpiexec: str, tmp: Path, data: str, steps: int, repeats: int,
+                 timeout: float) -> dict:
+    base = ["--data", data, "--steps", str(steps), "--servers", "3", "--eval-every", "0",
+            "--checkpoint-every", "0", "--progress-every", "1", "--timeout", "60",
+            "--heartbeat-timeout", "5"]
+    out = alternated(mpiexec, tmp, "copies", COPIES, base, repeats, timeout,
+                     ("examples_per_s", "step", "test_accuracy", "pushes_committed",
+                      "ps_applied"), n=6)
+    for doc in out.values():
+        doc["examples_per_s_median"] = statistics.median(r["examples_per_s"]
+                                                         for r in doc["runs"])
+    for c in (2, 3):
+        out[f"ratio_copies_{c}_over_1"] = round(out[f"copies_{c}"]["examples_per_s_median"] /
+                                                out["copies_1"]["examples_per_s_median"], 3)
+    runs = []
+    for i in range(repeats):
+        d = tmp / f"failover-{i}"
+        d.mkdir()
+        killed: list[float] = []
+        s = run(mpiexec, d, base + ["--ps-copies", "2"], timeout, kill_at=steps // 3, n=6,
+                victim=3, killed=killed)
+        took = [t for t in s["takeovers"] if t["from_shard"] == 0]
+        runs.append({"lost_ranks": s["lost_ranks"], "step": s["step"],
+                     "pushes_committed": s["pushes_committed"], "ps_applied": s["ps_applied"],
+                     "resent_pushes": s["resent_pushes"], "takeovers": s["takeovers"],
+                     "silent_s": [t["silent_s"] for t in took],
+                     "kill_to_served_s": [round(t["first_served_at"] - killed[0], 3)
+                                          for t in took if t["first_served_at"]],
+                     "test_accuracy": s["test_accuracy"],
+                     "examples_per_s": s["examples_per_s"]})
+        log(f"failover #{i}: {runs[-1]}")
+    out["failover"] = {"runs": runs, "kill_to_served_s_median": statistics.median(
+        v for r in runs for v in r["kill_to_served_s"]) if any(
+        r["kill_to_served_s"] for r in runs) else None}
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--only", choices=("chunks", "faults", "quorum", "persist"))
+    ap.add_argument("--only", choices=("chunks", "faults", "quorum", "persist", "copies"))
     ap.add_argument("--data", default=str(ROOT / "data" / "mnist.h5"))
     ap.add_argument("--steps", type=int, default=900)
     ap.add_argument("--repeats", type=int, default=3)
@@ -238,6 +290,10 @@ def main(argv: list[str] | None = None) -> int:
         with tempfile.TemporaryDirectory(prefix="bench_ps-") as tmp:
             out["persist"] = bench_persist(mpiexec, Path(tmp), args.data, args.steps,
                                            args.repeats, args.timeout)
+    if args.only in (None, "copies"):
+        with tempfile.TemporaryDirectory(prefix="bench_ps-") as tmp:
+            out["copies"] = bench_copies(mpiexec, Path(tmp), args.data, args.steps,
+                                         args.repeats, args.timeout)
     if args.only in (None, "quorum"):
         with tempfile.TemporaryDirectory(prefix="bench_ps-") as tmp:
             out["quorum"] = bench_quorum(mpiexec, Path(tmp), args.data, args.epochs,

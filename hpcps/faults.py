@@ -97,10 +97,11 @@ def check_thread_level(provided: int | None = None) -> None:
 
 def check_options(cfg) -> None:
     """What no strategy can do while replicas may die (its ``validate`` calls this)."""
-    if cfg.trace and cfg.heartbeat_timeout is not None:
+    copies = (getattr(cfg, "ps_copies", None) or 1) > 1  # brings a heartbeat timeout
+    if cfg.trace and (cfg.heartbeat_timeout is not None or copies):
+        why = "--ps-copies > 1 shards" if copies else "--heartbeat-timeout replicas"
         raise ConfigError("--trace merges every rank's timeline at the end of the run, which "
-                          "needs every rank alive; with --heartbeat-timeout replicas may die: "
-                          "drop one of the two")
+                          f"needs every rank alive; with {why} may die: drop one of the two")
 
 
 def lost_ranks(results: list, layout, reporter: int = 0) -> list[int] | None:

@@ -54,6 +54,19 @@ def test_liveness_loses_only_the_silent():
     (["--strategy", "averaging"], "applies only to --strategy downpour or sandblaster"),
     (["--strategy", "sandblaster", "--trace"], "--trace merges every rank's timeline"),
     (["--partitions", "2", "--servers", "2"], "--partitions > 1"),
+    (["--servers", "2", "--ps-copies", "2", "--trace"], "with --ps-copies > 1 shards may die"),
+    (["--servers", "2", "--ps-copies", "2", "--partitions", "2"], "--ps-copies > 1 with "
+     "--partitions > 1"),
+    (["--ps-copies", "2"], "use --servers 2 or more"),
+    (["--servers", "3", "--ps-copies", "2", "--epoch-quorum", "0.75"],
+     "--epoch-quorum is not replicated"),
+    (["--servers", "3", "--ps-copies", "2", "--persist-every", "1"],
+     "--persist-every is not replicated"),
+    (["--servers", "3", "--ps-copies", "2", "--softsync", "2"], "--softsync is not replicated"),
+    (["--servers", "3", "--ps-copies", "2", "--staleness-bound", "1"],
+     "--staleness-bound is not replicated"),
+    (["--servers", "3", "--ps-copies", "2", "--push", "activations"],
+     "--push activations is not replicated"),
 ])
 def test_refused_where_a_death_cannot_be_survived(argv, match):
     with pytest.raises(ConfigError, match=match):
@@ -69,11 +82,11 @@ RUN = ["--layers", "784,64,10", "--steps", "2000", "--batch-size", "32", "--eval
 LIMIT_S = 150
 
 
-def launch(run_dir, data_h5):
+def launch(run_dir, data_h5, n=4, extra=()):
     env = dict(os.environ, OPENBLAS_NUM_THREADS="1",
                PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    cmd = [mpiexec(), "-disable-auto-cleanup", "-n", "4", sys.executable, "-m", "hpcps.keeper",
-           *RUN, "--data", str(data_h5), "--run-dir", str(run_dir)]
+    cmd = [mpiexec(), "-disable-auto-cleanup", "-n", str(n), sys.executable, "-m",
+           "hpcps.keeper", *RUN, *extra, "--data", str(data_h5), "--run-dir", str(run_dir)]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=env, start_new_session=True)
 
@@ -122,6 +135,46 @@ def test_sigkill_of_a_replica_mid_run(mnist_h5, tmp_path):
     assert s["step"] >= 2000 and s["step"] - s["steps_trained"] == 0
     assert abs(s["test_accuracy"] - base["test_accuracy"]) <= 0.005, (s, base)
     assert ended_s < LIMIT_S
+
+
+# -- a primary server shard killed mid-run (--ps-copies) -----------------------------------------
+@pytest.mark.parametrize("copies,victim,extra", [
+    (2, 3, []),  # shard 0: the primary of set 0, and the collector of checkpoints
+    (3, 4, ["--compress", "threshold"]),  # shard 1, compressed pushes forwarded as they came
+], ids=["copies2-shard0", "copies3-shard1-compressed"])
+def test_sigkill_of_a_primary_shard_mid_run(mnist_h5, tmp_path, copies, victim, extra):
+    """N = 6 (3 replicas, 3 shards, each chunk set on ``copies`` of them): the rank of one
+    shard is SIGKILLed a third of the way in. Its successor takes over its set, the replicas
+    re-route and send again what was not acknowledged, the run completes with exit code 0,
+    the summary names the rank, every set applied exactly the pushes the replicas saw
+    committed, the periodic checkpoints go on (another shard collects them), and the
+    accuracy is that of the same run without the kill within 0.5 points."""
+    args = ["--servers", "3", "--ps-copies", str(copies), *extra]
+    healthy = tmp_path / "healthy"
+    out = finish(launch(healthy, mnist_h5, 6, args), "healthy replicated run")
+    base = summary(healthy)
+    assert base["lost_ranks"] == [] and base["takeovers"] == [], out[-2000:]
+    assert base["ps_applied"] == [base["pushes_committed"]] * 3
+    hurt = tmp_path / "hurt"
+    proc = launch(hurt, mnist_h5, 6, args + ["--checkpoint-every", "900"])
+    try:
+        wait_for_step(hurt / "metrics.jsonl", 600, LIMIT_S)
+        kill_rank(proc.pid, victim)
+    except BaseException:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
+    out = finish(proc, f"replicated run with rank {victim} killed")
+    assert proc.returncode == 0, out[-3000:]
+    s = summary(hurt)
+    assert s["lost_ranks"] == [victim] and s["lost_shard_ranks"] == [victim], out[-3000:]
+    shard = victim - 3
+    assert [t["set"] for t in s["takeovers"]] == [shard], s["takeovers"]
+    assert s["takeovers"][0]["served_after_s"] is not None
+    assert s["ps_applied"] == [s["pushes_committed"]] * 3, s
+    assert s["step"] >= 2000
+    assert "wrote checkpoint" in out and "at step 1800" in out, out[-3000:]
+    assert f"set {shard} taken over from shard {shard}" in out
+    assert abs(s["test_accuracy"] - base["test_accuracy"]) <= 0.005, (s, base)
 
 
 # -- a sandblaster replica killed mid-run --------------------------------------------------------
