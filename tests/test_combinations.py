@@ -24,7 +24,7 @@ size; the runs reach 85-97%). Refused: the same command must end with exit code 
 seconds, before any training (no progress record), with exactly one ``hpcps: error`` line
 holding the message the in-process check gave, and no traceback.
 
-The product has about 130,000 combinations (downpour alone 124,416), too many for every run, so
+The product has about 510,000 combinations (downpour alone 497,664), too many for every run, so
 the default run takes a fixed sample per strategy (``pairwise.pairwise``, a deterministic
 greedy covering array: the same rows every time) in which every pair of values of any two
 dimensions appears, and every pair that some accepted combination holds appears in an
@@ -32,7 +32,7 @@ accepted one (so no pair is "covered" only by a row refused for another reason);
 16-rank case that used to hang. To choose the sample, every row of the product is judged
 (``judged``: each dimension's piece of the command line parsed once, the pieces merged, then
 ``config.from_values`` and the layout plan, about 0.1 ms a row), so collecting this module
-takes about 15 s. Sizes and runtime: see ``python tests/test_combinations.py``
+takes about 30 s. Sizes and runtime: see ``python tests/test_combinations.py``
 and the README.
 ``HPCPS_FULL_MATRIX=1`` runs the whole product instead (many hours on 2 cores).
 """

@@ -173,7 +173,7 @@ def test_sigkill_of_a_primary_shard_mid_run(mnist_h5, tmp_path, copies, victim, 
     assert s["ps_applied"] == [s["pushes_committed"]] * 3, s
     assert s["step"] >= 2000
     assert "wrote checkpoint" in out and "at step 1800" in out, out[-3000:]
-    assert f"set {shard} taken over from shard {shard}" in out
+    assert f"set {shard} taken over by shard {shard + 1} from shard {shard}" in out
     assert abs(s["test_accuracy"] - base["test_accuracy"]) <= 0.005, (s, base)
 
 

@@ -550,7 +550,8 @@ class ReplicatedServer:
             self._send(self.state_message(h).buf, self.shard_ranks[x], Tag.SET_STATE)
             self.acked[h][x] = -1  # until it acknowledges the state sent
         self._first_served[h] = len(self.takeovers)
-        self.takeovers.append({"set": h, "from_shard": d, "silent_s": silent,
+        self.takeovers.append({"set": h, "from_shard": d, "by_shard": self.me,
+                               "silent_s": silent,
                                "detected_at": time.time(), "first_served_at": None})
 
     def _served(self, h: int) -> None:

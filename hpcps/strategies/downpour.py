@@ -846,7 +846,8 @@ def _summary_lines(f: dict) -> list[str]:
         line = (f"{f['ps_copies']} copies of every chunk set: {f['pushes_committed']} pushes "
                 f"committed, applied to the sets {sorted(set(applied))} time(s)")
         for t in f["takeovers"]:
-            line += (f"; set {t['set']} taken over from shard {t['from_shard']} (silent "
+            line += (f"; set {t['set']} taken over by shard {t['by_shard']} from shard "
+                     f"{t['from_shard']} (silent "
                      f"{t['silent_s']:.1f} s), serving again "
                      + (f"{t['served_after_s']:.1f} s after its last sign of life"
                         if t["served_after_s"] is not None else "never (no request came)"))
