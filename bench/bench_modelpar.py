@@ -15,10 +15,17 @@ block of every layer's outputs to the P-1 others, sum_l w_p(l) * B * 4 * (P-1); 
 other partitions' rows of its contribution to every hidden layer's error terms,
 sum_{l<L} (n_l - w_p(l)) * B * 4, where n_l is layer l's width and w_p(l) its share of it.
 
+With ``--conv`` the models are conv models on MNIST's 1x28x28 images instead: Project Adam's
+``adam-mnist`` (conv5x5x10, pool2, conv5x5x20, pool2, fc400, fc400, fc10) and a wide one
+(conv5x5x64, pool2, conv5x5x128, pool2, fc1024, fc10), partitioned by output maps and units
+(:class:`hpcps.convnet.PartitionedConvNet`, whose ``exchange_bytes`` is the same formula with
+n_l the values per example at the input of the l-th layer with parameters, after pooling).
+
 Run::
 
     python bench/bench_modelpar.py            # about 5 minutes on 2 cores
     python bench/bench_modelpar.py --quick    # digits, seconds
+    python bench/bench_modelpar.py --conv --data data/mnist.h5
 
 This machine has 2 cores: at N = 4 every configuration is oversubscribed, so absolute
 speed-ups are bounded by 2; the figures to read are the compute per rank and the traffic.
@@ -38,7 +45,11 @@ sys.path.insert(0, str(HERE.parent))
 
 import bench_train  # noqa: E402  (sibling script: launching runs, machine info)
 
+from hpcps.convnet import PartitionedConvNet  # noqa: E402
 from hpcps.model import partition_widths  # noqa: E402
+
+CONV_MODELS = {"adam-mnist": ("conv5x5x10,pool2,conv5x5x20,pool2,fc400,fc400,fc10", 120),
+               "wide-conv": ("conv5x5x64,pool2,conv5x5x128,pool2,fc1024,fc10", 12)}
 
 
 def predicted_bytes(sizes, parts, part, batch):
@@ -59,16 +70,21 @@ def main(argv=None) -> int:
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--timeout", type=float, default=1200.0)
     p.add_argument("--out", help="also write the JSON here")
+    p.add_argument("--conv", action="store_true", help="conv models on MNIST images")
+    p.add_argument("--data", help="dataset (with --conv: MNIST with its image_shape)")
     a = p.parse_args(argv)
     mpiexec = bench_train.find_mpiexec()
-    if a.quick:
+    if a.conv:
+        models = {name: (spec, steps) for name, (spec, steps) in CONV_MODELS.items()}
+        common = ["--data", a.data] if a.data else []
+    elif a.quick:
         data = HERE.parent / "data" / "digits.h5"
         bench_train.ensure_digits(data)
         models = {"small": ((64, 64, 10), 300), "wide": ((64, 1024, 1024, 10), 60)}
         common = ["--data", str(data)]
     else:
         models = {"default": ((784, 512, 512, 10), 600), "wide": ((784, 4096, 4096, 10), 60)}
-        common = []
+        common = ["--data", a.data] if a.data else []
     t0 = time.perf_counter()
     out = {"machine": bench_train.machine(mpiexec),
            "settings": {"ranks": a.ranks, "batch_size": a.batch_size, "strategy": "sync"},
@@ -80,18 +96,26 @@ def main(argv=None) -> int:
                     continue
                 bench_train.log(f"{name} {sizes} P={parts}")
                 work = Path(tempfile.mkdtemp(dir=tmp))
-                args = ["--strategy", "sync", "--partitions", str(parts), "--layers",
-                        ",".join(map(str, sizes)), "--batch-size", str(a.batch_size),
+                if a.conv:
+                    shape = ["--model", sizes]
+                    predicted = PartitionedConvNet(sizes, (1, 28, 28), "relu", parts,
+                                                   0).exchange_bytes(a.batch_size)
+                else:
+                    shape = ["--layers", ",".join(map(str, sizes))]
+                    predicted = predicted_bytes(sizes, parts, 0, a.batch_size)
+                args = ["--strategy", "sync", "--partitions", str(parts), *shape,
+                        "--batch-size", str(a.batch_size),
                         "--steps", str(steps * a.ranks // parts), "--eval-every", "0",
                         "--checkpoint-every", "0", "--progress-every", "1000", *common]
                 s = bench_train.summary_of(bench_train.train(mpiexec, a.ranks, args, work,
                                                              a.timeout))
                 out["runs"].append({
-                    "model": name, "layers": list(sizes), "partitions": parts,
+                    "model": name, "layers": sizes if a.conv else list(sizes),
+                    "partitions": parts,
                     "replicas": a.ranks // parts, "steps": s["steps_trained"],
                     "examples_per_s": s["examples_per_s"],
                     "replica_bytes_per_step": s.get("replica_bytes_per_step", 0),
-                    "predicted_bytes_per_step": predicted_bytes(sizes, parts, 0, a.batch_size),
+                    "predicted_bytes_per_step": predicted,
                     # wall time of one update of every replica (all of sync's work per step)
                     "s_per_update": round(s["train_s"] * (a.ranks // parts)
                                           / s["steps_trained"], 5),

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from hpcps.errors import ConfigError
-from hpcps.modelspec import PRESETS, is_conv_spec, parse_spec
+from hpcps.modelspec import PRESETS, parse_spec
 from hpcps.options import TAU_TYPE, Option, flag, parse_tau
 from hpcps.strategies.registry import DEFAULT, Strategy, strategies
 
@@ -316,10 +316,6 @@ def _check_generic(cfg, spec: Strategy) -> None:
         raise ConfigError("give --epochs or --steps, not both")
     if cfg.model is not None:
         parse_spec(cfg.model)
-        if is_conv_spec(cfg.model) and cfg.partitions > 1:
-            raise ConfigError(f"--model {cfg.model} has conv layers, which run with "
-                              f"--partitions 1 only (model parallelism splits MLPs): got "
-                              f"--partitions {cfg.partitions}")
 
 
 def validate(cfg):

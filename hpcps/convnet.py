@@ -424,8 +424,308 @@ def build(cfg, info) -> "ConvNet | MLP":
     return model
 
 
+def build_partition(cfg, full, parts: int, part: int, exchange=None):
+    """Partition ``part`` of ``parts`` of the whole model ``full`` (:func:`build`'s): a
+    :class:`PartitionedConvNet` or a :class:`hpcps.model.PartitionedMLP`. Raises ConfigError
+    when a layer is narrower than ``parts``."""
+    from hpcps.model import PartitionedMLP, SingleExchange
+    exchange = exchange if exchange is not None else SingleExchange
+    if isinstance(full, ConvNet):
+        return PartitionedConvNet(cfg.model, full.input_shape, cfg.activation, parts, part,
+                                  exchange)
+    return PartitionedMLP(cfg.layers, cfg.activation, parts, part, exchange)
+
+
 def describe_model(model) -> str:
     """The model in a few words for the start line."""
     if isinstance(model, ConvNet):
         return f"{model.spec_text} on {'x'.join(map(str, model.input_shape))} images"
     return ",".join(map(str, model.sizes))
+
+
+# -- model parallelism ---------------------------------------------------------------------------
+class PartitionedConvNet:
+    """Partition ``part`` of ``parts`` of a :class:`ConvNet` (Project Adam's vertical
+    partitioning, section 3.1).
+
+    Every layer with parameters is split by its outputs: a conv layer by output maps (this
+    rank holds kernels ``W[lo:hi]`` over *all* input maps, and ``b[lo:hi]``), an fc layer by
+    units (columns ``W[:, lo:hi]``), split as :func:`hpcps.model.partition_widths` splits an
+    MLP's layers. A rank computes only its own maps and units; pooling and activations work map
+    by map, so they need nothing from the other partitions. The exchange happens where a layer
+    mixes maps: at the input of every conv and fc layer but the first, each partition's block
+    of activations goes to every other (``exchange.gather``), *after* the pooling layers
+    between them, which are applied to the local maps first (a 2x2 pool makes the exchange
+    4x smaller than the conv output it follows). Backward, each partition's error terms
+    contribute to every input map of its layer; those are summed and each partition receives
+    the maps it owns (``exchange.scatter_sum``). The logits are gathered too, so every
+    partition computes the loss.
+
+    Blocks travel as (values, batch): a block of maps is (maps, H, W) per example, maps first,
+    so the gathered block is the whole input in (C, H, W) order, which is also the order in
+    which the first fc layer reads the flattened maps. ``exchange`` is any object with
+    ``gather`` and ``scatter_sum`` (:class:`hpcps.comm.ReplicaExchange` between ranks,
+    :class:`hpcps.model.SingleExchange` for P = 1, a thread exchange in the tests); with
+    ``parts == 1`` this computes what :class:`ConvNet` does.
+
+    Bytes one rank p sends per mini-batch of B examples (float32), where n_l is the number of
+    values per example at the input of the l-th layer with parameters (l = 1 .. L-1; n_L: the
+    logits) and w_p(l) is p's share of them: forward ``sum_{l=1..L} w_p(l) * B * 4 * (P-1)``,
+    backward ``sum_{l=1..L-1} (n_l - w_p(l)) * B * 4`` (:meth:`exchange_bytes`): the MLP's
+    formula with the pooled maps in place of a layer's neurons.
+    """
+
+    def __init__(self, spec: str, input_shape, activation: str, parts: int, part: int,
+                 exchange=None):
+        from hpcps.model import SingleExchange, partition_widths
+        self.full = ConvNet(spec, input_shape, activation)
+        self.activation = activation
+        self.input_shape = self.full.input_shape
+        self.n_features = self.full.n_features
+        self.n_classes = self.full.n_classes
+        self.spec_text = self.full.spec_text
+        if not 0 <= part < parts:
+            raise ValueError(f"partition {part} outside 0..{parts - 1}")
+        self.parts, self.part = parts, part
+        self.exchange = exchange if exchange is not None else SingleExchange
+        self.param_ops = [op for op in self.full.ops if op.param >= 0]
+        self.n_layers = len(self.param_ops)
+        # cols[l][q]: outputs (maps or units) of parameter layer l held by partition q
+        self.cols = []
+        for op in self.param_ops:
+            try:
+                self.cols.append(partition_widths(op.spec.out, parts, op.param))
+            except ConfigError:
+                kind = "maps" if op.spec.kind == "conv" else "units"
+                raise ConfigError(f"--model {self.spec_text!r}: layer {op.spec.text} has "
+                                  f"{op.spec.out} {kind}, fewer than --partitions {parts}: "
+                                  f"every partition must hold at least one of every layer's "
+                                  f"{kind}") from None
+        self.part_sizes = [self._local_size(q) for q in range(parts)]
+        self.n_params = self.part_sizes[part]
+        # values per example each partition holds at the input of parameter layer l >= 1
+        # (after the pools that follow layer l-1), and of the logits at the end
+        self.widths = []
+        for i, op in enumerate(self.param_ops):
+            nxt = self.param_ops[i + 1] if i + 1 < len(self.param_ops) else None
+            shape = nxt.in_shape if nxt is not None else op.out_shape
+            # a conv layer's maps, pooled (and perhaps flattened): values per map
+            per_map = int(np.prod(shape)) // op.spec.out if op.spec.kind == "conv" else 1
+            self.widths.append([(hi - lo) * per_map for lo, hi in self.cols[i]])
+
+    # -- parameters --------------------------------------------------------------------------
+    def _shapes(self, q: int):
+        for l, op in enumerate(self.param_ops):
+            lo, hi = self.cols[l][q]
+            if op.spec.kind == "conv":
+                yield f"layer{l}/W", (hi - lo, op.in_shape[0], op.spec.kh, op.spec.kw)
+            else:
+                yield f"layer{l}/W", (int(np.prod(op.in_shape)), hi - lo)
+            yield f"layer{l}/b", (hi - lo,)
+
+    def _local_size(self, q: int) -> int:
+        return sum(int(np.prod(shape)) for _, shape in self._shapes(q))
+
+    def views(self, flat: np.ndarray, q: int | None = None) -> dict[str, np.ndarray]:
+        """Named views of a partition's local vector (this rank's unless ``q`` is given)."""
+        q = self.part if q is None else q
+        if flat.shape != (self.part_sizes[q],):
+            raise ValueError(f"local vector has shape {flat.shape}, partition {q} needs "
+                             f"({self.part_sizes[q]},)")
+        out, off = {}, 0
+        for name, shape in self._shapes(q):
+            size = int(np.prod(shape))
+            out[name] = flat[off:off + size].reshape(shape)
+            off += size
+        return out
+
+    def axis(self, name: str) -> int:
+        """The axis of whole array ``name`` along which partitions hold slices: output maps
+        (axis 0) of a conv kernel, columns (the last) of an fc layer's W, entries of b."""
+        l = int(name.split("/")[0][5:])
+        return 0 if name.endswith("/W") and self.param_ops[l].spec.kind == "conv" else -1
+
+    @staticmethod
+    def _cut(name: str, kind: str, lo: int, hi: int):
+        """The index of partition slice [lo, hi) in the whole array ``name``."""
+        if name.endswith("/b") or kind == "conv":
+            return slice(lo, hi)  # conv kernels: output maps first; biases
+        return (slice(None), slice(lo, hi))  # fc: columns
+
+    def local_from_full(self, named: dict[str, np.ndarray], q: int | None = None) -> np.ndarray:
+        """Partition ``q``'s local vector cut out of whole-layer arrays."""
+        q = self.part if q is None else q
+        flat = np.empty(self.part_sizes[q], dtype=named["layer0/W"].dtype)
+        mine = self.views(flat, q)
+        for l, op in enumerate(self.param_ops):
+            lo, hi = self.cols[l][q]
+            for name in (f"layer{l}/W", f"layer{l}/b"):
+                mine[name][...] = named[name][self._cut(name, op.spec.kind, lo, hi)]
+        return flat
+
+    def full_from_parts(self, locals_) -> np.ndarray:
+        """The whole model's flat vector (:class:`ConvNet` layout) from every partition's."""
+        locals_ = list(locals_)
+        flat = np.empty(self.full.n_params, dtype=locals_[0].dtype)
+        whole = self.full.views(flat)
+        for q, local in enumerate(locals_):
+            part = self.views(local, q)
+            for l, op in enumerate(self.param_ops):
+                lo, hi = self.cols[l][q]
+                for name in (f"layer{l}/W", f"layer{l}/b"):
+                    whole[name][self._cut(name, op.spec.kind, lo, hi)] = part[name]
+        return flat
+
+    def init_params(self, seed: int) -> np.ndarray:
+        """This partition's slice of ``ConvNet.init_params(seed)``: the same model whatever
+        P is (conv models are small, so the whole is drawn and cut)."""
+        return self.local_from_full(self.full.views(self.full.init_params(seed)))
+
+    def exchange_bytes(self, batch: int, q: int | None = None) -> int:
+        """Bytes partition ``q`` sends per mini-batch of ``batch`` examples (the formula in
+        the class docstring)."""
+        q = self.part if q is None else q
+        P = self.parts
+        fwd = sum(w[q] for w in self.widths) * batch * 4 * (P - 1)
+        bwd = sum(sum(w) - w[q] for w in self.widths[:-1]) * batch * 4
+        return fwd + bwd
+
+    # -- computation -------------------------------------------------------------------------
+    def _gather_maps(self, a: np.ndarray, widths) -> np.ndarray:
+        """Local maps (B, H, W, c_q) -> every partition's, (B, H, W, C)."""
+        B, h, w, _ = a.shape
+        whole = self.exchange.gather(np.ascontiguousarray(a.transpose(3, 1, 2, 0)).reshape(
+            -1, B), widths)
+        return whole.reshape(-1, h, w, B).transpose(3, 1, 2, 0)
+
+    def _run(self, flat: np.ndarray, x: np.ndarray, keep: bool):
+        """Forward pass: (whole logits, caches for the backward pass, or None)."""
+        v = self.views(flat)
+        B = x.shape[0]
+        C, H, W = self.input_shape
+        if x.ndim != 2 or x.shape[1] != C * H * W:
+            raise ValueError(f"x has shape {x.shape}; this model takes (B, {C * H * W}) rows "
+                             f"of {C}x{H}x{W} images")
+        a = x.reshape(B, C, H, W).transpose(0, 2, 3, 1)  # NHWC, whole on every partition
+        local = False  # whether `a` holds only this partition's maps or units
+        caches = [] if keep else None
+        l = -1
+        for op in self.full.ops:
+            s = op.spec
+            if s.kind == "pool":
+                _, ho, wo = op.out_shape
+                out = maxpool(a, s.kh, s.stride, ho, wo)
+                if keep:
+                    caches.append((op, "pool", (a, out)))
+                a = out
+                continue
+            if s.kind == "flatten":
+                continue
+            l += 1
+            lo, hi = self.cols[l][self.part]
+            if local:  # a layer that mixes maps or units: every partition's block first
+                shape = a.shape
+                a = self._gather_maps(a, self.widths[l - 1]) if a.ndim == 4 else \
+                    self.exchange.gather(np.ascontiguousarray(a.T), self.widths[l - 1]).T
+                if keep:
+                    caches.append((op, "gather", shape))
+            if s.kind == "conv":
+                _, ho, wo = op.out_shape
+                cols = im2col(a, s.kh, s.kw, s.stride, s.pad, ho, wo)
+                wm = v[f"layer{l}/W"].transpose(2, 3, 1, 0).reshape(-1, hi - lo)
+                z = cols @ wm
+                z += v[f"layer{l}/b"]
+                _act(self.activation, z)
+                if keep:
+                    caches.append((op, "conv", (a.shape, cols, wm, z)))
+                a = z.reshape(B, ho, wo, hi - lo)
+            else:  # fc: its input is whole here
+                if a.ndim == 4:
+                    a = np.ascontiguousarray(a.transpose(0, 3, 1, 2)).reshape(B, -1)
+                z = a @ v[f"layer{l}/W"]
+                z += v[f"layer{l}/b"]
+                if not op.last:
+                    _act(self.activation, z)
+                if keep:
+                    caches.append((op, "fc", (a, z)))
+                a = z
+            local = True
+        logits = self.exchange.gather(np.ascontiguousarray(a.T), self.widths[-1]).T
+        return logits, caches
+
+    def forward(self, flat: np.ndarray, x: np.ndarray) -> list[np.ndarray]:
+        return [x, self._run(flat, x, keep=False)[0]]
+
+    def loss_and_grad(self, flat: np.ndarray, x: np.ndarray, y: np.ndarray,
+                      grad: np.ndarray | None = None) -> tuple[float, np.ndarray]:
+        """Mean softmax cross-entropy of the whole replica and this partition's gradient."""
+        if grad is None:
+            grad = np.empty(self.n_params, dtype=flat.dtype)
+        logits, caches = self._run(flat, x, keep=True)
+        loss, probs = MLP._softmax_xent(logits, y)
+        probs[np.arange(len(y)), y] -= 1.0
+        probs /= probs.dtype.type(len(y))
+        lo, hi = self.cols[-1][self.part]
+        delta = np.ascontiguousarray(probs[:, lo:hi])
+        g = self.views(grad)
+        w = self.views(flat)
+        l = self.n_layers
+        for op, kind, cache in reversed(caches):
+            if kind == "gather":
+                # `delta`: this partition's share of the error at every input of the layer
+                # (NHWC maps at a conv's input, (B, n) at an fc's, maps in C, H, W order);
+                # summed over the partitions, each keeps its own maps or units, shaped as
+                # they were before the gather
+                B = delta.shape[0]
+                partial_t = np.ascontiguousarray(delta.transpose(3, 1, 2, 0) if delta.ndim == 4
+                                                 else delta.T).reshape(-1, B)
+                mine_t = self.exchange.scatter_sum(partial_t, self.widths[l - 1])
+                if len(cache) == 4:  # local maps (B, h, w, c_q)
+                    _, h, wd, c = cache
+                    delta = np.ascontiguousarray(mine_t.reshape(c, h, wd, B).transpose(3, 1, 2, 0))
+                else:
+                    delta = np.ascontiguousarray(mine_t.T)
+                continue
+            if kind == "pool":
+                a_in, out = cache
+                delta = maxpool_back(delta, a_in, out, op.spec.kh, op.spec.stride)
+                continue
+            l -= 1
+            first = l == 0
+            if kind == "fc":
+                a, z = cache
+                if not op.last:
+                    _act_grad(self.activation, z, delta)
+                np.matmul(a.T, delta, out=g[f"layer{l}/W"])
+                np.sum(delta, axis=0, out=g[f"layer{l}/b"])
+                if not first:
+                    delta = delta @ w[f"layer{l}/W"].T  # (B, whole input)
+            else:  # conv
+                in_shape, cols, wm, z = cache
+                s = op.spec
+                _, ho, wo = op.out_shape
+                n = wm.shape[1]
+                dz = np.ascontiguousarray(delta).reshape(-1, n)
+                _act_grad(self.activation, z, dz)
+                gw = cols.T @ dz
+                g[f"layer{l}/W"][...] = gw.reshape(s.kh, s.kw, in_shape[3], n).transpose(
+                    3, 2, 0, 1)
+                np.sum(dz, axis=0, out=g[f"layer{l}/b"])
+                if not first:
+                    delta = col2im(dz @ wm.T, in_shape, s.kh, s.kw, s.stride, s.pad, ho, wo)
+        return loss, grad
+
+    def loss(self, flat: np.ndarray, x: np.ndarray, y: np.ndarray) -> float:
+        return MLP._softmax_xent(self._run(flat, x, keep=False)[0], y)[0]
+
+    def evaluate(self, flat: np.ndarray, x: np.ndarray, y: np.ndarray,
+                 batch: int = 1000) -> tuple[float, float]:
+        """(mean loss, accuracy) computed jointly by the replica's partitions."""
+        total_loss, correct = 0.0, 0
+        for lo in range(0, len(y), batch):
+            logits = self._run(flat, x[lo:lo + batch], keep=False)[0]
+            loss, _ = MLP._softmax_xent(logits, y[lo:lo + batch])
+            total_loss += loss * len(logits)
+            correct += int(np.sum(np.argmax(logits, axis=1) == y[lo:lo + batch]))
+        n = max(1, len(y))
+        return total_loss / n, correct / n

@@ -74,16 +74,21 @@ class PartitionedHogwild:
     timeout : seconds a worker thread's mini-batch may take before :meth:`train` gives up on
         it (each exchange wait inside it has its own timeout naming the peer; this is the
         backstop when a thread is stuck elsewhere).
+    make_model : ``make_model(exchange)``, the partition of another model to train instead
+        of the MLP of ``sizes`` (a :class:`hpcps.convnet.PartitionedConvNet`).
     """
 
     def __init__(self, sizes, activation: str, parts: int, part: int, exchanges,
-                 timeout: float):
+                 timeout: float, make_model=None):
         exchanges = list(exchanges)
         if not exchanges:
             raise ConfigError("PartitionedHogwild needs at least one exchange (one per thread)")
         self.threads = len(exchanges)
         self.exchanges = exchanges
-        self.models = [PartitionedMLP(sizes, activation, parts, part, ex) for ex in exchanges]
+        if make_model is None:
+            def make_model(ex):
+                return PartitionedMLP(sizes, activation, parts, part, ex)
+        self.models = [make_model(ex) for ex in exchanges]
         self.n_params = self.models[0].n_params
         self.grads = [np.empty(self.n_params, dtype=np.float32) for _ in exchanges]
         self._updates = [np.empty(self.n_params, dtype=np.float32) for _ in exchanges]

@@ -50,7 +50,7 @@ from hpcps.options import parse_inject_slow
 from hpcps.errors import (PREEMPTED_EXIT, CheckpointError, ConfigError, HpcpsError,
                           NonFiniteError)
 from hpcps.metrics import Metrics
-from hpcps.model import InitialWeights, PartitionedMLP, SingleExchange
+from hpcps.model import InitialWeights, SingleExchange
 from hpcps.stacks import StackDumper
 from hpcps.stop import SignalFlag, StopVote
 from hpcps.strategies.context import (Context, explain_nonfinite, make_optimizer,
@@ -160,7 +160,7 @@ def _setup(cfg: config.Config, world, layout: Layout, info, ckpt, run_dir: Path)
     full = convnet.build(cfg, info)
     P = layout.partitions
     if P > 1:  # refuse a layer narrower than P on every rank before any communication
-        PartitionedMLP(cfg.layers, cfg.activation, P, 0)
+        convnet.build_partition(cfg, full, P, 0)
     check_thread_support(cfg.threads, P)
     grid = build_grid(world, layout)
     opt = make_optimizer(cfg)
@@ -169,11 +169,14 @@ def _setup(cfg: config.Config, world, layout: Layout, info, ckpt, run_dir: Path)
     if P > 1:
         exchange = ReplicaExchange(grid.replica_comm, cfg.timeout) if role.is_replica \
             else SingleExchange
-        model = PartitionedMLP(cfg.layers, cfg.activation, P,
-                               role.partition if role.is_replica else 0, exchange)
+        model = convnet.build_partition(cfg, full, P, role.partition if role.is_replica
+                                        else 0, exchange)
     if ckpt is None:  # each rank draws only what it holds: memory falls as 1/P and 1/S
-        if role.is_replica or cfg.model is not None:
+        if role.is_replica or (cfg.model is not None and P == 1):
             params = model.init_params(cfg.seed)
+        elif cfg.model is not None:  # servers of a partitioned conv model: every slice
+            whole = full.views(full.init_params(cfg.seed))
+            params = np.concatenate([model.local_from_full(whole, q) for q in range(P)])
         else:  # an MLP's servers slice it
             params = InitialWeights(cfg.layers, cfg.activation, P, cfg.seed)
         state, start = opt.init_state(len(params)), 0  # zeros: pages untouched cost nothing

@@ -143,8 +143,8 @@ def test_config_takes_model_and_refuses_what_it_cannot_run():
     assert cfg.model == "adam-mnist" and cfg.to_dict()["model"] == "adam-mnist"
     with pytest.raises(ConfigError, match="not both"):
         config.parse(["--model", "adam-mnist", "--layers", "784,10"])
-    with pytest.raises(ConfigError, match="--partitions 1 only"):
-        config.parse(["--model", "adam-mnist", "--strategy", "sync", "--partitions", "2"])
+    assert config.parse(["--model", "adam-mnist", "--strategy", "sync", "--partitions",
+                         "2"]).partitions == 2  # model parallelism by output maps
     assert config.parse(["--model", "adam-mnist", "--push", "activations"]).push == \
         "activations"  # fc layers as inputs and errors, conv layers dense
     with pytest.raises(ConfigError, match="cannot read layer"):
@@ -322,3 +322,152 @@ def test_conv_run_resumes_and_refuses_another_model(digits_h5, tmp_path):
     other = train(2, *common[:2], "--model", "conv3x3x4,pool2,fc10", *common[4:],
                   "--steps", "200", "--resume", str(ckpt), timeout=60)
     assert other.returncode == 4 and "holds model " + DIGITS_CONV in other.stderr, other.stderr
+
+
+# -- model parallelism ---------------------------------------------------------------------------
+def run_conv_partitions(spec, shape, activation, parts, fn):
+    """``fn(model)`` on each of ``parts`` partitions of a conv model, as threads of this
+    process joined by the thread exchange of ``test_model`` (what MPI does between ranks)."""
+    import threading
+
+    from test_model import ThreadExchange
+    ex = ThreadExchange(parts)
+    results, errors = [None] * parts, []
+
+    def work(p):
+        try:
+            results[p] = fn(convnet.PartitionedConvNet(spec, shape, activation, parts, p,
+                                                       ex.for_part(p)))
+        except Exception as e:  # noqa: BLE001 - surfaced below with the partition
+            errors.append((p, e))
+            ex.barrier.abort()
+
+    threads = [threading.Thread(target=work, args=(p,)) for p in range(parts)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    return results
+
+
+PARTITIONED = [
+    ("conv3x3x4s2p1,pool2s1,conv2x2x5,fc5,fc4", (2, 9, 8)),  # stride, padding, overlapping pool
+    ("conv3x3x5p1,pool2,conv3x3x7,pool2s1,flatten,fc6,fc4", (3, 10, 10)),  # explicit flatten
+    ("fc9,fc5", (1, 4, 4)),                                # no conv: an MLP on images
+    ("conv3x3x6,conv2x2x5,fc4", (1, 7, 7)),              # conv after conv, no pool
+]
+
+
+@pytest.mark.parametrize("parts", [1, 2, 3, 4])
+@pytest.mark.parametrize("spec,shape", PARTITIONED, ids=["small", "flatten", "fc-only",
+                                                         "conv-conv"])
+def test_partitioned_conv_forward_and_gradient_equal_the_whole_model(spec, shape, parts):
+    """In float64: every partition computes the whole model's logits and loss, and exactly
+    its own slice of the whole model's gradient (kernels cut by output maps, fc layers by
+    units); gathering the slices gives the whole gradient back."""
+    whole = ConvNet(spec, shape, "tanh")
+    rng = np.random.default_rng(2)
+    p = whole.init_params(4).astype(np.float64) + rng.normal(size=whole.n_params) * 0.05
+    x, y = rng.random((6, int(np.prod(shape)))), rng.integers(0, whole.n_classes, 6)
+    loss, g = whole.loss_and_grad(p, x, y)
+    logits = whole.forward(p, x)[-1]
+
+    def job(model):
+        local = model.local_from_full(whole.views(p))
+        assert local.dtype == np.float64
+        out = model.forward(local, x)[-1]
+        l2, g2 = model.loss_and_grad(local, x, y)
+        return out, l2, g2, model
+
+    results = run_conv_partitions(spec, shape, "tanh", parts, job)
+    for q, (out, l2, g2, model) in enumerate(results):
+        np.testing.assert_allclose(out, logits, rtol=1e-12, atol=1e-12)
+        assert np.isclose(l2, loss, rtol=1e-12)
+        np.testing.assert_allclose(g2, model.local_from_full(whole.views(g), q), rtol=1e-10,
+                                   atol=1e-12)
+    model = results[0][3]
+    np.testing.assert_allclose(model.full_from_parts([r[2] for r in results]), g, rtol=1e-10,
+                               atol=1e-12)
+    assert sum(model.part_sizes) == whole.n_params
+
+
+@pytest.mark.parametrize("parts", [2, 3, 4])
+def test_partitioned_conv_exchange_bytes_follow_the_formula(parts):
+    """The bytes each partition hands the exchange equal ``exchange_bytes``: the pooled maps
+    at the input of each layer that mixes maps, the fc units, the logits."""
+    spec, shape = "conv5x5x10,pool2,conv5x5x20,pool2,fc40,fc10", (1, 28, 28)
+    B = 4
+
+    class Counting:
+        def __init__(self, inner):
+            self.inner, self.sent = inner, 0
+
+        def gather(self, local_t, widths):
+            self.sent += local_t.nbytes * (parts - 1)
+            return self.inner.gather(local_t, widths)
+
+        def scatter_sum(self, partial_t, widths):
+            out = self.inner.scatter_sum(partial_t, widths)
+            self.sent += partial_t.nbytes - out.nbytes
+            return out
+
+    import threading
+
+    from test_model import ThreadExchange
+    ex = ThreadExchange(parts)
+    got = [None] * parts
+    rng = np.random.default_rng(0)
+    x, y = rng.random((B, 784)).astype(np.float32), rng.integers(0, 10, B)
+
+    def work(q):
+        counting = Counting(ex.for_part(q))
+        m = convnet.PartitionedConvNet(spec, shape, "relu", parts, q, counting)
+        m.loss_and_grad(m.init_params(0), x, y)
+        got[q] = (counting.sent, m.exchange_bytes(B))
+
+    threads = [threading.Thread(target=work, args=(q,)) for q in range(parts)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    for sent, formula in got:
+        assert sent == formula > 0
+    # the pooled maps, not the conv outputs, cross: 10x12x12 and 20x4x4 values per example
+    m = convnet.PartitionedConvNet(spec, shape, "relu", parts, 0)
+    assert [sum(w) for w in m.widths] == [10 * 12 * 12, 20 * 4 * 4, 40, 10]
+
+
+def test_partitioned_conv_refuses_a_layer_narrower_than_P():
+    with pytest.raises(ConfigError, match="layer fc3 has 3 units, fewer than --partitions 4"):
+        convnet.PartitionedConvNet("conv3x3x4,fc3", (1, 5, 5), "relu", 4, 0)
+
+
+def test_partitioned_conv_runs_train_the_same_model_and_resume_across_P(digits_h5, tmp_path):
+    """One sync replica of the digits conv model on 1 rank and split over 2 ranks (P = 2),
+    same seed and steps: the checkpoints hold the same kernels and weights (to float32
+    summation order), whole layers in (out, in, kh, kw); the P = 2 checkpoint then resumes
+    with P = 3 (a slice of every layer's maps on each of 3 ranks) and keeps learning."""
+    run = ["--strategy", "sync", "--model", DIGITS_CONV, "--steps", "120", "--batch-size",
+           "16", "--lr", "0.05", "--optimizer", "sgd", "--eval-every", "0", "--timeout", "60",
+           "--data", str(digits_h5)]
+    ckpts = []
+    for n in (1, 2):
+        r = train(n, *run, "--partitions", str(n), "--run-dir", str(tmp_path / f"p{n}"),
+                  timeout=120)
+        assert r.returncode == 0, r.output[-3000:]
+        ckpts.append(checkpoint.load(tmp_path / f"p{n}" / "checkpoint.h5"))
+    one, two = ckpts
+    assert one.step == two.step == 120
+    assert two.params["layer0/W"].shape == (8, 1, 3, 3)
+    for name, v in one.params.items():
+        np.testing.assert_allclose(two.params[name], v, rtol=0, atol=2e-4, err_msg=name)
+    r = train(3, *run[:-6], "--steps", "240", "--eval-every", "0", "--timeout", "60",
+              "--partitions", "3", "--resume", str(tmp_path / "p2" / "checkpoint.h5"),
+              "--data", str(digits_h5), "--run-dir", str(tmp_path / "p3"), timeout=120)
+    assert r.returncode == 0, r.output[-3000:]
+    assert "resumed from" in r.output and checkpoint.load(tmp_path / "p3" / "checkpoint.h5").step \
+        == 240
+    acc = [float(line.split("final test accuracy: ")[1].split("%")[0]) for line in
+           r.output.splitlines() if "final test accuracy" in line]
+    assert acc and acc[0] >= 80, r.output[-2000:]

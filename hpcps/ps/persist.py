@@ -91,25 +91,30 @@ def boxes(shape: tuple[int, ...], lo: int, hi: int) -> list[tuple[tuple[slice, .
 class Placement:
     """Where one array of one partition's local vector sits: ``name`` (``layer0/W``), its
     shape in the local vector, its offset in the global (partition-major) vector, and the
-    offset of its last axis in the whole array (a partition's columns; 0 when P = 1)."""
+    offset along ``axis`` in the whole array of the partition's slice (its columns, or a
+    conv kernel's output maps; 0 when P = 1)."""
 
     name: str
     shape: tuple[int, ...]
     offset: int
     shift: int
+    axis: int = -1
 
 
 def placements(model, full_model) -> list[Placement]:
-    """Every array of every partition of ``model`` (a whole model, or a PartitionedMLP)."""
+    """Every array of every partition of ``model`` (a whole model, a PartitionedMLP or a
+    PartitionedConvNet)."""
     parts = getattr(model, "part_sizes", None)
     if parts is None:
         return [Placement(name, tuple(shape), off, 0) for name, shape, off in full_model.layout]
+    axis = getattr(model, "axis", lambda name: -1)
     out, base = [], 0
     for q, size in enumerate(parts):
         off = base
         for name, shape in model._shapes(q):
             layer = int(name.split("/")[0][5:])
-            out.append(Placement(name, tuple(shape), off, model.cols[layer][q][0]))
+            out.append(Placement(name, tuple(shape), off, model.cols[layer][q][0],
+                                 axis(name)))
             off += int(np.prod(shape))
         base += size
     return out
@@ -129,8 +134,9 @@ def mapping(pieces: list[tuple[int, int, int]], base: int, places: list[Placemen
             if a >= b:
                 continue
             for index, start in boxes(p.shape, a - p.offset, b - p.offset):
-                last = index[-1]
-                index = (*index[:-1], slice(last.start + p.shift, last.stop + p.shift))
+                ax = p.axis % len(index)
+                index = tuple(slice(s.start + p.shift, s.stop + p.shift) if i == ax else s
+                              for i, s in enumerate(index))
                 count = int(np.prod([s.stop - s.start for s in index]))
                 out.setdefault(p.name, []).append(
                     (index, at + (p.offset + start) - glo, count))

@@ -54,9 +54,12 @@ class GradientSource:
                              "the other partitions of this replica to duplicate the replica "
                              "communicator (one per Hogwild thread)")
             self.exchanges = [ReplicaExchange(c, cfg.timeout) for c in comms]
+            from hpcps.convnet import build_partition
             self.engine = PartitionedHogwild(
                 cfg.layers, cfg.activation, ctx.model.parts, ctx.model.part, self.exchanges,
-                timeout=cfg.timeout * 2 * ctx.model.n_layers)
+                timeout=cfg.timeout * 2 * ctx.model.n_layers,
+                make_model=lambda ex: build_partition(cfg, ctx.full_model, ctx.model.parts,
+                                                      ctx.model.part, ex))
             self._seen = (0, 0.0)  # the threads' exchange figures already reported
         elif self.threads > 1:
             from hpcps.conv_hogwild import engine_for
