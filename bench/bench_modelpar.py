@@ -20,6 +20,9 @@ With ``--conv`` the models are conv models on MNIST's 1x28x28 images instead: Pr
 (conv5x5x64, pool2, conv5x5x128, pool2, fc1024, fc10), partitioned by output maps and units
 (:class:`hpcps.convnet.PartitionedConvNet`, whose ``exchange_bytes`` is the same formula with
 n_l the values per example at the input of the l-th layer with parameters, after pooling).
+A partitioned model computes with the NumPy layers, a whole one (P = 1) with the compiled
+engine; so P = 1 runs twice, the second time with ``HPCPS_NO_EXTENSION=1`` (NumPy too), and
+each run's ``engine`` says which: the NumPy P = 1 run is the one to compare partitions with.
 
 Run::
 
@@ -34,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 import time
@@ -91,10 +95,18 @@ def main(argv=None) -> int:
            "runs": []}
     with tempfile.TemporaryDirectory() as tmp:
         for name, (sizes, steps) in models.items():
-            for parts in (int(x) for x in a.parts.split(",")):
+            plan = [(int(x), "compiled" if int(x) == 1 else "numpy")
+                    for x in a.parts.split(",")]
+            if a.conv and any(p == 1 for p, _ in plan):
+                plan.insert(1, (1, "numpy"))
+            for parts, engine in plan:
                 if a.ranks % parts:
                     continue
-                bench_train.log(f"{name} {sizes} P={parts}")
+                bench_train.log(f"{name} {sizes} P={parts} ({engine})")
+                if engine == "numpy" and parts == 1:
+                    os.environ["HPCPS_NO_EXTENSION"] = "1"
+                else:
+                    os.environ.pop("HPCPS_NO_EXTENSION", None)
                 work = Path(tempfile.mkdtemp(dir=tmp))
                 if a.conv:
                     shape = ["--model", sizes]
@@ -111,7 +123,7 @@ def main(argv=None) -> int:
                                                              a.timeout))
                 out["runs"].append({
                     "model": name, "layers": sizes if a.conv else list(sizes),
-                    "partitions": parts,
+                    "partitions": parts, "engine": engine if a.conv else "default",
                     "replicas": a.ranks // parts, "steps": s["steps_trained"],
                     "examples_per_s": s["examples_per_s"],
                     "replica_bytes_per_step": s.get("replica_bytes_per_step", 0),
