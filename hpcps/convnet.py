@@ -36,7 +36,7 @@ import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
 from hpcps.errors import ConfigError
-from hpcps.model import ACTIVATIONS, MLP, _act, _act_grad_inplace, flatten_named
+from hpcps.model import ACTIVATIONS, MLP, _act, _act_grad_inplace, flatten_named, local_views
 from hpcps.modelspec import LayerSpec, is_conv_spec, parse_spec, resolve  # noqa: F401
 
 # -- the layers' arithmetic on NHWC arrays ------------------------------------------------------
@@ -143,7 +143,36 @@ def _macs(op) -> int:
     return int(np.prod(op.in_shape)) * s.out
 
 
-class ConvNet:
+class SoftmaxOutput:
+    """``loss`` and ``evaluate`` of a model whose ``_run(flat, x, keep)`` returns the whole
+    logits first (a :class:`ConvNet`, or a :class:`PartitionedConvNet`, whose partitions
+    compute them jointly)."""
+
+    def _images(self, x: np.ndarray) -> np.ndarray:
+        """Rows of flattened C x H x W images as an NHWC array (a view)."""
+        C, H, W = self.input_shape
+        if x.ndim != 2 or x.shape[1] != C * H * W:
+            raise ValueError(f"x has shape {x.shape}; this model takes (B, {C * H * W}) rows "
+                             f"of {C}x{H}x{W} images")
+        return x.reshape(x.shape[0], C, H, W).transpose(0, 2, 3, 1)
+
+    def loss(self, flat: np.ndarray, x: np.ndarray, y: np.ndarray) -> float:
+        return MLP._softmax_xent(self._run(flat, x, keep=False)[0], y)[0]
+
+    def evaluate(self, flat: np.ndarray, x: np.ndarray, y: np.ndarray,
+                 batch: int = 1000) -> tuple[float, float]:
+        """(mean loss, accuracy) over a whole split, in batches to bound memory."""
+        total_loss, correct = 0.0, 0
+        for lo in range(0, len(y), batch):
+            logits = self._run(flat, x[lo:lo + batch], keep=False)[0]
+            loss, _ = MLP._softmax_xent(logits, y[lo:lo + batch])
+            total_loss += loss * len(logits)
+            correct += int(np.sum(np.argmax(logits, axis=1) == y[lo:lo + batch]))
+        n = max(1, len(y))
+        return total_loss / n, correct / n
+
+
+class ConvNet(SoftmaxOutput):
     """A network of conv, pool and fc layers on C x H x W images, softmax output.
 
     Parameters
@@ -262,11 +291,7 @@ class ConvNet:
         """Forward pass: (logits, per-layer caches for the backward pass, or None)."""
         v = self.views(flat)
         B = x.shape[0]
-        C, H, W = self.input_shape
-        if x.ndim != 2 or x.shape[1] != C * H * W:
-            raise ValueError(f"x has shape {x.shape}; this model takes (B, {C * H * W}) rows "
-                             f"of {C}x{H}x{W} images")
-        a = x.reshape(B, C, H, W).transpose(0, 2, 3, 1)   # NHWC
+        a = self._images(x)
         caches = [] if keep else None
         for op in self.ops:
             s = op.spec
@@ -369,21 +394,6 @@ class ConvNet:
         errors = [parts[p][1] if p in parts else None for p in range(n)]
         return loss, inputs, errors, grad
 
-    def loss(self, flat: np.ndarray, x: np.ndarray, y: np.ndarray) -> float:
-        return MLP._softmax_xent(self._run(flat, x, keep=False)[0], y)[0]
-
-    def evaluate(self, flat: np.ndarray, x: np.ndarray, y: np.ndarray,
-                 batch: int = 1000) -> tuple[float, float]:
-        """(mean loss, accuracy) over a whole split, in batches to bound memory."""
-        total_loss, correct = 0.0, 0
-        for lo in range(0, len(y), batch):
-            logits = self._run(flat, x[lo:lo + batch], keep=False)[0]
-            loss, _ = MLP._softmax_xent(logits, y[lo:lo + batch])
-            total_loss += loss * len(logits)
-            correct += int(np.sum(np.argmax(logits, axis=1) == y[lo:lo + batch]))
-        n = max(1, len(y))
-        return total_loss / n, correct / n
-
     # -- cost ----------------------------------------------------------------------------------
     def flops_per_example(self) -> int:
         """Multiply-adds x 2 of one example's forward and backward pass in the conv and fc
@@ -444,7 +454,7 @@ def describe_model(model) -> str:
 
 
 # -- model parallelism ---------------------------------------------------------------------------
-class PartitionedConvNet:
+class PartitionedConvNet(SoftmaxOutput):
     """Partition ``part`` of ``parts`` of a :class:`ConvNet` (Project Adam's vertical
     partitioning, section 3.1).
 
@@ -528,16 +538,7 @@ class PartitionedConvNet:
 
     def views(self, flat: np.ndarray, q: int | None = None) -> dict[str, np.ndarray]:
         """Named views of a partition's local vector (this rank's unless ``q`` is given)."""
-        q = self.part if q is None else q
-        if flat.shape != (self.part_sizes[q],):
-            raise ValueError(f"local vector has shape {flat.shape}, partition {q} needs "
-                             f"({self.part_sizes[q]},)")
-        out, off = {}, 0
-        for name, shape in self._shapes(q):
-            size = int(np.prod(shape))
-            out[name] = flat[off:off + size].reshape(shape)
-            off += size
-        return out
+        return local_views(self, flat, self.part if q is None else q)
 
     def axis(self, name: str) -> int:
         """The axis of whole array ``name`` along which partitions hold slices: output maps
@@ -602,11 +603,7 @@ class PartitionedConvNet:
         """Forward pass: (whole logits, caches for the backward pass, or None)."""
         v = self.views(flat)
         B = x.shape[0]
-        C, H, W = self.input_shape
-        if x.ndim != 2 or x.shape[1] != C * H * W:
-            raise ValueError(f"x has shape {x.shape}; this model takes (B, {C * H * W}) rows "
-                             f"of {C}x{H}x{W} images")
-        a = x.reshape(B, C, H, W).transpose(0, 2, 3, 1)  # NHWC, whole on every partition
+        a = self._images(x)  # whole on every partition
         local = False  # whether `a` holds only this partition's maps or units
         caches = [] if keep else None
         l = -1
@@ -714,18 +711,3 @@ class PartitionedConvNet:
                 if not first:
                     delta = col2im(dz @ wm.T, in_shape, s.kh, s.kw, s.stride, s.pad, ho, wo)
         return loss, grad
-
-    def loss(self, flat: np.ndarray, x: np.ndarray, y: np.ndarray) -> float:
-        return MLP._softmax_xent(self._run(flat, x, keep=False)[0], y)[0]
-
-    def evaluate(self, flat: np.ndarray, x: np.ndarray, y: np.ndarray,
-                 batch: int = 1000) -> tuple[float, float]:
-        """(mean loss, accuracy) computed jointly by the replica's partitions."""
-        total_loss, correct = 0.0, 0
-        for lo in range(0, len(y), batch):
-            logits = self._run(flat, x[lo:lo + batch], keep=False)[0]
-            loss, _ = MLP._softmax_xent(logits, y[lo:lo + batch])
-            total_loss += loss * len(logits)
-            correct += int(np.sum(np.argmax(logits, axis=1) == y[lo:lo + batch]))
-        n = max(1, len(y))
-        return total_loss / n, correct / n

@@ -252,6 +252,20 @@ def partition_widths(width: int, parts: int, layer: int) -> list[tuple[int, int]
     return [block_range(width, parts, p) for p in range(parts)]
 
 
+def local_views(model, flat: np.ndarray, q: int) -> dict[str, np.ndarray]:
+    """Named views (no copy) of partition ``q``'s local vector of a partitioned ``model``
+    (its arrays ``model._shapes(q)`` one after the other)."""
+    if flat.shape != (model.part_sizes[q],):
+        raise ValueError(f"local vector has shape {flat.shape}, partition {q} needs "
+                         f"({model.part_sizes[q]},)")
+    out, off = {}, 0
+    for name, shape in model._shapes(q):
+        size = int(np.prod(shape))
+        out[name] = flat[off:off + size].reshape(shape)
+        off += size
+    return out
+
+
 class SingleExchange:
     """The exchange of an unpartitioned replica (P = 1): nothing crosses a boundary."""
 
@@ -315,16 +329,7 @@ class PartitionedMLP:
 
     def views(self, flat: np.ndarray, q: int | None = None) -> dict[str, np.ndarray]:
         """Named views of a partition's local vector (this rank's unless ``q`` is given)."""
-        q = self.part if q is None else q
-        if flat.shape != (self.part_sizes[q],):
-            raise ValueError(f"local vector has shape {flat.shape}, partition {q} needs "
-                             f"({self.part_sizes[q]},)")
-        out, off = {}, 0
-        for name, shape in self._shapes(q):
-            size = int(np.prod(shape))
-            out[name] = flat[off:off + size].reshape(shape)
-            off += size
-        return out
+        return local_views(self, flat, self.part if q is None else q)
 
     def layers(self, flat: np.ndarray):
         v = self.views(flat)

@@ -328,27 +328,9 @@ def test_conv_run_resumes_and_refuses_another_model(digits_h5, tmp_path):
 def run_conv_partitions(spec, shape, activation, parts, fn):
     """``fn(model)`` on each of ``parts`` partitions of a conv model, as threads of this
     process joined by the thread exchange of ``test_model`` (what MPI does between ranks)."""
-    import threading
-
-    from test_model import ThreadExchange
-    ex = ThreadExchange(parts)
-    results, errors = [None] * parts, []
-
-    def work(p):
-        try:
-            results[p] = fn(convnet.PartitionedConvNet(spec, shape, activation, parts, p,
-                                                       ex.for_part(p)))
-        except Exception as e:  # noqa: BLE001 - surfaced below with the partition
-            errors.append((p, e))
-            ex.barrier.abort()
-
-    threads = [threading.Thread(target=work, args=(p,)) for p in range(parts)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert not errors, errors
-    return results
+    from test_model import run_partitioned
+    return run_partitioned(None, None, parts, fn, make=lambda p, ex: convnet.PartitionedConvNet(
+        spec, shape, activation, parts, p, ex))
 
 
 PARTITIONED = [
@@ -412,25 +394,16 @@ def test_partitioned_conv_exchange_bytes_follow_the_formula(parts):
             self.sent += partial_t.nbytes - out.nbytes
             return out
 
-    import threading
-
-    from test_model import ThreadExchange
-    ex = ThreadExchange(parts)
-    got = [None] * parts
+    from test_model import run_partitioned
     rng = np.random.default_rng(0)
     x, y = rng.random((B, 784)).astype(np.float32), rng.integers(0, 10, B)
 
-    def work(q):
-        counting = Counting(ex.for_part(q))
-        m = convnet.PartitionedConvNet(spec, shape, "relu", parts, q, counting)
+    def job(m):
         m.loss_and_grad(m.init_params(0), x, y)
-        got[q] = (counting.sent, m.exchange_bytes(B))
+        return m.exchange.sent, m.exchange_bytes(B)
 
-    threads = [threading.Thread(target=work, args=(q,)) for q in range(parts)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
+    got = run_partitioned(None, None, parts, job, make=lambda q, ex: convnet.PartitionedConvNet(
+        spec, shape, "relu", parts, q, Counting(ex)))
     for sent, formula in got:
         assert sent == formula > 0
     # the pooled maps, not the conv outputs, cross: 10x12x12 and 20x4x4 values per example

@@ -113,14 +113,20 @@ class ThreadExchange:
         return One
 
 
-def run_partitioned(sizes, activation, parts, fn):
+def run_partitioned(sizes, activation, parts, fn, make=None):
+    """``fn(model)`` on each of ``parts`` partitions, run as threads of this process joined
+    by a :class:`ThreadExchange`; the model is ``make(p, exchange)`` (default: partition p
+    of the MLP of ``sizes``)."""
     ex = ThreadExchange(parts)
     results = [None] * parts
     errors = []
+    if make is None:
+        def make(p, exchange):
+            return PartitionedMLP(sizes, activation, parts, p, exchange)
 
     def work(p):
         try:
-            model = PartitionedMLP(sizes, activation, parts, p, ex.for_part(p))
+            model = make(p, ex.for_part(p))
             results[p] = fn(model)
         except Exception as e:  # surfaced below with the partition
             errors.append((p, e))

@@ -317,8 +317,9 @@ class ReplicatedServer:
         if h not in self.sets or self.role[h] != "primary":
             raise RuntimeError(f"replica {sender} (rank {src}) pushed set {h} to shard "
                                f"{self.me}, which is not its primary")
-        if sender in self.lost_replicas:
-            self.discarded += 1
+        if sender in self.lost_replicas:  # dropped (silent too long): not applied, but
+            self.discarded += 1            # answered, so that it does not wait for it
+            self._send_small(src, Tag.PUSH_ACK, SET=h, SEQ=int(header[H.SEQ]))
             return False
         self.replicas.heard(sender)
         self._served(h)
@@ -376,9 +377,8 @@ class ReplicatedServer:
         if h not in self.sets or self.role[h] != "primary":
             raise RuntimeError(f"replica {sender} (rank {src}) asked shard {self.me} for set "
                                f"{h}, whose primary it is not")
-        if sender in self.lost_replicas:
-            return False
-        self.replicas.heard(sender)
+        if sender not in self.lost_replicas:
+            self.replicas.heard(sender)
         self._served(h)
         cs = self.sets[h]
         cs.answer_fetch(src, sender)
