@@ -125,7 +125,6 @@ class ReplicatedServer:
     heartbeat_timeout : seconds of silence after which a replica or a shard is lost.
     timeout : seconds without any message before failing.
     save : ``save(step, {h: payload})`` on the collector, to write a periodic checkpoint.
-    tick : the job's stop vote, called between messages (None when ranks may die).
     chief : world rank of the chief, which takes the final sets.
     """
 
