@@ -55,7 +55,7 @@ from mpi4py import MPI
 
 from hpcps.comm import PeerTimeout, Poller
 from hpcps.protocol import HEADER_BYTES, ByteMessage, H, Message, Tag
-from hpcps.ps.gradient_shard import GradientShard, ShardPolicy
+from hpcps.ps.gradient_shard import ShardPolicy
 from hpcps.ps.liveness import HEARTBEATS_PER_TIMEOUT, HeartbeatThread, Liveness, finished_by
 from hpcps.ps.serve import serve
 
