@@ -343,9 +343,7 @@ class ConvNet(SoftmaxOutput):
         if grad is None:
             grad = np.empty(self.n_params, dtype=flat.dtype)
         logits, caches = self._run(flat, x, keep=True)
-        loss, delta = MLP._softmax_xent(logits, y)
-        delta[np.arange(len(y)), y] -= 1.0
-        delta /= delta.dtype.type(len(y))
+        loss, delta = MLP._softmax_xent_grad(logits, y)
         g = self.views(grad)
         w = self.views(flat)
         for op, kind, cache in reversed(caches):
@@ -659,9 +657,7 @@ class PartitionedConvNet(SoftmaxOutput):
         if grad is None:
             grad = np.empty(self.n_params, dtype=flat.dtype)
         logits, caches = self._run(flat, x, keep=True)
-        loss, probs = MLP._softmax_xent(logits, y)
-        probs[np.arange(len(y)), y] -= 1.0
-        probs /= probs.dtype.type(len(y))
+        loss, probs = MLP._softmax_xent_grad(logits, y)
         lo, hi = self.cols[-1][self.part]
         delta = np.ascontiguousarray(probs[:, lo:hi])
         g = self.views(grad)

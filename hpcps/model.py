@@ -125,15 +125,21 @@ class MLP:
         loss = float(-np.mean(np.log(np.maximum(picked, 1e-30))))
         return loss, z
 
+    @staticmethod
+    def _softmax_xent_grad(logits: np.ndarray, y: np.ndarray) -> tuple[float, np.ndarray]:
+        """Mean cross-entropy and its gradient with respect to the logits (B, classes)."""
+        loss, delta = MLP._softmax_xent(logits, y)
+        delta[np.arange(len(y)), y] -= 1.0
+        delta /= delta.dtype.type(len(y))
+        return loss, delta
+
     def loss_and_parts(self, flat: np.ndarray, x: np.ndarray, y: np.ndarray):
         """(mean loss, inputs, errors): ``inputs[l]`` is what layer l received (B, n_l) and
         ``errors[l]`` the error at its output (B, n_{l+1}), already divided by B, so that
         layer l's gradient is ``inputs[l].T @ errors[l]`` for W and ``errors[l].sum(0)`` for
         b. What Project Adam's workers send a parameter server instead of the gradient."""
         acts = self.forward(flat, x)
-        loss, delta = self._softmax_xent(acts[-1], y)
-        delta[np.arange(len(y)), y] -= 1.0
-        delta /= np.float32(len(y))
+        loss, delta = self._softmax_xent_grad(acts[-1], y)
         params = self.layers(flat)
         errors = [delta]
         for i in range(self.n_layers - 1, 0, -1):
@@ -391,9 +397,7 @@ class PartitionedMLP:
         if grad is None:
             grad = np.empty(self.n_params, dtype=np.float32)
         full, own = self.forward(flat, x)
-        loss, probs = MLP._softmax_xent(full[-1], y)
-        probs[np.arange(len(y)), y] -= 1.0
-        probs /= np.float32(len(y))
+        loss, probs = MLP._softmax_xent_grad(full[-1], y)
         lo, hi = self.cols[-1][self.part]
         delta = probs[:, lo:hi]
         gviews = self.layers(grad)

@@ -171,19 +171,19 @@ def _setup(cfg: config.Config, world, layout: Layout, info, ckpt, run_dir: Path)
             else SingleExchange
         model = convnet.build_partition(cfg, full, P, role.partition if role.is_replica
                                         else 0, exchange)
+    whole = ckpt is not None  # params hold the whole model: cut to this rank's part below
     if ckpt is None:  # each rank draws only what it holds: memory falls as 1/P and 1/S
-        if role.is_replica or (cfg.model is not None and P == 1):
+        if role.is_replica:
             params = model.init_params(cfg.seed)
-        elif cfg.model is not None:  # servers of a partitioned conv model: every slice
-            whole = full.views(full.init_params(cfg.seed))
-            params = np.concatenate([model.local_from_full(whole, q) for q in range(P)])
+        elif cfg.model is not None:  # a conv model (small): drawn whole, cut below
+            params, whole = full.init_params(cfg.seed), True
         else:  # an MLP's servers slice it
             params = InitialWeights(cfg.layers, cfg.activation, P, cfg.seed)
         state, start = opt.init_state(len(params)), 0  # zeros: pages untouched cost nothing
     else:
         params, state = state_from_checkpoint(full, ckpt, opt.state_keys)
         start = ckpt.step
-    if ckpt is not None and P > 1:
+    if whole and P > 1:
         if role.is_replica:  # this partition's slice
             cut = model.local_from_full
         else:  # servers: every partition's slice, one after the other (the global vector)

@@ -15,6 +15,20 @@ from hpcps.comm import wait_all
 from hpcps.protocol import ByteMessage, H, Message, Tag
 
 
+def fill_packed(msg: ByteMessage, body: np.ndarray, steps: int, loss_sum: float, rows: int,
+                where: str) -> np.ndarray:
+    """Put a variable-size push (``body``, uint8) and its header figures in ``msg``; return
+    the bytes to send. ``where`` names the receiver in the error for a body over the bound."""
+    msg.header[H.STEPS] = steps
+    msg.header[H.LOSS_SUM] = loss_sum
+    msg.header[H.EXAMPLES] = rows
+    n = len(body)
+    if n > len(msg.body):
+        raise ValueError(f"message of {n} bytes exceeds the bound {len(msg.body)} for {where}")
+    msg.body[:n] = body
+    return msg.spec(n)
+
+
 class Client:
     """Talk to S shards, each holding some chunks of the flat parameter vector.
 
@@ -118,16 +132,8 @@ class Client:
         slot = self._slot
         self._slot ^= 1
         for s, body in enumerate(bodies):
-            msg = self._slot_for(s, slot)
-            msg.header[H.STEPS] = steps
-            msg.header[H.LOSS_SUM] = loss_sum
-            msg.header[H.EXAMPLES] = rows
-            n = len(body)
-            if n > len(msg.body):
-                raise ValueError(f"message of {n} bytes exceeds the bound {len(msg.body)} "
-                                 f"for shard {s}")
-            msg.body[:n] = body
-            data = msg.spec(n)
+            data = fill_packed(self._slot_for(s, slot), body, steps, loss_sum, rows,
+                               f"shard {s}")
             self._push_req[s][slot] = self.comm.Isend(data, dest=self.server_ranks[s], tag=tag)
             self.bytes_sent += data.nbytes
             sent += data.nbytes

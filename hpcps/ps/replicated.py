@@ -55,6 +55,7 @@ from mpi4py import MPI
 
 from hpcps.comm import PeerTimeout, Poller
 from hpcps.protocol import HEADER_BYTES, ByteMessage, H, Message, Tag
+from hpcps.ps.client import fill_packed
 from hpcps.ps.gradient_shard import ShardPolicy
 from hpcps.ps.liveness import HEARTBEATS_PER_TIMEOUT, HeartbeatThread, Liveness, finished_by
 from hpcps.ps.serve import serve
@@ -738,15 +739,8 @@ class ReplicatedClient:
         self.seq += 1
         slot = self.seq & 1
         for h, body in enumerate(bodies):
-            msg = self._slot(h, slot)
-            msg.header[H.STEPS], msg.header[H.LOSS_SUM] = steps, loss_sum
-            msg.header[H.EXAMPLES] = rows
-            n = len(body)
-            if n > len(msg.body):
-                raise ValueError(f"message of {n} bytes exceeds the bound {len(msg.body)} "
-                                 f"for set {h}")
-            msg.body[:n] = body
-            self._send(h, slot, msg.spec(n), tag)
+            data = fill_packed(self._slot(h, slot), body, steps, loss_sum, rows, f"set {h}")
+            self._send(h, slot, data, tag)
 
     def done(self) -> None:
         """Wait until every push is committed, then tell every live shard."""
