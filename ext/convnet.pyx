@@ -20,6 +20,12 @@ kernel matrix is the parameter vector itself, used transposed, with no copy.
 BLAS is column-major: a row-major product ``C = A @ B`` is ``sgemm(N, N, n, m, k, B, A, C)``
 with the operands swapped; each call below has its row-major meaning beside it.
 
+Dropout (op column ``O_DROP``, a hidden fc layer's 24-bit threshold) follows
+``hpcps.convnet.dropout_scale`` exactly: each thread has a key and a draw counter, a unit's
+fate is SplitMix64's output function of (key, draw, layer, example row, unit), and the dropped
+and scaled outputs go to a buffer of their own (``O_DOUT``) that the next layer reads, so the
+backward pass still has the activations themselves.
+
 A step computes the mini-batch's whole gradient at the weights it read, then adds ``-lr * g``
 to the parameters (and to ``delta``): the update rule of ``hpcps.conv_hogwild``'s NumPy path,
 so one thread alone computes what sequential SGD computes.
@@ -29,7 +35,7 @@ its input.
 """
 import numpy as np
 
-from libc.stdint cimport int32_t, int64_t
+from libc.stdint cimport int32_t, int64_t, uint64_t
 from libc.string cimport memcpy, memset
 
 include "layers.pxi"
@@ -69,7 +75,34 @@ cdef enum:
     O_ARG = 16          # pool: offset of its argmax in the int context
     O_CHUNK = 17        # conv: examples per im2col chunk
     O_WT = 18           # conv: offset of its kernel snapshot (OC x KH*KW*C) in a context
-    N_COLS = 19
+    O_DROP = 19         # fc: dropout threshold of its outputs (24 bits; 0: none)
+    O_LAYER = 20        # fc: its parameter layer's index (the dropout masks' layer)
+    O_DOUT = 21         # fc with dropout: offset of its dropped outputs in a context
+    N_COLS = 22
+
+cdef enum:
+    DROP_SHIFT = 40     # 64 - hpcps.convnet.DROP_BITS
+
+
+cdef inline uint64_t _mix64(uint64_t z) noexcept nogil:
+    """SplitMix64's output function (hpcps.convnet._mix)."""
+    z = (z ^ (z >> 30)) * <uint64_t> 0xBF58476D1CE4E5B9ULL
+    z = (z ^ (z >> 27)) * <uint64_t> 0x94D049BB133111EBULL
+    return z ^ (z >> 31)
+
+
+cdef void _drop(float *z, float *out, int nb, int n, uint64_t key, int64_t draw,
+                int64_t layer, uint64_t thresh, float scale) noexcept nogil:
+    """out = z * mask (nb x n), or z *= mask in place when out is z: the masks of
+    hpcps.convnet.dropout_scale(p, key, draw, layer, nb, n)."""
+    cdef uint64_t golden = <uint64_t> 0x9E3779B97F4A7C15ULL
+    cdef uint64_t base = _mix64(key + golden * (<uint64_t> draw * 256 + <uint64_t> layer + 1))
+    cdef Py_ssize_t i, total = <Py_ssize_t> nb * n
+    for i in range(total):
+        if (_mix64(base + golden * <uint64_t> (i + 1)) >> DROP_SHIFT) >= thresh:
+            out[i] = z[i] * scale
+        else:
+            out[i] = 0.0
 
 cdef void _im2col(const float *a, int nb, int C, int H, int W, int OH, int OW, int KH,
                   int KW, int S, int P, float *cols) noexcept nogil:
@@ -149,7 +182,8 @@ cdef class ConvEngine:
 
     ``ops`` is the op table (int64, one row per layer, columns ``O_*``) that
     ``hpcps.conv_hogwild`` builds from a ``ConvNet``; ``n_params`` the vector's length;
-    ``batch`` the largest mini-batch; ``act`` the hidden activation.
+    ``batch`` the largest mini-batch; ``act`` the hidden activation; ``dropout`` the rate of
+    the fc layers whose ``O_DROP`` is set (thread t's masks: ``keys[t]``, ``draws[t]``).
     """
 
     cdef readonly int threads, batch, n_ops, n_params, n_in, n_classes
@@ -162,6 +196,10 @@ cdef class ConvEngine:
     cdef int64_t[:, ::1] labels
     cdef double[::1] loss
     cdef int64_t[::1] seen
+    cdef readonly uint64_t[::1] keys     # each thread's dropout stream ...
+    cdef readonly int64_t[::1] draws     # ... and its next draw
+    cdef int64_t[::1] cur                # the draw of the thread's step under way
+    cdef float drop_scale
     cdef Py_ssize_t in_off, d0_off, d1_off, cols_off, dcols_off, gt_off, g_off, sum_off
 
     cdef float *p_params
@@ -174,7 +212,7 @@ cdef class ConvEngine:
     cdef int run_mode
 
     def __init__(self, ops, int n_params, input_shape, int threads, int batch,
-                 str activation):
+                 str activation, double dropout=0.0):
         cdef Py_ssize_t off, ioff, widest, cols
         cdef int i
         self.ops = np.ascontiguousarray(ops, dtype=np.int64).copy()
@@ -199,6 +237,9 @@ cdef class ConvEngine:
             widest = max(widest, n_out)
             self.ops[i, O_OUT] = off
             off += _aligned(batch * n_out)
+            if self.ops[i, O_DROP]:
+                self.ops[i, O_DOUT] = off
+                off += _aligned(batch * n_out)
             if self.ops[i, O_KIND] == K_POOL:
                 self.ops[i, O_ARG] = ioff
                 ioff += _aligned(batch * n_out)
@@ -235,12 +276,23 @@ cdef class ConvEngine:
         self.labels = np.zeros((threads, batch), dtype=np.int64)
         self.loss = np.zeros(threads, dtype=np.float64)
         self.seen = np.zeros(threads, dtype=np.int64)
+        self.keys = np.zeros(threads, dtype=np.uint64)
+        self.draws = np.zeros(threads, dtype=np.int64)
+        self.cur = np.zeros(threads, dtype=np.int64)
+        self.drop_scale = <float> (1.0 / (1.0 - dropout))
+
+    def seed_dropout(self, int t, uint64_t key, int64_t first_draw):
+        """Thread t's dropout stream: ``key``, its next step taking draw ``first_draw``."""
+        self.keys[t] = key
+        self.draws[t] = first_draw
 
     # -- one mini-batch, one thread ------------------------------------------------------
     cdef float *_forward(self, int t, const float *params, const float *x,
-                         const int64_t *y, const int64_t *rows, int nb) noexcept nogil:
+                         const int64_t *y, const int64_t *rows, int nb,
+                         bint train) noexcept nogil:
         """Gather ``nb`` examples (rows of x/y, or x/y themselves when ``rows`` is NULL) into
-        thread t's context and run the forward pass; returns the logits (nb x classes)."""
+        thread t's context and run the forward pass (with dropout when ``train``, the masks
+        of draw cur[t]); returns the logits (nb x classes)."""
         cdef float *ctx = &self.work[t, 0]
         cdef int32_t *ictx = &self.iwork[t, 0]
         cdef int64_t *lab = &self.labels[t, 0]
@@ -339,6 +391,10 @@ cdef class ConvEngine:
                 _gemm(b'N', b'N', OC, nb, C, 1.0, Wp, OC, a, C, 1.0, z, OC)
                 if o[O_ACT]:
                     _activate(self.act, z, nb * n_out)
+                if train and o[O_DROP]:   # the next layer reads the dropped copy
+                    _drop(z, ctx + o[O_DOUT], nb, OC, self.keys[t], self.cur[t], o[O_LAYER],
+                          <uint64_t> o[O_DROP], self.drop_scale)
+                    z = ctx + o[O_DOUT]
             a = z
 
         return a
@@ -367,10 +423,13 @@ cdef class ConvEngine:
         cdef float inv_nb = 1.0 / nb
         cdef double loss = 0.0
         cdef const int64_t *o
+        cdef const int64_t *prev
 
         if self.run_mode == MODE_SUM:
             inv_nb = 1.0
-        a = self._forward(t, params, x, y, rows, nb)
+        self.cur[t] = self.draws[t]
+        self.draws[t] += 1
+        a = self._forward(t, params, x, y, rows, nb, True)
 
         # softmax cross-entropy; the logits become the output error (p - 1_y) / nb
         loss = _softmax_xent(a, lab, nb, self.n_classes, inv_nb)
@@ -386,11 +445,18 @@ cdef class ConvEngine:
             C, H, W = <int> o[O_C], <int> o[O_H], <int> o[O_W]
             OC, OH, OW = <int> o[O_OC], <int> o[O_OH], <int> o[O_OW]
             z = ctx + o[O_OUT]
-            a = ctx + (self.ops_p[(i - 1) * N_COLS + O_OUT] if i > 0 else self.in_off)
+            if i > 0:   # this op's input: the previous op's output, or its dropped copy
+                prev = self.ops_p + (i - 1) * N_COLS
+                a = ctx + (prev[O_DOUT] if prev[O_DROP] else prev[O_OUT])
+            else:
+                a = ctx + self.in_off
             n_out = <Py_ssize_t> OC * OH * OW
             n = <Py_ssize_t> C * H * W
             dp = ctx + (self.d0_off if d != ctx + self.d0_off else self.d1_off)
             if kind == K_FC:
+                if o[O_DROP]:   # the error at the dropped copy, through the mask
+                    _drop(d, d, nb, OC, self.keys[t], self.cur[t], o[O_LAYER],
+                          <uint64_t> o[O_DROP], self.drop_scale)
                 if o[O_ACT]:
                     _act_grad(self.act, z, d, nb * n_out)
                 Wp = params + o[O_WOFF]
@@ -564,7 +630,7 @@ cdef class ConvEngine:
         with nogil:
             while lo < N:
                 nb = <int> (self.batch if N - lo > self.batch else N - lo)
-                z = self._forward(0, &params[0], &x[lo, 0], &y[lo], NULL, nb)
+                z = self._forward(0, &params[0], &x[lo, 0], &y[lo], NULL, nb, False)
                 for r in range(nb):   # the first largest logit, as numpy.argmax
                     best = 0
                     for j in range(1, n_out):

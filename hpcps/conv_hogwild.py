@@ -23,7 +23,7 @@ import threading
 import numpy as np
 
 from hpcps.blocks import block_range
-from hpcps.convnet import ConvNet
+from hpcps.convnet import ConvNet, drop_threshold, thread_key
 from hpcps.kernels import blas, load_extension
 
 _compiled, _ = load_extension("_convnet", None, "hpcps.conv_hogwild")
@@ -33,12 +33,13 @@ HAVE_EXTENSION = _compiled is not None
 K_CONV, K_POOL, K_FLAT, K_FC = range(4)
 CHUNK_FLOATS = 65536  # ext/convnet.pyx: the largest im2col chunk, in floats
 COLUMNS = ("kind", "c", "h", "w", "oc", "oh", "ow", "kh", "kw", "stride", "pad", "w_off",
-           "b_off", "act", "dx", "out", "arg", "chunk", "wt")
+           "b_off", "act", "dx", "out", "arg", "chunk", "wt", "drop", "layer", "dout")
 
 
 def op_table(model: ConvNet) -> np.ndarray:
     """The compiled engine's description of ``model``: one int64 row per layer (columns
-    :data:`COLUMNS`; ``out``, ``arg``, ``chunk`` and ``wt`` are the engine's to fill). An fc layer
+    :data:`COLUMNS`; ``out``, ``arg``, ``chunk``, ``wt`` and ``dout`` are the engine's to
+    fill; ``drop`` is a hidden fc layer's dropout threshold, 0 without dropout). An fc layer
     on maps gets the flatten before it as a row of its own; a flatten of a vector is
     dropped. ``dx`` marks the layers whose input error is needed (some layer before them
     has parameters)."""
@@ -69,7 +70,9 @@ def op_table(model: ConvNet) -> np.ndarray:
             row(K_CONV, ins, op.out_shape, kh=s.kh, kw=s.kw, stride=s.stride, pad=s.pad,
                 act=1, **params)
         else:
-            row(K_FC, ins, (s.out, 1, 1), act=int(not op.last), **params)
+            drop = drop_threshold(model.dropout) if model.dropout and not op.last else 0
+            row(K_FC, ins, (s.out, 1, 1), act=int(not op.last), drop=drop, layer=op.param,
+                **params)
         below = True
     return np.array(rows, dtype=np.int64).reshape(-1, len(COLUMNS))
 
@@ -184,7 +187,11 @@ class ConvHogwild:
         if self.compiled:
             table = op_table(model)
             self._engine = _compiled.ConvEngine(table, model.n_params, model.input_shape,
-                                                self.threads, self.batch, model.activation)
+                                                self.threads, self.batch, model.activation,
+                                                model.dropout)
+            for t in range(self.threads):  # thread t's dropout masks (hpcps.convnet)
+                self._engine.seed_dropout(t, thread_key(model.dropout_key, t),
+                                          model.first_draw)
             blas.ensure(conv_shapes(table, self.batch))
         # one gradient buffer per thread, allocated once (the NumPy path)
         self._grads = [] if self.compiled else \

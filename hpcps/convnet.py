@@ -30,6 +30,7 @@ parameter vector (float32 in training, float64 for the finite-difference tests).
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -83,6 +84,60 @@ def _act_grad(name: str, a: np.ndarray, delta: np.ndarray) -> None:
         np.multiply(delta, a > 0, out=delta)
     else:
         _act_grad_inplace(name, a, delta)
+
+
+# -- dropout ------------------------------------------------------------------------------------
+# Which units a step drops is a pure function of (key, draw, layer, example row, unit): a
+# counter-based generator (SplitMix64's output function over a Weyl sequence), so the NumPy
+# reference, the compiled engine (ext/convnet.pyx, the same arithmetic in C) and every partition
+# of a model-parallel replica (each computing its own units' masks) drop the same units.
+_GOLDEN = 0x9E3779B97F4A7C15
+_MASK64 = (1 << 64) - 1
+DROP_BITS = 24  # a unit is dropped when the top 24 bits of its draw are below p * 2**24
+
+
+def _mix_int(z: int) -> int:
+    """SplitMix64's output function on a Python int (mod 2**64)."""
+    z &= _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def _mix(z: np.ndarray) -> np.ndarray:
+    """The same on a uint64 array (NumPy's uint64 arithmetic wraps mod 2**64)."""
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
+
+
+def drop_threshold(p: float) -> int:
+    """The 24-bit threshold of dropout rate ``p``: units whose draw is below it are dropped."""
+    return int(round(float(p) * (1 << DROP_BITS)))
+
+
+def dropout_scale(p: float, key: int, draw: int, layer: int, rows: int, width: int,
+                  lo: int = 0, hi: int | None = None, dtype=np.float32) -> np.ndarray:
+    """(rows, hi - lo): 0 where unit j of example r is dropped, 1/(1-p) where it is kept
+    (inverted dropout: nothing changes at test time), for units lo..hi-1 of a layer of
+    ``width`` units. ``key`` names the stream (a replica and thread), ``draw`` the step in
+    it, ``layer`` the parameter layer whose outputs are dropped."""
+    hi = width if hi is None else hi
+    base = _mix_int(key + _GOLDEN * (draw * 256 + layer + 1))
+    idx = (np.arange(rows, dtype=np.uint64)[:, None] * np.uint64(width)
+           + np.arange(lo, hi, dtype=np.uint64)[None, :] + np.uint64(1))
+    u = _mix(np.uint64(base) + idx * np.uint64(_GOLDEN)) >> np.uint64(64 - DROP_BITS)
+    keep = u >= np.uint64(drop_threshold(p))
+    return keep.astype(dtype) * np.asarray(1.0 / (1.0 - p), dtype=dtype)
+
+
+def dropout_key(seed: int, replica: int, start_step: int = 0, thread: int = 0) -> int:
+    """The key of a dropout stream: one per replica (its partitions share it, so they drop
+    the same units), Hogwild thread and run segment (a resumed run does not replay the masks
+    of the steps before it)."""
+    ss = np.random.SeedSequence([int(seed) & _MASK64, int(replica), int(start_step),
+                                 int(thread), 0xD0])
+    return int(ss.generate_state(1, np.uint64)[0])
 
 
 def _pool_slices(k: int, stride: int, ho: int, wo: int):
@@ -180,14 +235,22 @@ class ConvNet(SoftmaxOutput):
     spec : the layers (see the module docstring) or a preset name.
     input_shape : (C, H, W) of one example (the dataset's ``image_shape``).
     activation : relu, tanh or sigmoid, after every conv and every fc but the last.
+    dropout : rate p of dropout on the outputs of every hidden fc layer, in training only
+        (``loss_and_grad``; inverted: kept units are scaled by 1/(1-p), so evaluation uses
+        the weights as they are). Masks come from :func:`dropout_scale`, keyed by
+        ``dropout_key`` (set with :meth:`seed_dropout`) and a draw per call.
 
     Raises ConfigError when the shapes do not fit (a kernel larger than its padded input, a
     pool larger than its input).
     """
 
-    def __init__(self, spec: str, input_shape, activation: str = "relu"):
+    def __init__(self, spec: str, input_shape, activation: str = "relu", dropout: float = 0.0):
         if activation not in ACTIVATIONS:
             raise ConfigError(f"unknown activation {activation!r}; choose one of {ACTIVATIONS}")
+        if not 0.0 <= float(dropout) < 1.0:
+            raise ConfigError(f"--dropout must be in [0, 1), got {dropout}")
+        self.dropout = float(dropout)
+        self.seed_dropout(dropout_key(0, 0))
         self.spec_text = resolve(spec)
         self.specs = parse_spec(spec)
         shape = tuple(int(n) for n in input_shape)
@@ -218,6 +281,17 @@ class ConvNet(SoftmaxOutput):
         # positions before pooling): what a checkpoint's layer_sizes attribute holds
         self.sizes = [self.n_features] + [int(np.prod(op.out_shape)) for op in self.ops
                                           if op.param >= 0]
+
+    def seed_dropout(self, key: int, first_draw: int = 0) -> None:
+        """Start the dropout stream ``key`` at draw ``first_draw``: each training call of
+        :meth:`loss_and_grad` without an explicit ``draw`` takes the next one (a thread-safe
+        counter, shared by threads that share the model)."""
+        self.dropout_key = int(key)
+        self.first_draw = int(first_draw)
+        self._draws = itertools.count(self.first_draw)
+
+    def next_draw(self) -> int:
+        return next(self._draws)
 
     def _out_shape(self, s: LayerSpec, shape: tuple) -> tuple:
         if s.kind in ("fc", "flatten"):
@@ -287,8 +361,9 @@ class ConvNet(SoftmaxOutput):
         return flatten_named(self, named)
 
     # -- computation -------------------------------------------------------------------------
-    def _run(self, flat: np.ndarray, x: np.ndarray, keep: bool):
-        """Forward pass: (logits, per-layer caches for the backward pass, or None)."""
+    def _run(self, flat: np.ndarray, x: np.ndarray, keep: bool, draw: int | None = None):
+        """Forward pass: (logits, per-layer caches for the backward pass, or None); with
+        dropout when ``draw`` is given."""
         v = self.views(flat)
         B = x.shape[0]
         a = self._images(x)
@@ -318,10 +393,14 @@ class ConvNet(SoftmaxOutput):
             if s.kind == "fc":
                 z = a @ v[f"layer{op.param}/W"]
                 z += v[f"layer{op.param}/b"]
+                m = None
                 if not op.last:
                     _act(self.activation, z)
-                cache = (a, z)
-                a = z
+                    if draw is not None and self.dropout:
+                        m = dropout_scale(self.dropout, self.dropout_key, draw, op.param, B,
+                                          s.out, dtype=z.dtype)
+                cache = (a, z, m)
+                a = z if m is None else z * m
             if keep and cache is not None:
                 caches.append((op, s.kind, cache))
         return a, caches
@@ -332,24 +411,30 @@ class ConvNet(SoftmaxOutput):
 
     def loss_and_grad(self, flat: np.ndarray, x: np.ndarray, y: np.ndarray,
                       grad: np.ndarray | None = None,
-                      parts: dict | None = None) -> tuple[float, np.ndarray]:
+                      parts: dict | None = None, draw: int | None = None
+                      ) -> tuple[float, np.ndarray]:
         """Mean softmax cross-entropy over the batch and its gradient (flat, dtype of flat).
 
-        ``grad``, when given, receives the gradient (overwritten, not accumulated).
+        ``grad``, when given, receives the gradient (overwritten, not accumulated). With
+        dropout, ``draw`` picks the masks (default: the stream's next draw).
         ``parts``, when given, receives for each fully connected layer ``{param layer: (its
         inputs (B, fan_in), the errors at its output (B, fan_out))}``, whose product is its
         W gradient (Project Adam's activation pushes, :mod:`hpcps.ps.activations`).
         """
         if grad is None:
             grad = np.empty(self.n_params, dtype=flat.dtype)
-        logits, caches = self._run(flat, x, keep=True)
+        if self.dropout and draw is None:
+            draw = self.next_draw()
+        logits, caches = self._run(flat, x, keep=True, draw=draw)
         loss, delta = MLP._softmax_xent_grad(logits, y)
         g = self.views(grad)
         w = self.views(flat)
         for op, kind, cache in reversed(caches):
             first = op is self.ops[0]   # no gradient needed at the input of the first layer
             if kind == "fc":
-                a, z = cache
+                a, z, m = cache
+                if m is not None:
+                    delta *= m
                 if not op.last:
                     _act_grad(self.activation, z, delta)
                 if parts is not None:
@@ -424,7 +509,7 @@ def build(cfg, info) -> "ConvNet | MLP":
                 "attribute image_shape = [C, H, W] (docs/formats.md); prepare it again with "
                 "python -m hpcps.data prepare mnist|digits, or set the attribute with h5py")
         shape = (info.n_features, 1, 1)
-    model = ConvNet(cfg.model, shape, cfg.activation)
+    model = ConvNet(cfg.model, shape, cfg.activation, cfg.dropout or 0.0)
     if model.n_classes != info.n_classes:
         raise ConfigError(f"--model {cfg.model} ends with {model.specs[-1].text}, but dataset "
                           f"{info.path} has {info.n_classes} classes: the last layer must be "
@@ -432,22 +517,32 @@ def build(cfg, info) -> "ConvNet | MLP":
     return model
 
 
-def build_partition(cfg, full, parts: int, part: int, exchange=None):
+def thread_key(key: int, thread: int) -> int:
+    """The dropout key of Hogwild thread ``thread`` of a replica whose key is ``key`` (thread 0
+    keeps the replica's)."""
+    return key if thread == 0 else dropout_key(key, 0, 0, thread)
+
+
+def build_partition(cfg, full, parts: int, part: int, exchange=None, thread: int = 0):
     """Partition ``part`` of ``parts`` of the whole model ``full`` (:func:`build`'s): a
     :class:`PartitionedConvNet` or a :class:`hpcps.model.PartitionedMLP`. Raises ConfigError
-    when a layer is narrower than ``parts``."""
+    when a layer is narrower than ``parts``. A conv model's dropout stream is ``full``'s, or
+    that of Hogwild thread ``thread`` of it."""
     from hpcps.model import PartitionedMLP, SingleExchange
     exchange = exchange if exchange is not None else SingleExchange
     if isinstance(full, ConvNet):
-        return PartitionedConvNet(cfg.model, full.input_shape, cfg.activation, parts, part,
-                                  exchange)
+        model = PartitionedConvNet(cfg.model, full.input_shape, cfg.activation, parts, part,
+                                   exchange, full.dropout)
+        model.seed_dropout(thread_key(full.dropout_key, thread), full.first_draw)
+        return model
     return PartitionedMLP(cfg.layers, cfg.activation, parts, part, exchange)
 
 
 def describe_model(model) -> str:
     """The model in a few words for the start line."""
     if isinstance(model, ConvNet):
-        return f"{model.spec_text} on {'x'.join(map(str, model.input_shape))} images"
+        drop = f", dropout {model.dropout:g}" if model.dropout else ""
+        return f"{model.spec_text} on {'x'.join(map(str, model.input_shape))} images{drop}"
     return ",".join(map(str, model.sizes))
 
 
@@ -484,9 +579,11 @@ class PartitionedConvNet(SoftmaxOutput):
     """
 
     def __init__(self, spec: str, input_shape, activation: str, parts: int, part: int,
-                 exchange=None):
+                 exchange=None, dropout: float = 0.0):
         from hpcps.model import SingleExchange, partition_widths
-        self.full = ConvNet(spec, input_shape, activation)
+        self.full = ConvNet(spec, input_shape, activation, dropout)
+        self.dropout = self.full.dropout
+        self.seed_dropout = self.full.seed_dropout  # one stream: the whole model's
         self.activation = activation
         self.input_shape = self.full.input_shape
         self.n_features = self.full.n_features
@@ -597,8 +694,9 @@ class PartitionedConvNet(SoftmaxOutput):
             -1, B), widths)
         return whole.reshape(-1, h, w, B).transpose(3, 1, 2, 0)
 
-    def _run(self, flat: np.ndarray, x: np.ndarray, keep: bool):
-        """Forward pass: (whole logits, caches for the backward pass, or None)."""
+    def _run(self, flat: np.ndarray, x: np.ndarray, keep: bool, draw: int | None = None):
+        """Forward pass: (whole logits, caches for the backward pass, or None); with dropout
+        of this partition's units when ``draw`` is given (the masks the whole model draws)."""
         v = self.views(flat)
         B = x.shape[0]
         a = self._images(x)  # whole on every partition
@@ -639,11 +737,15 @@ class PartitionedConvNet(SoftmaxOutput):
                     a = np.ascontiguousarray(a.transpose(0, 3, 1, 2)).reshape(B, -1)
                 z = a @ v[f"layer{l}/W"]
                 z += v[f"layer{l}/b"]
+                m = None
                 if not op.last:
                     _act(self.activation, z)
+                    if draw is not None and self.dropout:
+                        m = dropout_scale(self.dropout, self.full.dropout_key, draw, l, B,
+                                          s.out, lo, hi, dtype=z.dtype)
                 if keep:
-                    caches.append((op, "fc", (a, z)))
-                a = z
+                    caches.append((op, "fc", (a, z, m)))
+                a = z if m is None else z * m
             local = True
         logits = self.exchange.gather(np.ascontiguousarray(a.T), self.widths[-1]).T
         return logits, caches
@@ -652,11 +754,15 @@ class PartitionedConvNet(SoftmaxOutput):
         return [x, self._run(flat, x, keep=False)[0]]
 
     def loss_and_grad(self, flat: np.ndarray, x: np.ndarray, y: np.ndarray,
-                      grad: np.ndarray | None = None) -> tuple[float, np.ndarray]:
-        """Mean softmax cross-entropy of the whole replica and this partition's gradient."""
+                      grad: np.ndarray | None = None, draw: int | None = None
+                      ) -> tuple[float, np.ndarray]:
+        """Mean softmax cross-entropy of the whole replica and this partition's gradient
+        (with dropout: the masks of ``draw``, default the stream's next)."""
         if grad is None:
             grad = np.empty(self.n_params, dtype=flat.dtype)
-        logits, caches = self._run(flat, x, keep=True)
+        if self.dropout and draw is None:
+            draw = self.full.next_draw()
+        logits, caches = self._run(flat, x, keep=True, draw=draw)
         loss, probs = MLP._softmax_xent_grad(logits, y)
         lo, hi = self.cols[-1][self.part]
         delta = np.ascontiguousarray(probs[:, lo:hi])
@@ -686,7 +792,9 @@ class PartitionedConvNet(SoftmaxOutput):
             l -= 1
             first = l == 0
             if kind == "fc":
-                a, z = cache
+                a, z, m = cache
+                if m is not None:
+                    delta *= m
                 if not op.last:
                     _act_grad(self.activation, z, delta)
                 np.matmul(a.T, delta, out=g[f"layer{l}/W"])

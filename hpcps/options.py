@@ -142,6 +142,9 @@ WEIGHT_DECAY = Option("weight_decay", float, "L2 weight decay lambda: lambda * w
                       "lambda/2 * |w|^2 over every weight and bias) is added to each gradient a "
                       "replica computes, before it is pushed, summed, thresholded or applied "
                       "(default 0: none)", check="nonneg")
+DROPOUT = Option("dropout", float, "dropout rate p on the outputs of every hidden fully "
+                 "connected layer of a --model network, in training only (inverted dropout: "
+                 "kept units are scaled by 1/(1-p); default 0: none)", check="nonneg")
 HEARTBEAT_TIMEOUT = Option(
     "heartbeat_timeout", float, "replicas may die (Project Adam; launch with mpiexec "
     "-disable-auto-cleanup ... python -m hpcps.keeper, or srun --wait=0 ... python -m "

@@ -165,6 +165,9 @@ def _setup(cfg: config.Config, world, layout: Layout, info, ckpt, run_dir: Path)
     grid = build_grid(world, layout)
     opt = make_optimizer(cfg)
     role = grid.role
+    if role.is_replica and isinstance(full, convnet.ConvNet):  # its own dropout masks
+        full.seed_dropout(convnet.dropout_key(cfg.seed, role.replica,
+                                              ckpt.step if ckpt is not None else 0))
     model = full
     if P > 1:
         exchange = ReplicaExchange(grid.replica_comm, cfg.timeout) if role.is_replica \

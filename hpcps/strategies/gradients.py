@@ -59,7 +59,8 @@ class GradientSource:
                 cfg.layers, cfg.activation, ctx.model.parts, ctx.model.part, self.exchanges,
                 timeout=cfg.timeout * 2 * ctx.model.n_layers,
                 make_model=lambda ex: build_partition(cfg, ctx.full_model, ctx.model.parts,
-                                                      ctx.model.part, ex))
+                                                      ctx.model.part, ex,
+                                                      self.exchanges.index(ex)))
             self._seen = (0, 0.0)  # the threads' exchange figures already reported
         elif self.threads > 1:
             from hpcps.conv_hogwild import engine_for

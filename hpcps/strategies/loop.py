@@ -38,9 +38,10 @@ import numpy as np
 
 from hpcps import checkpoint, optim, trace
 from hpcps.data import Batches, Prefetcher
-from hpcps.errors import NonFiniteError
+from hpcps.errors import ConfigError, NonFiniteError
 from hpcps.metrics import DivergenceWatch
-from hpcps.options import INJECT_SLOW, LR_SCHEDULE, PREFETCH, WEIGHT_DECAY, parse_inject_slow
+from hpcps.options import (DROPOUT, INJECT_SLOW, LR_SCHEDULE, PREFETCH, WEIGHT_DECAY,
+                           parse_inject_slow)
 from hpcps.stacks import collect_wait
 from hpcps.stop import StopVote
 from hpcps.comm import PeerTimeout, dup_comm
@@ -52,15 +53,25 @@ from hpcps.strategies.gradients import GradientSource
 
 # The options every strategy built on this loop takes (each lists ``*LOOP_OPTIONS``): batch
 # prefetch, a slowed replica for tests, weight decay, added to every gradient (in
-# ``GradientSource``) whatever the strategy then does with it, and the learning-rate schedule,
-# which each strategy applies where its updates are taken (``ReplicaLoop.lr_factor``).
-LOOP_OPTIONS = (PREFETCH, INJECT_SLOW, WEIGHT_DECAY, LR_SCHEDULE)
+# ``GradientSource``) whatever the strategy then does with it, the learning-rate schedule,
+# which each strategy applies where its updates are taken (``ReplicaLoop.lr_factor``), and
+# dropout, which lives in the model's training pass (``hpcps.convnet``).
+LOOP_OPTIONS = (PREFETCH, INJECT_SLOW, WEIGHT_DECAY, LR_SCHEDULE, DROPOUT)
 
 
 def check_options(cfg) -> None:
     """Checks every strategy built on this loop shares (its ``validate``, or part of it)."""
     if cfg.inject_slow is not None:
         parse_inject_slow(cfg.inject_slow)
+    if cfg.dropout:
+        if not cfg.dropout < 1:
+            raise ConfigError(f"--dropout is the fraction of units dropped, below 1; got "
+                              f"{cfg.dropout}")
+        if cfg.model is None:
+            widths = ",".join(f"fc{n}" for n in cfg.layers[1:])
+            raise ConfigError("--dropout applies to the hidden fc layers of a --model network; "
+                              f"an MLP with dropout is --model {widths} (the same network "
+                              "as --layers without its input width)")
 
 
 def stall(timeout: float) -> None:
