@@ -69,7 +69,7 @@ COMMON = (
     Option("adagrad_eps", float, "added to sqrt(sum g^2) to avoid dividing by zero",
            default=1e-8, check="positive"),
     Option("momentum", float, "--optimizer momentum: the velocity's decay mu, in [0, 1) "
-           "(default 0.9)", check="nonneg"),
+           "(default 0.9)", check="fraction"),
     Option("nesterov", str, "--optimizer momentum: on for Nesterov's variant (default off)",
            choices=("on", "off")),
     Option("epochs", float, "passes over the training set, counted over all replicas together "
@@ -300,8 +300,6 @@ def _check_generic(cfg, spec: Strategy) -> None:
         if getattr(cfg, name) is not None and optimizer != "momentum":
             raise ConfigError(f"{flag(name)} applies only to --optimizer momentum, not "
                               f"{optimizer}")
-    if cfg.momentum is not None and not cfg.momentum < 1:
-        raise ConfigError(f"--momentum must be below 1, got {cfg.momentum}")
     if cfg.partitions > 1 and not spec.model_parallel:
         raise ConfigError(f"--strategy {cfg.strategy} runs replicas of one rank each: use "
                           "--partitions 1")

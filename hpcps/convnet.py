@@ -37,6 +37,7 @@ import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
 from hpcps.errors import ConfigError
+from hpcps.options import DROPOUT
 from hpcps.model import ACTIVATIONS, MLP, _act, _act_grad_inplace, flatten_named, local_views
 from hpcps.modelspec import LayerSpec, is_conv_spec, parse_spec, resolve  # noqa: F401
 
@@ -96,16 +97,9 @@ _MASK64 = (1 << 64) - 1
 DROP_BITS = 24  # a unit is dropped when the top 24 bits of its draw are below p * 2**24
 
 
-def _mix_int(z: int) -> int:
-    """SplitMix64's output function on a Python int (mod 2**64)."""
-    z &= _MASK64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return z ^ (z >> 31)
-
-
 def _mix(z: np.ndarray) -> np.ndarray:
-    """The same on a uint64 array (NumPy's uint64 arithmetic wraps mod 2**64)."""
+    """SplitMix64's output function on a uint64 array (NumPy's uint64 array arithmetic wraps
+    mod 2**64)."""
     z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
     z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
     return z ^ (z >> np.uint64(31))
@@ -123,10 +117,11 @@ def dropout_scale(p: float, key: int, draw: int, layer: int, rows: int, width: i
     ``width`` units. ``key`` names the stream (a replica and thread), ``draw`` the step in
     it, ``layer`` the parameter layer whose outputs are dropped."""
     hi = width if hi is None else hi
-    base = _mix_int(key + _GOLDEN * (draw * 256 + layer + 1))
+    base = _mix(np.array([(key + _GOLDEN * (draw * 256 + layer + 1)) & _MASK64],
+                         dtype=np.uint64))[0]
     idx = (np.arange(rows, dtype=np.uint64)[:, None] * np.uint64(width)
            + np.arange(lo, hi, dtype=np.uint64)[None, :] + np.uint64(1))
-    u = _mix(np.uint64(base) + idx * np.uint64(_GOLDEN)) >> np.uint64(64 - DROP_BITS)
+    u = _mix(base + idx * np.uint64(_GOLDEN)) >> np.uint64(64 - DROP_BITS)
     keep = u >= np.uint64(drop_threshold(p))
     return keep.astype(dtype) * np.asarray(1.0 / (1.0 - p), dtype=dtype)
 
@@ -247,9 +242,8 @@ class ConvNet(SoftmaxOutput):
     def __init__(self, spec: str, input_shape, activation: str = "relu", dropout: float = 0.0):
         if activation not in ACTIVATIONS:
             raise ConfigError(f"unknown activation {activation!r}; choose one of {ACTIVATIONS}")
-        if not 0.0 <= float(dropout) < 1.0:
-            raise ConfigError(f"--dropout must be in [0, 1), got {dropout}")
         self.dropout = float(dropout)
+        DROPOUT.check_value(self.dropout)
         self.seed_dropout(dropout_key(0, 0))
         self.spec_text = resolve(spec)
         self.specs = parse_spec(spec)

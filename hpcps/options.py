@@ -14,7 +14,7 @@ from typing import Any
 
 from hpcps.errors import ConfigError
 
-CHECKS = (None, "positive", "nonneg")
+CHECKS = (None, "positive", "nonneg", "fraction")
 TAU_TYPE = "tau"  # Option.type of --tau: a positive number or "auto"
 AUTO = "auto"
 
@@ -31,7 +31,8 @@ class Option:
     default : the value when not given; ``None`` means "not given", and the strategy in use
         fills its own default (see ``Strategy.defaults``).
     choices : the allowed values, if the option is a choice.
-    check : ``"positive"`` (> 0) or ``"nonneg"`` (>= 0) for numbers.
+    check : ``"positive"`` (> 0), ``"nonneg"`` (>= 0) or ``"fraction"`` (in [0, 1)) for
+        numbers.
     """
 
     name: str
@@ -62,6 +63,8 @@ class Option:
             raise ConfigError(f"{self.flag} must be positive, got {value}")
         if self.check == "nonneg" and not value >= 0:
             raise ConfigError(f"{self.flag} must be >= 0, got {value}")
+        if self.check == "fraction" and not 0 <= value < 1:
+            raise ConfigError(f"{self.flag} must be >= 0 and below 1, got {value}")
 
 
 def flag(name: str) -> str:
@@ -144,7 +147,7 @@ WEIGHT_DECAY = Option("weight_decay", float, "L2 weight decay lambda: lambda * w
                       "(default 0: none)", check="nonneg")
 DROPOUT = Option("dropout", float, "dropout rate p on the outputs of every hidden fully "
                  "connected layer of a --model network, in training only (inverted dropout: "
-                 "kept units are scaled by 1/(1-p); default 0: none)", check="nonneg")
+                 "kept units are scaled by 1/(1-p); default 0: none)", check="fraction")
 HEARTBEAT_TIMEOUT = Option(
     "heartbeat_timeout", float, "replicas may die (Project Adam; launch with mpiexec "
     "-disable-auto-cleanup ... python -m hpcps.keeper, or srun --wait=0 ... python -m "

@@ -63,15 +63,11 @@ def check_options(cfg) -> None:
     """Checks every strategy built on this loop shares (its ``validate``, or part of it)."""
     if cfg.inject_slow is not None:
         parse_inject_slow(cfg.inject_slow)
-    if cfg.dropout:
-        if not cfg.dropout < 1:
-            raise ConfigError(f"--dropout is the fraction of units dropped, below 1; got "
-                              f"{cfg.dropout}")
-        if cfg.model is None:
-            widths = ",".join(f"fc{n}" for n in cfg.layers[1:])
-            raise ConfigError("--dropout applies to the hidden fc layers of a --model network; "
-                              f"an MLP with dropout is --model {widths} (the same network "
-                              "as --layers without its input width)")
+    if cfg.dropout and cfg.model is None:
+        widths = ",".join(f"fc{n}" for n in cfg.layers[1:])
+        raise ConfigError("--dropout applies to the hidden fc layers of a --model network; "
+                          f"an MLP with dropout is --model {widths} (the same network as "
+                          "--layers without its input width)")
 
 
 def stall(timeout: float) -> None:
