@@ -20,14 +20,15 @@ SMALL = "conv3x3x4s2p1,pool2s1,conv2x2x3,fc5,fc3"   # stride, padding, overlappi
 DIGITS_CONV = "conv3x3x8p1,pool2,fc32,fc10"
 
 
-def numeric_grad(model, p, x, y, which, eps=1e-6):
+def numeric_grad(loss, p, which, eps=1e-6):
+    """Central differences of ``loss(params)`` at ``p`` for the entries ``which``."""
     g = np.empty(len(which))
     for n, i in enumerate(which):
         q = p.copy()
         q[i] += eps
-        hi = model.loss(q, x, y)
+        hi = loss(q)
         q[i] -= 2 * eps
-        g[n] = (hi - model.loss(q, x, y)) / (2 * eps)
+        g[n] = (hi - loss(q)) / (2 * eps)
     return g
 
 
@@ -42,7 +43,7 @@ def test_gradient_matches_finite_differences_in_float64(activation):
     # every bias and a sample of every weight array (the whole vector takes seconds)
     which = np.concatenate([np.arange(off, off + int(np.prod(shape)))[:12]
                             for _, shape, off in model.layout])
-    num = numeric_grad(model, p, x, y, which)
+    num = numeric_grad(lambda q: model.loss(q, x, y), p, which)
     assert np.abs(num - g[which]).max() <= 1e-6 * max(1.0, np.abs(g).max())
 
 

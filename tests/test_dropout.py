@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from mpirun import train
+from test_convnet import numeric_grad
 
 from hpcps import checkpoint, config, conv_hogwild, convnet
 from hpcps.conv_hogwild import ConvHogwild
@@ -47,15 +48,8 @@ def test_gradient_through_the_masks_matches_finite_differences(activation):
     loss, g = model.loss_and_grad(p, x, y, draw=3)
     which = np.concatenate([np.arange(off, off + int(np.prod(shape)))[:10]
                             for _, shape, off in model.layout])
-    eps = 1e-6
-    num = []
-    for i in which:
-        q = p.copy()
-        q[i] += eps
-        hi = model.loss_and_grad(q, x, y, draw=3)[0]
-        q[i] -= 2 * eps
-        num.append((hi - model.loss_and_grad(q, x, y, draw=3)[0]) / (2 * eps))
-    assert np.abs(np.array(num) - g[which]).max() <= 1e-6 * max(1.0, np.abs(g).max())
+    num = numeric_grad(lambda q: model.loss_and_grad(q, x, y, draw=3)[0], p, which)
+    assert np.abs(num - g[which]).max() <= 1e-6 * max(1.0, np.abs(g).max())
     # the masks matter in training and nowhere else
     plain = ConvNet(SMALL, (1, 8, 8), activation)
     assert not np.isclose(loss, plain.loss_and_grad(p, x, y)[0])
