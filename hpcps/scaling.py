@@ -269,7 +269,9 @@ def strom_table2(gbit: float = 1.0) -> list[dict]:
 
 def validate_cluster(path: str, repeats: int = 5, background: float | None = None) -> list:
     """The model against bench/cluster's measured throughput: for each run, the examples/s
-    predicted with that network's measured alpha and beta, this machine's cores shared by
+    predicted with that network's measured alpha and beta (measured with as many ranks
+    running as the run had, ``pingpong_at``, where the bench recorded it: on shared cores a
+    message waits for its receiver to be scheduled), this machine's cores shared by
     all ranks and by ``background`` runnable threads of other jobs (default: the load
     average the bench recorded, else the current one, less the measuring process), and
     (deadreckon) the run's own message size (bytes per step / (R - 1))."""
@@ -286,10 +288,10 @@ def validate_cluster(path: str, repeats: int = 5, background: float | None = Non
         background = max(0.0, load - 1)
     rows = []
     for net in data["networks"]:
-        pp = net["pingpong"]
         for run in net.get("throughput", []):
             if "error" in run:
                 continue
+            pp = net.get("pingpong_at", {}).get(str(run["ranks"]), net["pingpong"])
             w = Workload(n_params=n, batch=batch, compute_s=t_c, update_s_per_param=t_u,
                          cores=cores, background=background,
                          portion_s_per_example=m["portion_s_per_example"],
@@ -303,7 +305,7 @@ def validate_cluster(path: str, repeats: int = 5, background: float | None = Non
                            pp["beta_s_per_byte"])
             rows.append({"network": net["rate"], "strategy": run["strategy"],
                          "ranks": run["ranks"], "measured": run["examples_per_s"],
-                         "predicted": round(pred, 1),
+                         "predicted": round(pred, 1), "alpha_s": pp["alpha_s"],
                          "relative_difference": round(pred / run["examples_per_s"] - 1, 3),
                          "background": round(background, 1),
                          "bytes_measured": run["bytes_per_step"],
@@ -418,13 +420,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.validate_cluster:
         print(f"  (cores shared with {out['cluster'][0]['background'] if out['cluster'] else 0}"
               " runnable threads of other jobs)")
-        print(f"  {'network':>8} {'strategy':>12} {'ranks':>5} {'measured':>10} "
+        print(f"  {'network':>8} {'strategy':>12} {'ranks':>5} {'alpha':>9} {'measured':>10} "
               f"{'predicted':>10} {'diff':>7} {'bytes/step':>12} {'model':>12}")
         for r in out["cluster"]:
             print(f"  {r['network']:>8} {r['strategy']:>12} {r['ranks']:>5} "
-                  f"{r['measured']:>10,.0f} {r['predicted']:>10,.0f} "
-                  f"{100 * r['relative_difference']:>6.1f}% {r['bytes_measured']:>12,} "
-                  f"{r['bytes_model']:>12,}")
+                  f"{1e6 * r['alpha_s']:>6,.0f} us {r['measured']:>10,.0f} "
+                  f"{r['predicted']:>10,.0f} {100 * r['relative_difference']:>6.1f}% "
+                  f"{r['bytes_measured']:>12,} {r['bytes_model']:>12,}")
+        within = sum(abs(r["relative_difference"]) <= 0.25 for r in out["cluster"])
+        print(f"  within 25%: {within} of {len(out['cluster'])} runs")
     if args.png:
         print(f"\nplot: {args.png}")
     return 0

@@ -92,3 +92,28 @@ def test_cli_prints_the_curves_and_both_checks(tmp_path, capsys):
     assert png.stat().st_size > 1000
     with pytest.raises(SystemExit):
         scaling.main(["--alpha", "1e-5"])  # beta missing
+
+
+def test_the_cluster_check_takes_the_latency_measured_with_the_runs_ranks(tmp_path, monkeypatch):
+    """Each emulated-cluster run is predicted with the alpha and beta measured while as many
+    ranks ran as it had (``pingpong_at``), falling back to the two-rank ping-pong."""
+    monkeypatch.setattr(scaling, "measure_compute", lambda layers, batch, repeats: {
+        "compute_s": 0.004, "update_s_per_param": 1e-9, "portion_s_per_example": 1e-4,
+        "load_average": 0.0})
+    two, four = {"alpha_s": 2e-5, "beta_s_per_byte": 1e-9}, {"alpha_s": 3e-3,
+                                                               "beta_s_per_byte": 2e-9}
+    runs = [{"strategy": "sync", "ranks": k, "replicas": k, "servers": 0,
+             "examples_per_s": 1000.0, "bytes_per_step": 1.0} for k in (2, 4, 8)]
+    path = tmp_path / "cluster.json"
+    path.write_text(json.dumps({"layers": "64,32,10", "machine": {"nproc": 2,
+                                                                  "load_average": 1.0},
+                                "networks": [{"rate": "1gbit", "pingpong": two,
+                                              "pingpong_at": {"4": four},
+                                              "throughput": runs}]}))
+    rows = scaling.validate_cluster(str(path))
+    w = Workload(n_params=(64 + 1) * 32 + (32 + 1) * 10, batch=32, compute_s=0.004,
+                 update_s_per_param=1e-9, cores=2, portion_s_per_example=1e-4)
+    for row, pp in zip(rows, (two, four, two)):  # no ping-pong at 8 ranks: the two-rank one
+        assert row["alpha_s"] == pp["alpha_s"]
+        assert row["predicted"] == pytest.approx(predict("sync", w, row["ranks"], pp["alpha_s"],
+                                                         pp["beta_s_per_byte"]), abs=0.1)

@@ -2,8 +2,9 @@
 joined by links shaped to 1 Gb/s or 10 Gb/s, MPI over TCP between them; one JSON object.
 
 For each network (``--networks``): bring the hosts up (``netns.sh up K RATE``), measure
-MPI's latency and bandwidth between two hosts (``pingpong.py``), then train with
-``mpiexec.sh`` (one rank per host):
+MPI's latency and bandwidth between two hosts (``pingpong.py``), and again with as many ranks
+as each throughput run has (``pingpong_at``: the others waiting, all sharing this machine's
+cores), then train with ``mpiexec.sh`` (one rank per host):
 
 ``throughput``
     every strategy at each of ``--ranks`` (2, 4, 8), a short run of ``--steps`` global
@@ -74,9 +75,11 @@ def hosts_down() -> None:
     subprocess.run([str(NETNS), "down"], check=False)
 
 
-def pingpong(tmp: Path) -> dict:
+def pingpong(tmp: Path, ranks: int = 2) -> dict:
+    """MPI's alpha and beta between hosts 1 and 2 while ``ranks`` ranks run (the rest wait)."""
     env = dict(os.environ, PYTHONPATH=str(HERE.parents[1]))
-    out = subprocess.run([str(MPIEXEC), "-n", "2", sys.executable, str(HERE / "pingpong.py")],
+    out = subprocess.run([str(MPIEXEC), "-n", str(ranks), sys.executable,
+                          str(HERE / "pingpong.py")],
                          env=env, capture_output=True, text=True, timeout=300, cwd=tmp)
     if out.returncode != 0:
         raise RuntimeError(f"pingpong failed: {out.stderr[-2000:]}")
@@ -225,6 +228,10 @@ def main(argv=None) -> int:
                 log(f"  MPI between hosts: alpha {1e6 * net['pingpong']['alpha_s']:.0f} us, "
                     f"{net['pingpong']['bandwidth_gbit_s']:.2f} Gb/s")
                 if args.only in (None, "throughput"):
+                    net["pingpong_at"] = {str(n): pingpong(tmp, n) for n in rank_list if n > 2}
+                    for n, pp in net["pingpong_at"].items():
+                        log(f"  ... with {n} ranks running: alpha {1e6 * pp['alpha_s']:.0f} us, "
+                            f"{pp['bandwidth_gbit_s']:.2f} Gb/s")
                     net["throughput"] = [throughput(args, s, n, tmp) for s in names
                                          for n in rank_list if layout(s, n)]
                 if args.only in (None, "time_to_accuracy"):
