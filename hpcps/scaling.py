@@ -29,6 +29,13 @@ parameter for the optimizer's update:
                 every ``--flush-every`` portions it computed (and its remainder), through one
                 shard; the coordinator's commands are small (alpha each).
 
+Work on the whole parameter vector is measured on this CPU too: ``t_r`` seconds per float
+summed by an allreduce (sync and averaging: a ring sums (R-1)/R of the vector on each node;
+the alpha-beta model's missing per-byte arithmetic term), and ``t_d`` seconds per parameter of
+deadreckon's step (scaling the gradient, adding it to the residual, thresholding and packing
+the message: :class:`hpcps.compress.Compressor`, the code deadreckon runs), added to every
+deadreckon step.
+
 Bytes per step are the figures the strategies report in their summaries (``sync.py``,
 ``averaging.py``, ``downpour.py``, ``deadreckon.py``; ``--validate-cluster`` prints both).
 Model parallelism (P > 1) is not modelled.
@@ -91,6 +98,9 @@ class Workload:
         batches run BLAS faster per example than mini-batches); default compute_s / batch.
     portions, flush_every : sandblaster's ``--portions`` and ``--flush-every``.
     servers : downpour: parameter-server shards S (nodes that do not train).
+    reduce_s_per_param : seconds per float an allreduce sums (sync, averaging).
+    reckon_s_per_param : deadreckon: seconds per parameter of its per-step work on the whole
+        vector (scale the gradient, add it to the residual, threshold, pack).
     cores : cores shared by all nodes (the emulated cluster: every node is a namespace of one
         machine); None for real nodes, each with its own CPU.
     background : runnable threads of other jobs on those cores while the nodes run (a
@@ -110,6 +120,8 @@ class Workload:
     portions: int = 64
     flush_every: int = 4
     servers: int = 1
+    reduce_s_per_param: float = 0.0
+    reckon_s_per_param: float = 0.0
     cores: int | None = None
     background: float = 0.0
 
@@ -122,11 +134,12 @@ class Workload:
         return self.compute_s * max(1.0, (nodes + self.background) / self.cores)
 
 
-def ring(nbytes: float, R: int, alpha: float, beta: float) -> float:
-    """Seconds of a ring allreduce of ``nbytes`` over R nodes."""
+def ring(nbytes: float, R: int, alpha: float, beta: float, gamma: float = 0.0) -> float:
+    """Seconds of a ring allreduce of ``nbytes`` (float32) over R nodes; ``gamma``: seconds per
+    float summed (each node sums (R-1)/R of the vector)."""
     if R <= 1:
         return 0.0
-    return 2 * (R - 1) * alpha + 2 * (R - 1) / R * nbytes * beta
+    return 2 * (R - 1) * alpha + (R - 1) / R * nbytes * (2 * beta + gamma / 4)
 
 
 def bytes_per_step(strategy: str, w: Workload, R: int) -> float:
@@ -163,12 +176,13 @@ def predict(strategy: str, w: Workload, nodes: int, alpha: float, beta: float) -
     if strategy in ("sync", "averaging", "deadreckon"):
         R = nodes
         t = w.compute(nodes) + n * w.update_s_per_param
+        gamma = w.reduce_s_per_param
         if strategy == "sync":
-            t += ring(4 * (n + 1), R, alpha, beta)
+            t += ring(4 * (n + 1), R, alpha, beta, gamma)
         elif strategy == "averaging":
-            t += ring(4 * n * (1 + w.state_vectors), R, alpha, beta) / w.average_every
+            t += ring(4 * n * (1 + w.state_vectors), R, alpha, beta, gamma) / w.average_every
         else:
-            t += (R - 1) * (alpha + message_bytes(w) * beta) \
+            t += n * w.reckon_s_per_param + (R - 1) * (alpha + message_bytes(w) * beta) \
                 + (R - 1) * w.updates_per_step * w.update_s_per_param  # applying theirs
         return R * b / t
     if strategy == "downpour":
@@ -207,7 +221,10 @@ def curve(strategy: str, w: Workload, nodes: list[int], alpha: float, beta: floa
 def measure_compute(layers: list[int], batch: int, repeats: int = 5,
                     portion: int = 256) -> dict:
     """One mini-batch's forward and backward pass and an Adagrad update, on this CPU, one
-    thread, medians of ``repeats``: ``compute_s`` and ``update_s_per_param`` in CPU seconds
+    thread, medians of ``repeats``, and the work on the whole vector that an allreduce
+    (``reduce_s_per_param``) and a deadreckon step (``reckon_s_per_param``: scale, residual,
+    threshold at a tau that sends about one element in 1,000, pack) add per parameter:
+    ``compute_s`` and the ``*_per_param`` figures in CPU seconds
     (what the work costs a core of its own, also on a loaded machine), ``compute_wall_s`` in
     wall seconds (what it took here, sharing the cores), and the load average then."""
     from hpcps.model import MLP
@@ -238,9 +255,29 @@ def measure_compute(layers: list[int], batch: int, repeats: int = 5,
         c = time.process_time()
         opt.apply(params, grad, state)
         upd.append(time.process_time() - c)
+    n = model.n_params
+    other = rng.standard_normal(n).astype(np.float32)
+    red = []
+    for _ in range(repeats):
+        c = time.process_time()
+        np.add(grad, other, out=grad)
+        red.append(time.process_time() - c)
+    step = rng.standard_normal(n).astype(np.float32)
+    comp = compress.Compressor(n, float(np.quantile(np.abs(step), 0.999)))
+    scale = np.float32(1.0)  # the gradient times -lr
+    reckon = []
+    for _ in range(repeats):
+        g = step.copy()
+        comp.residual[:] = 0.0  # each pass sends the 0.1% of elements beyond tau
+        c = time.process_time()
+        g *= scale
+        comp.compress(g)
+        reckon.append(time.process_time() - c)
     return {"compute_s": statistics.median(cpu[1:]),
             "compute_wall_s": statistics.median(wall[1:]),
             "update_s_per_param": statistics.median(upd) / model.n_params,
+            "reduce_s_per_param": statistics.median(red) / n,
+            "reckon_s_per_param": statistics.median(reckon) / n,
             "portion_s_per_example": portion_s,
             "load_average": os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0}
 
@@ -293,6 +330,8 @@ def validate_cluster(path: str, repeats: int = 5, background: float | None = Non
                 continue
             pp = net.get("pingpong_at", {}).get(str(run["ranks"]), net["pingpong"])
             w = Workload(n_params=n, batch=batch, compute_s=t_c, update_s_per_param=t_u,
+                         reduce_s_per_param=m["reduce_s_per_param"],
+                         reckon_s_per_param=m["reckon_s_per_param"],
                          cores=cores, background=background,
                          portion_s_per_example=m["portion_s_per_example"],
                          servers=max(1, run.get("servers", 1)))
@@ -373,6 +412,8 @@ def main(argv: list[str] | None = None) -> int:
     n = sum((layers[i] + 1) * layers[i + 1] for i in range(len(layers) - 1))
     bits = 11.0
     w = Workload(n_params=n, batch=args.batch_size, compute_s=t_c, update_s_per_param=t_u,
+                 reduce_s_per_param=m["reduce_s_per_param"],
+                 reckon_s_per_param=m["reckon_s_per_param"],
                  portion_s_per_example=m["portion_s_per_example"],
                  updates_per_step=4 * n / args.compression * 8 / bits, bits_per_update=bits,
                  servers=args.servers)

@@ -16,6 +16,21 @@ def test_ring_allreduce_cost():
     assert ring(1e6, 1, 1e-5, 1e-9) == 0.0
     # 2 (R-1) latencies and 2 (R-1)/R of the buffer per rank
     assert ring(1e6, 4, 1e-5, 1e-9) == pytest.approx(6e-5 + 1.5e6 * 1e-9)
+    # and each node sums 3/4 of the 250,000 floats
+    assert ring(1e6, 4, 1e-5, 1e-9, 4e-9) == pytest.approx(6e-5 + 1.5e6 * 1e-9 + 187_500 * 4e-9)
+
+
+def test_the_vector_work_of_a_step_is_counted():
+    """sync's allreduce sums (R-1)/R of the vector on each node; deadreckon thresholds and
+    packs the whole vector every step; the measured figures are positive."""
+    n, R = W.n_params, 4
+    summing = replace(W, reduce_s_per_param=1e-9, reckon_s_per_param=2e-9)
+    t = {s: R * W.batch / predict(s, W, R, 1e-5, 1e-9) for s in ("sync", "deadreckon")}
+    t2 = {s: R * W.batch / predict(s, summing, R, 1e-5, 1e-9) for s in ("sync", "deadreckon")}
+    assert t2["sync"] - t["sync"] == pytest.approx((R - 1) / R * (n + 1) * 1e-9)
+    assert t2["deadreckon"] - t["deadreckon"] == pytest.approx(n * 2e-9)
+    m = scaling.measure_compute([64, 32, 10], 16, repeats=2)
+    assert m["reduce_s_per_param"] > 0 and m["reckon_s_per_param"] > 0, m
 
 
 @pytest.mark.parametrize("strategy", ["sync", "averaging", "deadreckon"])
@@ -99,7 +114,7 @@ def test_the_cluster_check_takes_the_latency_measured_with_the_runs_ranks(tmp_pa
     ranks ran as it had (``pingpong_at``), falling back to the two-rank ping-pong."""
     monkeypatch.setattr(scaling, "measure_compute", lambda layers, batch, repeats: {
         "compute_s": 0.004, "update_s_per_param": 1e-9, "portion_s_per_example": 1e-4,
-        "load_average": 0.0})
+        "reduce_s_per_param": 2e-10, "reckon_s_per_param": 1e-9, "load_average": 0.0})
     two, four = {"alpha_s": 2e-5, "beta_s_per_byte": 1e-9}, {"alpha_s": 3e-3,
                                                                "beta_s_per_byte": 2e-9}
     runs = [{"strategy": "sync", "ranks": k, "replicas": k, "servers": 0,
@@ -112,7 +127,8 @@ def test_the_cluster_check_takes_the_latency_measured_with_the_runs_ranks(tmp_pa
                                               "throughput": runs}]}))
     rows = scaling.validate_cluster(str(path))
     w = Workload(n_params=(64 + 1) * 32 + (32 + 1) * 10, batch=32, compute_s=0.004,
-                 update_s_per_param=1e-9, cores=2, portion_s_per_example=1e-4)
+                 update_s_per_param=1e-9, reduce_s_per_param=2e-10, reckon_s_per_param=1e-9,
+                 cores=2, portion_s_per_example=1e-4)
     for row, pp in zip(rows, (two, four, two)):  # no ping-pong at 8 ranks: the two-rank one
         assert row["alpha_s"] == pp["alpha_s"]
         assert row["predicted"] == pytest.approx(predict("sync", w, row["ranks"], pp["alpha_s"],
