@@ -29,12 +29,12 @@ parameter for the optimizer's update:
                 every ``--flush-every`` portions it computed (and its remainder), through one
                 shard; the coordinator's commands are small (alpha each).
 
-Work on the whole parameter vector is measured on this CPU too: ``t_r`` seconds per float
-summed by an allreduce (sync and averaging: a ring sums (R-1)/R of the vector on each node;
-the alpha-beta model's missing per-byte arithmetic term), and ``t_d`` seconds per parameter of
-deadreckon's step (scaling the gradient, adding it to the residual, thresholding and packing
-the message: :class:`hpcps.compress.Compressor`, the code deadreckon runs), added to every
-deadreckon step.
+Work on the whole parameter vector is measured on this CPU too: the seconds per float an
+allreduce sums (``reduce_s_per_param``; sync and averaging: a ring sums (R-1)/R of the vector
+on each node; the alpha-beta model's missing per-byte arithmetic term), and the seconds per
+parameter of deadreckon's step (``reckon_s_per_param``: scaling the gradient, adding it to
+the residual, thresholding and packing the message with :class:`hpcps.compress.Compressor`,
+the code deadreckon runs), added to every deadreckon step.
 
 Bytes per step are the figures the strategies report in their summaries (``sync.py``,
 ``averaging.py``, ``downpour.py``, ``deadreckon.py``; ``--validate-cluster`` prints both).
@@ -282,6 +282,16 @@ def measure_compute(layers: list[int], batch: int, repeats: int = 5,
             "load_average": os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0}
 
 
+def measured_workload(m: dict, n_params: int, batch: int, **kw) -> Workload:
+    """The Workload of what :func:`measure_compute` measured (``m``), with ``kw`` for the
+    rest."""
+    return Workload(n_params=n_params, batch=batch, compute_s=m["compute_s"],
+                    update_s_per_param=m["update_s_per_param"],
+                    reduce_s_per_param=m["reduce_s_per_param"],
+                    reckon_s_per_param=m["reckon_s_per_param"],
+                    portion_s_per_example=m["portion_s_per_example"], **kw)
+
+
 # -- the checks --------------------------------------------------------------------------------
 # Strom 2015, Table 2: nodes, relative speed (epochs 2-10, tau = 4).
 STROM_TABLE2 = [(1, 1.0), (5, 4.3), (10, 8.7), (20, 17.0), (40, 33.0), (80, 54.0)]
@@ -317,24 +327,19 @@ def validate_cluster(path: str, repeats: int = 5, background: float | None = Non
     layers = [int(v) for v in str(data["layers"]).split(",")]
     batch = 32
     m = measure_compute(layers, batch, repeats)
-    t_c, t_u = m["compute_s"], m["update_s_per_param"]
     n = sum((layers[i] + 1) * layers[i + 1] for i in range(len(layers) - 1))
     cores = data.get("machine", {}).get("nproc") or os.cpu_count()
     if background is None:
         load = data.get("machine", {}).get("load_average", m["load_average"])
         background = max(0.0, load - 1)
+    shared = measured_workload(m, n, batch, cores=cores, background=background)
     rows = []
     for net in data["networks"]:
         for run in net.get("throughput", []):
             if "error" in run:
                 continue
             pp = net.get("pingpong_at", {}).get(str(run["ranks"]), net["pingpong"])
-            w = Workload(n_params=n, batch=batch, compute_s=t_c, update_s_per_param=t_u,
-                         reduce_s_per_param=m["reduce_s_per_param"],
-                         reckon_s_per_param=m["reckon_s_per_param"],
-                         cores=cores, background=background,
-                         portion_s_per_example=m["portion_s_per_example"],
-                         servers=max(1, run.get("servers", 1)))
+            w = replace(shared, servers=max(1, run.get("servers", 1)))
             if run["strategy"] == "deadreckon" and run["replicas"] > 1:
                 # the updates per step depend on the data: take them from the run's bytes
                 per_msg = run["bytes_per_step"] / (run["replicas"] - 1)
@@ -411,12 +416,8 @@ def main(argv: list[str] | None = None) -> int:
     t_c, t_u = m["compute_s"], m["update_s_per_param"]
     n = sum((layers[i] + 1) * layers[i + 1] for i in range(len(layers) - 1))
     bits = 11.0
-    w = Workload(n_params=n, batch=args.batch_size, compute_s=t_c, update_s_per_param=t_u,
-                 reduce_s_per_param=m["reduce_s_per_param"],
-                 reckon_s_per_param=m["reckon_s_per_param"],
-                 portion_s_per_example=m["portion_s_per_example"],
-                 updates_per_step=4 * n / args.compression * 8 / bits, bits_per_update=bits,
-                 servers=args.servers)
+    w = measured_workload(m, n, args.batch_size, servers=args.servers, bits_per_update=bits,
+                          updates_per_step=4 * n / args.compression * 8 / bits)
     names = args.strategies.split(",")
     curves = {s: curve(s, w, nodes, alpha, beta) for s in names}
     out = {"model": layers, "parameters": n, "network": args.network if args.alpha is None

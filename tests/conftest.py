@@ -30,6 +30,8 @@ def cache_bytecode_outside_the_tree(environ=os.environ) -> None:
     if environ.get("PYTHONDONTWRITEBYTECODE"):
         del environ["PYTHONDONTWRITEBYTECODE"]
         environ.setdefault("PYTHONPYCACHEPREFIX", str(mnist_cache_dir() / "pycache"))
+
+
 # What a usable MNIST file holds (hpcps.data.prepare_mnist writes exactly this).
 MNIST_EXPECTED = {"name": "mnist", "n_train": 60000, "n_test": 10000, "n_features": 784,
                   "n_classes": 10}

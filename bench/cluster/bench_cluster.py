@@ -3,8 +3,8 @@ joined by links shaped to 1 Gb/s or 10 Gb/s, MPI over TCP between them; one JSON
 
 For each network (``--networks``): bring the hosts up (``netns.sh up K RATE``), measure
 MPI's latency and bandwidth between two hosts (``pingpong.py``), and again with as many ranks
-as each throughput run has (``pingpong_at``: the others waiting, all sharing this machine's
-cores), then train with ``mpiexec.sh`` (one rank per host):
+as each throughput run has (``pingpong_at``: the others computing mini-batches, all sharing
+this machine's cores), then train with ``mpiexec.sh`` (one rank per host):
 
 ``throughput``
     every strategy at each of ``--ranks`` (2, 4, 8), a short run of ``--steps`` global
@@ -76,7 +76,8 @@ def hosts_down() -> None:
 
 
 def pingpong(tmp: Path, ranks: int = 2) -> dict:
-    """MPI's alpha and beta between hosts 1 and 2 while ``ranks`` ranks run (the rest wait)."""
+    """MPI's alpha and beta between hosts 1 and 2 while ``ranks`` ranks run (the rest
+    compute)."""
     env = dict(os.environ, PYTHONPATH=str(HERE.parents[1]))
     out = subprocess.run([str(MPIEXEC), "-n", str(ranks), sys.executable,
                           str(HERE / "pingpong.py")],

@@ -3,7 +3,7 @@ them (alpha: half the round trip of an 8-byte message; beta: seconds per byte fr
 round trip of large messages). Prints one JSON object.
 
     mpiexec -n 2 python bench/cluster/pingpong.py [--repeats N]
-    mpiexec -n 8 python bench/cluster/pingpong.py     # 0 and 1 ping-pong, 2-7 wait
+    mpiexec -n 8 python bench/cluster/pingpong.py     # 0 and 1 ping-pong, 2-7 compute
 
 With more than two ranks, ranks 2 and up compute while 0 and 1 measure, as the ranks of a
 training job do between their messages (sgemm of a mini-batch's size, until rank 0 tells them
