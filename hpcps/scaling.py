@@ -76,6 +76,10 @@ NETWORKS = {
 }
 
 STRATEGIES = ("sync", "averaging", "downpour", "deadreckon", "sandblaster")
+# every replica sends and receives at once in each step (a ring allreduce's steps, or
+# deadreckon's message to every peer): checked with the latency and bandwidth of a ring
+# exchange, not of one pair's ping-pong (bench/cluster/pingpong.py measures both)
+RING_STRATEGIES = ("sync", "averaging", "deadreckon")
 
 
 @dataclass(frozen=True)
@@ -105,6 +109,8 @@ class Workload:
         machine); None for real nodes, each with its own CPU.
     background : runnable threads of other jobs on those cores while the nodes run (a
         shared machine's load).
+    co_run : how much slower a pass runs on those cores when all of them compute at once
+        than on one alone (:func:`measure_together`; 1 for real nodes).
     """
 
     n_params: int
@@ -124,14 +130,23 @@ class Workload:
     reckon_s_per_param: float = 0.0
     cores: int | None = None
     background: float = 0.0
+    co_run: float = 1.0
+
+    def share(self, nodes: int) -> float:
+        """How many times longer CPU work takes when ``nodes`` ranks run than on a core of
+        its own: 1 on real nodes; on shared cores each of the runnable threads (ours and
+        the background's) gets cores / threads of a core, at ``co_run`` times the time once
+        every core is busy (in proportion before)."""
+        if not self.cores:
+            return 1.0
+        busy = min(float(self.cores), nodes + self.background)
+        co_run = 1.0 if self.cores < 2 else \
+            1.0 + (self.co_run - 1.0) * max(0.0, busy - 1.0) / (self.cores - 1.0)
+        return co_run * max(1.0, (nodes + self.background) / self.cores)
 
     def compute(self, nodes: int) -> float:
-        """Seconds of one mini-batch when ``nodes`` ranks compute at once: ``compute_s`` is
-        the time on a core of its own; on shared cores each of the runnable threads (ours
-        and the background's) gets cores / threads of a core."""
-        if not self.cores:
-            return self.compute_s
-        return self.compute_s * max(1.0, (nodes + self.background) / self.cores)
+        """Seconds of one mini-batch when ``nodes`` ranks compute at once (:meth:`share`)."""
+        return self.compute_s * self.share(nodes)
 
 
 def ring(nbytes: float, R: int, alpha: float, beta: float, gamma: float = 0.0) -> float:
@@ -173,17 +188,19 @@ def message_bytes(w: Workload) -> float:
 def predict(strategy: str, w: Workload, nodes: int, alpha: float, beta: float) -> float:
     """Examples per second of ``strategy`` on ``nodes`` nodes (0.0 where it cannot run)."""
     n, b = w.n_params, w.batch
+    share = w.share(nodes)  # CPU work on shared cores (1 on real nodes)
     if strategy in ("sync", "averaging", "deadreckon"):
         R = nodes
-        t = w.compute(nodes) + n * w.update_s_per_param
-        gamma = w.reduce_s_per_param
+        t = w.compute(nodes) + n * w.update_s_per_param * share
+        gamma = w.reduce_s_per_param * share
         if strategy == "sync":
             t += ring(4 * (n + 1), R, alpha, beta, gamma)
         elif strategy == "averaging":
             t += ring(4 * n * (1 + w.state_vectors), R, alpha, beta, gamma) / w.average_every
         else:
-            t += n * w.reckon_s_per_param + (R - 1) * (alpha + message_bytes(w) * beta) \
-                + (R - 1) * w.updates_per_step * w.update_s_per_param  # applying theirs
+            t += n * w.reckon_s_per_param * share \
+                + (R - 1) * (alpha + message_bytes(w) * beta) \
+                + (R - 1) * w.updates_per_step * w.update_s_per_param * share  # theirs
         return R * b / t
     if strategy == "downpour":
         S = w.servers
@@ -194,17 +211,18 @@ def predict(strategy: str, w: Workload, nodes: int, alpha: float, beta: float) -
         replica = w.compute(nodes) + 3 * S * alpha + 2 * 4 * n * beta
         # a shard's loop does one thing at a time (ps/gradient_shard.py): per replica step it
         # receives the push, applies it, answers the ask with its n/S parameters
-        shard = R * (3 * alpha + 2 * 4 * n / S * beta + n / S * w.update_s_per_param)
+        shard = R * (3 * alpha + 2 * 4 * n / S * beta + n / S * w.update_s_per_param * share)
         return R * b / max(replica, shard)
     if strategy == "sandblaster":
         R = nodes - 2
         if R < 1:
             return 0.0
         per_example = w.portion_s_per_example or w.compute_s / b
-        work = w.compute(nodes) / w.compute_s * per_example * w.batch_examples / R
+        work = share * per_example * w.batch_examples / R
         shard = sandblaster_transfers(w, R) * (alpha + 4 * n * beta)  # fetches, pushes: one link
         commands = 20 * alpha * 2  # the coordinator's L-BFGS commands, round trips
-        return w.batch_examples / (work + shard + commands + 4 * n * w.update_s_per_param)
+        return w.batch_examples / (work + shard + commands
+                                   + 4 * n * w.update_s_per_param * share)
     raise ValueError(f"unknown strategy {strategy!r}; choose one of {STRATEGIES}")
 
 
@@ -218,68 +236,188 @@ def curve(strategy: str, w: Workload, nodes: list[int], alpha: float, beta: floa
     return out
 
 
-def measure_compute(layers: list[int], batch: int, repeats: int = 5,
-                    portion: int = 256) -> dict:
+def sample_inputs(layers: list[int], rows: int, data: str | None = None):
+    """``rows`` examples to time with, and what they are: the first rows of ``data``'s
+    training split (an hpcps HDF5 dataset) when given, else dense standard-normal inputs
+    (no zeros: the slowest case for the first layer, which skips zero inputs)."""
+    rng = np.random.default_rng(0)
+    if data:
+        from hpcps.data.h5format import load_split, open_dataset
+        info = open_dataset(data)
+        if info.n_features != layers[0]:
+            raise ValueError(f"{data}: rows of {info.n_features} features, but the model's "
+                             f"first layer takes {layers[0]}")
+        x, y = load_split(data, "train", 0, max(1, info.n_train // rows))
+        x, y = x[:rows], y[:rows] % layers[-1]
+        reps = -(-rows // len(x))  # a file of fewer rows: use them again
+        x, y = np.ascontiguousarray(np.tile(x, (reps, 1))[:rows]), np.tile(y, reps)[:rows]
+        what = f"{rows} rows of {info.name} ({100 * float(np.mean(x == 0)):.0f}% zeros)"
+    else:
+        x = rng.standard_normal((rows, layers[0])).astype(np.float32)
+        y = rng.integers(0, layers[-1], rows)
+        what = "dense random inputs (no zeros to skip)"
+    return x, np.ascontiguousarray(y, dtype=np.int64), what
+
+
+WARM_STEPS = 3  # steps measure_compute takes before it times (the first run cold)
+
+
+def measure_compute(layers: list[int], batch: int, repeats: int = 15,
+                    portion: int = 512, data: str | None = None, start=None) -> dict:
     """One mini-batch's forward and backward pass and an Adagrad update, on this CPU, one
-    thread, medians of ``repeats``, and the work on the whole vector that an allreduce
+    thread, medians of ``repeats`` steps taken as a replica takes them (pass, update; after
+    ``WARM_STEPS``), and the work on the whole vector that an allreduce
     (``reduce_s_per_param``) and a deadreckon step (``reckon_s_per_param``: scale, residual,
     threshold at a tau that sends about one element in 1,000, pack) add per parameter:
     ``compute_s`` and the ``*_per_param`` figures in CPU seconds
     (what the work costs a core of its own, also on a loaded machine), ``compute_wall_s`` in
-    wall seconds (what it took here, sharing the cores), and the load average then."""
+    wall seconds (what it took here, sharing the cores), and the load average then.
+
+    The pass runs the code a replica runs (:class:`hpcps.strategies.gradients.GradientSource`
+    at one thread): the compiled engine's ``loss_and_grad`` when it is built (its first layer
+    skips zero inputs, its sgemm is the BLAS ``HPCPS_BLAS`` chooses), NumPy's otherwise, each
+    repeat on the next mini-batch of :func:`sample_inputs` (``data``: the user's rows, whose
+    zeros the first layer skips). Sandblaster's portion (``portion_s_per_example``) is
+    ``portion`` rows summed as its replicas sum them (``gradient_sum`` in chunks of 256).
+    ``path`` says which code and inputs were measured; ``start``, when given, is called just
+    before the first step (:func:`measure_together` lines processes up with it)."""
+    from hpcps import hogwild
     from hpcps.model import MLP
     from hpcps.optim import Adagrad
     model = MLP(layers, "relu")
     params = model.init_params(0)
-    rng = np.random.default_rng(0)
-    x = rng.standard_normal((batch, layers[0])).astype(np.float32)
-    y = rng.integers(0, layers[-1], batch)
+    x, y, inputs = sample_inputs(layers, max(portion, batch * (WARM_STEPS + repeats)), data)
     grad = np.empty_like(params)
-    cpu, wall = [], []
-    for _ in range(repeats + 1):
-        w, c = time.perf_counter(), time.process_time()
-        model.loss_and_grad(params, x, y, grad)
-        cpu.append(time.process_time() - c)
-        wall.append(time.perf_counter() - w)
-    xp = rng.standard_normal((portion, layers[0])).astype(np.float32)
-    yp = rng.integers(0, layers[-1], portion)
-    model.loss_and_grad(params, xp, yp, grad)
-    c = time.process_time()
-    model.loss_and_grad(params, xp, yp, grad)
-    portion_s = (time.process_time() - c) / portion
+    if hogwild.HAVE_EXTENSION:
+        from hpcps.kernels import blas
+        from hpcps.strategies.sandblaster import PORTION_CHUNK
+        engine = hogwild.HogwildEngine(layers, "relu", threads=1, batch=batch)
+        chunks = hogwild.HogwildEngine(layers, "relu", threads=1, batch=PORTION_CHUNK)
+        step = engine.loss_and_grad
+        skip = engine.zero_skip_isa
+        skipping = f"first layer skips zeros, {skip}" if skip else "no zero skipping"
+        path = f"compiled engine ({skipping}; sgemm: {blas.current()})"
+    else:
+        step, chunks = model.loss_and_grad, None
+        path = "NumPy (compiled kernels not built)"
     opt = Adagrad(0.01)
     state = opt.init_state(model.n_params)
-    grad *= 1e-3
-    upd = []
-    for _ in range(repeats):
+    cpu, wall, upd = [], [], []
+    if start is not None:
+        start()
+    for i in range(WARM_STEPS + repeats):  # steps as a replica takes them: pass, update
+        j = i % (len(x) // batch)
+        xb, yb = x[j * batch:(j + 1) * batch], y[j * batch:(j + 1) * batch]
+        w, c = time.perf_counter(), time.process_time()
+        step(params, xb, yb, grad=grad)
+        cpu.append(time.process_time() - c)
+        wall.append(time.perf_counter() - w)
+        grad *= np.float32(1e-3)
         c = time.process_time()
         opt.apply(params, grad, state)
         upd.append(time.process_time() - c)
+    cpu, wall, upd = cpu[WARM_STEPS:], wall[WARM_STEPS:], upd[WARM_STEPS:]
+    rows = np.arange(portion, dtype=np.int64)
+    if chunks is not None:
+        chunks.gradient_sum(params, x, y, rows[:PORTION_CHUNK], grad)  # warm
+        c = time.process_time()
+        chunks.gradient_sum(params, x, y, rows, grad)
+    else:
+        c = time.process_time()
+        model.loss_and_grad(params, x[:portion], y[:portion], grad)
+    portion_s = (time.process_time() - c) / portion
     n = model.n_params
-    other = rng.standard_normal(n).astype(np.float32)
+    other = rng_normal(n, 1)
     red = []
     for _ in range(repeats):
         c = time.process_time()
         np.add(grad, other, out=grad)
         red.append(time.process_time() - c)
-    step = rng.standard_normal(n).astype(np.float32)
-    comp = compress.Compressor(n, float(np.quantile(np.abs(step), 0.999)))
+    step_vec = rng_normal(n, 2)
+    comp = compress.Compressor(n, float(np.quantile(np.abs(step_vec), 0.999)))
     scale = np.float32(1.0)  # the gradient times -lr
     reckon = []
     for _ in range(repeats):
-        g = step.copy()
+        g = step_vec.copy()
         comp.residual[:] = 0.0  # each pass sends the 0.1% of elements beyond tau
         c = time.process_time()
         g *= scale
         comp.compress(g)
         reckon.append(time.process_time() - c)
-    return {"compute_s": statistics.median(cpu[1:]),
-            "compute_wall_s": statistics.median(wall[1:]),
+    return {"compute_s": statistics.median(cpu),
+            "compute_wall_s": statistics.median(wall),
             "update_s_per_param": statistics.median(upd) / model.n_params,
             "reduce_s_per_param": statistics.median(red) / n,
             "reckon_s_per_param": statistics.median(reckon) / n,
             "portion_s_per_example": portion_s,
+            "path": f"{path}, on {inputs}",
             "load_average": os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0}
+
+
+def _measure_beside(index, core, barrier, results, layers, batch, repeats, data,
+                    rounds) -> None:
+    """One of measure_together's processes: per round, process 0 alone (the others wait at
+    the barrier, blocked), then all at once."""
+    if core is not None:
+        os.sched_setaffinity(0, {core})
+    for _ in range(rounds):
+        alone = measure_compute(layers, batch, repeats, data=data)["compute_s"] \
+            if index == 0 else None
+        barrier.wait()
+        together = measure_compute(layers, batch, repeats, data=data,
+                                   start=barrier.wait)["compute_s"]
+        results.put((index, alone, together))
+
+
+def measure_together(layers: list[int], batch: int, processes: int, repeats: int = 30,
+                     data: str | None = None, rounds: int = 3,
+                     timeout: float = 600.0) -> dict:
+    """How much slower a mini-batch's pass runs on this machine when ``processes`` processes
+    (its cores) run it at once than when one runs alone: cores that share a physical core,
+    a cache or the memory bus slow each other down, which a fair share of the cores does
+    not say. Each of ``rounds`` times one process measures alone, then all of them at once
+    (starting their steps together at a barrier), each pinned to a core of its own where
+    the system can pin (else two could share a core until the scheduler moves one, which
+    takes longer than the measurement), with the BLAS this process uses. Returns the
+    medians over the rounds of the time alone, of the processes' median together, and of
+    their ratio, ``slowdown`` (at least 1): alternating rounds keep a machine's drift out
+    of the ratio."""
+    import multiprocessing as mp
+
+    from hpcps import hogwild
+    if processes < 2:
+        alone = measure_compute(layers, batch, repeats, data=data)["compute_s"]
+        return {"processes": processes, "alone_s": alone, "together_s": alone, "slowdown": 1.0}
+    if hogwild.HAVE_EXTENSION:  # the children use the library this process chose
+        from hpcps.kernels import blas
+        os.environ[blas.ENV] = blas.current()
+    ctx = mp.get_context("spawn")
+    barrier, results = ctx.Barrier(processes), ctx.Queue()
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    procs = [ctx.Process(target=_measure_beside,
+                         args=(i, cores[i % len(cores)] if cores else None, barrier, results,
+                               layers, batch, repeats, data, rounds), daemon=True)
+             for i in range(processes)]
+    for p in procs:
+        p.start()
+    try:
+        got = [results.get(timeout=timeout) for _ in range(rounds * processes)]
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.terminate()
+    alone = [a for i, a, _ in got if i == 0]
+    together = [statistics.median(t for _, _, t in got[r * processes:(r + 1) * processes])
+                for r in range(rounds)]
+    ratios = [t / a for t, a in zip(together, alone)]
+    return {"processes": processes, "alone_s": statistics.median(alone),
+            "together_s": statistics.median(together),
+            "slowdown": max(1.0, statistics.median(ratios))}
+
+
+def rng_normal(n: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal(n).astype(np.float32)
 
 
 def measured_workload(m: dict, n_params: int, batch: int, **kw) -> Workload:
@@ -314,31 +452,51 @@ def strom_table2(gbit: float = 1.0) -> list[dict]:
     return rows
 
 
-def validate_cluster(path: str, repeats: int = 5, background: float | None = None) -> list:
+def validate_cluster(path: str, repeats: int = 15, background: float | None = None,
+                     data: str | None = None) -> list:
     """The model against bench/cluster's measured throughput: for each run, the examples/s
     predicted with that network's measured alpha and beta (measured with as many ranks
     running as the run had, ``pingpong_at``, where the bench recorded it: on shared cores a
-    message waits for its receiver to be scheduled), this machine's cores shared by
+    message waits for its receiver to be scheduled; for sync, averaging and deadreckon those
+    of a ring exchange, every rank sending at once, ``ring``, where recorded), this
+    machine's cores shared by
     all ranks and by ``background`` runnable threads of other jobs (default: the load
-    average the bench recorded, else the current one, less the measuring process), and
-    (deadreckon) the run's own message size (bytes per step / (R - 1))."""
+    average the bench recorded, else the current one, less the measuring process), each
+    pass slower by what :func:`measure_together` measures with every core computing, and
+    (deadreckon) the run's own message size (bytes per step / (R - 1)). The compute is
+    what the bench measured just before each run (``compute`` in its record: a shared
+    machine's speed drifts over minutes); for a bench that did not, it is measured here, on
+    rows of ``data`` (default: the bench's dataset, where that file is here), whose zeros
+    the first layer skips as it did in the runs."""
     with open(path) as fh:
-        data = json.load(fh)
-    layers = [int(v) for v in str(data["layers"]).split(",")]
+        bench = json.load(fh)
+    layers = [int(v) for v in str(bench["layers"]).split(",")]
     batch = 32
-    m = measure_compute(layers, batch, repeats)
+    if data is None and bench.get("data") and os.path.exists(bench["data"]):
+        data = bench["data"]
     n = sum((layers[i] + 1) * layers[i + 1] for i in range(len(layers) - 1))
-    cores = data.get("machine", {}).get("nproc") or os.cpu_count()
+    cores = bench.get("machine", {}).get("nproc") or os.cpu_count()
     if background is None:
-        load = data.get("machine", {}).get("load_average", m["load_average"])
-        background = max(0.0, load - 1)
-    shared = measured_workload(m, n, batch, cores=cores, background=background)
+        load = bench.get("machine", {}).get("load_average")
+        background = max(0.0, (os.getloadavg()[0] if load is None else load) - 1)
+    runs = [r for net in bench["networks"] for r in net.get("throughput", [])
+            if "error" not in r]
+    here = None  # measured now, for runs the bench did not calibrate
+    if not all("compute" in r for r in runs):
+        here = measure_compute(layers, batch, repeats, data=data)
+        here["co_run"] = measure_together(layers, batch, min(cores, os.cpu_count() or 1),
+                                          data=data)["slowdown"]
     rows = []
-    for net in data["networks"]:
+    for net in bench["networks"]:
         for run in net.get("throughput", []):
             if "error" in run:
                 continue
+            c = run.get("compute", here)  # the bench's calibration just before the run
+            shared = measured_workload(c, n, batch, cores=cores, background=background,
+                                       co_run=c.get("co_run", 1.0))
             pp = net.get("pingpong_at", {}).get(str(run["ranks"]), net["pingpong"])
+            if run["strategy"] in RING_STRATEGIES and "ring" in pp:
+                pp = pp["ring"]  # every rank sends at once, as these strategies' steps do
             w = replace(shared, servers=max(1, run.get("servers", 1)))
             if run["strategy"] == "deadreckon" and run["replicas"] > 1:
                 # the updates per step depend on the data: take them from the run's bytes
@@ -352,6 +510,8 @@ def validate_cluster(path: str, repeats: int = 5, background: float | None = Non
                          "predicted": round(pred, 1), "alpha_s": pp["alpha_s"],
                          "relative_difference": round(pred / run["examples_per_s"] - 1, 3),
                          "background": round(background, 1),
+                         "co_run": round(w.co_run, 3),
+                         "compute_s": w.compute_s,
                          "bytes_measured": run["bytes_per_step"],
                          "bytes_model": round(bytes_per_step(run["strategy"], w,
                                                              run["replicas"]))})
@@ -399,6 +559,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--background-load", type=float,
                    help="--validate-cluster: runnable threads of other jobs on the machine "
                         "while the bench ran (default: its recorded load average, else now's)")
+    p.add_argument("--data", metavar="H5",
+                   help="time the mini-batches on rows of this dataset (hpcps HDF5; the "
+                        "first layer skips their zeros) instead of dense random inputs")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     return p
 
@@ -412,7 +575,7 @@ def main(argv: list[str] | None = None) -> int:
            f"({8 / beta / 1e9:.1f} Gb/s)")
     layers = [int(v) for v in args.model.split(",")]
     nodes = [int(v) for v in args.nodes.split(",")]
-    m = measure_compute(layers, args.batch_size)
+    m = measure_compute(layers, args.batch_size, data=args.data)
     t_c, t_u = m["compute_s"], m["update_s_per_param"]
     n = sum((layers[i] + 1) * layers[i + 1] for i in range(len(layers) - 1))
     bits = 11.0
@@ -424,12 +587,13 @@ def main(argv: list[str] | None = None) -> int:
            else "custom", "alpha_s": alpha, "beta_s_per_byte": beta,
            "compute_s_per_batch": t_c, "update_s_per_param": t_u,
            "compute_wall_s_per_batch": m["compute_wall_s"], "load_average": m["load_average"],
+           "compute_measured": m["path"],
            "curves": {s: [{"nodes": k, "examples_per_s": round(e, 1), "speedup": round(x, 2)}
                           for k, e, x in pts] for s, pts in curves.items()},
            "strom_table2": strom_table2()}
     if args.validate_cluster:
         out["cluster"] = validate_cluster(args.validate_cluster,
-                                          background=args.background_load)
+                                          background=args.background_load, data=args.data)
     if args.png:
         plot(curves, f"{args.model} ({n / 1e6:.1f}M parameters), batch {args.batch_size}\n"
                      f"{out['network']}: {net}", args.png)
@@ -440,7 +604,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"model {args.model}: {n:,} parameters; network {out['network']}: {net}")
     print(f"measured on this CPU: {t_c * 1e3:.2f} ms of CPU time per mini-batch of "
           f"{args.batch_size} (forward + backward; {m['compute_wall_s'] * 1e3:.2f} ms wall at "
-          f"load average {m['load_average']:.1f}), {t_u * 1e9:.2f} ns per parameter per update")
+          f"load average {m['load_average']:.1f}), {t_u * 1e9:.2f} ns per parameter per update"
+          f"\n  ({m['path']})")
     print(f"\npredicted examples/s (speed-up over one node) per strategy; deadreckon at "
           f"compression {args.compression:g}")
     print("nodes  " + "".join(f"{s:>22}" for s in names))
@@ -460,8 +625,10 @@ def main(argv: list[str] | None = None) -> int:
           "sharing this machine's cores): " + ("" if args.validate_cluster else
                                               "give --validate-cluster JSON"))
     if args.validate_cluster:
-        print(f"  (cores shared with {out['cluster'][0]['background'] if out['cluster'] else 0}"
-              " runnable threads of other jobs)")
+        if out["cluster"]:
+            first = out["cluster"][0]
+            print(f"  (cores shared with {first['background']} runnable threads of other jobs; "
+                  f"a pass ran {first['co_run']:.2f}x slower with every core computing)")
         print(f"  {'network':>8} {'strategy':>12} {'ranks':>5} {'alpha':>9} {'measured':>10} "
               f"{'predicted':>10} {'diff':>7} {'bytes/step':>12} {'model':>12}")
         for r in out["cluster"]:

@@ -111,25 +111,106 @@ def test_cli_prints_the_curves_and_both_checks(tmp_path, capsys):
 
 def test_the_cluster_check_takes_the_latency_measured_with_the_runs_ranks(tmp_path, monkeypatch):
     """Each emulated-cluster run is predicted with the alpha and beta measured while as many
-    ranks ran as it had (``pingpong_at``), falling back to the two-rank ping-pong."""
-    monkeypatch.setattr(scaling, "measure_compute", lambda layers, batch, repeats: {
-        "compute_s": 0.004, "update_s_per_param": 1e-9, "portion_s_per_example": 1e-4,
-        "reduce_s_per_param": 2e-10, "reckon_s_per_param": 1e-9, "load_average": 0.0})
+    ranks ran as it had (``pingpong_at``), falling back to the two-rank ping-pong; sync,
+    averaging and deadreckon with the ring's figures (every rank sending at once) where the
+    record has them, downpour with the pair's; every pass slowed by the measured co-run."""
+    asked = {}
+
+    def compute(layers, batch, repeats, data=None):
+        asked["data"] = data
+        return {"compute_s": 0.004, "update_s_per_param": 1e-9, "portion_s_per_example": 1e-4,
+                "reduce_s_per_param": 2e-10, "reckon_s_per_param": 1e-9, "load_average": 0.0}
+    monkeypatch.setattr(scaling, "measure_compute", compute)
+    monkeypatch.setattr(scaling, "measure_together", lambda layers, batch, k, data=None: {
+        "processes": k, "alone_s": 0.004, "together_s": 0.005, "slowdown": 1.25})
+    ring4 = {"alpha_s": 5e-3, "beta_s_per_byte": 4e-9}
     two, four = {"alpha_s": 2e-5, "beta_s_per_byte": 1e-9}, {"alpha_s": 3e-3,
-                                                               "beta_s_per_byte": 2e-9}
-    runs = [{"strategy": "sync", "ranks": k, "replicas": k, "servers": 0,
-             "examples_per_s": 1000.0, "bytes_per_step": 1.0} for k in (2, 4, 8)]
+                                                               "beta_s_per_byte": 2e-9,
+                                                               "ring": ring4}
+    runs = [{"strategy": s, "ranks": k, "replicas": k - (s == "downpour"),
+             "servers": int(s == "downpour"), "examples_per_s": 1000.0, "bytes_per_step": 1.0}
+            for s in ("sync", "downpour") for k in (2, 4, 8)]
+    data = tmp_path / "nowhere.h5"  # the bench's dataset, not on this machine
     path = tmp_path / "cluster.json"
-    path.write_text(json.dumps({"layers": "64,32,10", "machine": {"nproc": 2,
-                                                                  "load_average": 1.0},
+    path.write_text(json.dumps({"layers": "64,32,10", "data": str(data),
+                                "machine": {"nproc": 2, "load_average": 1.0},
                                 "networks": [{"rate": "1gbit", "pingpong": two,
                                               "pingpong_at": {"4": four},
                                               "throughput": runs}]}))
     rows = scaling.validate_cluster(str(path))
+    assert asked["data"] is None  # the file is not here: dense random inputs
     w = Workload(n_params=(64 + 1) * 32 + (32 + 1) * 10, batch=32, compute_s=0.004,
                  update_s_per_param=1e-9, reduce_s_per_param=2e-10, reckon_s_per_param=1e-9,
-                 cores=2, portion_s_per_example=1e-4)
-    for row, pp in zip(rows, (two, four, two)):  # no ping-pong at 8 ranks: the two-rank one
-        assert row["alpha_s"] == pp["alpha_s"]
-        assert row["predicted"] == pytest.approx(predict("sync", w, row["ranks"], pp["alpha_s"],
+                 cores=2, portion_s_per_example=1e-4, co_run=1.25)
+    # no ping-pong at 8 ranks: the two-rank one
+    expect = [("sync", two), ("sync", ring4), ("sync", two),
+              ("downpour", two), ("downpour", four), ("downpour", two)]
+    for row, (strategy, pp) in zip(rows, expect):
+        assert (row["strategy"], row["alpha_s"]) == (strategy, pp["alpha_s"])
+        assert row["co_run"] == 1.25
+        assert row["predicted"] == pytest.approx(predict(strategy, w, row["ranks"], pp["alpha_s"],
                                                          pp["beta_s_per_byte"]), abs=0.1)
+    data.write_bytes(b"")
+    scaling.validate_cluster(str(path))
+    assert asked["data"] == str(data)  # the bench's dataset where it is here
+
+
+def test_shared_cores_slow_every_cpu_term():
+    """On shared cores the update, the allreduce's sum and deadreckon's work slow down with
+    the pass, and a pass runs co_run times longer once every core is busy."""
+    shared = replace(W, cores=2, co_run=1.5, update_s_per_param=2e-9, reduce_s_per_param=1e-9,
+                     reckon_s_per_param=3e-9)
+    assert shared.share(1) == 1.0 and shared.share(2) == 1.5 and shared.share(8) == 6.0
+    alone = replace(shared, cores=None)
+    for s in ("sync", "deadreckon", "averaging"):
+        free = {k: R * W.batch / predict(s, w, R, 0.0, 0.0)
+                for k, w, R in (("alone", alone, 8), ("shared", shared, 8))}
+        assert free["shared"] == pytest.approx(6.0 * free["alone"]), s
+
+
+def test_compute_is_measured_on_the_replicas_code_and_the_users_rows(digits_h5):
+    """measure_compute times the compiled engine a replica runs (NumPy without it), on rows
+    of the user's dataset when given, and says so."""
+    from hpcps import hogwild
+    path = digits_h5
+    m = scaling.measure_compute([64, 32, 10], 16, repeats=2, data=str(path))
+    assert ("compiled engine" if hogwild.HAVE_EXTENSION else "NumPy") in m["path"]
+    assert "rows of" in m["path"] and "zeros" in m["path"], m["path"]
+    dense = scaling.measure_compute([64, 32, 10], 16, repeats=2)
+    assert "dense random inputs" in dense["path"]
+    assert m["compute_s"] > 0 and dense["compute_s"] > 0
+    with pytest.raises(ValueError, match="first layer takes 784"):
+        scaling.measure_compute([784, 32, 10], 16, repeats=2, data=str(path))
+
+
+def test_measure_together_runs_processes_at_once():
+    r = scaling.measure_together([64, 32, 10], 16, 2, repeats=3)
+    assert r["processes"] == 2 and r["slowdown"] >= 1.0
+    assert r["together_s"] > 0 and r["alone_s"] > 0
+
+
+def test_the_cluster_check_takes_each_runs_own_calibration(tmp_path, monkeypatch):
+    """A run the bench calibrated (``compute``: measured just before it) is predicted with
+    those figures; nothing is measured again."""
+    def measuring(*a, **k):
+        raise AssertionError("measured although every run carries its calibration")
+    monkeypatch.setattr(scaling, "measure_compute", measuring)
+    monkeypatch.setattr(scaling, "measure_together", measuring)
+    pp = {"alpha_s": 2e-5, "beta_s_per_byte": 1e-9}
+    cal = [{"compute_s": t, "update_s_per_param": 1e-9, "portion_s_per_example": 1e-4,
+            "reduce_s_per_param": 2e-10, "reckon_s_per_param": 1e-9, "co_run": 1.1}
+           for t in (0.002, 0.004)]
+    runs = [{"strategy": "sync", "ranks": 2, "replicas": 2, "servers": 0, "compute": c,
+             "examples_per_s": 1000.0, "bytes_per_step": 1.0} for c in cal]
+    path = tmp_path / "cluster.json"
+    path.write_text(json.dumps({"layers": "64,32,10", "machine": {"nproc": 2,
+                                                                  "load_average": 1.0},
+                                "networks": [{"rate": "1gbit", "pingpong": pp,
+                                              "throughput": runs}]}))
+    rows = scaling.validate_cluster(str(path))
+    n = (64 + 1) * 32 + (32 + 1) * 10
+    for row, c in zip(rows, cal):
+        w = scaling.measured_workload(c, n, 32, cores=2, co_run=1.1)
+        assert row["compute_s"] == c["compute_s"]
+        assert row["predicted"] == pytest.approx(predict("sync", w, 2, 2e-5, 1e-9), abs=0.1)
+    assert rows[0]["predicted"] > rows[1]["predicted"]
