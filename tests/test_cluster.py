@@ -58,8 +58,19 @@ def test_two_hosts_talk_mpi_over_the_shaped_link_and_go_away():
                              capture_output=True, text=True, timeout=120, env=_env())
         assert run.returncode == 0, run.stderr[-3000:]
         got = json.loads(run.stdout.strip().splitlines()[-1])
-        # shaped to 1 Gb/s: MPI sees at most that (TCP over veth unshaped gives several)
+        # shaped to 1 Gb/s: MPI sees at most that (TCP over veth unshaped gives several),
+        # between the pair and in the ring of both ranks sending at once
         assert 0 < got["bandwidth_gbit_s"] < 1.05, got
+        assert 0 < got["ring"]["bandwidth_gbit_s"] < 1.05 and got["ring"]["alpha_s"] > 0, got
+        # each host pinned to its own core (host k to core k-1 mod nproc), or not at all
+        where = "import os; print(sorted(os.sched_getaffinity(0)))"
+        for pin, expect in (("1", {str([k % os.cpu_count()]) for k in range(2)}),
+                            ("0", {str(sorted(os.sched_getaffinity(0)))})):
+            run = subprocess.run([str(CLUSTER / "mpiexec.sh"), "-n", "2", sys.executable, "-c",
+                                  where], capture_output=True, text=True, timeout=60,
+                                 env=dict(_env(), HPCPS_CLUSTER_PIN=pin))
+            assert run.returncode == 0, run.stderr[-3000:]
+            assert set(run.stdout.split("\n")[:2]) == expect, (pin, run.stdout)
         too_many = subprocess.run([str(CLUSTER / "mpiexec.sh"), "-n", "3", "true"],
                                   capture_output=True, text=True, timeout=30)
         assert too_many.returncode == 2 and "2 emulated hosts are up" in too_many.stderr

@@ -2,14 +2,16 @@
 joined by links shaped to 1 Gb/s or 10 Gb/s, MPI over TCP between them; one JSON object.
 
 For each network (``--networks``): bring the hosts up (``netns.sh up K RATE``), measure
-MPI's latency and bandwidth between two hosts (``pingpong.py``), and again with as many ranks
-as each throughput run has (``pingpong_at``: the others computing mini-batches, all sharing
-this machine's cores), then train with ``mpiexec.sh`` (one rank per host):
+MPI's latency and bandwidth between two hosts and in a ring of every rank sending at once
+(``pingpong.py``), and again with as many ranks as each throughput run has (``pingpong_at``:
+the ring over all of them, the others computing mini-batches during the ping-pong, all sharing
+this machine's cores), then train with ``mpiexec.sh`` (one rank per host, each host pinned to
+a core: ``launch.sh``):
 
 ``throughput``
     every strategy at each of ``--ranks`` (2, 4, 8), a short run of ``--steps`` global
-    mini-batches without evaluation: examples/s and bytes per step from the run's summary,
-    the median of ``--repeats`` runs.
+    mini-batches without evaluation or warm start: examples/s and bytes per step from the
+    run's summary, the median of ``--repeats`` runs.
 ``time_to_accuracy``
     every strategy at ``--tta-ranks`` ranks for ``--epochs`` epochs, evaluated every
     ``--eval-every`` steps: seconds (of the run's own clock) to the first evaluation at or
@@ -52,6 +54,7 @@ from machine import cpu_features  # noqa: E402
 
 from hpcps.strategies.registry import strategies  # noqa: E402
 
+BATCH = 32  # the SGD strategies' mini-batch per replica (hpcps.train's default), as calibrated
 NETNS = HERE / "netns.sh"
 MPIEXEC = HERE / "mpiexec.sh"
 
@@ -87,6 +90,15 @@ def pingpong(tmp: Path, ranks: int = 2) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def links(pp: dict) -> str:
+    """A ping-pong record in words: the pair's, and the ring's where measured."""
+    out = f"alpha {1e6 * pp['alpha_s']:.0f} us, {pp['bandwidth_gbit_s']:.2f} Gb/s"
+    if "ring" in pp:
+        out += (f"; in a ring of {pp['ranks']}: {1e6 * pp['ring']['alpha_s']:.0f} us, "
+                f"{pp['ring']['bandwidth_gbit_s']:.2f} Gb/s")
+    return out
+
+
 def common_args(args) -> list[str]:
     return ["--data", args.data, "--layers", args.layers, "--checkpoint-every", "0",
             "--progress-every", "1000", "--timeout", str(args.timeout)]
@@ -94,14 +106,35 @@ def common_args(args) -> list[str]:
 
 def length(args, strategy: str) -> list[str]:
     """A short run: ``--steps`` mini-batches, or ``--batch-steps`` whole-batch iterations for
-    a batch method (sandblaster: one step is a pass over the training set)."""
-    whole = strategies()[strategy].whole_batch
-    return ["--steps", str(args.batch_steps if whole else args.steps)]
+    a batch method (sandblaster: one step is a pass over the training set). Every replica
+    trains from the start (``--warmup-steps 0`` where the strategy has a warm start: replica 0
+    alone for its first 100-200 steps would be half of a short run), so the examples/s are
+    the strategy's steady rate."""
+    spec = strategies()[strategy]
+    steps = ["--steps", str(args.batch_steps if spec.whole_batch else args.steps)]
+    if any(o.name == "warmup_steps" for o in spec.options):
+        steps += ["--warmup-steps", "0"]
+    return steps
+
+
+def calibrate(args) -> dict:
+    """What a step's CPU work costs on this machine right now (the scaling model's inputs:
+    :func:`hpcps.scaling.measure_compute` on the bench's data, and with every core computing,
+    :func:`hpcps.scaling.measure_together`), measured just before a run: a shared machine's
+    speed drifts over minutes, and the check of the model compares each run with what its
+    own minute measured."""
+    from hpcps import scaling
+    layers = [int(v) for v in args.layers.split(",")]
+    m = scaling.measure_compute(layers, BATCH, data=args.data)
+    together = scaling.measure_together(layers, BATCH, os.cpu_count() or 1, data=args.data)
+    return {**{k: v for k, v in m.items() if isinstance(v, float)},
+            "co_run": together["slowdown"], "path": m["path"]}
 
 
 def throughput(args, strategy: str, ranks: int, tmp: Path) -> dict:
-    runs = []
+    runs, compute = [], []
     for i in range(args.repeats):
+        compute.append(calibrate(args))
         work = Path(tempfile.mkdtemp(prefix=f"tp-{strategy}-{ranks}-{i}-", dir=tmp))
         try:
             s = summary_of(train(str(MPIEXEC), ranks, [
@@ -117,6 +150,8 @@ def throughput(args, strategy: str, ranks: int, tmp: Path) -> dict:
         values = [r[key] for r in runs]
         entry[key] = statistics.median(values)
         entry[key + "_all"] = values
+    entry["compute"] = {k: statistics.median(c[k] for c in compute) if k != "path" else
+                        compute[0][k] for k in compute[0]}
     log(f"  {strategy:11} N={ranks}: {entry['examples_per_s']:.0f} examples/s, "
         f"{entry['bytes_per_step']:.0f} bytes/step")
     return entry
@@ -226,13 +261,11 @@ def main(argv=None) -> int:
                 log(f"{rate}: {k} hosts")
                 hosts_up(k, rate)
                 net = {"rate": rate, "hosts": k, "pingpong": pingpong(tmp)}
-                log(f"  MPI between hosts: alpha {1e6 * net['pingpong']['alpha_s']:.0f} us, "
-                    f"{net['pingpong']['bandwidth_gbit_s']:.2f} Gb/s")
+                log(f"  MPI between hosts: {links(net['pingpong'])}")
                 if args.only in (None, "throughput"):
                     net["pingpong_at"] = {str(n): pingpong(tmp, n) for n in rank_list if n > 2}
                     for n, pp in net["pingpong_at"].items():
-                        log(f"  ... with {n} ranks running: alpha {1e6 * pp['alpha_s']:.0f} us, "
-                            f"{pp['bandwidth_gbit_s']:.2f} Gb/s")
+                        log(f"  ... with {n} ranks running: {links(pp)}")
                     net["throughput"] = [throughput(args, s, n, tmp) for s in names
                                          for n in rank_list if layout(s, n)]
                 if args.only in (None, "time_to_accuracy"):

@@ -1,18 +1,26 @@
-"""MPI ping-pong between world ranks 0 and 1: the network's latency and bandwidth as MPI sees
-them (alpha: half the round trip of an 8-byte message; beta: seconds per byte from the
-round trip of large messages). Prints one JSON object.
+"""MPI's latency and bandwidth as a job sees them, in two patterns; prints one JSON object.
 
     mpiexec -n 2 python bench/cluster/pingpong.py [--repeats N]
-    mpiexec -n 8 python bench/cluster/pingpong.py     # 0 and 1 ping-pong, 2-7 compute
+    mpiexec -n 8 python bench/cluster/pingpong.py
 
-With more than two ranks, ranks 2 and up compute while 0 and 1 measure, as the ranks of a
-training job do between their messages (sgemm of a mini-batch's size, until rank 0 tells them
-to stop). On hosts that share cores (the emulated cluster) this measures the latency and
-bandwidth two ranks see while N training ranks share the cores: a message waits for its
-receiver to be scheduled, and TCP's copies compete for the cores with the computing ranks.
+The ring (``ring`` in the JSON): every rank sends to the next rank and receives from the
+previous one at once, as each step of a ring allreduce does (and, in small messages,
+deadreckon's step to every peer): alpha is one step of an 8-byte message, beta seconds per
+byte from steps of ``--ring-mib``; the slowest rank's figure.
 
-Run inside the emulated cluster by ``bench/cluster/run.py`` to measure the network the
-scaling model (:mod:`hpcps.scaling`) is checked against.
+The ping-pong (the top-level figures): ranks 0 and 1 (alpha: half the round trip of an 8-byte
+message; beta: seconds per byte from the round trip of ``--mib``), while ranks 2 and up
+compute, as the ranks of a training job do between their messages (sgemm of a mini-batch's
+size, until rank 0 tells them to stop): one pair's link, as a replica talking to a
+parameter-server shard uses it.
+
+Each figure is the median over runs of the mean of steps or round trips taken back to back.
+On hosts that share cores (the emulated cluster) a message waits for its receiver to be
+scheduled, and TCP's copies compete for the cores with the computing ranks; a run of
+dependent messages pays those waits, as a ring allreduce does.
+
+Run inside the emulated cluster by ``bench/cluster/bench_cluster.py`` to measure the network
+the scaling model (:mod:`hpcps.scaling`) is checked against.
 """
 from __future__ import annotations
 
@@ -25,21 +33,46 @@ import numpy as np
 from mpi4py import MPI
 
 
-def round_trip(comm, buf: np.ndarray, repeats: int) -> float:
-    """Median seconds of one round trip of ``buf`` between ranks 0 and 1."""
+def round_trip(comm, buf: np.ndarray, chain: int, chains: int) -> float:
+    """Seconds of one round trip of ``buf`` between ranks 0 and 1: the median over ``chains``
+    of the mean of ``chain`` round trips taken back to back (a barrier only before each
+    chain), as the steps of a ring allreduce follow each other. On cores shared with other
+    ranks some round trips wait for a rank to be scheduled: the mean counts those waits as a
+    run of dependent messages pays them; a barrier before every round trip would hide them
+    (both ranks running when the clock starts)."""
     rank = comm.Get_rank()
-    times = []
-    for _ in range(repeats):
+    means = []
+    for _ in range(chains):
         comm.Barrier()
         t = time.perf_counter()
-        if rank == 0:
-            comm.Send(buf, dest=1)
-            comm.Recv(buf, source=1)
-        elif rank == 1:
-            comm.Recv(buf, source=0)
-            comm.Send(buf, dest=0)
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+        for _ in range(chain):
+            if rank == 0:
+                comm.Send(buf, dest=1)
+                comm.Recv(buf, source=1)
+            elif rank == 1:
+                comm.Recv(buf, source=0)
+                comm.Send(buf, dest=0)
+        means.append((time.perf_counter() - t) / chain)
+    return statistics.median(means)
+
+
+def ring_step(comm, buf: np.ndarray, chain: int, chains: int) -> float:
+    """Seconds of one step of a ring, every rank sending ``buf`` to the next rank and
+    receiving as much from the previous one at once (a ring allreduce's step): the median
+    over ``chains`` of the mean of ``chain`` steps taken back to back. On hosts of their own
+    this is a ping-pong's one way (full-duplex links); on shared cores all ranks' TCP work
+    and waits compete for the cores."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    right, left = (rank + 1) % size, (rank - 1) % size
+    incoming = np.empty_like(buf)
+    means = []
+    for _ in range(chains):
+        comm.Barrier()
+        t = time.perf_counter()
+        for _ in range(chain):
+            comm.Sendrecv(buf, dest=right, recvbuf=incoming, source=left)
+        means.append((time.perf_counter() - t) / chain)
+    return max(comm.allgather(statistics.median(means)))
 
 
 STOP = 7  # tag of rank 0's message that ends a bystander's work
@@ -56,27 +89,39 @@ def bystander(comm) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--repeats", type=int, default=20, help="runs of round trips (of 50 small "
+                   "messages; of 4 large ones, half as many runs)")
     p.add_argument("--mib", type=float, default=8.0, help="large message size, MiB")
+    p.add_argument("--ring-mib", type=float, default=1.0,
+                   help="a ring step's large message, MiB (a ring allreduce's step moves "
+                        "1/N of the vector)")
     args = p.parse_args()
     world = MPI.COMM_WORLD
+    small = np.zeros(8, np.uint8)
+    ring_big = np.zeros(int(args.ring_mib * 2**20), np.uint8)
+    ring_step(world, ring_big, 1, 1)  # connect
+    ring_small_s = ring_step(world, small, 50, args.repeats)
+    ring_big_s = ring_step(world, ring_big, 4, args.repeats // 2 or 1)
     pair = world.Split(0 if world.Get_rank() < 2 else MPI.UNDEFINED)
     if pair == MPI.COMM_NULL:
         bystander(world)
         return
     comm = pair
-    small = np.zeros(8, np.uint8)
     big = np.zeros(int(args.mib * 2**20), np.uint8)
-    round_trip(comm, big, 2)  # connect and warm up
-    rt_small = round_trip(comm, small, args.repeats * 10)
-    rt_big = round_trip(comm, big, args.repeats)
+    round_trip(comm, big, 2, 1)  # connect and warm up
+    rt_small = round_trip(comm, small, 50, args.repeats)
+    rt_big = round_trip(comm, big, 4, args.repeats // 2 or 1)
     if comm.Get_rank() == 0:
         for r in range(2, world.Get_size()):
             world.send(None, dest=r, tag=STOP)
         alpha = rt_small / 2
         beta = max(rt_big / 2 - alpha, 1e-12) / big.nbytes
+        ring_beta = max(ring_big_s - ring_small_s, 1e-12) / ring_big.nbytes
         print(json.dumps({"alpha_s": alpha, "beta_s_per_byte": beta,
                           "bandwidth_gbit_s": 8 / beta / 1e9, "message_bytes": big.nbytes,
+                          "ring": {"alpha_s": ring_small_s, "beta_s_per_byte": ring_beta,
+                                   "bandwidth_gbit_s": 8 / ring_beta / 1e9,
+                                   "message_bytes": ring_big.nbytes},
                           "ranks": world.Get_size(),
                           "hosts": [MPI.Get_processor_name()]}), flush=True)
 
