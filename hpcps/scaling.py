@@ -463,7 +463,8 @@ def validate_cluster(path: str, repeats: int = 15, background: float | None = No
     all ranks and by ``background`` runnable threads of other jobs (default: the load
     average the bench recorded, else the current one, less the measuring process), each
     pass slower by what :func:`measure_together` measures with every core computing, and
-    (deadreckon) the run's own message size (bytes per step / (R - 1)). The compute is
+    (deadreckon) the run's own message size (bytes per step / (R - 1)); against the run's
+    steady examples/s where recorded (the model has no start or end). The compute is
     what the bench measured just before each run (``compute`` in its record: a shared
     machine's speed drifts over minutes); for a bench that did not, it is measured here, on
     rows of ``data`` (default: the bench's dataset, where that file is here), whose zeros
@@ -505,10 +506,12 @@ def validate_cluster(path: str, repeats: int = 15, background: float | None = No
                             / w.bits_per_update)
             pred = predict(run["strategy"], w, run["ranks"], pp["alpha_s"],
                            pp["beta_s_per_byte"])
+            # the steady rate (without the run's start and end), where the bench took it
+            measured = run.get("steady_examples_per_s") or run["examples_per_s"]
             rows.append({"network": net["rate"], "strategy": run["strategy"],
-                         "ranks": run["ranks"], "measured": run["examples_per_s"],
+                         "ranks": run["ranks"], "measured": measured,
                          "predicted": round(pred, 1), "alpha_s": pp["alpha_s"],
-                         "relative_difference": round(pred / run["examples_per_s"] - 1, 3),
+                         "relative_difference": round(pred / measured - 1, 3),
                          "background": round(background, 1),
                          "co_run": round(w.co_run, 3),
                          "compute_s": w.compute_s,
@@ -626,14 +629,16 @@ def main(argv: list[str] | None = None) -> int:
                                               "give --validate-cluster JSON"))
     if args.validate_cluster:
         if out["cluster"]:
-            first = out["cluster"][0]
-            print(f"  (cores shared with {first['background']} runnable threads of other jobs; "
-                  f"a pass ran {first['co_run']:.2f}x slower with every core computing)")
-        print(f"  {'network':>8} {'strategy':>12} {'ranks':>5} {'alpha':>9} {'measured':>10} "
+            print(f"  (cores shared with {out['cluster'][0]['background']} runnable threads of "
+                  "other jobs; pass: a mini-batch's forward and backward on a core alone, "
+                  "co-run: how much slower with every core computing)")
+        print(f"  {'network':>8} {'strategy':>12} {'ranks':>5} {'alpha':>9} {'pass':>8} "
+              f"{'co-run':>6} {'measured':>10} "
               f"{'predicted':>10} {'diff':>7} {'bytes/step':>12} {'model':>12}")
         for r in out["cluster"]:
             print(f"  {r['network']:>8} {r['strategy']:>12} {r['ranks']:>5} "
-                  f"{1e6 * r['alpha_s']:>6,.0f} us {r['measured']:>10,.0f} "
+                  f"{1e6 * r['alpha_s']:>6,.0f} us {1e3 * r['compute_s']:>5.2f} ms "
+                  f"{r['co_run']:>6.2f} {r['measured']:>10,.0f} "
                   f"{r['predicted']:>10,.0f} {100 * r['relative_difference']:>6.1f}% "
                   f"{r['bytes_measured']:>12,} {r['bytes_model']:>12,}")
         within = sum(abs(r["relative_difference"]) <= 0.25 for r in out["cluster"])

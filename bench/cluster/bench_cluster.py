@@ -11,7 +11,8 @@ a core: ``launch.sh``):
 ``throughput``
     every strategy at each of ``--ranks`` (2, 4, 8), a short run of ``--steps`` global
     mini-batches without evaluation or warm start: examples/s and bytes per step from the
-    run's summary, the median of ``--repeats`` runs.
+    run's summary, and the steady examples/s between its progress records (every 0.1 s,
+    without the run's start and end), the median of ``--repeats`` runs.
 ``time_to_accuracy``
     every strategy at ``--tta-ranks`` ranks for ``--epochs`` epochs, evaluated every
     ``--eval-every`` steps: seconds (of the run's own clock) to the first evaluation at or
@@ -99,9 +100,25 @@ def links(pp: dict) -> str:
     return out
 
 
-def common_args(args) -> list[str]:
+def common_args(args, progress_every: float = 1000.0) -> list[str]:
     return ["--data", args.data, "--layers", args.layers, "--checkpoint-every", "0",
-            "--progress-every", "1000", "--timeout", str(args.timeout)]
+            "--progress-every", f"{progress_every:g}", "--timeout", str(args.timeout)]
+
+
+PROGRESS_S = 0.1  # seconds between a throughput run's progress records (steady_rate)
+
+
+def steady_rate(records: list[dict]) -> float | None:
+    """Examples per second between a run's first and last progress record but one (every
+    ``PROGRESS_S``): the strategy's steady rate, without the start (connections made at the
+    first messages, cold caches, deadreckon's first tau) and the end (the stop vote, the
+    final gathers) that the summary's rate includes; None with fewer than three records."""
+    progress = [r for r in records if r.get("kind") == "progress"]
+    if len(progress) < 3:
+        return None
+    first, last = progress[0], progress[-2]
+    batch = next(r["config"]["batch_size"] for r in records if r.get("kind") == "start")
+    return (last["step"] - first["step"]) * batch / (last["time_s"] - first["time_s"])
 
 
 def length(args, strategy: str) -> list[str]:
@@ -137,9 +154,10 @@ def throughput(args, strategy: str, ranks: int, tmp: Path) -> dict:
         compute.append(calibrate(args))
         work = Path(tempfile.mkdtemp(prefix=f"tp-{strategy}-{ranks}-{i}-", dir=tmp))
         try:
-            s = summary_of(train(str(MPIEXEC), ranks, [
+            records = train(str(MPIEXEC), ranks, [
                 "--strategy", strategy, *length(args, strategy), "--eval-every", "0",
-                *common_args(args)], work, args.timeout))
+                *common_args(args, PROGRESS_S)], work, args.timeout)
+            s = {**summary_of(records), "steady_examples_per_s": steady_rate(records)}
         except RunError as exc:
             log(f"  {strategy:11} N={ranks}: failed: {str(exc)[:300]}")
             return {"strategy": strategy, **layout(strategy, ranks), "error": str(exc)[-2000:]}
@@ -150,6 +168,10 @@ def throughput(args, strategy: str, ranks: int, tmp: Path) -> dict:
         values = [r[key] for r in runs]
         entry[key] = statistics.median(values)
         entry[key + "_all"] = values
+    steady = [r["steady_examples_per_s"] for r in runs]
+    if None not in steady:
+        entry["steady_examples_per_s"] = statistics.median(steady)
+        entry["steady_examples_per_s_all"] = steady
     entry["compute"] = {k: statistics.median(c[k] for c in compute) if k != "path" else
                         compute[0][k] for k in compute[0]}
     log(f"  {strategy:11} N={ranks}: {entry['examples_per_s']:.0f} examples/s, "
