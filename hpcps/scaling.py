@@ -400,8 +400,17 @@ def measure_together(layers: list[int], batch: int, processes: int, repeats: int
              for i in range(processes)]
     for p in procs:
         p.start()
+    import queue
+    got, deadline = [], time.monotonic() + timeout
     try:
-        got = [results.get(timeout=timeout) for _ in range(rounds * processes)]
+        while len(got) < rounds * processes:
+            try:
+                got.append(results.get(timeout=0.5))
+            except queue.Empty:
+                dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+                if dead or time.monotonic() > deadline:
+                    raise RuntimeError(f"measure_together: a measuring process failed (exit "
+                                       f"codes {dead}) or took over {timeout:g} s") from None
     finally:
         for p in procs:
             p.join(timeout=5)
@@ -640,7 +649,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{1e6 * r['alpha_s']:>6,.0f} us {1e3 * r['compute_s']:>5.2f} ms "
                   f"{r['co_run']:>6.2f} {r['measured']:>10,.0f} "
                   f"{r['predicted']:>10,.0f} {100 * r['relative_difference']:>6.1f}% "
-                  f"{r['bytes_measured']:>12,} {r['bytes_model']:>12,}")
+                  f"{r['bytes_measured']:>12,.0f} {r['bytes_model']:>12,}")
         within = sum(abs(r["relative_difference"]) <= 0.25 for r in out["cluster"])
         print(f"  within 25%: {within} of {len(out['cluster'])} runs")
     if args.png:

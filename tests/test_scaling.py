@@ -214,3 +214,32 @@ def test_the_cluster_check_takes_each_runs_own_calibration(tmp_path, monkeypatch
         assert row["compute_s"] == c["compute_s"]
         assert row["predicted"] == pytest.approx(predict("sync", w, 2, 2e-5, 1e-9), abs=0.1)
     assert rows[0]["predicted"] > rows[1]["predicted"]
+
+
+def _bench_cluster():
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[1] / "bench" / "cluster" / "bench_cluster.py"
+    spec = importlib.util.spec_from_file_location("bench_cluster", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_cluster_bench_measures_the_steady_rate_without_warm_start():
+    """What the check compares the model with: runs where every replica starts at once, and
+    the rate between progress records, without the run's start and end."""
+    bc = _bench_cluster()
+    args = type("Args", (), {"steps": 400, "batch_steps": 3})()
+    assert bc.length(args, "deadreckon")[-2:] == ["--warmup-steps", "0"]
+    assert bc.length(args, "downpour")[-2:] == ["--warmup-steps", "0"]
+    assert bc.length(args, "sync") == ["--steps", "400"]  # no warm start to turn off
+    assert bc.length(args, "sandblaster") == ["--steps", "3"]
+    start = {"kind": "start", "config": {"batch_size": 32}}
+    progress = [{"kind": "progress", "step": s, "time_s": t}
+                for s, t in ((1, 0.4), (41, 0.5), (121, 0.7), (400, 1.9))]
+    # 120 steps of 32 in 0.3 s between the first record and the last but one
+    assert bc.steady_rate([start, *progress]) == pytest.approx(120 * 32 / 0.3)
+    assert bc.steady_rate([start, *progress[:2]]) is None
+    whole = [{"kind": "progress", "step": 1, "time_s": t} for t in (1.0, 2.0, 3.0)]
+    assert bc.steady_rate([start, *whole]) is None

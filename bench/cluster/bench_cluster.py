@@ -112,9 +112,10 @@ def steady_rate(records: list[dict]) -> float | None:
     """Examples per second between a run's first and last progress record but one (every
     ``PROGRESS_S``): the strategy's steady rate, without the start (connections made at the
     first messages, cold caches, deadreckon's first tau) and the end (the stop vote, the
-    final gathers) that the summary's rate includes; None with fewer than three records."""
+    final gathers) that the summary's rate includes; None with fewer than three records or
+    no step between them (sandblaster: a step is a pass over the training set)."""
     progress = [r for r in records if r.get("kind") == "progress"]
-    if len(progress) < 3:
+    if len(progress) < 3 or progress[-2]["step"] <= progress[0]["step"]:
         return None
     first, last = progress[0], progress[-2]
     batch = next(r["config"]["batch_size"] for r in records if r.get("kind") == "start")
