@@ -9,6 +9,8 @@ host=$1; shift
 here=$(dirname "$(readlink -f "$0")")
 if [ "${HPCPS_CLUSTER_PIN:-1}" != 0 ] && command -v taskset >/dev/null; then
     k=${host##*.}
-    exec "$here/netns.sh" exec "$host" taskset -c $(( (k - 1) % $(nproc) )) sh -c "$*"
+    # the cores this process may use (nproc would take OMP_NUM_THREADS for the count)
+    cores=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)
+    exec "$here/netns.sh" exec "$host" taskset -c $(( (k - 1) % cores )) sh -c "$*"
 fi
 exec "$here/netns.sh" exec "$host" sh -c "$*"
