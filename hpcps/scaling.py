@@ -55,6 +55,7 @@ for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
 
 import argparse  # noqa: E402
 import json  # noqa: E402
+import queue  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
@@ -240,7 +241,6 @@ def sample_inputs(layers: list[int], rows: int, data: str | None = None):
     """``rows`` examples to time with, and what they are: the first rows of ``data``'s
     training split (an hpcps HDF5 dataset) when given, else dense standard-normal inputs
     (no zeros: the slowest case for the first layer, which skips zero inputs)."""
-    rng = np.random.default_rng(0)
     if data:
         from hpcps.data.h5format import load_split, open_dataset
         info = open_dataset(data)
@@ -253,6 +253,7 @@ def sample_inputs(layers: list[int], rows: int, data: str | None = None):
         x, y = np.ascontiguousarray(np.tile(x, (reps, 1))[:rows]), np.tile(y, reps)[:rows]
         what = f"{rows} rows of {info.name} ({100 * float(np.mean(x == 0)):.0f}% zeros)"
     else:
+        rng = np.random.default_rng(0)
         x = rng.standard_normal((rows, layers[0])).astype(np.float32)
         y = rng.integers(0, layers[-1], rows)
         what = "dense random inputs (no zeros to skip)"
@@ -263,7 +264,8 @@ WARM_STEPS = 3  # steps measure_compute takes before it times (the first run col
 
 
 def measure_compute(layers: list[int], batch: int, repeats: int = 15,
-                    portion: int = 512, data: str | None = None, start=None) -> dict:
+                    portion: int = 512, data: str | None = None, start=None,
+                    pass_only: bool = False) -> dict:
     """One mini-batch's forward and backward pass and an Adagrad update, on this CPU, one
     thread, medians of ``repeats`` steps taken as a replica takes them (pass, update; after
     ``WARM_STEPS``), and the work on the whole vector that an allreduce
@@ -280,7 +282,8 @@ def measure_compute(layers: list[int], batch: int, repeats: int = 15,
     zeros the first layer skips). Sandblaster's portion (``portion_s_per_example``) is
     ``portion`` rows summed as its replicas sum them (``gradient_sum`` in chunks of 256).
     ``path`` says which code and inputs were measured; ``start``, when given, is called just
-    before the first step (:func:`measure_together` lines processes up with it)."""
+    before the first step (:func:`measure_together` lines processes up with it);
+    ``pass_only`` returns ``compute_s`` and ``compute_wall_s`` alone, measuring nothing else."""
     from hpcps import hogwild
     from hpcps.model import MLP
     from hpcps.optim import Adagrad
@@ -317,6 +320,8 @@ def measure_compute(layers: list[int], batch: int, repeats: int = 15,
         opt.apply(params, grad, state)
         upd.append(time.process_time() - c)
     cpu, wall, upd = cpu[WARM_STEPS:], wall[WARM_STEPS:], upd[WARM_STEPS:]
+    if pass_only:
+        return {"compute_s": statistics.median(cpu), "compute_wall_s": statistics.median(wall)}
     rows = np.arange(portion, dtype=np.int64)
     if chunks is not None:
         chunks.gradient_sum(params, x, y, rows[:PORTION_CHUNK], grad)  # warm
@@ -361,11 +366,11 @@ def _measure_beside(index, core, barrier, results, layers, batch, repeats, data,
     if core is not None:
         os.sched_setaffinity(0, {core})
     for _ in range(rounds):
-        alone = measure_compute(layers, batch, repeats, data=data)["compute_s"] \
-            if index == 0 else None
+        alone = measure_compute(layers, batch, repeats, data=data,
+                                pass_only=True)["compute_s"] if index == 0 else None
         barrier.wait()
-        together = measure_compute(layers, batch, repeats, data=data,
-                                   start=barrier.wait)["compute_s"]
+        together = measure_compute(layers, batch, repeats, data=data, start=barrier.wait,
+                                   pass_only=True)["compute_s"]
         results.put((index, alone, together))
 
 
@@ -386,7 +391,7 @@ def measure_together(layers: list[int], batch: int, processes: int, repeats: int
 
     from hpcps import hogwild
     if processes < 2:
-        alone = measure_compute(layers, batch, repeats, data=data)["compute_s"]
+        alone = measure_compute(layers, batch, repeats, data=data, pass_only=True)["compute_s"]
         return {"processes": processes, "alone_s": alone, "together_s": alone, "slowdown": 1.0}
     if hogwild.HAVE_EXTENSION:  # the children use the library this process chose
         from hpcps.kernels import blas
@@ -400,7 +405,6 @@ def measure_together(layers: list[int], batch: int, processes: int, repeats: int
              for i in range(processes)]
     for p in procs:
         p.start()
-    import queue
     got, deadline = [], time.monotonic() + timeout
     try:
         while len(got) < rounds * processes:

@@ -33,46 +33,49 @@ import numpy as np
 from mpi4py import MPI
 
 
-def round_trip(comm, buf: np.ndarray, chain: int, chains: int) -> float:
-    """Seconds of one round trip of ``buf`` between ranks 0 and 1: the median over ``chains``
-    of the mean of ``chain`` round trips taken back to back (a barrier only before each
-    chain), as the steps of a ring allreduce follow each other. On cores shared with other
-    ranks some round trips wait for a rank to be scheduled: the mean counts those waits as a
-    run of dependent messages pays them; a barrier before every round trip would hide them
-    (both ranks running when the clock starts)."""
-    rank = comm.Get_rank()
+def _chained(comm, chain: int, chains: int, one) -> float:
+    """The median over ``chains`` of the mean seconds of ``chain`` calls of ``one()`` taken
+    back to back, a barrier only before each chain. On cores shared with other ranks some
+    messages wait for a rank to be scheduled: the mean counts those waits as a run of
+    dependent messages pays them; a barrier before every call would hide them (both ranks
+    running when the clock starts)."""
     means = []
     for _ in range(chains):
         comm.Barrier()
         t = time.perf_counter()
         for _ in range(chain):
-            if rank == 0:
-                comm.Send(buf, dest=1)
-                comm.Recv(buf, source=1)
-            elif rank == 1:
-                comm.Recv(buf, source=0)
-                comm.Send(buf, dest=0)
+            one()
         means.append((time.perf_counter() - t) / chain)
     return statistics.median(means)
 
 
+def round_trip(comm, buf: np.ndarray, chain: int, chains: int) -> float:
+    """Seconds of one round trip of ``buf`` between ranks 0 and 1 (:func:`_chained`)."""
+    rank = comm.Get_rank()
+
+    def one():
+        if rank == 0:
+            comm.Send(buf, dest=1)
+            comm.Recv(buf, source=1)
+        elif rank == 1:
+            comm.Recv(buf, source=0)
+            comm.Send(buf, dest=0)
+    return _chained(comm, chain, chains, one)
+
+
 def ring_step(comm, buf: np.ndarray, chain: int, chains: int) -> float:
     """Seconds of one step of a ring, every rank sending ``buf`` to the next rank and
-    receiving as much from the previous one at once (a ring allreduce's step): the median
-    over ``chains`` of the mean of ``chain`` steps taken back to back. On hosts of their own
-    this is a ping-pong's one way (full-duplex links); on shared cores all ranks' TCP work
-    and waits compete for the cores."""
+    receiving as much from the previous one at once (a ring allreduce's step;
+    :func:`_chained`), the slowest rank's. On hosts of their own this is a ping-pong's one
+    way (full-duplex links); on shared cores all ranks' TCP work and waits compete for the
+    cores."""
     rank, size = comm.Get_rank(), comm.Get_size()
     right, left = (rank + 1) % size, (rank - 1) % size
     incoming = np.empty_like(buf)
-    means = []
-    for _ in range(chains):
-        comm.Barrier()
-        t = time.perf_counter()
-        for _ in range(chain):
-            comm.Sendrecv(buf, dest=right, recvbuf=incoming, source=left)
-        means.append((time.perf_counter() - t) / chain)
-    return max(comm.allgather(statistics.median(means)))
+
+    def one():
+        comm.Sendrecv(buf, dest=right, recvbuf=incoming, source=left)
+    return max(comm.allgather(_chained(comm, chain, chains, one)))
 
 
 STOP = 7  # tag of rank 0's message that ends a bystander's work
