@@ -263,7 +263,7 @@ def _summary(ctx: Context, results: list[dict], wall_s: float, stopped: bool = F
                    test_accuracy=mine.get("test_accuracy"), test_loss=mine.get("test_loss"),
                    stopped_early=stopped, total_steps=ctx.total_steps,
                    checkpoint=mine.get("checkpoint"), **memory.by_role(results),
-                   **_blas_in_use(results), **figures)
+                   **_blas_in_use(results), **_step_times(results), **figures)
     m.message(f"finished {_describe(cfg, ctx.grid.layout)}")
     m.message(f"  {trained} steps this run (global step {step}, {rec['epoch']:.2f} epochs) in "
               f"{rec['train_s']:.1f} s: {rec['examples_per_s']:.0f} examples/s, "
@@ -277,8 +277,23 @@ def _summary(ctx: Context, results: list[dict], wall_s: float, stopped: bool = F
         m.message(f"  stopped early at step {step} of {ctx.total_steps} on a signal: exit code "
                   f"{PREEMPTED_EXIT}; run again with --resume auto (same run directory) to "
                   "continue")
+    if "step_s" in rec:
+        m.message(f"  a replica's iteration: {1e3 * rec['step_s']:.2f} ms, of which its gradient "
+                  f"pass {1e3 * rec['pass_s']:.2f} ms "
+                  f"({100 * rec['pass_s'] / max(rec['step_s'], 1e-12):.0f}%; the rest is "
+                  "communication, the update and the loop's own work)")
     m.message(f"  BLAS: {rec['blas']} ({rec['blas_reason']})")
     m.message("  " + memory.describe(rec))
+
+
+def _step_times(results: list[dict]) -> dict:
+    """``step_s``: seconds of a replica's iteration, from its first to its last (without the
+    run's ending); ``pass_s``: of them, its gradient passes. Means over the ranks that train
+    (empty when none reported them: sandblaster, whose step is a pass over the data)."""
+    timed = [r for r in results if "step_s" in r]
+    if not timed:
+        return {}
+    return {k: round(sum(r[k] for r in timed) / len(timed), 7) for k in ("step_s", "pass_s")}
 
 
 def _blas_chosen() -> dict | None:

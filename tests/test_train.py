@@ -44,6 +44,8 @@ def assert_learned(run, run_dir, digits_h5, min_acc=0.85):
     assert records(run_dir, "progress"), "no progress line"
     assert "final test accuracy" in run.stdout
     assert summary["blas"] in ("mkl", "openblas", "numpy"), summary
+    if summary["strategy"] != "sandblaster":  # a replica's iteration and its pass, timed
+        assert 0 < summary["pass_s"] < summary["step_s"], summary
     return summary
 
 
@@ -67,6 +69,25 @@ def test_sync_learns(n, digits_h5, tmp_path):
                 "--steps", "900", *QUICK)
     s = assert_learned(run, tmp_path, digits_h5)
     assert s["replicas"] == n and s["servers"] == 0 and s["step"] >= 900
+
+
+def test_summary_splits_an_iteration_into_the_pass_and_the_rest(digits_h5, tmp_path):
+    """``--inject-slow 0:4`` sleeps three times each iteration's work after it: the
+    iteration's time grows, the gradient pass's does not."""
+    summaries = {}
+    for slow in ("", "4"):
+        run_dir = tmp_path / f"slow{slow}"
+        run = train(1, "--strategy", "sync", "--data", str(digits_h5), "--run-dir",
+                    str(run_dir), "--steps", "300", "--layers", "64,512,512,10",
+                    "--checkpoint-every", "0", "--eval-every", "0",
+                    *(["--inject-slow", f"0:{slow}"] if slow else []))
+        assert run.returncode == 0, run.output
+        summaries[slow] = records(run_dir, "summary")[-1]
+        assert "of which its gradient pass" in run.stdout
+    plain, slowed = summaries[""], summaries["4"]
+    assert 0 < plain["pass_s"] < plain["step_s"]
+    assert slowed["step_s"] > 2.5 * plain["step_s"], (plain, slowed)
+    assert slowed["pass_s"] < 1.5 * plain["pass_s"], (plain, slowed)
 
 
 def test_two_server_shards_and_n_push(digits_h5, tmp_path):

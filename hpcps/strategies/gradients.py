@@ -1,6 +1,8 @@
 """Where a replica's gradient comes from: the compiled engine, NumPy, or Hogwild threads."""
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 from hpcps import trace
@@ -35,6 +37,9 @@ class GradientSource:
     communicator (made here, once, in thread order, on every partition rank alike), so
     the collectives of different threads never mix. That needs ``MPI_THREAD_MULTIPLE``
     (``train.py`` refuses the run without it).
+
+    ``pass_s`` adds up the seconds spent in calls (the passes, the threads' steps, weight
+    decay): the replica's compute, reported per step in the summary.
     """
 
     def __init__(self, ctx: Context):
@@ -68,6 +73,7 @@ class GradientSource:
                                      batch=cfg.batch_size)
             self.order = np.arange(self.batch)
         self.weight_decay = np.float32(cfg.weight_decay or 0.0)
+        self.pass_s = 0.0
         self.compiled_one = None
         if self.threads == 1 and not ctx.partitioned:
             from hpcps import conv_hogwild, hogwild
@@ -83,6 +89,7 @@ class GradientSource:
         """Mean loss over the examples; ``grad`` receives the mean gradient."""
         tr = trace.ACTIVE
         t0 = tr.now() if tr is not None else 0
+        start = time.perf_counter()
         if self.compiled_one is not None:
             loss = self.compiled_one.loss_and_grad(params, x, y, grad=grad)[0]
         elif self.threads == 1:
@@ -91,6 +98,7 @@ class GradientSource:
             loss = self._threads(params, x, y, grad)
         if self.weight_decay:  # + the gradient of weight_decay/2 * |w|^2
             grad += self.weight_decay * params
+        self.pass_s += time.perf_counter() - start
         if tr is not None:
             tr.span(trace.COMPUTE, "gradient", t0, {"examples": len(x)})
         return loss

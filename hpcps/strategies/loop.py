@@ -228,6 +228,7 @@ class ReplicaLoop(ABC):
                 if it + 1 < self.iterations and self._stop_now(it + 1):
                     self._note_stop()
                     break
+            loop_s = time.perf_counter() - self._t0  # the iterations, without the ending
             if self.replica_vote is not None:
                 self.replica_vote.finish()
             if chief and self._n_win:
@@ -238,7 +239,11 @@ class ReplicaLoop(ABC):
         train_s = time.perf_counter() - self._t0
         result = self.finish(train_s)
         figures = {**model_parallel_figures(ctx, self.done, train_s), **result.get("figures", {})}
-        return {"train_s": train_s, **result, "figures": figures}
+        # this rank's seconds per iteration, and of them its gradient passes (train.py's
+        # summary averages them over the replicas' ranks)
+        iterations = max(1, -(-self.done // self.T))
+        return {"train_s": train_s, **result, "figures": figures,
+                "step_s": loop_s / iterations, "pass_s": self.source.pass_s / iterations}
 
     def _stop_now(self, iteration: int) -> bool:
         """After ``iteration`` (1, 2, ...): whether this rank leaves the loop now."""
