@@ -84,7 +84,6 @@ HAVE_EXTENSION : bool
 """
 from __future__ import annotations
 
-import contextlib
 import operator
 
 import numpy as np
@@ -95,11 +94,6 @@ from hpcps.kernels import blas, load_extension
 from hpcps.model import MLP
 
 _compiled, _ = load_extension("_hogwild", None, "hpcps.hogwild")
-
-try:  # optional: keeps BLAS single-threaded even if OPENBLAS_NUM_THREADS was not set
-    from threadpoolctl import ThreadpoolController
-except ImportError:
-    ThreadpoolController = None
 
 HAVE_EXTENSION = _compiled is not None
 BACKENDS = ("threads", "openmp")
@@ -204,7 +198,7 @@ class HogwildEngine:
                         or blas.mlp_shapes(self.sizes, self.batch))
         else:
             self._grad = np.empty(self.n_params, dtype=np.float32)
-        self._blas = ThreadpoolController() if ThreadpoolController is not None else None
+        self._blas_one_thread = blas.OneThread()
 
     # -- checks -------------------------------------------------------------------------
     def _inputs(self, x, y):
@@ -226,11 +220,6 @@ class HogwildEngine:
         if np.may_share_memory(params, grad):
             raise ValueError("params and grad overlap in memory; pass separate arrays")
         return grad
-
-    def _blas_one_thread(self):
-        if self._blas is None:
-            return contextlib.nullcontext()
-        return self._blas.limit(limits=1, user_api="blas")
 
     # -- training -----------------------------------------------------------------------
     def train(self, params, x, y, order, lr, steps_per_thread=None, delta=None):

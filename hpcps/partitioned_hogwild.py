@@ -32,7 +32,6 @@ others; a worker that neither finishes nor fails within the bound raises
 """
 from __future__ import annotations
 
-import contextlib
 import queue
 import threading
 import time
@@ -40,12 +39,8 @@ import time
 import numpy as np
 
 from hpcps.errors import ConfigError, HpcpsError
+from hpcps.kernels import blas
 from hpcps.model import PartitionedMLP
-
-try:  # optional: keeps BLAS single-threaded even if OPENBLAS_NUM_THREADS was not set
-    from threadpoolctl import ThreadpoolController
-except ImportError:
-    ThreadpoolController = None
 
 __all__ = ["HogwildThreadTimeout", "PartitionedHogwild", "thread_rows"]
 
@@ -97,7 +92,7 @@ class PartitionedHogwild:
         self._results: queue.SimpleQueue = queue.SimpleQueue()
         self._workers: list[threading.Thread] = []
         self._generation = 0
-        self._blas = ThreadpoolController() if ThreadpoolController is not None else None
+        self._blas_one_thread = blas.OneThread()
 
     # -- worker threads -------------------------------------------------------------------
     def _start(self) -> None:
@@ -135,11 +130,6 @@ class PartitionedHogwild:
         if delta is not None:
             delta += u
         return loss * len(y)
-
-    def _blas_one_thread(self):
-        if self._blas is None:
-            return contextlib.nullcontext()
-        return self._blas.limit(limits=1, user_api="blas")
 
     # -- training -------------------------------------------------------------------------
     def train(self, params: np.ndarray, x: np.ndarray, y: np.ndarray, lr: float,

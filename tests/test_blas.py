@@ -532,3 +532,25 @@ def test_kernels_load_without_all_of_scipy_linalg():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=120, env={**os.environ, "HPCPS_NO_EXTENSION": ""})
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+def test_one_thread_limits_every_blas_inside_the_block_and_restores_it():
+    """The engines' sgemm calls run with every BLAS at one thread; the caller's setting
+    comes back after, also when the block raises."""
+    threadpoolctl = pytest.importorskip("threadpoolctl")
+
+    def counts():
+        return [d["num_threads"] for d in threadpoolctl.threadpool_info()
+                if d["user_api"] == "blas"]
+    with threadpoolctl.threadpool_limits(limits=2, user_api="blas"):
+        one = blas.OneThread()
+        if not one.libraries:
+            pytest.skip("no BLAS library that threadpoolctl can see")
+        before = counts()
+        with one():
+            assert set(counts()) == {1}
+        assert counts() == before
+        with pytest.raises(RuntimeError):
+            with one():
+                raise RuntimeError("inside")
+        assert counts() == before

@@ -265,13 +265,38 @@ def time_sgemm(addresses, shapes, min_rounds=MIN_ROUNDS, max_rounds=MAX_ROUNDS,
     return {"rounds": rounds, "seconds": time.perf_counter() - start}
 
 
+class OneThread:
+    """``with OneThread()(): ...``: every BLAS library the process had loaded when this was
+    made runs one thread inside the block (ours call sgemm from their own threads), as
+    before after it. Found once with ``threadpoolctl`` (nothing is limited without it); each
+    block reads the libraries' thread counts and sets only those above one, a few
+    microseconds where ``threadpoolctl``'s own ``limit`` re-reads every library's
+    description on each call (about 50 us, 2% of a 784-512-512-10 mini-batch)."""
+
+    def __init__(self):
+        try:
+            from threadpoolctl import ThreadpoolController
+        except ImportError:
+            self.libraries = []
+        else:
+            self.libraries = [lib for lib in ThreadpoolController().lib_controllers
+                              if lib.user_api == "blas"]
+
+    @contextlib.contextmanager
+    def __call__(self):
+        changed = [(lib, n) for lib in self.libraries if (n := lib.num_threads) != 1]
+        for lib, _ in changed:
+            lib.set_num_threads(1)
+        try:
+            yield
+        finally:
+            for lib, n in changed:
+                lib.set_num_threads(n)
+
+
 def _one_blas_thread():
-    """OpenBLAS limited to one thread, as every kernel calls it (threadpoolctl, if there)."""
-    try:
-        from threadpoolctl import threadpool_limits
-    except ImportError:
-        return contextlib.nullcontext()
-    return threadpool_limits(limits=1, user_api="blas")
+    """OpenBLAS limited to one thread, as every kernel calls it."""
+    return OneThread()()
 
 
 def best_seconds(rounds, name):
