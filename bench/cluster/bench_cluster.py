@@ -165,7 +165,10 @@ def throughput(args, strategy: str, ranks: int, tmp: Path) -> dict:
         runs.append(s)
     entry = {"strategy": strategy, **layout(strategy, ranks),
              "steps_trained": runs[0]["steps_trained"]}
-    for key in ("examples_per_s", "bytes_per_step", "train_s"):
+    # step_s, pass_s: a replica's iteration and its gradient pass, as the run timed them
+    for key in ("examples_per_s", "bytes_per_step", "train_s", "step_s", "pass_s"):
+        if key not in runs[0]:
+            continue  # sandblaster: no mini-batch iterations
         values = [r[key] for r in runs]
         entry[key] = statistics.median(values)
         entry[key + "_all"] = values
@@ -275,7 +278,7 @@ def main(argv=None) -> int:
     out = {"bench": "cluster", "machine": {**machine(str(MPIEXEC)),
                                            "cpu_features": cpu_features()},
            "command": " ".join([Path(sys.executable).name, *sys.argv]),
-           "layers": args.layers, "data": args.data, "networks": []}
+           "layers": args.layers, "batch": BATCH, "data": args.data, "networks": []}
     signal.signal(signal.SIGTERM, _stop)
     try:
         with tempfile.TemporaryDirectory(prefix="bench_cluster-") as tmp:
