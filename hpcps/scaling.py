@@ -36,7 +36,9 @@ on each node; the alpha-beta model's missing per-byte arithmetic term), and the 
 parameter of deadreckon's step (``reckon_s_per_param``: scaling the gradient, adding it to
 the residual, thresholding and packing the message with :class:`hpcps.compress.Compressor`,
 the code deadreckon runs), added to every deadreckon step, and what decoding and applying
-a message costs (``receive_s`` and ``receive_s_per_word``), once per replica's message.
+a message costs per word (``receive_s_per_word``), for its own words and each peer's. Both,
+and deadreckon's pass, are timed in steps taken as a deadreckon replica takes them: its
+vectors evict the weights from the caches (a pass timed alone ran 1.1-1.3x faster).
 
 Bytes per step are the figures the strategies report in their summaries (``sync.py``,
 ``averaging.py``, ``downpour.py``, ``deadreckon.py``; ``--validate-cluster`` prints both).
@@ -108,8 +110,11 @@ class Workload:
     reduce_s_per_param : seconds per float an allreduce sums (sync, averaging).
     reckon_s_per_param : deadreckon: seconds per parameter of its per-step work on the whole
         vector (scale the gradient, add it to the residual, threshold, pack).
-    receive_s, receive_s_per_word : deadreckon: seconds to decode and apply one peer's
-        message, fixed and per thresholded element (0 per word: ``update_s_per_param``).
+    receive_s_per_word : deadreckon: seconds per thresholded element to decode and apply a
+        message, its own words and each peer's (0: ``update_s_per_param``).
+    reckon_compute_s : deadreckon: its pass, which runs slower than ``compute_s`` because
+        the step's vectors (residual, counts, reference weights) push the weights out of
+        the caches between passes; None: ``compute_s``.
     cores : cores shared by all nodes (the emulated cluster: every node is a namespace of one
         machine); None for real nodes, each with its own CPU.
     background : runnable threads of other jobs on those cores while the nodes run (a
@@ -133,8 +138,8 @@ class Workload:
     servers: int = 1
     reduce_s_per_param: float = 0.0
     reckon_s_per_param: float = 0.0
-    receive_s: float = 0.0
     receive_s_per_word: float = 0.0
+    reckon_compute_s: float | None = None
     cores: int | None = None
     background: float = 0.0
     co_run: float = 1.0
@@ -151,9 +156,11 @@ class Workload:
             1.0 + (self.co_run - 1.0) * max(0.0, busy - 1.0) / (self.cores - 1.0)
         return co_run * max(1.0, (nodes + self.background) / self.cores)
 
-    def compute(self, nodes: int) -> float:
-        """Seconds of one mini-batch when ``nodes`` ranks compute at once (:meth:`share`)."""
-        return self.compute_s * self.share(nodes)
+    def compute(self, nodes: int, strategy: str | None = None) -> float:
+        """Seconds of one mini-batch when ``nodes`` ranks compute at once (:meth:`share`),
+        in a ``strategy``'s step (deadreckon's: ``reckon_compute_s``)."""
+        own = self.reckon_compute_s if strategy == "deadreckon" else None
+        return (own or self.compute_s) * self.share(nodes)
 
 
 def ring(nbytes: float, R: int, alpha: float, beta: float, gamma: float = 0.0) -> float:
@@ -198,7 +205,7 @@ def predict(strategy: str, w: Workload, nodes: int, alpha: float, beta: float) -
     share = w.share(nodes)  # CPU work on shared cores (1 on real nodes)
     if strategy in ("sync", "averaging", "deadreckon"):
         R = nodes
-        t = w.compute(nodes)
+        t = w.compute(nodes, strategy)
         gamma = w.reduce_s_per_param * share
         if strategy == "sync":
             t += n * w.update_s_per_param * share + ring(4 * (n + 1), R, alpha, beta, gamma)
@@ -209,7 +216,7 @@ def predict(strategy: str, w: Workload, nodes: int, alpha: float, beta: float) -
             per_word = w.receive_s_per_word or w.update_s_per_param
             t += n * w.reckon_s_per_param * share \
                 + (R - 1) * (alpha + message_bytes(w) * beta) \
-                + R * (w.receive_s + w.updates_per_step * per_word) * share  # its own, theirs
+                + R * w.updates_per_step * per_word * share  # its own words, and theirs
         return R * b / t
     if strategy == "downpour":
         S = w.servers
@@ -346,50 +353,62 @@ def measure_compute(layers: list[int], batch: int, repeats: int = 15,
         c = time.process_time()
         np.add(grad, other, out=grad)
         red.append(time.process_time() - c)
-    step_vec = rng_normal(n, 2)
-    comp = compress.Compressor(n, float(np.quantile(np.abs(step_vec), 0.999)))
-    scale = np.float32(1.0)  # the gradient times -lr
-    reckon = []
-    for _ in range(repeats):
-        g = step_vec.copy()
-        comp.residual[:] = 0.0  # each pass sends the 0.1% of elements beyond tau
-        c = time.process_time()
-        g *= scale
-        comp.compress(g)
-        reckon.append(time.process_time() - c)
-    receive = measure_receive(n, step_vec, repeats)
+    reckon = measure_reckon(step, model, params, x, y, batch, repeats)
     return {"compute_s": statistics.median(cpu),
             "compute_wall_s": statistics.median(wall),
             "update_s_per_param": statistics.median(upd) / model.n_params,
             "reduce_s_per_param": statistics.median(red) / n,
-            "reckon_s_per_param": statistics.median(reckon) / n,
             "portion_s_per_example": portion_s,
-            **receive,
+            **reckon,
             "path": f"{path}, on {inputs}",
             "load_average": os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0}
 
 
-def measure_receive(n: int, step_vec: np.ndarray, repeats: int) -> dict:
-    """What a deadreckon replica spends on one peer's message: decoding it and applying its
-    words to its copy (:class:`hpcps.strategies.deadreckon.Reckoner`), in CPU seconds, as
-    ``receive_s`` (fixed) and ``receive_s_per_word``, from messages of about n / 1000 and
-    n / 100 words (medians of ``repeats``)."""
+RECKON_DENSITY = 0.002  # deadreckon's messages: about 2 words per 1,000 parameters
+PEER_MESSAGES = 8  # distinct peer messages cycled through (other words each step)
+
+
+def measure_reckon(step, model, params, x, y, batch: int, repeats: int) -> dict:
+    """Steps taken as a deadreckon replica takes them (:mod:`hpcps.strategies.deadreckon`),
+    in CPU seconds, medians of ``repeats`` after ``WARM_STEPS``: the pass (``step`` on the
+    next mini-batch; ``reckon_compute_s``), the step scaled and thresholded into the
+    residual and packed (``reckon_s_per_param``), then its own words and one peer's message
+    (decoded) applied to the replica's copy (``receive_s_per_word``). Tau sends about
+    ``RECKON_DENSITY`` of the elements, as the adaptive tau does."""
     from hpcps.strategies.deadreckon import Reckoner
-    reckon = Reckoner(np.zeros(n, np.float32), 1e-4)
-    sizes, times = [], []
-    for share in (0.001, 0.01):
-        comp = compress.Compressor(n, float(np.quantile(np.abs(step_vec), 1.0 - share)))
-        msg, words = comp.compress(step_vec.copy())
-        runs = []
-        for _ in range(repeats):
-            c = time.process_time()
-            reckon.apply(compress.decode(msg, n), 1)
-            runs.append(time.process_time() - c)
-        sizes.append(len(words))
-        times.append(statistics.median(runs))
-    per_word = max(0.0, (times[1] - times[0]) / max(1, sizes[1] - sizes[0]))
-    return {"receive_s": max(0.0, times[0] - per_word * sizes[0]),
-            "receive_s_per_word": per_word}
+    n = model.n_params
+    reckoner = Reckoner(params.copy(), 1e-7)
+    peers = []
+    for k in range(PEER_MESSAGES):
+        v = rng_normal(n, 10 + k)
+        c = compress.Compressor(n, float(np.quantile(np.abs(v), 1.0 - RECKON_DENSITY)))
+        msg, words = c.compress(v)
+        peers.append((msg.copy(), len(words)))
+    grad = np.empty(n, np.float32)
+    comp, scale = None, np.float32(-0.01)
+    passes, work, per_word = [], [], []
+    for i in range(WARM_STEPS + repeats):
+        j = i % (len(x) // batch)
+        c = time.process_time()
+        step(reckoner.params, x[j * batch:(j + 1) * batch], y[j * batch:(j + 1) * batch],
+             grad=grad)
+        passes.append(time.process_time() - c)
+        if comp is None:
+            tau = float(np.quantile(np.abs(grad * scale), 1.0 - RECKON_DENSITY))
+            comp = compress.Compressor(n, max(tau, 1e-12))
+        comp.residual[:] = 0.0  # each step sends about RECKON_DENSITY of the elements
+        c = time.process_time()
+        grad *= scale
+        _, words = comp.compress(grad)
+        work.append(time.process_time() - c)
+        msg, k = peers[i % PEER_MESSAGES]
+        c = time.process_time()
+        reckoner.apply(words, 1)
+        reckoner.apply(compress.decode(msg, n), 1)
+        per_word.append((time.process_time() - c) / max(1, len(words) + k))
+    return {"reckon_compute_s": statistics.median(passes[WARM_STEPS:]),
+            "reckon_s_per_param": statistics.median(work[WARM_STEPS:]) / n,
+            "receive_s_per_word": statistics.median(per_word[WARM_STEPS:])}
 
 
 def _measure_beside(index, core, barrier, results, layers, batch, repeats, data,
@@ -474,8 +493,8 @@ def measured_workload(m: dict, n_params: int, batch: int, **kw) -> Workload:
                     reduce_s_per_param=m["reduce_s_per_param"],
                     reckon_s_per_param=m["reckon_s_per_param"],
                     portion_s_per_example=m["portion_s_per_example"],
-                    receive_s=m.get("receive_s", 0.0),
-                    receive_s_per_word=m.get("receive_s_per_word", 0.0), **kw)
+                    receive_s_per_word=m.get("receive_s_per_word", 0.0),
+                    reckon_compute_s=m.get("reckon_compute_s"), **kw)
 
 
 def in_run_workload(w: Workload, pass_s: float) -> Workload:
@@ -488,7 +507,7 @@ def in_run_workload(w: Workload, pass_s: float) -> Workload:
     return replace(w, compute_s=pass_s, update_s_per_param=w.update_s_per_param * f,
                    reduce_s_per_param=w.reduce_s_per_param * f,
                    reckon_s_per_param=w.reckon_s_per_param * f,
-                   receive_s=w.receive_s * f, receive_s_per_word=w.receive_s_per_word * f,
+                   receive_s_per_word=w.receive_s_per_word * f, reckon_compute_s=None,
                    portion_s_per_example=None if portion is None else portion * f,
                    cores=None, background=0.0, co_run=1.0)
 
@@ -532,9 +551,10 @@ def validate_cluster(path: str, repeats: int = 15, background: float | None = No
     machine's speed drifts over minutes); for a bench that did not, it is measured here, on
     rows of ``data`` (default: the bench's dataset, where that file is here), whose zeros
     the first layer skips as it did in the runs. Where a run recorded its replicas' own
-    pass time (``pass_s``, from its summary), each row also has ``predicted_in_run``: the
-    model with that pass (:func:`in_run_workload`), which leaves out what the shared cores,
-    co-running and the machine's drift did to the CPU work and checks the rest."""
+    pass time (``pass_s``, from its summary) and had no more ranks than cores, each row
+    also has ``predicted_in_run``: the model with that pass (:func:`in_run_workload`), which
+    leaves out what co-running and the machine's drift did to the CPU work and checks the
+    rest."""
     with open(path) as fh:
         bench = json.load(fh)
     layers = [int(v) for v in str(bench["layers"]).split(",")]
@@ -583,7 +603,10 @@ def validate_cluster(path: str, repeats: int = 15, background: float | None = No
                    "compute_s": w.compute_s,
                    "bytes_measured": run["bytes_per_step"],
                    "bytes_model": round(bytes_per_step(run["strategy"], w, run["replicas"]))}
-            if run.get("pass_s"):  # the replicas' pass as the run itself timed it
+            # the replicas' pass as the run itself timed it, where no rank was time-sliced:
+            # with more ranks than cores a pass of a few ms mostly runs between the
+            # scheduler's switches and shows little of the sharing the rest of the step takes
+            if run.get("pass_s") and run["ranks"] <= cores:
                 pred_run = predict(run["strategy"], in_run_workload(w, run["pass_s"]), *link)
                 row.update(pass_s_in_run=run["pass_s"],
                            predicted_in_run=round(pred_run, 1),
@@ -704,7 +727,8 @@ def main(argv: list[str] | None = None) -> int:
                   "other jobs; pass: a mini-batch's forward and backward on a core alone, "
                   "co-run: how much slower with every core computing)")
             print("  in run: the same model with the pass as each run timed it (its summary's "
-                  "pass_s), every other CPU term slowed as much")
+                  "pass_s), every other CPU term slowed as much; runs with no more ranks "
+                  "than cores")
         print(f"  {'network':>8} {'strategy':>12} {'ranks':>5} {'alpha':>9} {'pass':>8} "
               f"{'co-run':>6} {'measured':>10} "
               f"{'predicted':>10} {'diff':>7} {'in run: pass':>15} {'predicted':>10} "
