@@ -14,7 +14,8 @@ parameter for the optimizer's update:
 ``sync``        every step: compute, then a ring allreduce of the n+1 floats:
                 ``2 (R-1) alpha + 2 (R-1)/R * 4 (n+1) * beta``, then the update.
 ``averaging``   every step compute and update; every k steps (``--average-every``) a ring
-                allreduce of the parameters and optimizer state.
+                allreduce of the parameters and optimizer state, and the average's own
+                copies in and out of its buffer (``average_s_per_param``, measured).
 ``downpour``    every step a replica computes, pushes its 4n-byte gradient and fetches 4n
                 bytes of parameters from the S shards; a shard's loop, one request at a
                 time, takes R pushes, applies them and serves R fetches per round of steps:
@@ -112,6 +113,9 @@ class Workload:
         vector (scale the gradient, add it to the residual, threshold, pack).
     receive_s_per_word : deadreckon: seconds per thresholded element to decode and apply a
         message, its own words and each peer's (0: ``update_s_per_param``).
+    average_s_per_param : averaging: seconds per parameter of an average's own work on its
+        vectors (the parameters and the state copied into the buffer, the mean, the
+        spread, copied back), with ``state_vectors`` state vectors.
     reckon_compute_s : deadreckon: its pass, which runs slower than ``compute_s`` because
         the step's vectors (residual, counts, reference weights) push the weights out of
         the caches between passes; None: ``compute_s``.
@@ -139,6 +143,7 @@ class Workload:
     reduce_s_per_param: float = 0.0
     reckon_s_per_param: float = 0.0
     receive_s_per_word: float = 0.0
+    average_s_per_param: float = 0.0
     reckon_compute_s: float | None = None
     cores: int | None = None
     background: float = 0.0
@@ -210,8 +215,9 @@ def predict(strategy: str, w: Workload, nodes: int, alpha: float, beta: float) -
         if strategy == "sync":
             t += n * w.update_s_per_param * share + ring(4 * (n + 1), R, alpha, beta, gamma)
         elif strategy == "averaging":
-            t += n * w.update_s_per_param * share \
-                + ring(4 * n * (1 + w.state_vectors), R, alpha, beta, gamma) / w.average_every
+            average = ring(4 * n * (1 + w.state_vectors), R, alpha, beta, gamma) \
+                + n * w.average_s_per_param * share
+            t += n * w.update_s_per_param * share + average / w.average_every
         else:  # no optimizer: its update is its own words, applied as a peer's message is
             per_word = w.receive_s_per_word or w.update_s_per_param
             t += n * w.reckon_s_per_param * share \
@@ -354,11 +360,23 @@ def measure_compute(layers: list[int], batch: int, repeats: int = 15,
         np.add(grad, other, out=grad)
         red.append(time.process_time() - c)
     reckon = measure_reckon(step, model, params, x, y, batch, repeats)
+    from hpcps.strategies.averaging import pack, to_mean, unpack
+    mine, own_state = params.copy(), {k: v.copy() for k, v in state.items()}
+    keys = list(own_state)  # Adagrad's one vector, as averaging's default averages it
+    buf = np.empty((1 + len(keys)) * n + 1, np.float32)
+    average = []
+    for _ in range(repeats):
+        c = time.process_time()
+        pack(buf, mine, own_state, keys)
+        to_mean(buf, mine, 2)
+        unpack(buf, mine, own_state, keys)
+        average.append(time.process_time() - c)
     return {"compute_s": statistics.median(cpu),
             "compute_wall_s": statistics.median(wall),
             "update_s_per_param": statistics.median(upd) / model.n_params,
             "reduce_s_per_param": statistics.median(red) / n,
             "portion_s_per_example": portion_s,
+            "average_s_per_param": statistics.median(average) / n,
             **reckon,
             "path": f"{path}, on {inputs}",
             "load_average": os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0}
@@ -494,6 +512,7 @@ def measured_workload(m: dict, n_params: int, batch: int, **kw) -> Workload:
                     reckon_s_per_param=m["reckon_s_per_param"],
                     portion_s_per_example=m["portion_s_per_example"],
                     receive_s_per_word=m.get("receive_s_per_word", 0.0),
+                    average_s_per_param=m.get("average_s_per_param", 0.0),
                     reckon_compute_s=m.get("reckon_compute_s"), **kw)
 
 
@@ -508,6 +527,7 @@ def in_run_workload(w: Workload, pass_s: float) -> Workload:
                    reduce_s_per_param=w.reduce_s_per_param * f,
                    reckon_s_per_param=w.reckon_s_per_param * f,
                    receive_s_per_word=w.receive_s_per_word * f, reckon_compute_s=None,
+                   average_s_per_param=w.average_s_per_param * f,
                    portion_s_per_example=None if portion is None else portion * f,
                    cores=None, background=0.0, co_run=1.0)
 

@@ -313,3 +313,15 @@ def test_the_cluster_check_also_predicts_with_each_runs_own_pass_time(tmp_path):
     assert timed["relative_difference_in_run"] == pytest.approx(in_run / 1000.0 - 1, abs=1e-3)
     # not timed; more ranks than the 2 cores: time-sliced, the pass shows little of it
     assert "predicted_in_run" not in untimed and "predicted_in_run" not in sliced
+
+
+def test_an_average_pays_for_its_own_copies_every_k_steps():
+    """averaging's step adds, every k steps, the copies into and out of its buffer, measured
+    on averaging's own code (pack, to_mean, unpack)."""
+    R, k = 4, 4
+    copying = replace(W, average_s_per_param=2e-9, average_every=k)
+    plain = replace(W, average_every=k)
+    step = {w: R * W.batch / predict("averaging", w, R, 1e-5, 1e-9) for w in (plain, copying)}
+    assert step[copying] - step[plain] == pytest.approx(W.n_params * 2e-9 / k)
+    m = scaling.measure_compute([64, 256, 10], 16, repeats=3)
+    assert m["average_s_per_param"] > 0, m

@@ -62,11 +62,8 @@ class AveragingReplica(ReplicaLoop):
 
     def average(self) -> None:
         """Replace parameters (and state) by their mean over the replicas. Collective."""
-        n, buf = len(self.params), self.buf
-        buf[:n] = self.params
-        for i, k in enumerate(self.keys):
-            buf[(i + 1) * n:(i + 2) * n] = self.state[k]
-        buf[-1] = 0.0
+        buf = self.buf
+        pack(buf, self.params, self.state, self.keys)
         if self.R > 1:
             tr = trace.ACTIVE
             t0 = tr.now() if tr is not None else 0
@@ -75,16 +72,12 @@ class AveragingReplica(ReplicaLoop):
                      f"(ranks of the partition communicator, size {self.R})")
             if tr is not None:
                 tr.message("allreduce parameters", buf[:-1].nbytes, t0)
-            buf[:-1] *= np.float32(1.0 / self.R)
-            # how far this replica had moved from the average, summed over the replicas
-            buf[-1] = float(np.sum((self.params - buf[:n]) ** 2, dtype=np.float64))
+            buf[-1] = to_mean(buf, self.params, self.R)
             wait_all([self.comm.Iallreduce(MPI.IN_PLACE, buf[-1:], op=MPI.SUM)],
                      self.cfg.timeout, "the replicas' spread before averaging")
-            self.spread.append(float(np.sqrt(buf[-1] / (self.R * n))))
+            self.spread.append(float(np.sqrt(buf[-1] / (self.R * len(self.params)))))
             self.bytes_sent += 2 * 4 * (len(buf) - 1) * (self.R - 1) / self.R
-        self.params[...] = buf[:n]
-        for i, k in enumerate(self.keys):
-            self.state[k][...] = buf[(i + 1) * n:(i + 2) * n]
+        unpack(buf, self.params, self.state, self.keys)
         self.since = 0
         self.rounds += 1
 
@@ -114,6 +107,31 @@ class AveragingReplica(ReplicaLoop):
                 out.update(finish_on_chief(self.ctx, full, full_state, self.global_step(),
                                            train_s))
         return out
+
+
+def pack(buf: np.ndarray, params: np.ndarray, state: dict, keys: list) -> None:
+    """The parameters, then each state vector of ``keys``, into ``buf`` (its last float, the
+    spread's slot, zeroed)."""
+    n = len(params)
+    buf[:n] = params
+    for i, k in enumerate(keys):
+        buf[(i + 1) * n:(i + 2) * n] = state[k]
+    buf[-1] = 0.0
+
+
+def to_mean(buf: np.ndarray, params: np.ndarray, R: int) -> float:
+    """The allreduced sums in ``buf`` divided by ``R``; returns this replica's squared
+    distance to the mean (summed over the replicas, the spread)."""
+    buf[:-1] *= np.float32(1.0 / R)
+    return float(np.sum((params - buf[:len(params)]) ** 2, dtype=np.float64))
+
+
+def unpack(buf: np.ndarray, params: np.ndarray, state: dict, keys: list) -> None:
+    """The averaged parameters and state back from ``buf``."""
+    n = len(params)
+    params[...] = buf[:n]
+    for i, k in enumerate(keys):
+        state[k][...] = buf[(i + 1) * n:(i + 2) * n]
 
 
 def run(ctx: Context) -> dict:
