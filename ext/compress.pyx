@@ -145,6 +145,48 @@ def apply(float[::1] weights, const uint32_t[::1] words, float step):
     return -1
 
 
+def apply_counts(float[::1] params, const float[::1] base, int64_t[::1] counts,
+                 const uint32_t[::1] words, int64_t multiple, double unit):
+    """Dead reckoning's apply: per word, ``counts[i] += multiple`` (sign bit 0) or
+    ``-= multiple`` (sign bit 1), ``i = word >> 1``, then ``params[i] = float(base[i] + unit *
+    counts[i])`` computed in double. Duplicate indices each count.
+
+    All indices are checked before anything is touched, so a bad message changes nothing.
+
+    Returns
+    -------
+    int
+        -1 when applied; otherwise the position in ``words`` of the first word whose index
+        is ``>= len(params)`` (nothing applied).
+    """
+    cdef Py_ssize_t n = params.shape[0]
+    cdef Py_ssize_t m = words.shape[0]
+    cdef Py_ssize_t j, i
+    cdef uint32_t top = 0
+    cdef int64_t c
+    cdef int64_t delta[2]
+    if base.shape[0] != n or counts.shape[0] != n:
+        raise ValueError(f"params, base and counts differ in length: {n}, {base.shape[0]}, "
+                         f"{counts.shape[0]}")
+    delta[0] = multiple
+    delta[1] = -multiple
+    with nogil:
+        for j in range(m):
+            if words[j] > top:
+                top = words[j]
+    if m and <Py_ssize_t>(top >> 1) >= n:
+        for j in range(m):
+            if <Py_ssize_t>(words[j] >> 1) >= n:
+                return j
+    with nogil:
+        for j in range(m):
+            i = words[j] >> 1
+            c = counts[i] + delta[words[j] & 1]
+            counts[i] = c
+            params[i] = <float>(<double>base[i] + unit * <double>c)
+    return -1
+
+
 def rice_bits(const uint32_t[::1] words, int k):
     """Payload length in bits of ``words`` Rice-coded with parameter ``k``, without padding.
 

@@ -79,7 +79,8 @@ HEADER_BYTES = HEADER.size  # 16
 OK, TRUNCATED, GAP_TOO_LONG, INDEX_RANGE, TRAILING_BYTES, BAD_PADDING = range(6)
 
 __all__ = [
-    "MAX_WEIGHTS", "CodecError", "Compressor", "threshold", "apply", "encode", "decode",
+    "MAX_WEIGHTS", "CodecError", "Compressor", "threshold", "apply", "apply_counts", "encode",
+    "decode",
     "gap_entropy_bits", "bits_per_update", "HAVE_EXTENSION",
 ]
 
@@ -135,6 +136,22 @@ class NumpyReference:
         step = np.float32(step)
         deltas = np.where(words & 1, -step, step).astype(np.float32)
         np.add.at(weights, idx, deltas)  # unbuffered: duplicate indices each count, in order
+        return -1
+
+    @staticmethod
+    def apply_counts(params, base, counts, words, multiple, unit):
+        """Dead reckoning's apply (see :func:`apply_counts`); -1, or the first bad word."""
+        n = params.shape[0]
+        if base.shape[0] != n or counts.shape[0] != n:
+            raise ValueError(f"params, base and counts differ in length: {n}, "
+                             f"{base.shape[0]}, {counts.shape[0]}")
+        idx = (words >> 1).astype(np.intp)
+        bad = np.flatnonzero(idx >= n)
+        if bad.size:
+            return int(bad[0])
+        signs = 1 - 2 * (words & 1).astype(np.int64)
+        np.add.at(counts, idx, int(multiple) * signs)  # unbuffered: duplicates each count
+        params[idx] = base[idx] + float(unit) * counts[idx].astype(np.float64)
         return -1
 
     @staticmethod
@@ -361,6 +378,50 @@ def threshold(residual, grad, tau, out=None):
     _no_overlap(("residual", residual), ("grad", grad), ("out", out))
     count = _impl.threshold(residual, grad, tau, out)
     return out[:count]
+
+
+def apply_counts(params, base, counts, words, multiple, unit):
+    """Dead reckoning's apply (:class:`hpcps.strategies.deadreckon.Reckoner`): per word,
+    ``counts[i] += multiple`` (sign bit 0) or ``-= multiple`` (sign bit 1), ``i = word >> 1``,
+    then ``params[i] = float32(base[i] + unit * counts[i])``, computed in float64. Integer
+    counts add up the same in any order, so replicas that apply the same messages in
+    different orders hold bit-identical weights. Duplicate indices each count. Every index is
+    checked before anything changes.
+
+    Parameters
+    ----------
+    params, base : numpy.ndarray
+        1-D float32 C-contiguous of one length; ``params`` updated in place.
+    counts : numpy.ndarray
+        1-D int64 C-contiguous of that length, updated in place.
+    words : numpy.ndarray
+        1-D uint32 C-contiguous words ``(index << 1) | neg``.
+    multiple : int
+        Units each word moves its weight by (>= 1).
+    unit : float
+        Weight units per count (finite, > 0).
+
+    Raises
+    ------
+    CodecError
+        If a word's index is ``>= len(params)``.
+    ValueError
+        Bad arrays or scalars.
+    """
+    _check_array("params", params, np.float32, writable=True)
+    _check_array("base", base, np.float32)
+    _check_array("counts", counts, np.int64, writable=True)
+    _check_words(words)
+    _no_overlap(("params", params), ("base", base), ("counts", counts), ("words", words))
+    multiple = operator.index(multiple)
+    unit = float(unit)
+    if multiple < 1 or not (math.isfinite(unit) and unit > 0):
+        raise ValueError(f"multiple must be >= 1 and unit finite and > 0, got {multiple}, "
+                         f"{unit}")
+    bad = _impl.apply_counts(params, base, counts, words, multiple, unit)
+    if bad >= 0:
+        raise CodecError(f"word {bad} of the message addresses weight {int(words[bad]) >> 1}, "
+                         f"but the model has {params.shape[0]}")
 
 
 def apply(weights, words, tau, scale=1.0):

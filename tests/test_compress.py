@@ -257,6 +257,48 @@ def test_apply_reports_first_bad_index_and_changes_nothing(impl):
     np.testing.assert_array_equal(w, 0)
 
 
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+def test_apply_counts_matches_a_word_by_word_loop(impl):
+    """Dead reckoning's apply: integer counts, each duplicate counted, then the weight from
+    the count in float64 rounded once to float32, bit for bit."""
+    rng = np.random.default_rng(5)
+    n = 1000
+    base = rng.standard_normal(n, dtype=np.float32)
+    counts = rng.integers(-50, 50, n).astype(np.int64)
+    params = base.copy()
+    words = rng.integers(0, 2 * n, 5000, dtype=np.uint32)  # duplicates, any order
+    unit = 1.3e-4
+    want_counts = counts.copy()
+    for word in words.tolist():
+        want_counts[word >> 1] += -3 if word & 1 else 3
+    touched = np.unique(words >> 1)
+    want = base.copy()
+    want[touched] = (base[touched].astype(np.float64)
+                     + unit * want_counts[touched].astype(np.float64)).astype(np.float32)
+    assert impl.apply_counts(params, base, counts, words, 3, unit) == -1
+    np.testing.assert_array_equal(counts, want_counts)
+    np.testing.assert_array_equal(params, want)
+    # the first bad word is reported and nothing changes
+    before = (params.copy(), counts.copy())
+    assert impl.apply_counts(params, base, counts, np.array([2, 2 * n + 1, 7], np.uint32),
+                             1, unit) == 1
+    np.testing.assert_array_equal(params, before[0])
+    np.testing.assert_array_equal(counts, before[1])
+
+
+def test_apply_counts_refuses_what_does_not_fit():
+    params, base, counts = np.zeros(4, np.float32), np.zeros(4, np.float32), np.zeros(4, np.int64)
+    with pytest.raises(CodecError, match="addresses weight 4, but the model has 4"):
+        compress.apply_counts(params, base, counts, np.array([8], np.uint32), 1, 0.1)
+    with pytest.raises(ValueError, match="int64"):
+        compress.apply_counts(params, base, counts.astype(np.int32), np.zeros(1, np.uint32),
+                              1, 0.1)
+    with pytest.raises(ValueError, match="multiple"):
+        compress.apply_counts(params, base, counts, np.zeros(1, np.uint32), 0, 0.1)
+    with pytest.raises(ValueError, match="differ in length"):
+        compress.apply_counts(params, base[:3], counts, np.zeros(1, np.uint32), 1, 0.1)
+
+
 def test_apply_bad_index_raises_codec_error():
     w = np.ones(10, dtype=np.float32)
     with pytest.raises(CodecError, match="index 10, but the model has 10 weights"):

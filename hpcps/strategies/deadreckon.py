@@ -133,9 +133,7 @@ class Reckoner:
         message, as threshold emits)."""
         if len(words) == 0:
             return
-        idx = (words >> 1).astype(np.intp)
-        self.counts[idx] += int(multiple) * (1 - 2 * (words & 1).astype(np.int64))
-        self.params[idx] = self.base[idx] + self.unit * self.counts[idx].astype(np.float64)
+        compress.apply_counts(self.params, self.base, self.counts, words, multiple, self.unit)
         self.applied_words += len(words)
 
 
