@@ -216,7 +216,7 @@ def predict(strategy: str, w: Workload, nodes: int, alpha: float, beta: float) -
             t += n * w.update_s_per_param * share + ring(4 * (n + 1), R, alpha, beta, gamma)
         elif strategy == "averaging":
             average = ring(4 * n * (1 + w.state_vectors), R, alpha, beta, gamma) \
-                + n * w.average_s_per_param * share
+                + (n * w.average_s_per_param * share if R > 1 else 0.0)  # one: no average
             t += n * w.update_s_per_param * share + average / w.average_every
         else:  # no optimizer: its update is its own words, applied as a peer's message is
             per_word = w.receive_s_per_word or w.update_s_per_param

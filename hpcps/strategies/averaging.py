@@ -62,24 +62,25 @@ class AveragingReplica(ReplicaLoop):
 
     def average(self) -> None:
         """Replace parameters (and state) by their mean over the replicas. Collective."""
-        buf = self.buf
-        pack(buf, self.params, self.state, self.keys)
-        if self.R > 1:
-            tr = trace.ACTIVE
-            t0 = tr.now() if tr is not None else 0
-            wait_all([self.comm.Iallreduce(MPI.IN_PLACE, buf[:-1], op=MPI.SUM)],
-                     self.cfg.timeout, "the parameter average with the other replicas "
-                     f"(ranks of the partition communicator, size {self.R})")
-            if tr is not None:
-                tr.message("allreduce parameters", buf[:-1].nbytes, t0)
-            buf[-1] = to_mean(buf, self.params, self.R)
-            wait_all([self.comm.Iallreduce(MPI.IN_PLACE, buf[-1:], op=MPI.SUM)],
-                     self.cfg.timeout, "the replicas' spread before averaging")
-            self.spread.append(float(np.sqrt(buf[-1] / (self.R * len(self.params)))))
-            self.bytes_sent += 2 * 4 * (len(buf) - 1) * (self.R - 1) / self.R
-        unpack(buf, self.params, self.state, self.keys)
         self.since = 0
         self.rounds += 1
+        if self.R == 1:  # one replica is its own mean
+            return
+        buf = self.buf
+        pack(buf, self.params, self.state, self.keys)
+        tr = trace.ACTIVE
+        t0 = tr.now() if tr is not None else 0
+        wait_all([self.comm.Iallreduce(MPI.IN_PLACE, buf[:-1], op=MPI.SUM)],
+                 self.cfg.timeout, "the parameter average with the other replicas "
+                 f"(ranks of the partition communicator, size {self.R})")
+        if tr is not None:
+            tr.message("allreduce parameters", buf[:-1].nbytes, t0)
+        buf[-1] = to_mean(buf, self.params, self.R)
+        wait_all([self.comm.Iallreduce(MPI.IN_PLACE, buf[-1:], op=MPI.SUM)],
+                 self.cfg.timeout, "the replicas' spread before averaging")
+        self.spread.append(float(np.sqrt(buf[-1] / (self.R * len(self.params)))))
+        self.bytes_sent += 2 * 4 * (len(buf) - 1) * (self.R - 1) / self.R
+        unpack(buf, self.params, self.state, self.keys)
 
     def global_step(self) -> int:
         return self.ctx.start_step + self.done * self.R
