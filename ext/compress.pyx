@@ -113,6 +113,20 @@ def threshold(float[::1] residual, const float[::1] grad, float tau, uint32_t[::
     return cnt
 
 
+cdef Py_ssize_t _first_bad(const uint32_t[::1] words, Py_ssize_t n) noexcept nogil:
+    """-1 when every word's index is below ``n``, else the position of the first that is not."""
+    cdef Py_ssize_t j, m = words.shape[0]
+    cdef uint32_t top = 0
+    for j in range(m):  # a max reduction: vectorized, and far cheaper than the scatter
+        if words[j] > top:
+            top = words[j]
+    if m and <Py_ssize_t>(top >> 1) >= n:
+        for j in range(m):
+            if <Py_ssize_t>(words[j] >> 1) >= n:
+                return j
+    return -1
+
+
 def apply(float[::1] weights, const uint32_t[::1] words, float step):
     """Add ``+step`` (sign bit 0) or ``-step`` (sign bit 1) to ``weights[word >> 1]``.
 
@@ -124,21 +138,15 @@ def apply(float[::1] weights, const uint32_t[::1] words, float step):
         -1 when applied; otherwise the position in ``words`` of the first word whose index
         is ``>= len(weights)`` (nothing applied).
     """
-    cdef Py_ssize_t n = weights.shape[0]
     cdef Py_ssize_t m = words.shape[0]
-    cdef Py_ssize_t j
-    cdef uint32_t top = 0
+    cdef Py_ssize_t j, bad
     cdef float delta[2]
     delta[0] = step
     delta[1] = -step
     with nogil:
-        for j in range(m):  # a max reduction: vectorized, and far cheaper than the scatter
-            if words[j] > top:
-                top = words[j]
-    if m and <Py_ssize_t>(top >> 1) >= n:
-        for j in range(m):
-            if <Py_ssize_t>(words[j] >> 1) >= n:
-                return j
+        bad = _first_bad(words, weights.shape[0])
+    if bad >= 0:
+        return bad
     with nogil:
         for j in range(m):
             weights[words[j] >> 1] += delta[words[j] & 1]
@@ -161,8 +169,7 @@ def apply_counts(float[::1] params, const float[::1] base, int64_t[::1] counts,
     """
     cdef Py_ssize_t n = params.shape[0]
     cdef Py_ssize_t m = words.shape[0]
-    cdef Py_ssize_t j, i
-    cdef uint32_t top = 0
+    cdef Py_ssize_t j, i, bad
     cdef int64_t c
     cdef int64_t delta[2]
     if base.shape[0] != n or counts.shape[0] != n:
@@ -171,13 +178,9 @@ def apply_counts(float[::1] params, const float[::1] base, int64_t[::1] counts,
     delta[0] = multiple
     delta[1] = -multiple
     with nogil:
-        for j in range(m):
-            if words[j] > top:
-                top = words[j]
-    if m and <Py_ssize_t>(top >> 1) >= n:
-        for j in range(m):
-            if <Py_ssize_t>(words[j] >> 1) >= n:
-                return j
+        bad = _first_bad(words, n)
+    if bad >= 0:
+        return bad
     with nogil:
         for j in range(m):
             i = words[j] >> 1

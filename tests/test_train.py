@@ -72,8 +72,9 @@ def test_sync_learns(n, digits_h5, tmp_path):
 
 
 def test_summary_splits_an_iteration_into_the_pass_and_the_rest(digits_h5, tmp_path):
-    """``--inject-slow 0:4`` sleeps three times each iteration's work after it: the
-    iteration's time grows, the gradient pass's does not."""
+    """``--inject-slow 0:4`` sleeps three times each iteration's work after it, pass
+    included: the iteration grows, and the sleep is counted outside the pass (the pass
+    itself may run slower after a sleep: cold caches)."""
     summaries = {}
     for slow in ("", "4"):
         run_dir = tmp_path / f"slow{slow}"
@@ -87,7 +88,7 @@ def test_summary_splits_an_iteration_into_the_pass_and_the_rest(digits_h5, tmp_p
     plain, slowed = summaries[""], summaries["4"]
     assert 0 < plain["pass_s"] < plain["step_s"]
     assert slowed["step_s"] > 2.5 * plain["step_s"], (plain, slowed)
-    assert slowed["pass_s"] < 1.5 * plain["pass_s"], (plain, slowed)
+    assert slowed["step_s"] - slowed["pass_s"] >= 2.9 * slowed["pass_s"], (plain, slowed)
 
 
 def test_two_server_shards_and_n_push(digits_h5, tmp_path):
