@@ -255,7 +255,7 @@ def time_sgemm(addresses, shapes, min_rounds=MIN_ROUNDS, max_rounds=MAX_ROUNDS,
 
     start = time.perf_counter()
     rounds = []
-    with _one_blas_thread():
+    with OneThread()():  # as every kernel calls it
         for name in names:
             one_pass(name)
         while len(rounds) < max_rounds and (len(rounds) < min_rounds
@@ -292,11 +292,6 @@ class OneThread:
         finally:
             for lib, n in changed:
                 lib.set_num_threads(n)
-
-
-def _one_blas_thread():
-    """OpenBLAS limited to one thread, as every kernel calls it."""
-    return OneThread()()
 
 
 def best_seconds(rounds, name):
