@@ -17,9 +17,10 @@ parameter for the optimizer's update:
                 allreduce of the parameters and optimizer state, and the average's own
                 copies in and out of its buffer (``average_s_per_param``, measured).
 ``downpour``    every step a replica computes, pushes its 4n-byte gradient and fetches 4n
-                bytes of parameters from the S shards; a shard's loop, one request at a
-                time, takes R pushes, applies them and serves R fetches per round of steps:
-                the job runs at the slower of the replicas and the shards. S nodes are shards
+                bytes of parameters from the S shards (the reply waits for the shard to
+                apply the push ahead of it); a shard's loop, one request at a time, takes R
+                pushes, applies them and serves R fetches per round of steps: the job runs
+                at the slower of the replicas and the shards. S nodes are shards
                 (``--servers``, default 1), so R = N - S.
 ``deadreckon``  every step compute, threshold the residual and send one compressed message
                 (``HEADER + updates * bits / 8`` bytes, :mod:`hpcps.compress`) to each of the
@@ -29,7 +30,9 @@ parameter for the optimizer's update:
 ``sandblaster`` one batch evaluation: the batch split over the replicas' portions; each
                 replica fetches the parameters once and pushes its accumulated gradient
                 every ``--flush-every`` portions it computed (and its remainder), through one
-                shard; the coordinator's commands are small (alpha each).
+                shard; the coordinator's commands are small (alpha each). On shared cores
+                only the replicas compete for them: the coordinator and the shard wait
+                for messages without computing.
 
 Work on the whole parameter vector is measured on this CPU too: the seconds per float an
 allreduce sums (``reduce_s_per_param``; sync and averaging: a ring sums (R-1)/R of the vector
@@ -229,8 +232,10 @@ def predict(strategy: str, w: Workload, nodes: int, alpha: float, beta: float) -
         R = nodes - S
         if R < 1:
             return 0.0
-        # a replica talks to every shard: a push, an ask and a reply of n/S parameters each
-        replica = w.compute(nodes) + 3 * S * alpha + 2 * 4 * n * beta
+        # a replica talks to every shard: a push, an ask and a reply of n/S parameters each;
+        # the reply waits for the shard to apply the push ahead of the ask
+        replica = w.compute(nodes) + 3 * S * alpha + 2 * 4 * n * beta \
+            + n / S * w.update_s_per_param * share
         # a shard's loop does one thing at a time (ps/gradient_shard.py): per replica step it
         # receives the push, applies it, answers the ask with its n/S parameters
         shard = R * (3 * alpha + 2 * 4 * n / S * beta + n / S * w.update_s_per_param * share)
@@ -240,6 +245,9 @@ def predict(strategy: str, w: Workload, nodes: int, alpha: float, beta: float) -
         if R < 1:
             return 0.0
         per_example = w.portion_s_per_example or w.compute_s / b
+        # on shared cores only the replicas compete: the coordinator and the shard wait
+        # for messages without computing (their loops sleep between polls)
+        share = w.share(R)
         work = share * per_example * w.batch_examples / R
         shard = sandblaster_transfers(w, R) * (alpha + 4 * n * beta)  # fetches, pushes: one link
         commands = 20 * alpha * 2  # the coordinator's L-BFGS commands, round trips
@@ -554,14 +562,52 @@ def strom_table2(gbit: float = 1.0) -> list[dict]:
     return rows
 
 
+def pair_link(net: dict, computing: float) -> tuple[float, float]:
+    """alpha and beta of one pair's link (a replica and a shard) on a bench's network
+    ``net`` while ``computing`` other ranks compute on the cores the pair shares: TCP's
+    copies and the receiver's turn to run wait for the cores. Interpolated between the
+    bench's ping-pongs, each measured with its ranks less the pair computing (``pingpong``:
+    none; ``pingpong_at``: one per rank count of the runs)."""
+    points = sorted([(0.0, net["pingpong"]["alpha_s"], net["pingpong"]["beta_s_per_byte"])]
+                    + [(int(k) - 2.0, pp["alpha_s"], pp["beta_s_per_byte"])
+                       for k, pp in net.get("pingpong_at", {}).items()])
+    at, alphas, betas = zip(*points)
+    return float(np.interp(computing, at, alphas)), float(np.interp(computing, at, betas))
+
+
+def computing_beside(strategy: str, w: Workload, nodes: int, link) -> float:
+    """How many ranks compute, on average, while a replica and its shard move a message
+    (``downpour``, ``sandblaster``); ``link(computing)`` gives that link's (alpha, beta).
+    Sandblaster: the other R - 1 replicas, computing their portions (the coordinator and the
+    shard wait without computing). Downpour: the other R - 1 replicas for the part of their
+    step they compute, which depends on how fast the shard's link runs: the fixed point,
+    found by bisection (more computing slows the link, which lengthens the step and so
+    shortens the part spent computing)."""
+    if strategy == "sandblaster":
+        return float(max(0, nodes - 3))
+    R = nodes - w.servers
+    lo, hi = 0.0, float(max(0, R - 1))
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        eps = predict(strategy, w, nodes, *link(mid))
+        step = R * w.batch / eps if eps > 0 else float("inf")
+        if (R - 1) * min(1.0, w.compute(nodes) / step) > mid:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
+
+
 def validate_cluster(path: str, repeats: int = 15, background: float | None = None,
                      data: str | None = None) -> list:
     """The model against bench/cluster's measured throughput: for each run, the examples/s
     predicted with that network's measured alpha and beta (measured with as many ranks
     running as the run had, ``pingpong_at``, where the bench recorded it: on shared cores a
     message waits for its receiver to be scheduled; for sync, averaging and deadreckon those
-    of a ring exchange, every rank sending at once, ``ring``, where recorded), this
-    machine's cores shared by
+    of a ring exchange, every rank sending at once, ``ring``, where recorded; for downpour
+    and sandblaster one pair's link with as many other ranks computing as the run had
+    beside it, :func:`pair_link` and :func:`computing_beside`), this machine's cores
+    shared by
     all ranks and by ``background`` runnable threads of other jobs (default: the load
     average the bench recorded, else the current one, less the measuring process), each
     pass slower by what :func:`measure_together` measures with every core computing, and
@@ -601,10 +647,16 @@ def validate_cluster(path: str, repeats: int = 15, background: float | None = No
             c = run.get("compute", here)  # the bench's calibration just before the run
             shared = measured_workload(c, n, batch, cores=cores, background=background,
                                        co_run=c.get("co_run", 1.0))
+            w = replace(shared, servers=max(1, run.get("servers", 1)))
             pp = net.get("pingpong_at", {}).get(str(run["ranks"]), net["pingpong"])
             if run["strategy"] in RING_STRATEGIES and "ring" in pp:
                 pp = pp["ring"]  # every rank sends at once, as these strategies' steps do
-            w = replace(shared, servers=max(1, run.get("servers", 1)))
+            elif run["strategy"] in ("downpour", "sandblaster"):
+                # one pair's link, with as many other ranks computing as the run had
+                computing = computing_beside(run["strategy"], w, run["ranks"],
+                                             lambda c: pair_link(net, c))
+                pp = dict(zip(("alpha_s", "beta_s_per_byte"), pair_link(net, computing)),
+                          computing=computing)
             if run["strategy"] == "deadreckon" and run["replicas"] > 1:
                 # the updates per step depend on the data: take them from the run's bytes
                 per_msg = run["bytes_per_step"] / (run["replicas"] - 1)
@@ -623,6 +675,8 @@ def validate_cluster(path: str, repeats: int = 15, background: float | None = No
                    "compute_s": w.compute_s,
                    "bytes_measured": run["bytes_per_step"],
                    "bytes_model": round(bytes_per_step(run["strategy"], w, run["replicas"]))}
+            if "computing" in pp:
+                row["computing_beside"] = pp["computing"]
             # the replicas' pass as the run itself timed it, where no rank was time-sliced:
             # with more ranks than cores a pass of a few ms mostly runs between the
             # scheduler's switches and shows little of the sharing the rest of the step takes

@@ -57,6 +57,71 @@ def test_downpour_is_bounded_by_its_shards():
     assert predict("downpour", W, 1, 0.0, beta) == 0.0  # no node left to train
 
 
+def test_a_lone_downpour_replica_waits_for_its_push_to_be_applied():
+    """With one replica nothing overlaps: its step is the pass, the push, the shard applying
+    it (the ask queues behind the push), and the fetch."""
+    alpha, beta = 2e-5, 1e-9
+    step = W.compute_s + 3 * alpha + 8 * W.n_params * beta + W.n_params * W.update_s_per_param
+    assert predict("downpour", W, 2, alpha, beta) == pytest.approx(W.batch / step)
+
+
+def test_sandblasters_coordinator_and_shard_take_no_core():
+    """On shared cores only sandblaster's R = N - 2 replicas compute (the coordinator and the
+    shard sleep between messages): its portions run at R ranks' share of the cores."""
+    w = replace(W, cores=2, co_run=1.25, portion_s_per_example=1e-4, update_s_per_param=0.0)
+    free = replace(w, cores=None, co_run=1.0)
+    for nodes in (4, 8):
+        R = nodes - 2
+        work = {k: w.batch_examples / predict("sandblaster", k, nodes, 0.0, 0.0)
+                for k in (w, free)}
+        commands = 0.0  # alpha 0
+        assert work[w] - commands == pytest.approx(w.share(R) * (work[free] - commands))
+    assert w.share(2) == 1.25 and w.share(6) == 1.25 * 3
+
+
+def _net(two, **at):
+    return {"pingpong": {"alpha_s": two[0], "beta_s_per_byte": two[1], "ranks": 2},
+            "pingpong_at": {k[1:]: {"alpha_s": a, "beta_s_per_byte": b}
+                            for k, (a, b) in at.items()}}
+
+
+def test_a_pairs_link_slows_with_the_ranks_computing_beside_it():
+    """pair_link: the two-rank ping-pong with nobody computing, each pingpong_at with its
+    ranks less the pair computing, straight lines between, the ends held beyond."""
+    net = _net((1e-5, 1e-9), n4=(3e-5, 2e-9), n8=(7e-5, 6e-9))
+    assert scaling.pair_link(net, 0) == pytest.approx((1e-5, 1e-9))
+    assert scaling.pair_link(net, 1) == pytest.approx((2e-5, 1.5e-9))
+    assert scaling.pair_link(net, 2) == pytest.approx((3e-5, 2e-9))
+    assert scaling.pair_link(net, 4) == pytest.approx((5e-5, 4e-9))
+    assert scaling.pair_link(net, 20) == pytest.approx((7e-5, 6e-9))
+    assert scaling.pair_link(_net((1e-5, 1e-9)), 5) == pytest.approx((1e-5, 1e-9))
+
+
+def test_downpour_replicas_compute_beside_the_link_for_their_part_of_the_step():
+    """computing_beside: sandblaster's other replicas all compute; downpour's other replicas
+    for the part of their step they compute, at the link that many of them leave it (a fixed
+    point): nearly none when the shard's link is the bottleneck, nearly all when it is not."""
+    shared = replace(W, cores=2)
+    net = _net((1e-5, 1e-9), n4=(1e-5, 4e-9), n8=(1e-5, 1e-8))
+
+    def link(c):
+        return scaling.pair_link(net, c)
+    assert scaling.computing_beside("sandblaster", shared, 8, link) == 5.0
+    assert scaling.computing_beside("sandblaster", shared, 2, link) == 0.0
+    for nodes in (2, 4, 8):
+        c = scaling.computing_beside("downpour", shared, nodes, link)
+        R = nodes - 1
+        step = R * W.batch / predict("downpour", shared, nodes, *link(c))
+        assert c == pytest.approx((R - 1) * min(1.0, shared.compute(nodes) / step), abs=1e-3)
+    assert scaling.computing_beside("downpour", shared, 2, link) == 0.0  # one replica
+    # 1 Gb/s or slower and 8 MB per replica step: the replicas mostly wait for the shard
+    slow = _net((1e-5, 8e-9), n4=(1e-5, 2e-8), n8=(1e-5, 4e-8))
+    assert scaling.computing_beside("downpour", shared, 8,
+                                    lambda c: scaling.pair_link(slow, c)) < 1.0
+    tiny = replace(shared, n_params=1000)  # a few KB: the replicas mostly compute
+    assert scaling.computing_beside("downpour", tiny, 8, link) > 5.0
+
+
 def test_shared_cores_slow_compute_past_the_core_count():
     shared = replace(W, cores=2)
     assert shared.compute(2) == W.compute_s and shared.compute(8) == 4 * W.compute_s
@@ -127,6 +192,7 @@ def test_the_cluster_check_takes_the_latency_measured_with_the_runs_ranks(tmp_pa
     two, four = {"alpha_s": 2e-5, "beta_s_per_byte": 1e-9}, {"alpha_s": 3e-3,
                                                                "beta_s_per_byte": 2e-9,
                                                                "ring": ring4}
+    net = {"pingpong": two, "pingpong_at": {"4": four}}
     runs = [{"strategy": s, "ranks": k, "replicas": k - (s == "downpour"),
              "servers": int(s == "downpour"), "examples_per_s": 1000.0, "bytes_per_step": 1.0}
             for s in ("sync", "downpour") for k in (2, 4, 8)]
@@ -142,14 +208,23 @@ def test_the_cluster_check_takes_the_latency_measured_with_the_runs_ranks(tmp_pa
     w = Workload(n_params=(64 + 1) * 32 + (32 + 1) * 10, batch=32, compute_s=0.004,
                  update_s_per_param=1e-9, reduce_s_per_param=2e-10, reckon_s_per_param=1e-9,
                  cores=2, portion_s_per_example=1e-4, co_run=1.25)
-    # no ping-pong at 8 ranks: the two-rank one
-    expect = [("sync", two), ("sync", ring4), ("sync", two),
-              ("downpour", two), ("downpour", four), ("downpour", two)]
+    # sync: no ping-pong at 8 ranks, the two-rank one. downpour: a replica's link to its
+    # shard with the other replicas computing part of the time beside it (0 with one)
+    expect = [("sync", two), ("sync", ring4), ("sync", two), ("downpour", two)]
     for row, (strategy, pp) in zip(rows, expect):
         assert (row["strategy"], row["alpha_s"]) == (strategy, pp["alpha_s"])
+    for row in rows:
         assert row["co_run"] == 1.25
-        assert row["predicted"] == pytest.approx(predict(strategy, w, row["ranks"], pp["alpha_s"],
-                                                         pp["beta_s_per_byte"]), abs=0.1)
+        alpha, beta = two["alpha_s"], two["beta_s_per_byte"]
+        if row["strategy"] == "sync" and row["ranks"] == 4:
+            alpha, beta = ring4["alpha_s"], ring4["beta_s_per_byte"]
+        if row["strategy"] == "downpour":
+            assert 0 <= row["computing_beside"] <= row["ranks"] - 2
+            alpha, beta = scaling.pair_link(net, row["computing_beside"])
+            assert two["alpha_s"] <= alpha <= four["alpha_s"]
+        assert row["predicted"] == pytest.approx(predict(row["strategy"], w, row["ranks"],
+                                                         alpha, beta), rel=1e-3)
+    assert 0 < rows[4]["computing_beside"] < rows[5]["computing_beside"]
     data.write_bytes(b"")
     scaling.validate_cluster(str(path))
     assert asked["data"] == str(data)  # the bench's dataset where it is here
