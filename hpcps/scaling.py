@@ -207,18 +207,26 @@ def message_bytes(w: Workload) -> float:
     return compress.HEADER_BYTES + 8 + w.updates_per_step * w.bits_per_update / 8
 
 
-def predict(strategy: str, w: Workload, nodes: int, alpha: float, beta: float) -> float:
-    """Examples per second of ``strategy`` on ``nodes`` nodes (0.0 where it cannot run)."""
+def predict(strategy: str, w: Workload, nodes: int, alpha: float, beta: float,
+            allreduce=None) -> float:
+    """Examples per second of ``strategy`` on ``nodes`` nodes (0.0 where it cannot run).
+    ``allreduce(nbytes, R)``: seconds of MPI's allreduce as measured on the network (its sum
+    included), in place of the ring formula, for sync and averaging."""
     n, b = w.n_params, w.batch
     share = w.share(nodes)  # CPU work on shared cores (1 on real nodes)
     if strategy in ("sync", "averaging", "deadreckon"):
         R = nodes
         t = w.compute(nodes, strategy)
         gamma = w.reduce_s_per_param * share
+
+        def reduce(nbytes: float) -> float:
+            if allreduce is None or R <= 1:
+                return ring(nbytes, R, alpha, beta, gamma)
+            return allreduce(nbytes, R)
         if strategy == "sync":
-            t += n * w.update_s_per_param * share + ring(4 * (n + 1), R, alpha, beta, gamma)
+            t += n * w.update_s_per_param * share + reduce(4 * (n + 1))
         elif strategy == "averaging":
-            average = ring(4 * n * (1 + w.state_vectors), R, alpha, beta, gamma) \
+            average = reduce(4 * n * (1 + w.state_vectors)) \
                 + (n * w.average_s_per_param * share if R > 1 else 0.0)  # one: no average
             t += n * w.update_s_per_param * share + average / w.average_every
         else:  # no optimizer: its update is its own words, applied as a peer's message is
@@ -575,6 +583,20 @@ def pair_link(net: dict, computing: float) -> tuple[float, float]:
     return float(np.interp(computing, at, alphas)), float(np.interp(computing, at, betas))
 
 
+def measured_allreduce(record: dict):
+    """``allreduce(nbytes, R)`` from a bench's measured Iallreduce times (``allreduce`` in a
+    ping-pong record: seconds per call at several sizes, with the record's ranks): straight
+    lines between the measured sizes, in proportion to the size beyond the largest."""
+    sizes = np.asarray(record["bytes"], float)
+    secs = np.asarray(record["seconds"], float)
+
+    def allreduce(nbytes: float, R: int) -> float:
+        if nbytes > sizes[-1]:
+            return float(secs[-1] * nbytes / sizes[-1])
+        return float(np.interp(nbytes, sizes, secs))
+    return allreduce
+
+
 def computing_beside(strategy: str, w: Workload, nodes: int, link) -> float:
     """How many ranks compute, on average, while a replica and its shard move a message
     (``downpour``, ``sandblaster``); ``link(computing)`` gives that link's (alpha, beta).
@@ -649,6 +671,10 @@ def validate_cluster(path: str, repeats: int = 15, background: float | None = No
                                        co_run=c.get("co_run", 1.0))
             w = replace(shared, servers=max(1, run.get("servers", 1)))
             pp = net.get("pingpong_at", {}).get(str(run["ranks"]), net["pingpong"])
+            allreduce = None  # MPI's allreduce as measured with the run's ranks, if it was
+            if run["strategy"] in ("sync", "averaging") and "allreduce" in pp \
+                    and pp.get("ranks", 2) == run["ranks"]:
+                allreduce = measured_allreduce(pp["allreduce"])
             if run["strategy"] in RING_STRATEGIES and "ring" in pp:
                 pp = pp["ring"]  # every rank sends at once, as these strategies' steps do
             elif run["strategy"] in ("downpour", "sandblaster"):
@@ -663,7 +689,7 @@ def validate_cluster(path: str, repeats: int = 15, background: float | None = No
                 w = replace(w, updates_per_step=max(0.0, per_msg - message_bytes(w)) * 8
                             / w.bits_per_update)
             link = (run["ranks"], pp["alpha_s"], pp["beta_s_per_byte"])
-            pred = predict(run["strategy"], w, *link)
+            pred = predict(run["strategy"], w, *link, allreduce=allreduce)
             # the steady rate (without the run's start and end), where the bench took it
             measured = run.get("steady_examples_per_s") or run["examples_per_s"]
             row = {"network": net["rate"], "strategy": run["strategy"],
@@ -681,7 +707,8 @@ def validate_cluster(path: str, repeats: int = 15, background: float | None = No
             # with more ranks than cores a pass of a few ms mostly runs between the
             # scheduler's switches and shows little of the sharing the rest of the step takes
             if run.get("pass_s") and run["ranks"] <= cores:
-                pred_run = predict(run["strategy"], in_run_workload(w, run["pass_s"]), *link)
+                pred_run = predict(run["strategy"], in_run_workload(w, run["pass_s"]), *link,
+                                   allreduce=allreduce)
                 row.update(pass_s_in_run=run["pass_s"],
                            predicted_in_run=round(pred_run, 1),
                            relative_difference_in_run=round(pred_run / measured - 1, 3))

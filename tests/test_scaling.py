@@ -122,6 +122,48 @@ def test_downpour_replicas_compute_beside_the_link_for_their_part_of_the_step():
     assert scaling.computing_beside("downpour", tiny, 8, link) > 5.0
 
 
+def test_a_measured_allreduce_replaces_the_ring_formula():
+    """measured_allreduce interpolates the bench's Iallreduce times (in proportion beyond the
+    largest size); sync and averaging then pay it instead of the ring formula."""
+    ar = scaling.measured_allreduce({"bytes": [8, 1000, 3000], "seconds": [1e-4, 2e-3, 8e-3]})
+    assert ar(8, 4) == pytest.approx(1e-4) and ar(2000, 4) == pytest.approx(5e-3)
+    assert ar(6000, 4) == pytest.approx(1.6e-2)
+    R, n = 4, W.n_params
+    free = {s: R * W.batch / predict(s, W, R, 1e-5, 1e-9) for s in ("sync", "averaging")}
+    fixed = {s: R * W.batch / predict(s, W, R, 1e-5, 1e-9, allreduce=lambda m, r: 0.05)
+             for s in ("sync", "averaging")}
+    assert fixed["sync"] - free["sync"] == pytest.approx(0.05 - ring(4 * (n + 1), R, 1e-5, 1e-9))
+    assert fixed["averaging"] - free["averaging"] == pytest.approx(
+        (0.05 - ring(8 * n, R, 1e-5, 1e-9)) / W.average_every)
+    assert predict("deadreckon", W, R, 1e-5, 1e-9, allreduce=lambda m, r: 1.0) == \
+        predict("deadreckon", W, R, 1e-5, 1e-9)
+
+
+def test_the_cluster_check_takes_the_allreduce_measured_with_the_runs_ranks(tmp_path):
+    cal = {"compute_s": 0.002, "update_s_per_param": 1e-9, "portion_s_per_example": 1e-4,
+           "reduce_s_per_param": 2e-10, "reckon_s_per_param": 1e-9, "co_run": 1.0}
+    slow = {"bytes": [8, 10**6], "seconds": [1e-3, 0.5]}
+    pp2 = {"alpha_s": 2e-5, "beta_s_per_byte": 1e-9, "ranks": 2, "allreduce": slow}
+    pp4 = {"alpha_s": 2e-5, "beta_s_per_byte": 1e-9, "ranks": 4}  # none measured
+    runs = [{"strategy": s, "ranks": k, "replicas": k, "servers": 0, "compute": cal,
+             "examples_per_s": 1000.0, "bytes_per_step": 1.0}
+            for s in ("sync", "averaging") for k in (2, 4)]
+    path = tmp_path / "cluster.json"
+    path.write_text(json.dumps({"layers": "64,32,10", "machine": {"nproc": 8},
+                                "networks": [{"rate": "1gbit", "pingpong": pp2,
+                                              "pingpong_at": {"4": pp4},
+                                              "throughput": runs}]}))
+    rows = scaling.validate_cluster(str(path), background=0.0)
+    n = (64 + 1) * 32 + (32 + 1) * 10
+    w = scaling.measured_workload(cal, n, 32, cores=8, co_run=1.0)
+    ar = scaling.measured_allreduce(slow)
+    for row in rows:
+        k = row["ranks"]
+        expect = predict(row["strategy"], w, k, 2e-5, 1e-9, allreduce=ar if k == 2 else None)
+        assert row["predicted"] == pytest.approx(expect, rel=1e-3), row
+    assert rows[0]["predicted"] < predict("sync", w, 2, 2e-5, 1e-9) / 2  # 6 ms, not 0.07
+
+
 def test_shared_cores_slow_compute_past_the_core_count():
     shared = replace(W, cores=2)
     assert shared.compute(2) == W.compute_s and shared.compute(8) == 4 * W.compute_s

@@ -97,6 +97,10 @@ def links(pp: dict) -> str:
     if "ring" in pp:
         out += (f"; in a ring of {pp['ranks']}: {1e6 * pp['ring']['alpha_s']:.0f} us, "
                 f"{pp['ring']['bandwidth_gbit_s']:.2f} Gb/s")
+    if "allreduce" in pp:
+        ar = pp["allreduce"]
+        out += "; allreduce " + ", ".join(f"{b / 2**20:g} MiB {1e3 * t:.1f} ms"
+                                          for b, t in zip(ar["bytes"], ar["seconds"]) if b > 8)
     return out
 
 

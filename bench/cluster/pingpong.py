@@ -14,6 +14,13 @@ compute, as the ranks of a training job do between their messages (sgemm of a mi
 size, until rank 0 tells them to stop): one pair's link, as a replica talking to a
 parameter-server shard uses it.
 
+The allreduce (``allreduce`` in the JSON): MPI's own Iallreduce (a sum of float32, as sync
+and averaging call it), every rank at once, at ``--allreduce-mib`` sizes: seconds per call
+at each size, the slowest rank's median. The collective's algorithm, its sum and its
+pipelining make it slower than the ring's steps alone (17-60% on the emulated 10 Gb/s
+network at 2.7-5.4 MB), and not linear in the size: the scaling model's cluster check
+interpolates these times for sync's and averaging's vectors.
+
 Each figure is the median over runs of the mean of steps or round trips taken back to back.
 On hosts that share cores (the emulated cluster) a message waits for its receiver to be
 scheduled, and TCP's copies compete for the cores with the computing ranks; a run of
@@ -78,6 +85,24 @@ def ring_step(comm, buf: np.ndarray, chain: int, chains: int) -> float:
     return max(comm.allgather(_chained(comm, chain, chains, one)))
 
 
+def allreduce_times(comm, sizes_mib: list[float], repeats: int) -> dict:
+    """Seconds of one Iallreduce (MPI.SUM of float32, waited on to completion) of each size,
+    every rank at once: the slowest rank's median over ``repeats`` calls after one untimed."""
+    nbytes, seconds = [], []
+    for mib in sizes_mib:
+        buf = np.ones(max(1, int(mib * 2**20) // 4), np.float32)
+        times = []
+        for i in range(repeats + 1):
+            comm.Barrier()
+            t = time.perf_counter()
+            comm.Iallreduce(MPI.IN_PLACE, buf, op=MPI.SUM).Wait()
+            if i:
+                times.append(time.perf_counter() - t)
+        nbytes.append(buf.nbytes)
+        seconds.append(max(comm.allgather(statistics.median(times))))
+    return {"bytes": nbytes, "seconds": seconds}
+
+
 STOP = 7  # tag of rank 0's message that ends a bystander's work
 
 
@@ -98,6 +123,9 @@ def main() -> None:
     p.add_argument("--ring-mib", type=float, default=1.0,
                    help="a ring step's large message, MiB (a ring allreduce's step moves "
                         "1/N of the vector)")
+    p.add_argument("--allreduce-mib", default="0.000008,1,2,4,8",
+                   help="Iallreduce sizes, MiB, comma-separated (the first: its latency)")
+    p.add_argument("--allreduce-repeats", type=int, default=5)
     args = p.parse_args()
     world = MPI.COMM_WORLD
     small = np.zeros(8, np.uint8)
@@ -105,6 +133,8 @@ def main() -> None:
     ring_step(world, ring_big, 1, 1)  # connect
     ring_small_s = ring_step(world, small, 50, args.repeats)
     ring_big_s = ring_step(world, ring_big, 4, args.repeats // 2 or 1)
+    allreduce = allreduce_times(world, [float(v) for v in args.allreduce_mib.split(",")],
+                                args.allreduce_repeats)
     pair = world.Split(0 if world.Get_rank() < 2 else MPI.UNDEFINED)
     if pair == MPI.COMM_NULL:
         bystander(world)
@@ -125,6 +155,7 @@ def main() -> None:
                           "ring": {"alpha_s": ring_small_s, "beta_s_per_byte": ring_beta,
                                    "bandwidth_gbit_s": 8 / ring_beta / 1e9,
                                    "message_bytes": ring_big.nbytes},
+                          "allreduce": allreduce,
                           "ranks": world.Get_size(),
                           "hosts": [MPI.Get_processor_name()]}), flush=True)
 
