@@ -20,6 +20,11 @@ the job):
    frames) and returns a summary for the error message: the ranks that were *not* waiting on
    another rank come first, as the likely cause.
 
+A live job can be asked the same without ending it: ``python -m hpcps.stacks RUN_DIR``
+(:func:`ask`) writes ``stacks/ask-<token>`` with a new id (rank 0 names the job's token and
+size in ``stacks/job`` at start); every rank's watchdog answers each new id with its stack
+file, and the command prints the same summary and exits; training goes on.
+
 Limits: a rank whose process holds the GIL without releasing it (a C extension computing
 with the GIL held) cannot run its watchdog, and a node that does not see the run directory
 never sees the request; both show as "no stack written" in the summary. A rank killed before
@@ -39,6 +44,9 @@ from pathlib import Path
 POLL_S = 0.5
 REFRESH_S = 1.0
 REQUEST = "request"
+ASK = "ask"      # stacks/ask-<token>: a live job asked for its stacks (python -m hpcps.stacks)
+JOB = "job"      # stacks/job: the running job's token and size, written by rank 0
+ASKED = "asked: "  # an answer's reason: this, then the ask's id
 TOP_FRAMES = 3
 # frames of these functions are the machinery of waiting, not where a rank is
 _WAIT_FUNCS = {("comm.py", "wait_all"), ("serve.py", "serve"), ("comm.py", "barrier"),
@@ -109,6 +117,7 @@ class Dump:
     waiting: str | None
     where: str
     path: Path
+    reason: str = ""
 
 
 class StackDumper:
@@ -136,9 +145,11 @@ class StackDumper:
     def path(self, rank: int) -> Path:
         return self.dir / f"rank-{rank}.txt"
 
-    def write(self, reason: str, exc: BaseException | None = None) -> Path:
+    def write(self, reason: str, exc: BaseException | None = None, final: bool = True) -> Path:
         """Write this rank's stack, every thread, to ``stacks/rank-K.txt`` (atomically).
-        With ``exc``, the calling thread's stack is the exception's (where it was raised)."""
+        With ``exc``, the calling thread's stack is the exception's (where it was raised).
+        ``final``: the dump of a time-out (the watchdog then writes no other); an answer to
+        an ask is not."""
         me = threading.get_ident()
         names = {t.ident: t.name for t in threading.enumerate()}
         frames = sys._current_frames()
@@ -177,12 +188,23 @@ class StackDumper:
         tmp = path.with_suffix(f".tmp{os.getpid()}")
         tmp.write_text("\n".join(head) + "\n".join(blocks) + "\n")
         os.replace(tmp, path)
-        self.written.set()
+        if final:
+            self.written.set()
         return path
 
     # -- the watchdog ------------------------------------------------------------------------
     def start(self) -> "StackDumper":
-        """Start the watchdog thread (daemon: it never keeps the process alive)."""
+        """Start the watchdog thread (daemon: it never keeps the process alive); rank 0
+        names the job in ``stacks/job`` for :func:`ask`."""
+        if self.rank == 0:
+            try:
+                self.dir.mkdir(parents=True, exist_ok=True)
+                tmp = self.dir / f".{JOB}.{os.getpid()}"
+                tmp.write_text(f"{self.token}\n{self.size}\n")
+                os.replace(tmp, self.dir / JOB)
+            except OSError as exc:
+                print(f"hpcps: rank 0: cannot write {self.dir / JOB} ({exc}): "
+                      "python -m hpcps.stacks cannot ask this job", file=sys.stderr, flush=True)
         self._thread = threading.Thread(target=self._watch, name="hpcps-stack-watchdog",
                                         daemon=True)
         self._thread.start()
@@ -201,17 +223,32 @@ class StackDumper:
         except OSError:
             return None
 
+    def _asked(self) -> str | None:
+        """The id in this job's ask file, or None while there is none."""
+        try:
+            return (self.dir / f"{ASK}-{self.token}").read_text().strip() or None
+        except OSError:
+            return None
+
     def _watch(self) -> None:
+        answered = None
         while not self._stop.wait(POLL_S):
             reason = self._request()
             if reason is not None:
                 if not self.written.is_set():
-                    try:
-                        self.write(reason)
-                    except OSError as exc:
-                        print(f"hpcps: rank {self.rank}: could not write its stack to "
-                              f"{self.dir}: {exc}", file=sys.stderr, flush=True)
+                    self._write_or_say(reason)
                 return
+            asked = self._asked()
+            if asked is not None and asked != answered:
+                answered = asked
+                self._write_or_say(f"{ASKED}{asked}", final=False)
+
+    def _write_or_say(self, reason: str, final: bool = True) -> None:
+        try:
+            self.write(reason, final=final)
+        except OSError as exc:
+            print(f"hpcps: rank {self.rank}: could not write its stack to {self.dir}: {exc}",
+                  file=sys.stderr, flush=True)
 
     # -- the timed-out rank --------------------------------------------------------------------
     def explain(self, exc: BaseException, timeout: float) -> tuple[str, float]:
@@ -293,18 +330,21 @@ def read_dump(path: Path, token: str | None = None) -> Dump | None:
         return None
     waiting = head.get("waiting")
     return Dump(rank, role, None if waiting in (None, "-") else waiting,
-                head.get("where", "?"), path)
+                head.get("where", "?"), path, head.get("reason", ""))
 
 
-def summarize(dumps: dict[int, Dump], size: int, where_dir: Path, wait_s: float) -> str:
+def summarize(dumps: dict[int, Dump], size: int, where_dir: Path, wait_s: float,
+              stalled: bool = True) -> str:
     """The lines the error message gets: first the ranks not waiting on another rank (the
-    likely cause of the stall), then the waiting ones, then those that wrote nothing."""
+    likely cause of the stall, when ``stalled``), then the waiting ones, then those that
+    wrote nothing."""
     idle = [d for r, d in sorted(dumps.items()) if d.waiting is None]
     waiting = [d for r, d in sorted(dumps.items()) if d.waiting is not None]
     missing = [r for r in range(size) if r not in dumps]
     lines = [f"stacks of {len(dumps)} of {size} ranks in {where_dir}/rank-K.txt"]
     if idle:
-        lines.append("not waiting on another rank (the likely cause): "
+        lines.append("not waiting on another rank"
+                     + (" (the likely cause): " if stalled else ": ")
                      + ", ".join(f"rank {d.rank}" for d in idle))
     for d in idle:
         lines.append(f"  rank {d.rank} ({d.role}) was at {d.where}")
@@ -315,3 +355,60 @@ def summarize(dumps: dict[int, Dump], size: int, where_dir: Path, wait_s: float)
                      f"{', '.join(map(str, missing))}: killed, holding the GIL in a C call, or "
                      "on a node that does not see the run directory")
     return "\n" + "\n".join(lines)
+
+
+# -- asking a live job -------------------------------------------------------------------------
+def ask(run_dir, wait_s: float = 10.0) -> tuple[str, int, int]:
+    """Ask the job running in ``run_dir`` for every rank's stack without stopping it: write a
+    new id to ``stacks/ask-<token>``, wait at most ``wait_s`` seconds for every rank's
+    answer, and return (the summary, ranks that answered, the job's size). Raises
+    FileNotFoundError when the directory names no job (``stacks/job``)."""
+    d = stacks_dir(run_dir)
+    try:
+        token, size = (d / JOB).read_text().split()[:2]
+    except (OSError, ValueError):
+        raise FileNotFoundError(f"{d / JOB} does not name a job: is {run_dir} the run "
+                                "directory of an hpcps run (started by this version)?") from None
+    size = int(size)
+    asked = f"{os.getpid()}-{time.time():.6f}"
+    tmp = d / f".{ASK}.{os.getpid()}"
+    tmp.write_text(asked + "\n")
+    os.replace(tmp, d / f"{ASK}-{token}")
+    deadline = time.monotonic() + wait_s
+    dumps: dict[int, Dump] = {}
+    while len(dumps) < size and time.monotonic() < deadline:
+        for r in range(size):
+            if r not in dumps:
+                got = read_dump(d / f"rank-{r}.txt", token)
+                if got is not None and got.reason == ASKED + asked:
+                    dumps[r] = got
+        time.sleep(0.1)
+    return summarize(dumps, size, d, wait_s, stalled=False), len(dumps), size
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+    p = argparse.ArgumentParser(
+        prog="python -m hpcps.stacks",
+        description="Print where every rank of a running hpcps job is, and what it waits "
+                    "for, without stopping it (each rank's whole stack goes to "
+                    "RUN_DIR/stacks/rank-K.txt).")
+    p.add_argument("run_dir", help="the job's run directory (--run-dir)")
+    p.add_argument("--wait", type=float, default=10.0,
+                   help="seconds to wait for the ranks' answers (default 10)")
+    args = p.parse_args(argv)
+    try:
+        text, answered, size = ask(args.run_dir, args.wait)
+    except (FileNotFoundError, OSError) as exc:
+        print(f"hpcps.stacks: error: {exc}", file=sys.stderr)
+        return 2
+    print(text.lstrip("\n"))
+    if answered < size:
+        print(f"hpcps.stacks: {size - answered} of {size} ranks did not answer within "
+              f"{args.wait:g} s (has the job ended?)", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -239,6 +239,12 @@ def test_a_rank_killed_under_srun_leaves_the_others_running(cluster, digits_h5, 
                       and _is_rank(d, 2, run_dir))
         os.kill(victim, 9)
         out, _ = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        where = _where_ranks_are(run_dir)
+        os.killpg(proc.pid, 9)
+        out, _ = proc.communicate()
+        raise AssertionError(f"no end within 120 s after rank 2 was killed\n{where}\n"
+                             f"--- output\n{out[-3000:]}") from None
     except BaseException:
         os.killpg(proc.pid, 9)
         raise
@@ -247,6 +253,19 @@ def test_a_rank_killed_under_srun_leaves_the_others_running(cluster, digits_h5, 
     summary = next(r for r in recs if r["kind"] == "summary")
     assert summary["lost_ranks"] == [2] and summary["step"] >= 20000, out[-3000:]
     assert "hpcps.keeper: rank 2" in out
+
+
+def _where_ranks_are(run_dir: Path) -> str:
+    """For a test that timed out: where each live rank of the run is (python -m hpcps.stacks)
+    and the run's last metrics records."""
+    from hpcps import stacks
+    try:
+        text, _, _ = stacks.ask(run_dir, wait_s=10)
+    except OSError as exc:
+        text = f"(no stacks: {exc})"
+    metrics = run_dir / "metrics.jsonl"
+    tail = metrics.read_text().splitlines()[-5:] if metrics.exists() else []
+    return text + "\n--- last metrics records\n" + "\n".join(tail)
 
 
 def _is_rank(proc_dir: Path, rank: int, run_dir: Path) -> bool:

@@ -2,16 +2,22 @@
 the error says who waited for whom, what for, and where each rank was.
 
 In-process tests of the mechanism (the watchdog answers a request, a stale request or dump of
-another job is ignored, the summary puts the rank not waiting first), then the issue's check on
-4 ranks for downpour and sync: ``--timeout 6 --inject-slow 2:stall``.
+another job is ignored, the summary puts the rank not waiting first, a live job answers every
+ask), then the issue's check on 4 ranks for downpour and sync: ``--timeout 6 --inject-slow
+2:stall``, and ``python -m hpcps.stacks`` asking a running job that goes on.
 """
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
 import threading
 import time
 
 import pytest
-from mpirun import train
+from faultinject import wait_for_step
+from mpirun import ROOT, mpiexec, train
 
 from hpcps import stacks
 from hpcps.comm import PeerTimeout
@@ -38,7 +44,7 @@ def test_watchdog_answers_a_request_with_every_thread(tmp_path):
     started.wait(5)
     dumper = _dumper(tmp_path, rank=1).start()
     try:
-        (tmp_path / "stacks").mkdir()
+        (tmp_path / "stacks").mkdir(exist_ok=True)
         (tmp_path / "stacks" / "request-job-1").write_text("rank 0 timed out: test\n")
         deadline = time.monotonic() + 10
         while not dumper.written.is_set() and time.monotonic() < deadline:
@@ -59,7 +65,7 @@ def test_watchdog_answers_a_request_with_every_thread(tmp_path):
 def test_a_request_of_another_job_is_ignored(tmp_path):
     dumper = _dumper(tmp_path, token="job-2").start()
     try:
-        (tmp_path / "stacks").mkdir()
+        (tmp_path / "stacks").mkdir(exist_ok=True)
         (tmp_path / "stacks" / "request-job-1").write_text("old\n")
         time.sleep(3 * stacks.POLL_S)
         assert not dumper.written.is_set()
@@ -117,3 +123,66 @@ def test_a_stalled_rank_is_named_with_every_stack(strategy, digits_h5, tmp_path)
     waited = {"sync": "was waiting for the gradient allreduce",
               "downpour": "(server) was waiting for a message from 1 replica(s) to finish"}
     assert waited[strategy] in err, err
+
+
+def test_a_live_job_answers_every_ask_and_a_time_out_still_reports(tmp_path):
+    """ask(): rank 0 names the job; each new ask gets every rank's stack (without the
+    time-out's mark, so a later time-out still writes its own)."""
+    ranks = [_dumper(tmp_path, rank=r, size=2).start() for r in range(2)]
+    try:
+        assert (tmp_path / "stacks" / "job").read_text().split() == ["job-1", "2"]
+        for _ in range(2):
+            text, answered, size = stacks.ask(tmp_path, wait_s=10)
+            assert (answered, size) == (2, 2), text
+            assert "stacks of 2 of 2 ranks" in text and "likely cause" not in text, text
+            assert "not waiting on another rank: rank 0, rank 1" in text, text
+        assert not any(d.written.is_set() for d in ranks)
+        (tmp_path / "stacks" / "request-job-1").write_text("rank 0 timed out: test\n")
+        deadline = time.monotonic() + 10
+        while not ranks[1].written.is_set() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert "reason: rank 0 timed out" in ranks[1].path(1).read_text()
+    finally:
+        for d in ranks:
+            d.stop()
+    other = tmp_path / "elsewhere"
+    other.mkdir()
+    with pytest.raises(FileNotFoundError, match="does not name a job"):
+        stacks.ask(other, wait_s=0.1)
+
+
+def test_python_m_hpcps_stacks_asks_a_running_job_which_goes_on(digits_h5, tmp_path):
+    """The command a user runs on a job that seems stuck: every rank of a running 3-rank
+    downpour job answers (its shard, the last rank, waits for the replicas), twice, and the job
+    runs on until it is stopped (SIGTERM: exit 75, checkpoint written)."""
+    run_dir = tmp_path / "run"
+    env = dict(os.environ, OPENBLAS_NUM_THREADS="1",
+               PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    cmd = [mpiexec(), "-n", "3", sys.executable, "-m", "hpcps.train", "--data", str(digits_h5),
+           "--layers", "64,32,10", "--batch-size", "16", "--steps", "1000000",
+           "--eval-every", "0", "--checkpoint-every", "0", "--progress-every", "0.2",
+           "--timeout", "60", "--run-dir", str(run_dir)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env, start_new_session=True)
+    try:
+        wait_for_step(run_dir / "metrics.jsonl", 200, 90)
+        for _ in range(2):
+            ask = subprocess.run([sys.executable, "-m", "hpcps.stacks", str(run_dir),
+                                  "--wait", "20"], capture_output=True, text=True, env=env,
+                                 timeout=60)
+            assert ask.returncode == 0, ask.stdout + ask.stderr
+            out = ask.stdout
+            assert out.startswith("stacks of 3 of 3 ranks"), out
+            assert "rank 2 (server) was waiting for a message from" in out, out
+            for r in (0, 1):
+                assert f"rank {r} (replica)" in out, out
+        assert proc.poll() is None, "the job ended when asked"
+        os.killpg(proc.pid, signal.SIGTERM)
+        out, _ = proc.communicate(timeout=90)
+    except BaseException:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
+    assert proc.returncode == 75, out[-3000:]
+    gone = subprocess.run([sys.executable, "-m", "hpcps.stacks", str(run_dir), "--wait", "1"],
+                          capture_output=True, text=True, env=env, timeout=60)
+    assert gone.returncode == 1 and "did not answer within 1 s" in gone.stderr, gone.stderr
