@@ -282,18 +282,25 @@ def _summary(ctx: Context, results: list[dict], wall_s: float, stopped: bool = F
                   f"pass {1e3 * rec['pass_s']:.2f} ms "
                   f"({100 * rec['pass_s'] / max(rec['step_s'], 1e-12):.0f}%; the rest is "
                   "communication, the update and the loop's own work)")
+        idle = 1.0 - rec["cpu_s"] / max(rec["step_s"], 1e-12)
+        m.message(f"  its process's CPU time: {1e3 * rec['cpu_s']:.2f} ms an iteration "
+                  + (f"(it waited {100 * idle:.0f}% of the iteration: for its peers, the "
+                     "network, or a core shared with other ranks)" if idle >= 0.1
+                     else "(busy throughout: computing, or MPI polling)"))
     m.message(f"  BLAS: {rec['blas']} ({rec['blas_reason']})")
     m.message("  " + memory.describe(rec))
 
 
 def _step_times(results: list[dict]) -> dict:
     """``step_s``: seconds of a replica's iteration, from its first to its last (without the
-    run's ending); ``pass_s``: of them, its gradient passes. Means over the ranks that train
-    (empty when none reported them: sandblaster, whose step is a pass over the data)."""
+    run's ending); ``pass_s``: of them, its gradient passes; ``cpu_s``: the CPU time its
+    process used per iteration (every thread, user and system). Means over the ranks that
+    train (empty when none reported them: sandblaster, whose step is a pass over the data)."""
     timed = [r for r in results if "step_s" in r]
     if not timed:
         return {}
-    return {k: round(sum(r[k] for r in timed) / len(timed), 7) for k in ("step_s", "pass_s")}
+    return {k: round(sum(r[k] for r in timed) / len(timed), 7)
+            for k in ("step_s", "pass_s", "cpu_s")}
 
 
 def _blas_chosen() -> dict | None:

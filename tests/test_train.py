@@ -46,6 +46,7 @@ def assert_learned(run, run_dir, digits_h5, min_acc=0.85):
     assert summary["blas"] in ("mkl", "openblas", "numpy"), summary
     if summary["strategy"] != "sandblaster":  # a replica's iteration and its pass, timed
         assert 0 < summary["pass_s"] < summary["step_s"], summary
+        assert summary["cpu_s"] > 0, summary
     return summary
 
 
@@ -89,6 +90,10 @@ def test_summary_splits_an_iteration_into_the_pass_and_the_rest(digits_h5, tmp_p
     assert 0 < plain["pass_s"] < plain["step_s"]
     assert slowed["step_s"] > 2.5 * plain["step_s"], (plain, slowed)
     assert slowed["step_s"] - slowed["pass_s"] >= 2.9 * slowed["pass_s"], (plain, slowed)
+    # the CPU time: most of a lone rank's iteration; the sleep takes none
+    assert plain["cpu_s"] > 0.5 * plain["step_s"], plain
+    assert slowed["cpu_s"] < 0.6 * slowed["step_s"], slowed
+    assert "CPU time" in run.stdout and "it waited" in run.stdout
 
 
 def test_two_server_shards_and_n_push(digits_h5, tmp_path):

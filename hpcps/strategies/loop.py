@@ -143,6 +143,7 @@ class ReplicaLoop(ABC):
         self._loss_win = 0.0
         self._n_win = 0
         self._t0 = self._last_t = time.perf_counter()
+        self._cpu0 = time.process_time()
         self._last_step = ctx.start_step
         self.watch = DivergenceWatch()
         self.stopped_early = False
@@ -194,6 +195,7 @@ class ReplicaLoop(ABC):
         ctx = self.ctx
         m, chief = ctx.metrics, ctx.grid.is_chief
         self._t0 = self._last_t = time.perf_counter()
+        self._cpu0 = time.process_time()
         self._last_step = self.global_step()
         try:
             for it in range(self.iterations):
@@ -229,6 +231,7 @@ class ReplicaLoop(ABC):
                     self._note_stop()
                     break
             loop_s = time.perf_counter() - self._t0  # the iterations, without the ending
+            loop_cpu_s = time.process_time() - self._cpu0  # this process's CPU time in them
             if self.replica_vote is not None:
                 self.replica_vote.finish()
             if chief and self._n_win:
@@ -239,11 +242,13 @@ class ReplicaLoop(ABC):
         train_s = time.perf_counter() - self._t0
         result = self.finish(train_s)
         figures = {**model_parallel_figures(ctx, self.done, train_s), **result.get("figures", {})}
-        # this rank's seconds per iteration, and of them its gradient passes (train.py's
-        # summary averages them over the replicas' ranks)
+        # this rank's seconds per iteration, of them its gradient passes, and the CPU time
+        # its process used per iteration (every thread; train.py's summary averages them
+        # over the replicas' ranks)
         iterations = max(1, -(-self.done // self.T))
         return {"train_s": train_s, **result, "figures": figures,
-                "step_s": loop_s / iterations, "pass_s": self.source.pass_s / iterations}
+                "step_s": loop_s / iterations, "pass_s": self.source.pass_s / iterations,
+                "cpu_s": loop_cpu_s / iterations}
 
     def _stop_now(self, iteration: int) -> bool:
         """After ``iteration`` (1, 2, ...): whether this rank leaves the loop now."""
