@@ -626,11 +626,13 @@ def validate_cluster(path: str, repeats: int = 15, background: float | None = No
     predicted with that network's measured alpha and beta (measured with as many ranks
     running as the run had, ``pingpong_at``, where the bench recorded it: on shared cores a
     message waits for its receiver to be scheduled; for sync, averaging and deadreckon those
-    of a ring exchange, every rank sending at once, ``ring``, where recorded; for downpour
-    and sandblaster one pair's link with as many other ranks computing as the run had
-    beside it, :func:`pair_link` and :func:`computing_beside`), this machine's cores
-    shared by
-    all ranks and by ``background`` runnable threads of other jobs (default: the load
+    of a ring exchange, every rank sending at once, ``ring``, where recorded, and for sync
+    and averaging MPI's own allreduce timed at several sizes, ``allreduce``, where recorded
+    (:func:`measured_allreduce`); for downpour and sandblaster one pair's link with as
+    many other ranks computing as the run had beside it, :func:`pair_link` and
+    :func:`computing_beside`), this machine's cores shared by the computing ranks (all but
+    sandblaster's coordinator and shard) and by ``background`` runnable threads of other
+    jobs (default: the load
     average the bench recorded, else the current one, less the measuring process), each
     pass slower by what :func:`measure_together` measures with every core computing, and
     (deadreckon) the run's own message size (bytes per step / (R - 1)); against the run's
