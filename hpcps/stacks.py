@@ -28,8 +28,8 @@ file, and the command prints the same summary and exits; training goes on.
 Limits: a rank whose process holds the GIL without releasing it (a C extension computing
 with the GIL held) cannot run its watchdog, and a node that does not see the run directory
 never sees the request; both show as "no stack written" in the summary. A rank killed before
-the timed-out rank aborts writes nothing. Cost while nothing is wrong: one ``stat`` of the
-request file per rank every ``POLL_S`` seconds.
+the timed-out rank aborts writes nothing. Cost while nothing is wrong: two failed opens (the
+request and the ask) per rank every ``POLL_S`` seconds.
 """
 from __future__ import annotations
 
