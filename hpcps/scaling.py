@@ -673,6 +673,7 @@ def validate_cluster(path: str, repeats: int = 15, background: float | None = No
                                        co_run=c.get("co_run", 1.0))
             w = replace(shared, servers=max(1, run.get("servers", 1)))
             pp = net.get("pingpong_at", {}).get(str(run["ranks"]), net["pingpong"])
+            computing = None  # downpour, sandblaster: ranks computing beside the pair's link
             allreduce = None  # MPI's allreduce as measured with the run's ranks, if it was
             if run["strategy"] in ("sync", "averaging") and "allreduce" in pp \
                     and pp.get("ranks", 2) == run["ranks"]:
@@ -683,8 +684,7 @@ def validate_cluster(path: str, repeats: int = 15, background: float | None = No
                 # one pair's link, with as many other ranks computing as the run had
                 computing = computing_beside(run["strategy"], w, run["ranks"],
                                              lambda c: pair_link(net, c))
-                pp = dict(zip(("alpha_s", "beta_s_per_byte"), pair_link(net, computing)),
-                          computing=computing)
+                pp = dict(zip(("alpha_s", "beta_s_per_byte"), pair_link(net, computing)))
             if run["strategy"] == "deadreckon" and run["replicas"] > 1:
                 # the updates per step depend on the data: take them from the run's bytes
                 per_msg = run["bytes_per_step"] / (run["replicas"] - 1)
@@ -703,8 +703,8 @@ def validate_cluster(path: str, repeats: int = 15, background: float | None = No
                    "compute_s": w.compute_s,
                    "bytes_measured": run["bytes_per_step"],
                    "bytes_model": round(bytes_per_step(run["strategy"], w, run["replicas"]))}
-            if "computing" in pp:
-                row["computing_beside"] = pp["computing"]
+            if computing is not None:
+                row["computing_beside"] = computing
             # the replicas' pass as the run itself timed it, where no rank was time-sliced:
             # with more ranks than cores a pass of a few ms mostly runs between the
             # scheduler's switches and shows little of the sharing the rest of the step takes

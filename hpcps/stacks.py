@@ -185,9 +185,7 @@ class StackDumper:
                 ""]
         self.dir.mkdir(parents=True, exist_ok=True)
         path = self.path(self.rank)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text("\n".join(head) + "\n".join(blocks) + "\n")
-        os.replace(tmp, path)
+        _replace_text(path, "\n".join(head) + "\n".join(blocks) + "\n")
         if final:
             self.written.set()
         return path
@@ -199,9 +197,7 @@ class StackDumper:
         if self.rank == 0:
             try:
                 self.dir.mkdir(parents=True, exist_ok=True)
-                tmp = self.dir / f".{JOB}.{os.getpid()}"
-                tmp.write_text(f"{self.token}\n{self.size}\n")
-                os.replace(tmp, self.dir / JOB)
+                _replace_text(self.dir / JOB, f"{self.token}\n{self.size}\n")
             except OSError as exc:
                 print(f"hpcps: rank 0: cannot write {self.dir / JOB} ({exc}): "
                       "python -m hpcps.stacks cannot ask this job", file=sys.stderr, flush=True)
@@ -294,6 +290,13 @@ class StackDumper:
         return dumps
 
 
+def _replace_text(path: Path, text: str) -> None:
+    """Write ``path`` atomically: a reader sees the old text or the new, never a part."""
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
 def _create_once(path: Path, text: str) -> bool:
     """Create ``path`` holding ``text`` unless it exists (atomic and exclusive: a hard link of
     a finished temporary file). True if this call created it."""
@@ -371,9 +374,7 @@ def ask(run_dir, wait_s: float = 10.0) -> tuple[str, int, int]:
                                 "directory of an hpcps run (started by this version)?") from None
     size = int(size)
     asked = f"{os.getpid()}-{time.time():.6f}"
-    tmp = d / f".{ASK}.{os.getpid()}"
-    tmp.write_text(asked + "\n")
-    os.replace(tmp, d / f"{ASK}-{token}")
+    _replace_text(d / f"{ASK}-{token}", asked + "\n")
     deadline = time.monotonic() + wait_s
     dumps: dict[int, Dump] = {}
     while len(dumps) < size and time.monotonic() < deadline:
