@@ -19,22 +19,8 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-Pair = tuple[int, int, int, int]  # (dimension i, value index a, dimension j > i, value index b)
-
-
-def row_pairs(row: Sequence[int]) -> frozenset[Pair]:
-    """The pairs a row of value indices covers."""
-    return frozenset((i, row[i], j, row[j]) for i, j in itertools.combinations(range(len(row)), 2))
-
-
-def all_pairs(sizes: Sequence[int]) -> set[Pair]:
-    """Every pair of value indices of two dimensions with ``sizes[k]`` values each."""
-    return {(i, a, j, b) for i, j in itertools.combinations(range(len(sizes)), 2)
-            for a in range(sizes[i]) for b in range(sizes[j])}
-
-
-def pairwise(dims: Sequence[Sequence], accept: Callable[[tuple], bool] | None = None
-             ) -> list[tuple]:
+def pairwise(dims: Sequence[Sequence],
+             accept: Callable[[tuple], bool] | np.ndarray | None = None) -> list[tuple]:
     """Rows of values, one per dimension, covering every pair of values of two dimensions.
 
     Greedy set cover over the whole product: the next row is the one covering the most pairs
@@ -49,8 +35,9 @@ def pairwise(dims: Sequence[Sequence], accept: Callable[[tuple], bool] | None = 
     Parameters
     ----------
     dims : the values of each dimension; each needs at least one.
-    accept : ``accept(row) -> bool``, whether the program under test accepts a row;
-        None: every row counts as accepted.
+    accept : ``accept(row) -> bool``, whether the program under test accepts a row; or
+        that verdict for every row at once, a boolean array in ``itertools.product(*dims)``
+        order (faster for a large product); None: every row counts as accepted.
 
     Returns
     -------
@@ -72,15 +59,23 @@ def pairwise(dims: Sequence[Sequence], accept: Callable[[tuple], bool] | None = 
         return tuple(dims[k][v] for k, v in enumerate(full))
 
     free_sizes = [sizes[k] for k in free]
-    rows = np.array(list(itertools.product(*(range(n) for n in free_sizes))), dtype=np.int64)
+    # the product's rows of value indices, in product order
+    rows = np.indices(free_sizes, dtype=np.int32).reshape(len(free_sizes), -1).T
     # pair ids: dimension pair d = (i, j) owns ids base[d] .. base[d] + sizes[i] * sizes[j]
     dim_pairs = list(itertools.combinations(range(len(free_sizes)), 2))
     base = np.cumsum([0] + [free_sizes[i] * free_sizes[j] for i, j in dim_pairs])
-    covers = np.stack([base[d] + rows[:, i] * free_sizes[j] + rows[:, j]
-                       for d, (i, j) in enumerate(dim_pairs)], axis=1)  # rows x dim pairs
+    covers = np.empty((len(rows), len(dim_pairs)), dtype=np.int32)  # rows x dim pairs
+    for d, (i, j) in enumerate(dim_pairs):
+        covers[:, d] = base[d] + rows[:, i] * free_sizes[j] + rows[:, j]
     pair_dim = np.repeat(np.arange(len(dim_pairs)), np.diff(base))   # pair id -> dim pair
-    ok = (np.ones(len(rows), bool) if accept is None
-          else np.array([bool(accept(values(r))) for r in rows], dtype=bool))
+    if accept is None:
+        ok = np.ones(len(rows), bool)
+    elif callable(accept):
+        ok = np.array([bool(accept(values(r))) for r in rows], dtype=bool)
+    else:  # the product's order over every dimension is its order over the free ones
+        ok = np.asarray(accept, dtype=bool).ravel()
+        if ok.size != len(rows):
+            raise ValueError(f"accept: {ok.size} verdicts for a product of {len(rows)} rows")
     feasible = np.zeros(base[-1], dtype=bool)
     feasible[covers[ok].ravel()] = True
     chosen: list[int] = []
@@ -90,20 +85,31 @@ def pairwise(dims: Sequence[Sequence], accept: Callable[[tuple], bool] | None = 
     while todo.any():
         left = np.bincount(pair_dim[todo], minlength=len(dim_pairs))
         new = todo[covers[pool]]                               # pool x dim pairs
-        score = new.sum(axis=1) * weight_span + (new * left).sum(axis=1)
+        useful = new.any(axis=1)  # a row with no pair left to cover never will have one
+        pool, new = pool[useful], new[useful]
+        score = new @ (left + weight_span)  # new pairs, then where most are left
         best = int(pool[np.argmax(score)])  # argmax: the first, in product order, of the best
         chosen.append(best)
         todo[covers[best]] = False
     # Refused rows: one refusal masks another (the program reports the first it finds), so
     # each row holds as few refused pairs as it can, and covers as many as it can after that.
-    todo = ~feasible
+    # Only the refused pairs count here (few): each refused row's as a row of booleans.
+    refused = np.flatnonzero(~feasible)
+    column = np.full(base[-1], -1, dtype=np.int32)
+    column[refused] = np.arange(len(refused))
     pool = np.flatnonzero(~ok)
-    faults = (~feasible[covers[pool]]).sum(axis=1)
+    where = column[covers[pool]]                               # pool x dim pairs
+    holds = np.zeros((len(pool), len(refused)), dtype=bool)   # pool x refused pairs
+    at, d = np.nonzero(where >= 0)
+    holds[at, where[at, d]] = True
+    faults = holds.sum(axis=1)
+    todo = np.ones(len(refused), dtype=bool)
     span = len(dim_pairs) + 1
     while todo.any():
-        new = todo[covers[pool]].sum(axis=1)
-        score = np.where(new > 0, -faults * span + new, np.iinfo(np.int64).min)
-        best = int(pool[np.argmax(score)])
-        chosen.append(best)
-        todo[covers[best]] = False
+        new = holds[:, todo].sum(axis=1)
+        useful = new > 0  # a row with no pair left to cover never will have one
+        pool, holds, faults, new = pool[useful], holds[useful], faults[useful], new[useful]
+        k = int(np.argmax(-faults * span + new))
+        chosen.append(int(pool[k]))
+        todo[holds[k]] = False
     return [values(rows[k]) for k in chosen]

@@ -30,10 +30,10 @@ greedy covering array: the same rows every time) in which every pair of values o
 dimensions appears, and every pair that some accepted combination holds appears in an
 accepted one (so no pair is "covered" only by a row refused for another reason); plus one
 16-rank case that used to hang. To choose the sample, every row of the product is judged
-(``judged``: each dimension's piece of the command line parsed once, the pieces merged, then
-``config.from_values`` and the layout plan, about 0.1 ms a row), so collecting this module
-takes about 45 s. Sizes and runtime: see ``python tests/test_combinations.py``
-and the README.
+(``acceptance``: each dimension's piece of the command line parsed once, the pieces merged,
+then ``config.from_values`` once per row's options for every R, and the layout plan once per
+layout and number of ranks), so collecting this module takes about 20 s. Sizes and
+runtime: see ``python tests/test_combinations.py`` and the README.
 ``HPCPS_FULL_MATRIX=1`` runs the whole product instead (many hours on 2 cores).
 """
 from __future__ import annotations
@@ -44,8 +44,9 @@ import json
 import os
 import types
 
+import numpy as np
 import pytest
-from pairwise import all_pairs, pairwise, row_pairs
+from pairwise import pairwise
 from mpirun import train
 
 from hpcps import config
@@ -136,30 +137,49 @@ def _given(piece: tuple[str, ...]) -> tuple:
 
 
 def judged(name: str, spec, row) -> bool:
-    key = (name, tuple(tuple(v) if isinstance(v, list) else v for v in row))
-    if key not in _JUDGED:
-        _JUDGED[key] = _judge(name, spec, row)
-    return _JUDGED[key]
-
-
-_JUDGED: dict = {}  # the sampler and the coverage test judge the same rows
-
-
-def _judge(name: str, spec, row) -> bool:
-    """``accepted(combination(name, spec, row), spec)``, fast enough for the whole product
-    (about 10^5 rows for downpour). The command line is cut into the pieces each dimension
-    adds, each piece is parsed once, and their options are merged in command-line order (a
-    later piece wins where two set one option, as argparse does), then judged by
-    ``config.from_values`` and the layout plan as ``config.parse`` would. R enters only the
-    number of ranks, not the options, so the options are judged once for every R. Checked
-    against the whole-command-line judgement by test_the_fast_judgement_agrees."""
+    """``accepted(combination(name, spec, row), spec)``, fast: see :func:`acceptance`."""
     P, R, S, T, model, *own = row
     cfg = _options(name, (P, S, T, tuple(model), *(tuple(v) for v in own)))
-    if cfg is None:
-        return False
+    return cfg is not None and _planned(name, cfg, S + int(spec.coordinator) + R * P)
+
+
+@functools.cache
+def acceptance(name: str) -> np.ndarray:
+    """Whether hpcps accepts each row of strategy ``name``'s product, in product order, fast
+    enough for the whole product (746,496 rows for downpour). The command line is cut into
+    the pieces each dimension adds, each piece is parsed once, and their options are merged
+    in command-line order (a later piece wins where two set one option, as argparse does),
+    then judged by ``config.from_values`` and the layout plan as ``config.parse`` would. R
+    enters only the number of ranks, not the options, so the options are judged once for
+    every R, and the plan once per layout and number of ranks. Checked against the
+    whole-command-line judgement by test_the_fast_judgement_agrees."""
+    spec = strategies()[name]
+    _, dims = dimensions(name, spec)
+    tuples = [[tuple(v) if isinstance(v, list) else v for v in d] for d in dims]
+    rest = list(itertools.product(*tuples[2:]))  # S, T, the model and the options after R
+    ok = np.zeros((len(dims[0]), len(dims[1]), len(rest)), dtype=bool)
+    for p, P in enumerate(dims[0]):
+        for k, (S, *others) in enumerate(rest):
+            cfg = _options(name, (P, S, *others))
+            if cfg is None:
+                continue
+            for r, R in enumerate(dims[1]):
+                ok[p, r, k] = _planned(name, cfg, S + int(spec.coordinator) + R * P)
+    return ok.ravel()
+
+
+def _planned(name: str, cfg, n: int) -> bool:
+    """Whether the layout plan takes ``cfg`` (what :func:`_options` keeps) on ``n`` ranks."""
+    return _plan_verdict(name, cfg.servers, cfg.partitions, cfg.inject_slow, n)
+
+
+@functools.cache
+def _plan_verdict(name: str, servers, partitions, inject_slow, n: int) -> bool:
     from hpcps.train import plan  # imports mpi4py: only when the tests run
+    cfg = types.SimpleNamespace(servers=servers, partitions=partitions,
+                                spec=strategies()[name], inject_slow=inject_slow)
     try:
-        plan(cfg, S + int(spec.coordinator) + R * P)
+        plan(cfg, n)
     except ConfigError:
         return False
     return True
@@ -183,7 +203,7 @@ def _options(name: str, key: tuple):
         cfg = config.from_values(values)
     except ConfigError:
         return None
-    return types.SimpleNamespace(servers=cfg.servers, partitions=cfg.partitions, spec=cfg.spec,
+    return types.SimpleNamespace(servers=cfg.servers, partitions=cfg.partitions,
                                  inject_slow=cfg.inject_slow)
 
 
@@ -194,7 +214,7 @@ def sample(name: str) -> list[tuple]:
     _, dims = dimensions(name, spec)
     if FULL:
         return list(itertools.product(*dims))
-    return pairwise(dims, accept=lambda row: judged(name, spec, row))
+    return pairwise(dims, accept=acceptance(name))
 
 
 def matrix() -> list[dict]:
@@ -268,25 +288,28 @@ def test_combination(case, digits_h5, tmp_path):
 
 def test_the_sample_covers_every_pair():
     """Every pair of values appears; every pair an accepted combination holds appears in an
-    accepted row of the sample."""
+    accepted row of the sample. Recounted here over the whole product with NumPy (each row's
+    value indices), apart from the sampler's own bookkeeping."""
     for name, spec in strategies().items():
         _, dims = dimensions(name, spec)
-        free = [k for k, d in enumerate(dims) if len(d) > 1]
+        sizes = [len(d) for d in dims]
+        free = [k for k, n in enumerate(sizes) if n > 1]
         index = [{repr(v): i for i, v in enumerate(d)} for d in dims]
-
-        def key(row):
-            return [index[k][repr(row[k])] for k in free]
-
-        def ok(row):
-            return judged(name, spec, row)
-
         rows = sample(name)
         assert len(rows) == sum(1 for c in CASES if c["id"].startswith(name + "-P")), name
-        covered = set().union(*(row_pairs(key(r)) for r in rows))
-        assert covered == all_pairs([len(dims[k]) for k in free]), name
-        feasible = set().union(*(row_pairs(key(r)) for r in itertools.product(*dims) if ok(r)))
-        by_accepted = set().union(*(row_pairs(key(r)) for r in rows if ok(r)))
-        assert feasible <= by_accepted, (name, sorted(feasible - by_accepted)[:5])
+        chosen = np.array([[index[k][repr(v)] for k, v in enumerate(r)] for r in rows])
+        chosen_ok = np.array([judged(name, spec, r) for r in rows])
+        product = np.indices(sizes, dtype=np.int8).reshape(len(sizes), -1)  # product order
+        ok = acceptance(name)
+        for i, j in itertools.combinations(free, 2):
+            def pairs(where, cols):
+                seen = np.zeros((sizes[i], sizes[j]), dtype=bool)
+                seen[cols[i][where], cols[j][where]] = True
+                return seen
+            every = np.ones(len(rows), dtype=bool)
+            assert pairs(every, chosen.T).all(), (name, i, j)
+            missing = pairs(ok, product) & ~pairs(chosen_ok, chosen.T)
+            assert not missing.any(), (name, i, j, np.argwhere(missing)[:5])
 
 
 def test_the_fast_judgement_agrees():
@@ -310,14 +333,27 @@ def test_pairwise_is_small_and_deterministic():
         pairwise([[1, 2], []])
 
 
+def test_pairwise_takes_verdicts_as_a_function_or_an_array():
+    dims = [[1, 2, 3], [1, 2, 3], ["a"], [1, 2], ["x", "y", "z"]]
+
+    def accept(row):  # refuses (3, 3) and (2, "z")
+        return row[:2] != (3, 3) and (row[3], row[4]) != (2, "z")
+    verdicts = np.array([accept(r) for r in itertools.product(*dims)])
+    rows = pairwise(dims, accept=accept)
+    assert rows == pairwise(dims, accept=verdicts)
+    refused = [r for r in rows if not accept(r)]
+    assert any(r[:2] == (3, 3) for r in refused) and any(r[3:] == (2, "z") for r in refused)
+    assert all(accept(r) for r in rows[:len(rows) - len(refused)])  # accepted rows first
+    with pytest.raises(ValueError):
+        pairwise(dims, accept=verdicts[1:])
+
+
 if __name__ == "__main__":  # sizes of the sample and of the whole product
     for strategy, spec in strategies().items():
         _, dims = dimensions(strategy, spec)
         rows = sample(strategy)
         n_ok = sum(judged(strategy, spec, r) for r in rows)
-        full = f_ok = 0
-        for r in itertools.product(*dims):  # the fast judgement (test_the_fast_judgement_agrees)
-            full += 1
-            f_ok += judged(strategy, spec, r)
+        ok = acceptance(strategy)  # the fast judgement (test_the_fast_judgement_agrees)
+        full, f_ok = ok.size, int(ok.sum())
         print(f"{strategy:12s} sample {len(rows):3d} ({n_ok} accepted)   "
               f"product {full:6d} ({f_ok} accepted)")
