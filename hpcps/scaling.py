@@ -532,20 +532,24 @@ def measured_workload(m: dict, n_params: int, batch: int, **kw) -> Workload:
                     reckon_compute_s=m.get("reckon_compute_s"), **kw)
 
 
-def in_run_workload(w: Workload, pass_s: float) -> Workload:
-    """``w`` with the gradient pass as a run timed it (``pass_s`` in its summary). That time
+def in_run_workload(w: Workload, pass_s: float, cpu_time: bool = False) -> Workload:
+    """``w`` with the gradient pass as a run timed it, every other CPU term slowed by the same
+    factor over the calibrated pass. ``pass_s`` in wall seconds (the summary's ``pass_s``)
     already holds what the cores' sharing, co-running and the machine's speed of that minute
-    did to the pass, so the shared-cores terms go and every other CPU term is slowed by the
-    same factor over the calibrated pass."""
+    did to the pass, so the shared-cores terms go. In CPU seconds (``cpu_time``, the
+    summary's ``pass_cpu_s``) it holds co-running and the machine's speed but not the time
+    the pass waited for a core: the sharing of the cores (:meth:`Workload.share`) stays."""
     f = pass_s / w.compute_s
     portion = w.portion_s_per_example
+    shared = {"cores": w.cores, "background": w.background} if cpu_time else \
+        {"cores": None, "background": 0.0}
     return replace(w, compute_s=pass_s, update_s_per_param=w.update_s_per_param * f,
                    reduce_s_per_param=w.reduce_s_per_param * f,
                    reckon_s_per_param=w.reckon_s_per_param * f,
                    receive_s_per_word=w.receive_s_per_word * f, reckon_compute_s=None,
                    average_s_per_param=w.average_s_per_param * f,
                    portion_s_per_example=None if portion is None else portion * f,
-                   cores=None, background=0.0, co_run=1.0)
+                   co_run=1.0, **shared)
 
 
 # -- the checks --------------------------------------------------------------------------------
@@ -641,10 +645,12 @@ def validate_cluster(path: str, repeats: int = 15, background: float | None = No
     machine's speed drifts over minutes); for a bench that did not, it is measured here, on
     rows of ``data`` (default: the bench's dataset, where that file is here), whose zeros
     the first layer skips as it did in the runs. Where a run recorded its replicas' own
-    pass time (``pass_s``, from its summary) and had no more ranks than cores, each row
-    also has ``predicted_in_run``: the model with that pass (:func:`in_run_workload`), which
-    leaves out what co-running and the machine's drift did to the CPU work and checks the
-    rest."""
+    pass time, each row also has ``predicted_in_run``: the model with that pass
+    (:func:`in_run_workload`), which leaves out what co-running and the machine's drift
+    during the run did to the CPU work and checks the rest: the pass's CPU time
+    (``pass_cpu_s`` in the summary) for every run, the cores' sharing left to the model;
+    for a bench that recorded only its wall time (``pass_s``), runs with no more ranks
+    than cores."""
     with open(path) as fh:
         bench = json.load(fh)
     layers = [int(v) for v in str(bench["layers"]).split(",")]
@@ -705,13 +711,19 @@ def validate_cluster(path: str, repeats: int = 15, background: float | None = No
                    "bytes_model": round(bytes_per_step(run["strategy"], w, run["replicas"]))}
             if computing is not None:
                 row["computing_beside"] = computing
-            # the replicas' pass as the run itself timed it, where no rank was time-sliced:
-            # with more ranks than cores a pass of a few ms mostly runs between the
-            # scheduler's switches and shows little of the sharing the rest of the step takes
-            if run.get("pass_s") and run["ranks"] <= cores:
-                pred_run = predict(run["strategy"], in_run_workload(w, run["pass_s"]), *link,
-                                   allreduce=allreduce)
-                row.update(pass_s_in_run=run["pass_s"],
+            # the replicas' pass as the run itself timed it: its CPU time where recorded
+            # (the cores' sharing is then the model's), else its wall time where no rank
+            # was time-sliced (with more ranks than cores the wall time of a pass of a few
+            # ms holds only part of the sharing the rest of the step takes)
+            own = None
+            if run.get("pass_cpu_s"):
+                own = in_run_workload(w, run["pass_cpu_s"], cpu_time=True)
+            elif run.get("pass_s") and run["ranks"] <= cores:
+                own = in_run_workload(w, run["pass_s"])
+            if own is not None:
+                pred_run = predict(run["strategy"], own, *link, allreduce=allreduce)
+                row.update(pass_s_in_run=own.compute_s,
+                           pass_in_run_is_cpu_time=bool(run.get("pass_cpu_s")),
                            predicted_in_run=round(pred_run, 1),
                            relative_difference_in_run=round(pred_run / measured - 1, 3))
             rows.append(row)
@@ -829,9 +841,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  (cores shared with {out['cluster'][0]['background']} runnable threads of "
                   "other jobs; pass: a mini-batch's forward and backward on a core alone, "
                   "co-run: how much slower with every core computing)")
-            print("  in run: the same model with the pass as each run timed it (its summary's "
-                  "pass_s), every other CPU term slowed as much; runs with no more ranks "
-                  "than cores")
+            cpu = any(r.get("pass_in_run_is_cpu_time") for r in out["cluster"])
+            print("  in run: the same model with the pass as each run timed it, every other "
+                  "CPU term slowed as much: " + (
+                      "its CPU time (the summary's pass_cpu_s; the cores' sharing is the "
+                      "model's)" if cpu else "its wall time (the summary's pass_s), runs "
+                      "with no more ranks than cores"))
         print(f"  {'network':>8} {'strategy':>12} {'ranks':>5} {'alpha':>9} {'pass':>8} "
               f"{'co-run':>6} {'measured':>10} "
               f"{'predicted':>10} {'diff':>7} {'in run: pass':>15} {'predicted':>10} "

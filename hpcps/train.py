@@ -280,7 +280,8 @@ def _summary(ctx: Context, results: list[dict], wall_s: float, stopped: bool = F
     if "step_s" in rec:
         m.message(f"  a replica's iteration: {1e3 * rec['step_s']:.2f} ms, of which its gradient "
                   f"pass {1e3 * rec['pass_s']:.2f} ms "
-                  f"({100 * rec['pass_s'] / max(rec['step_s'], 1e-12):.0f}%; the rest is "
+                  f"({100 * rec['pass_s'] / max(rec['step_s'], 1e-12):.0f}%, "
+                  f"{1e3 * rec['pass_cpu_s']:.2f} ms of CPU time; the rest is "
                   "communication, the update and the loop's own work)")
         idle = 1.0 - rec["cpu_s"] / max(rec["step_s"], 1e-12)
         m.message(f"  its process's CPU time: {1e3 * rec['cpu_s']:.2f} ms an iteration "
@@ -293,14 +294,15 @@ def _summary(ctx: Context, results: list[dict], wall_s: float, stopped: bool = F
 
 def _step_times(results: list[dict]) -> dict:
     """``step_s``: seconds of a replica's iteration, from its first to its last (without the
-    run's ending); ``pass_s``: of them, its gradient passes; ``cpu_s``: the CPU time its
-    process used per iteration (every thread, user and system). Means over the ranks that
-    train (empty when none reported them: sandblaster, whose step is a pass over the data)."""
+    run's ending); ``pass_s``: of them, its gradient passes; ``cpu_s`` and ``pass_cpu_s``:
+    the CPU time its process used per iteration and in its passes (every thread, user and
+    system). Means over the ranks that train (empty when none reported them: sandblaster,
+    whose step is a pass over the data)."""
     timed = [r for r in results if "step_s" in r]
     if not timed:
         return {}
     return {k: round(sum(r[k] for r in timed) / len(timed), 7)
-            for k in ("step_s", "pass_s", "cpu_s")}
+            for k in ("step_s", "pass_s", "pass_cpu_s", "cpu_s")}
 
 
 def _blas_chosen() -> dict | None:

@@ -407,6 +407,11 @@ def test_the_runs_own_pass_time_replaces_the_shared_cores_terms():
     free = replace(shared, cores=None, co_run=1.0, background=0.0)
     assert R * W.batch / predict("sync", run, R, 0.0, 0.0) == \
         pytest.approx(3 * R * W.batch / predict("sync", free, R, 0.0, 0.0))
+    # the pass's CPU time: co-running is in it, the wait for a core is not (the model's)
+    cpu = scaling.in_run_workload(shared, 3 * W.compute_s, cpu_time=True)
+    assert (cpu.cores, cpu.background, cpu.co_run) == (2, 1.0, 1.0)
+    assert cpu.compute(8) == pytest.approx(3 * W.compute_s * (8 + 1.0) / 2)
+    assert cpu.update_s_per_param == pytest.approx(3 * shared.update_s_per_param)
 
 
 def test_the_cluster_check_also_predicts_with_each_runs_own_pass_time(tmp_path):
@@ -414,14 +419,15 @@ def test_the_cluster_check_also_predicts_with_each_runs_own_pass_time(tmp_path):
            "reduce_s_per_param": 2e-10, "reckon_s_per_param": 1e-9, "co_run": 1.1}
     runs = [{"strategy": "sync", "ranks": k, "replicas": k, "servers": 0, "compute": cal,
              "examples_per_s": 1000.0, "bytes_per_step": 1.0, **timed}
-            for k, timed in ((2, {"pass_s": 0.005}), (2, {}), (4, {"pass_s": 0.005}))]
+            for k, timed in ((2, {"pass_s": 0.005}), (2, {}), (4, {"pass_s": 0.005}),
+                             (4, {"pass_s": 0.009, "pass_cpu_s": 0.004}))]
     pp = {"alpha_s": 2e-5, "beta_s_per_byte": 1e-9}
     path = tmp_path / "cluster.json"
     path.write_text(json.dumps({"layers": "64,32,10", "batch": 16,
                                 "machine": {"nproc": 2, "load_average": 1.0},
                                 "networks": [{"rate": "1gbit", "pingpong": pp,
                                               "throughput": runs}]}))
-    timed, untimed, sliced = scaling.validate_cluster(str(path))
+    timed, untimed, sliced, cpu = scaling.validate_cluster(str(path))
     n = (64 + 1) * 32 + (32 + 1) * 10
     w = scaling.measured_workload(cal, n, 16, cores=2, co_run=1.1)  # the recorded batch
     assert timed["predicted"] == pytest.approx(predict("sync", w, 2, 2e-5, 1e-9), abs=0.1)
@@ -430,6 +436,11 @@ def test_the_cluster_check_also_predicts_with_each_runs_own_pass_time(tmp_path):
     assert timed["relative_difference_in_run"] == pytest.approx(in_run / 1000.0 - 1, abs=1e-3)
     # not timed; more ranks than the 2 cores: time-sliced, the pass shows little of it
     assert "predicted_in_run" not in untimed and "predicted_in_run" not in sliced
+    # the pass's CPU time, where the run recorded it: any number of ranks, sharing modelled
+    w4 = replace(w, background=0.0)  # the recorded load average less the measuring process
+    in_run = predict("sync", scaling.in_run_workload(w4, 0.004, cpu_time=True), 4, 2e-5, 1e-9)
+    assert cpu["pass_in_run_is_cpu_time"] and cpu["pass_s_in_run"] == 0.004
+    assert cpu["predicted_in_run"] == pytest.approx(in_run, abs=0.1)
 
 
 def test_an_average_pays_for_its_own_copies_every_k_steps():

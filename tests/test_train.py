@@ -5,6 +5,9 @@ Each run has a hard timeout (see mpirun.py), so a hang fails the test instead of
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import h5py
 import numpy as np
@@ -46,7 +49,7 @@ def assert_learned(run, run_dir, digits_h5, min_acc=0.85):
     assert summary["blas"] in ("mkl", "openblas", "numpy"), summary
     if summary["strategy"] != "sandblaster":  # a replica's iteration and its pass, timed
         assert 0 < summary["pass_s"] < summary["step_s"], summary
-        assert summary["cpu_s"] > 0, summary
+        assert 0 < summary["pass_cpu_s"] and summary["cpu_s"] > 0, summary
     return summary
 
 
@@ -94,6 +97,32 @@ def test_summary_splits_an_iteration_into_the_pass_and_the_rest(digits_h5, tmp_p
     assert plain["cpu_s"] > 0.5 * plain["step_s"], plain
     assert slowed["cpu_s"] < 0.6 * slowed["step_s"], slowed
     assert "CPU time" in run.stdout and "it waited" in run.stdout
+    for rec in (plain, slowed):  # one thread computing: its CPU time is the pass's time
+        assert 0 < rec["pass_cpu_s"] <= 1.1 * rec["pass_s"], rec
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs sched_setaffinity")
+def test_the_pass_cpu_time_leaves_out_the_wait_for_a_core(digits_h5, tmp_path):
+    """A lone rank pinned to one core beside a process spinning on it gets about half the
+    core: its passes take about twice their CPU time (``pass_s`` against ``pass_cpu_s``,
+    what the scaling model's check of the emulated cluster reads)."""
+    spin = subprocess.Popen([sys.executable, "-c", "while True: pass"],
+                            preexec_fn=lambda: os.sched_setaffinity(0, {0}))
+    mine = os.sched_getaffinity(0)
+    try:
+        os.sched_setaffinity(0, {0})  # inherited by mpiexec and the rank
+        # passes of several ms: longer than the scheduler's slices, each shares the core
+        run = train(1, "--strategy", "sync", "--data", str(digits_h5), "--run-dir",
+                    str(tmp_path), "--steps", "150", "--batch-size", "128", "--layers",
+                    "64,512,512,10", "--checkpoint-every", "0", "--eval-every", "0")
+    finally:
+        os.sched_setaffinity(0, mine)
+        spin.kill()
+        spin.wait()
+    assert run.returncode == 0, run.output
+    s = records(tmp_path, "summary")[-1]
+    assert 1.4 * s["pass_cpu_s"] < s["pass_s"], s
+    assert "ms of CPU time" in run.stdout
 
 
 def test_two_server_shards_and_n_push(digits_h5, tmp_path):

@@ -169,9 +169,10 @@ def throughput(args, strategy: str, ranks: int, tmp: Path) -> dict:
         runs.append(s)
     entry = {"strategy": strategy, **layout(strategy, ranks),
              "steps_trained": runs[0]["steps_trained"]}
-    # step_s, pass_s, cpu_s: a replica's iteration, its gradient pass and its process's CPU
-    # time per iteration, as the run timed them
-    for key in ("examples_per_s", "bytes_per_step", "train_s", "step_s", "pass_s", "cpu_s"):
+    # step_s, pass_s, pass_cpu_s, cpu_s: a replica's iteration, its gradient pass, the
+    # pass's CPU time and its process's CPU time per iteration, as the run timed them
+    for key in ("examples_per_s", "bytes_per_step", "train_s", "step_s", "pass_s",
+                "pass_cpu_s", "cpu_s"):
         if key not in runs[0]:
             continue  # sandblaster: no mini-batch iterations
         values = [r[key] for r in runs]

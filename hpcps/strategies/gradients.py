@@ -39,7 +39,9 @@ class GradientSource:
     (``train.py`` refuses the run without it).
 
     ``pass_s`` adds up the seconds spent in calls (the passes, the threads' steps, weight
-    decay): the replica's compute, reported per step in the summary.
+    decay): the replica's compute, reported per step in the summary; ``pass_cpu_s`` the CPU
+    time this process used in them (every thread's: on cores shared with more ranks than
+    cores, what the pass cost without the time it waited for a core).
     """
 
     def __init__(self, ctx: Context):
@@ -73,7 +75,7 @@ class GradientSource:
                                      batch=cfg.batch_size)
             self.order = np.arange(self.batch)
         self.weight_decay = np.float32(cfg.weight_decay or 0.0)
-        self.pass_s = 0.0
+        self.pass_s = self.pass_cpu_s = 0.0
         self.compiled_one = None
         if self.threads == 1 and not ctx.partitioned:
             from hpcps import conv_hogwild, hogwild
@@ -89,7 +91,7 @@ class GradientSource:
         """Mean loss over the examples; ``grad`` receives the mean gradient."""
         tr = trace.ACTIVE
         t0 = tr.now() if tr is not None else 0
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         if self.compiled_one is not None:
             loss = self.compiled_one.loss_and_grad(params, x, y, grad=grad)[0]
         elif self.threads == 1:
@@ -99,6 +101,7 @@ class GradientSource:
         if self.weight_decay:  # + the gradient of weight_decay/2 * |w|^2
             grad += self.weight_decay * params
         self.pass_s += time.perf_counter() - start
+        self.pass_cpu_s += time.process_time() - cpu
         if tr is not None:
             tr.span(trace.COMPUTE, "gradient", t0, {"examples": len(x)})
         return loss

@@ -243,11 +243,12 @@ class ReplicaLoop(ABC):
         result = self.finish(train_s)
         figures = {**model_parallel_figures(ctx, self.done, train_s), **result.get("figures", {})}
         # this rank's seconds per iteration, of them its gradient passes, and the CPU time
-        # its process used per iteration (every thread; train.py's summary averages them
-        # over the replicas' ranks)
+        # its process used per iteration and in the passes (every thread; train.py's
+        # summary averages them over the replicas' ranks)
         iterations = max(1, -(-self.done // self.T))
         return {"train_s": train_s, **result, "figures": figures,
                 "step_s": loop_s / iterations, "pass_s": self.source.pass_s / iterations,
+                "pass_cpu_s": self.source.pass_cpu_s / iterations,
                 "cpu_s": loop_cpu_s / iterations}
 
     def _stop_now(self, iteration: int) -> bool:
