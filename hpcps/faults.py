@@ -120,8 +120,18 @@ def lost_ranks(results: list, layout, reporter: int = 0) -> list[int] | None:
     return sorted({layout.replica_rank(r) for r in lost} | dead)
 
 
+# The least a replica the shards did not lose gets to send its final figures once they ended
+# (finish's grace is --heartbeat-timeout, at least this): on oversubscribed cores a live rank
+# can wait seconds for a core, and one wrongly called lost loses its figures.
+ENDING_GRACE_S = 10.0
+
+
+def ending_grace(heartbeat_timeout: float) -> float:
+    return max(float(heartbeat_timeout), ENDING_GRACE_S)
+
+
 def finish(world, reporter: int, result: dict, layout, timeout: float,
-           summarize) -> bool:
+           summarize, grace: float | None = None) -> bool:
     """End a run without world collectives. Returns whether ranks were lost.
 
     Parameters
@@ -134,6 +144,13 @@ def finish(world, reporter: int, result: dict, layout, timeout: float,
         that dies after its last push, which its shards therefore never lost).
     summarize : ``summarize(results)``, on the reporter (lost ranks' entries are
         ``{"lost": True}``, with ``why`` and ``after_s`` for those lost here).
+    grace : once the shards have ended and said whom they lost (downpour's end once every
+        replica is done), a replica they did not lose has only its final figures left to
+        send: seconds to wait for them before calling it lost (:func:`ending_grace` of
+        ``--heartbeat-timeout``, the silence that means a death during the run); None:
+        ``timeout``. A replica lost so is told so, in case it was only late: it then leaves
+        as the survivors do. Not where the reporter lists the lost itself (sandblaster's
+        coordinator, which ends while a replica may still compute a portion given twice).
     """
     size, rank = world.Get_size(), world.Get_rank()
     if rank != reporter:
@@ -149,14 +166,19 @@ def finish(world, reporter: int, result: dict, layout, timeout: float,
                 raise PeerTimeout(f"waited {timeout:.0f} s for the reporter (rank {reporter}) "
                                   "to end the run")
             poll.pause()
+    if "lost_ranks" in result:  # the reporter's own list (lost_ranks)
+        grace = None
     results: list = [None] * size
     results[reporter] = result
     lost: list[int] | None = None
-    deadline = time.monotonic() + timeout
+    late: list[int] = []  # replicas lost here, for want of their final figures
+    start = time.monotonic()
+    ended = None  # when the lost ranks were known: the others' training was over then
     poll = Poller()
     while True:
         if lost is None:
             lost = lost_ranks(results, layout, reporter)
+            ended = None if lost is None else time.monotonic()
         waiting = [r for r in range(size) if results[r] is None and r not in (lost or [])]
         if not waiting:
             break
@@ -164,16 +186,23 @@ def finish(world, reporter: int, result: dict, layout, timeout: float,
         if status is not None:
             results[status] = world.recv(source=status, tag=Tag.RESULT)
             continue
-        if time.monotonic() > deadline:  # died after its shards stopped waiting for it
-            if any(not layout.role(r).is_replica for r in waiting):
-                raise PeerTimeout(f"waited {timeout:.0f} s for the final figures of rank(s) "
-                                  f"{waiting}")
-            for r in waiting:
-                results[r] = {"lost": True, "after_s": round(timeout, 1),
-                              "why": f"it sent no final figures within {timeout:g} s: it "
-                                     "died after its shards had stopped waiting for it"}
-            lost = sorted(set(lost or []) | set(waiting))
-            break
+        now = time.monotonic()
+        if now - start > timeout and any(not layout.role(r).is_replica for r in waiting):
+            raise PeerTimeout(f"waited {timeout:.0f} s for the final figures of rank(s) "
+                              f"{waiting}")
+        graced = ended is not None and grace is not None
+        waited, limit = (now - ended, grace) if graced else (now - start, timeout)
+        replicas = [r for r in waiting if layout.role(r).is_replica]
+        if waited > limit and replicas:  # died after its shards had stopped waiting for it
+            after = (f"within {limit:g} s of the end of training" if graced
+                     else f"within {limit:g} s")
+            for r in replicas:
+                results[r] = {"lost": True, "after_s": round(waited, 1),
+                              "why": f"it sent no final figures {after}: it died after its "
+                                     "shards had stopped waiting for it"}
+            late += replicas
+            lost = sorted(set(lost or []) | set(replicas))
+            continue
         poll.pause()
     for r in lost:
         results[r] = results[r] if results[r] is not None else {"lost": True}
@@ -181,6 +210,8 @@ def finish(world, reporter: int, result: dict, layout, timeout: float,
     for r in range(size):
         if r != reporter and r not in lost:
             world.send(lost, dest=r, tag=Tag.RESULT)
+    for r in late:  # never waited for: it may be dead (this rank leaves without finalizing)
+        world.isend(lost, dest=r, tag=Tag.RESULT)
     return bool(lost)
 
 

@@ -416,7 +416,8 @@ def main(argv: list[str] | None = None) -> int:
         if may_lose:
             lost = faults.finish(world, ctx.reporter, result, ctx.grid.layout, cfg.timeout,
                                  lambda results: _summary(ctx, results,
-                                                          time.perf_counter() - t_start))
+                                                          time.perf_counter() - t_start),
+                                 grace=faults.ending_grace(cfg.heartbeat_timeout))
             m.close()
             if lost:  # MPI_Finalize would wait for the dead ranks
                 faults.leave(0)

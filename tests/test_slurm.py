@@ -228,8 +228,9 @@ def test_a_rank_killed_under_srun_leaves_the_others_running(cluster, digits_h5, 
     Rank 2 is killed once the run's metrics show step 1,500 of 20,000. On a loaded machine
     this test's own process can be off the cores for seconds and see that step only after
     the training has ended (it takes about 5 s): such a kill tests something else (the
-    survivors then wait --timeout for the dead rank's final figures), so the job is ended and
-    started again, at most three times, and the test fails saying so."""
+    survivors then wait up to 10 s for the dead rank's final figures,
+    tests/mpi/test_faults_finish.py), so the job is ended and started again, at most three
+    times, and the test fails saying so."""
     steps = 20000
     for attempt in range(3):
         run_dir = tmp_path / f"run{attempt}"

@@ -4,9 +4,12 @@ Launched with the other multi-rank tests by ``tests/test_mpi_suites.py`` (K = 1-
 """
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from hpcps import faults
+from hpcps.protocol import Tag
 from hpcps.topology import Layout, world_comm
 
 
@@ -19,7 +22,8 @@ def test_a_replica_that_dies_after_its_last_push_is_named_lost():
     size, rank = comm.Get_size(), comm.Get_rank()
     layout = Layout.plan(size, 1, 1)
     shard = layout.server_rank(0)
-    if rank == 1:  # "dead": it never reports
+    if rank == 1:  # "dead": it never reports (then takes the notice sent to it, which a
+        assert comm.recv(source=0, tag=Tag.RESULT) == [1]  # dead rank never would)
         comm.Free()
         return
     seen = {}
@@ -31,4 +35,30 @@ def test_a_replica_that_dies_after_its_last_push_is_named_lost():
         results = seen["results"]
         assert results[1]["lost"] and "no final figures within 2 s" in results[1]["why"]
         assert all(results[r] == {"rank": r} for r in range(2, size) if r != shard)
+    comm.Free()
+
+
+@pytest.mark.mpi(min_size=3)
+def test_after_the_shards_ended_a_silent_replica_is_lost_within_the_grace():
+    """Once the shards have reported (nobody lost), replica rank 1 sends nothing: the
+    reporter names it lost after the grace, not after --timeout, and tells rank 1, which
+    (alive here, only late) learns it was counted lost and can leave as the survivors do."""
+    comm = world_comm()
+    size, rank = comm.Get_size(), comm.Get_rank()
+    layout = Layout.plan(size, 1, 1)
+    shard = layout.server_rank(0)
+    seen = {}
+    t0 = time.monotonic()
+    if rank == 1:  # late: it reports only after the reporter has given up on it
+        told = comm.recv(source=0, tag=Tag.RESULT)
+        assert told == [1] and time.monotonic() - t0 < 20
+        comm.Free()
+        return
+    result = {"shard": 0, "lost_replicas": {}} if rank == shard else {"rank": rank}
+    lost = faults.finish(comm, 0, result, layout, 60.0, lambda results: seen.update(
+        results=results), grace=1.0)
+    assert lost and time.monotonic() - t0 < 20  # the grace, not the 60 s timeout
+    if rank == 0:
+        why = seen["results"][1]["why"]
+        assert "no final figures within 1 s of the end of training" in why, why
     comm.Free()
