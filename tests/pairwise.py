@@ -19,6 +19,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+
 def pairwise(dims: Sequence[Sequence],
              accept: Callable[[tuple], bool] | np.ndarray | None = None) -> list[tuple]:
     """Rows of values, one per dimension, covering every pair of values of two dimensions.
