@@ -139,8 +139,8 @@ def _given(piece: tuple[str, ...]) -> tuple:
 def judged(name: str, spec, row) -> bool:
     """``accepted(combination(name, spec, row), spec)``, fast: see :func:`acceptance`."""
     P, R, S, T, model, *own = row
-    cfg = _options(name, (P, S, T, tuple(model), *(tuple(v) for v in own)))
-    return cfg is not None and _planned(name, cfg, S + int(spec.coordinator) + R * P)
+    fields = _options(name, (P, S, T, tuple(model), *(tuple(v) for v in own)))
+    return fields is not None and _planned(name, fields, S + int(spec.coordinator) + R * P)
 
 
 @functools.cache
@@ -160,22 +160,20 @@ def acceptance(name: str) -> np.ndarray:
     ok = np.zeros((len(dims[0]), len(dims[1]), len(rest)), dtype=bool)
     for p, P in enumerate(dims[0]):
         for k, (S, *others) in enumerate(rest):
-            cfg = _options(name, (P, S, *others))
-            if cfg is None:
+            fields = _options(name, (P, S, *others))
+            if fields is None:
                 continue
             for r, R in enumerate(dims[1]):
-                ok[p, r, k] = _planned(name, cfg, S + int(spec.coordinator) + R * P)
+                ok[p, r, k] = _planned(name, fields, S + int(spec.coordinator) + R * P)
     return ok.ravel()
 
 
-def _planned(name: str, cfg, n: int) -> bool:
-    """Whether the layout plan takes ``cfg`` (what :func:`_options` keeps) on ``n`` ranks."""
-    return _plan_verdict(name, cfg.servers, cfg.partitions, cfg.inject_slow, n)
-
-
 @functools.cache
-def _plan_verdict(name: str, servers, partitions, inject_slow, n: int) -> bool:
+def _planned(name: str, fields: tuple, n: int) -> bool:
+    """Whether the layout plan takes a row's options (``fields``, what :func:`_options`
+    keeps: servers, partitions, inject_slow) on ``n`` ranks."""
     from hpcps.train import plan  # imports mpi4py: only when the tests run
+    servers, partitions, inject_slow = fields
     cfg = types.SimpleNamespace(servers=servers, partitions=partitions,
                                 spec=strategies()[name], inject_slow=inject_slow)
     try:
@@ -187,8 +185,9 @@ def _plan_verdict(name: str, servers, partitions, inject_slow, n: int) -> bool:
 
 @functools.cache
 def _options(name: str, key: tuple):
-    """What the layout plan reads of a row's Config (its options: everything but R), or
-    None if they are refused. Only those few fields are kept: the product has ~10^5 keys."""
+    """What the layout plan reads of a row's Config (its options: everything but R) as
+    (servers, partitions, inject_slow), or None if they are refused. Only those few fields
+    are kept: the product has ~10^5 keys."""
     spec = strategies()[name]
     P, S, T, model, *own = key
     pieces = [("--strategy", name, "--partitions", str(P), "--threads", str(T)), model]
@@ -203,8 +202,7 @@ def _options(name: str, key: tuple):
         cfg = config.from_values(values)
     except ConfigError:
         return None
-    return types.SimpleNamespace(servers=cfg.servers, partitions=cfg.partitions,
-                                 inject_slow=cfg.inject_slow)
+    return cfg.servers, cfg.partitions, cfg.inject_slow
 
 
 @functools.cache
