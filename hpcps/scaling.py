@@ -715,15 +715,15 @@ def validate_cluster(path: str, repeats: int = 15, background: float | None = No
             # (the cores' sharing is then the model's), else its wall time where no rank
             # was time-sliced (with more ranks than cores the wall time of a pass of a few
             # ms holds only part of the sharing the rest of the step takes)
+            cpu_time = bool(run.get("pass_cpu_s"))
             own = None
-            if run.get("pass_cpu_s"):
+            if cpu_time:
                 own = in_run_workload(w, run["pass_cpu_s"], cpu_time=True)
             elif run.get("pass_s") and run["ranks"] <= cores:
                 own = in_run_workload(w, run["pass_s"])
             if own is not None:
                 pred_run = predict(run["strategy"], own, *link, allreduce=allreduce)
-                row.update(pass_s_in_run=own.compute_s,
-                           pass_in_run_is_cpu_time=bool(run.get("pass_cpu_s")),
+                row.update(pass_s_in_run=own.compute_s, pass_in_run_is_cpu_time=cpu_time,
                            predicted_in_run=round(pred_run, 1),
                            relative_difference_in_run=round(pred_run / measured - 1, 3))
             rows.append(row)
