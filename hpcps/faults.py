@@ -149,8 +149,11 @@ def finish(world, reporter: int, result: dict, layout, timeout: float,
         send: seconds to wait for them before calling it lost (:func:`ending_grace` of
         ``--heartbeat-timeout``, the silence that means a death during the run); None:
         ``timeout``. A replica lost so is told so, in case it was only late: it then leaves
-        as the survivors do. Not where the reporter lists the lost itself (sandblaster's
-        coordinator, which ends while a replica may still compute a portion given twice).
+        as the survivors do. A reporter that lists the lost itself says how long its live
+        replicas may still be busy once it ended, ``ending_grace_s`` in its ``result``
+        (sandblaster's coordinator: a replica may still compute a portion it was given
+        twice, for as long as ``--replica-timeout`` lets a busy replica be silent); that
+        figure replaces ``grace`` and is not passed on to ``summarize``.
     """
     size, rank = world.Get_size(), world.Get_rank()
     if rank != reporter:
@@ -166,8 +169,8 @@ def finish(world, reporter: int, result: dict, layout, timeout: float,
                 raise PeerTimeout(f"waited {timeout:.0f} s for the reporter (rank {reporter}) "
                                   "to end the run")
             poll.pause()
-    if "lost_ranks" in result:  # the reporter's own list (lost_ranks)
-        grace = None
+    result = dict(result)
+    grace = result.pop("ending_grace_s", grace)  # the reporter's own, where it has one
     results: list = [None] * size
     results[reporter] = result
     lost: list[int] | None = None
@@ -193,13 +196,13 @@ def finish(world, reporter: int, result: dict, layout, timeout: float,
         graced = ended is not None and grace is not None
         waited, limit = (now - ended, grace) if graced else (now - start, timeout)
         replicas = [r for r in waiting if layout.role(r).is_replica]
-        if waited > limit and replicas:  # died after its shards had stopped waiting for it
+        if waited > limit and replicas:  # died after the run had stopped waiting for it
             after = (f"within {limit:g} s of the end of training" if graced
                      else f"within {limit:g} s")
             for r in replicas:
                 results[r] = {"lost": True, "after_s": round(waited, 1),
-                              "why": f"it sent no final figures {after}: it died after its "
-                                     "shards had stopped waiting for it"}
+                              "why": f"it sent no final figures {after}: it died after the "
+                                     "training had stopped waiting for it"}
             late += replicas
             lost = sorted(set(lost or []) | set(replicas))
             continue

@@ -357,8 +357,12 @@ def run_coordinator(ctx: Context) -> dict:
         "duplicates_discarded": runner.stats["duplicates"],
         "portions_requeued": runner.stats["requeued"],
         "lost_replicas": runner.stats["lost_replicas"]}
-    lost = {"lost_ranks": list(runner.stats["lost_replicas"])} \
-        if cfg.heartbeat_timeout is not None else {}  # for hpcps.faults.finish
+    # for hpcps.faults.finish: whom it lost, and how long a live replica may still take to
+    # report (one busy with a portion when STOP came may be silent until --replica-timeout)
+    lost = {"lost_ranks": list(runner.stats["lost_replicas"]),
+            "ending_grace_s": max(faults.ending_grace(cfg.heartbeat_timeout),
+                                  runner.replica_timeout)} \
+        if cfg.heartbeat_timeout is not None else {}
     return {"step": step, "train_s": train_s, "test_accuracy": test_acc, "test_loss": test_loss,
             **lost, "checkpoint": str(ctx.run_dir / "checkpoint.h5"),
             "examples_per_s": rate(batch_n * space.evaluations, train_s), "figures": figures}

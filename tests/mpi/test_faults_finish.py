@@ -62,3 +62,31 @@ def test_after_the_shards_ended_a_silent_replica_is_lost_within_the_grace():
         why = seen["results"][1]["why"]
         assert "no final figures within 1 s of the end of training" in why, why
     comm.Free()
+
+
+@pytest.mark.mpi(min_size=3)
+def test_a_reporter_that_lists_the_lost_itself_gives_its_own_grace():
+    """Sandblaster's coordinator reports whom it lost and how long a live replica may still
+    be busy (``ending_grace_s``): a silent replica is named lost after that, not after
+    --timeout nor the caller's grace, and the figure is not among the summarized results."""
+    comm = world_comm()
+    size, rank = comm.Get_size(), comm.Get_rank()
+    layout = Layout.plan(size, 1, 1)
+    shard = layout.server_rank(0)
+    seen = {}
+    t0 = time.monotonic()
+    if rank == 1:  # late: it learns it was counted lost
+        assert comm.recv(source=0, tag=Tag.RESULT) == [1]
+        comm.Free()
+        return
+    result = {"lost_ranks": [], "ending_grace_s": 1.5} if rank == 0 else \
+        {"shard": 0} if rank == shard else {"rank": rank}
+    lost = faults.finish(comm, 0, result, layout, 60.0, lambda results: seen.update(
+        results=results), grace=30.0)
+    assert lost and time.monotonic() - t0 < 20  # its 1.5 s, not 30 s nor 60 s
+    if rank == 0:
+        results = seen["results"]
+        assert "within 1.5 s of the end of training" in results[1]["why"], results[1]
+        assert results[0] == {"lost_ranks": []}
+        assert result == {"lost_ranks": [], "ending_grace_s": 1.5}  # the caller's untouched
+    comm.Free()
