@@ -127,7 +127,9 @@ class Workload:
     background : runnable threads of other jobs on those cores while the nodes run (a
         shared machine's load).
     co_run : how much slower a pass runs on those cores when all of them compute at once
-        than on one alone (:func:`measure_together`; 1 for real nodes).
+        than on one alone (:func:`measure_together`; 1 for real nodes); measured with more
+        processes than cores, it also holds what taking turns on a core does to a pass (its
+        caches refilled after every switch), which :meth:`share`'s time slices do not.
     """
 
     n_params: int
@@ -638,7 +640,9 @@ def validate_cluster(path: str, repeats: int = 15, background: float | None = No
     sandblaster's coordinator and shard) and by ``background`` runnable threads of other
     jobs (default: the load
     average the bench recorded, else the current one, less the measuring process), each
-    pass slower by what :func:`measure_together` measures with every core computing, and
+    pass slower by what :func:`measure_together` measures with every core computing (with
+    as many processes as the run's computing ranks, where the bench's calibration says so:
+    ``co_run_processes``), and
     (deadreckon) the run's own message size (bytes per step / (R - 1)); against the run's
     steady examples/s where recorded (the model has no start or end). The compute is
     what the bench measured just before each run (``compute`` in its record: a shared
@@ -840,7 +844,8 @@ def main(argv: list[str] | None = None) -> int:
         if out["cluster"]:
             print(f"  (cores shared with {out['cluster'][0]['background']} runnable threads of "
                   "other jobs; pass: a mini-batch's forward and backward on a core alone, "
-                  "co-run: how much slower with every core computing)")
+                  "co-run: how much slower with every core computing, by as many processes "
+                  "as the run had computing where the bench measured so)")
             cpu = any(r.get("pass_in_run_is_cpu_time") for r in out["cluster"])
             print("  in run: the same model with the pass as each run timed it, every other "
                   "CPU term slowed as much: " + (

@@ -362,6 +362,27 @@ def test_the_cluster_bench_measures_the_steady_rate_without_warm_start():
     assert bc.steady_rate([start, *whole]) is None
 
 
+def test_the_cluster_bench_calibrates_co_running_with_the_runs_computing_ranks(monkeypatch):
+    """Each run's co-run factor is measured with as many processes as the run has computing
+    ranks (sandblaster: its replicas, not the coordinator and shard), at least one per core,
+    and the calibration says how many."""
+    bc = _bench_cluster()
+    assert [bc.computing("sync", n) for n in (2, 4, 8)] == [2, 4, 8]
+    assert [bc.computing("downpour", n) for n in (2, 4, 8)] == [2, 4, 8]
+    assert [bc.computing("sandblaster", n) for n in (4, 8)] == [2, 6]
+    asked = []
+    monkeypatch.setattr(scaling, "measure_compute", lambda *a, **k: {
+        "compute_s": 2e-3, "path": "stub"})
+    monkeypatch.setattr(scaling, "measure_together", lambda layers, batch, processes, **k: (
+        asked.append(processes) or {"slowdown": 1.0 + processes / 10}))
+    monkeypatch.setattr(bc.os, "cpu_count", lambda: 2)
+    args = type("Args", (), {"layers": "784,16,10", "data": None})()
+    got = [bc.calibrate(args, p) for p in (1, 2, 6)]
+    assert asked == [2, 2, 6]  # at least one per core
+    assert [g["co_run_processes"] for g in got] == [2, 2, 6]
+    assert got[2]["co_run"] == pytest.approx(1.6) and got[2]["compute_s"] == 2e-3
+
+
 def test_deadreckon_pays_for_the_words_it_applies_and_no_optimizer():
     """A deadreckon step applies its own words and each peer's message (decoded): R times
     ``words * receive_s_per_word``; its pass is ``reckon_compute_s``; it takes no optimizer

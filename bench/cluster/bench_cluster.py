@@ -139,24 +139,36 @@ def length(args, strategy: str) -> list[str]:
     return steps
 
 
-def calibrate(args) -> dict:
+def computing(strategy: str, ranks: int) -> int:
+    """The ranks of a run that compute, as the scaling model shares the cores among them:
+    all of them, but with a coordinator (sandblaster) only the replicas (the coordinator
+    and the shards wait for messages without computing)."""
+    lay = layout(strategy, ranks)
+    return lay["replicas"] if lay["coordinator"] else ranks
+
+
+def calibrate(args, processes: int) -> dict:
     """What a step's CPU work costs on this machine right now (the scaling model's inputs:
-    :func:`hpcps.scaling.measure_compute` on the bench's data, and with every core computing,
-    :func:`hpcps.scaling.measure_together`), measured just before a run: a shared machine's
-    speed drifts over minutes, and the check of the model compares each run with what its
-    own minute measured."""
+    :func:`hpcps.scaling.measure_compute` on the bench's data, and
+    :func:`hpcps.scaling.measure_together` with ``processes`` computing at once, at least one
+    per core: the run's computing ranks, so that the co-run factor also holds what taking
+    turns on a core does to a pass, its caches refilled after every switch: 1.3-1.5x with 4
+    or 8 processes on the 2 cores, 1.0-1.1x with 2), measured just before a run: a shared
+    machine's speed drifts over minutes, and the check of the model compares each run with
+    what its own minute measured."""
     from hpcps import scaling
     layers = [int(v) for v in args.layers.split(",")]
     m = scaling.measure_compute(layers, BATCH, data=args.data)
-    together = scaling.measure_together(layers, BATCH, os.cpu_count() or 1, data=args.data)
+    processes = max(processes, os.cpu_count() or 1)
+    together = scaling.measure_together(layers, BATCH, processes, data=args.data)
     return {**{k: v for k, v in m.items() if isinstance(v, float)},
-            "co_run": together["slowdown"], "path": m["path"]}
+            "co_run": together["slowdown"], "co_run_processes": processes, "path": m["path"]}
 
 
 def throughput(args, strategy: str, ranks: int, tmp: Path) -> dict:
     runs, compute = [], []
     for i in range(args.repeats):
-        compute.append(calibrate(args))
+        compute.append(calibrate(args, computing(strategy, ranks)))
         work = Path(tempfile.mkdtemp(prefix=f"tp-{strategy}-{ranks}-{i}-", dir=tmp))
         try:
             records = train(str(MPIEXEC), ranks, [
