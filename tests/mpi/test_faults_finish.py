@@ -13,15 +13,20 @@ from hpcps.protocol import Tag
 from hpcps.topology import Layout, world_comm
 
 
+def _one_shard():
+    """The world as downpour with one shard lays it out: (comm, size, rank, layout, the
+    shard's rank)."""
+    comm = world_comm()
+    layout = Layout.plan(comm.Get_size(), 1, 1)
+    return comm, comm.Get_size(), comm.Get_rank(), layout, layout.server_rank(0)
+
+
 @pytest.mark.mpi(min_size=3)
 def test_a_replica_that_dies_after_its_last_push_is_named_lost():
     """Replica rank 1 sends no final figures (it died after the shards stopped waiting for
     it, so no shard lost it): the reporter waits --timeout, names it lost with why, and every
     other rank ends normally instead of timing out."""
-    comm = world_comm()
-    size, rank = comm.Get_size(), comm.Get_rank()
-    layout = Layout.plan(size, 1, 1)
-    shard = layout.server_rank(0)
+    comm, size, rank, layout, shard = _one_shard()
     if rank == 1:  # "dead": it never reports (then takes the notice sent to it, which a
         assert comm.recv(source=0, tag=Tag.RESULT) == [1]  # dead rank never would)
         comm.Free()
@@ -43,10 +48,7 @@ def test_after_the_shards_ended_a_silent_replica_is_lost_within_the_grace():
     """Once the shards have reported (nobody lost), replica rank 1 sends nothing: the
     reporter names it lost after the grace, not after --timeout, and tells rank 1, which
     (alive here, only late) learns it was counted lost and can leave as the survivors do."""
-    comm = world_comm()
-    size, rank = comm.Get_size(), comm.Get_rank()
-    layout = Layout.plan(size, 1, 1)
-    shard = layout.server_rank(0)
+    comm, size, rank, layout, shard = _one_shard()
     seen = {}
     t0 = time.monotonic()
     if rank == 1:  # late: it reports only after the reporter has given up on it
@@ -69,10 +71,7 @@ def test_a_reporter_that_lists_the_lost_itself_gives_its_own_grace():
     """Sandblaster's coordinator reports whom it lost and how long a live replica may still
     be busy (``ending_grace_s``): a silent replica is named lost after that, not after
     --timeout nor the caller's grace, and the figure is not among the summarized results."""
-    comm = world_comm()
-    size, rank = comm.Get_size(), comm.Get_rank()
-    layout = Layout.plan(size, 1, 1)
-    shard = layout.server_rank(0)
+    comm, size, rank, layout, shard = _one_shard()
     seen = {}
     t0 = time.monotonic()
     if rank == 1:  # late: it learns it was counted lost
