@@ -158,6 +158,23 @@ def records(path, kind):
     return out
 
 
+def test_the_reported_window_counts_from_the_shard_with_the_oldest_flush():
+    """A replica reports shard 0's step, but a persistence manifest holds each chunk at its
+    shard's last flush: the steps not yet on disk are counted to the oldest shard's flush,
+    whichever shard that is."""
+    from hpcps.protocol import HEADER_SLOTS, H
+    from hpcps.ps.client import unpersisted
+
+    def header(steps, behind):
+        h = np.zeros(HEADER_SLOTS)
+        h[H.STEPS], h[H.UNPERSISTED] = steps, behind
+        return h
+    assert unpersisted([header(1645, 3)]) == 3
+    # shard 1 flushed last at 1641, shard 0 at 1642: 1641 is what is on every disk
+    assert unpersisted([header(1645, 3), header(1644, 3)]) == 4
+    assert unpersisted([header(1645, 0), header(1646, 2), header(1645, 5)]) == 5
+
+
 def test_sigkill_of_the_whole_job_loses_at_most_the_reported_window(digits_h5, tmp_path):
     """The whole job is SIGKILLed while the shards flush every 20 ms (a flush is under way
     most of the time): the manifest still loads, its step is at least the persisted step the

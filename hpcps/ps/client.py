@@ -29,6 +29,14 @@ def fill_packed(msg: ByteMessage, body: np.ndarray, steps: int, loss_sum: float,
     return msg.spec(n)
 
 
+def unpersisted(headers) -> int:
+    """Global steps since the last step every shard has on disk, counted from shard 0's
+    step (the step a replica reports): each shard's reply says how many steps it applied
+    since its last completed flush, and a persistence manifest holds the oldest shard's."""
+    persisted = min(int(h[H.STEPS]) - int(h[H.UNPERSISTED]) for h in headers)
+    return int(headers[0][H.STEPS]) - persisted
+
+
 class Client:
     """Talk to S shards, each holding some chunks of the flat parameter vector.
 
@@ -89,7 +97,7 @@ class Client:
                            "staleness": float(h[H.STALENESS]),
                            "max_staleness": float(h[H.MAX_STALENESS]),
                            "clock": float(h[H.CLOCK]),
-                           "unpersisted": int(h[H.UNPERSISTED])}
+                           "unpersisted": unpersisted([m.header for m in self._params])}
         return self.last_reply
 
     def _slot_for(self, s: int, slot: int):

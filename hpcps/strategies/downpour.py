@@ -409,7 +409,7 @@ class DownpourReplica(ReplicaLoop):
                 self.ctx.metrics.message(warning)
         if self.cfg.staleness_bound is not None:
             out["clock_lead_max"] = self.max_lead
-        if self.cfg.persist_every is not None:  # as server shard 0 last said
+        if self.cfg.persist_every is not None:  # on every shard's disk, as the last fetch said
             out["unpersisted_steps"] = self.info.get("unpersisted", 0)
             out["persisted_step"] = self.info["step"] - out["unpersisted_steps"]
         return out
