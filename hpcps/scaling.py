@@ -782,15 +782,57 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _positive_ints(text: str, what: str, parser) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        parser.error(f"{what} takes comma-separated whole numbers, got {text!r}")
+    if any(v < 1 for v in values):
+        parser.error(f"{what} must be at least 1, got {text!r}")
+    return values
+
+
+def _bench_json(path: str, parser) -> None:
+    """Refuse a --validate-cluster file that bench_cluster.py did not write, before any
+    measuring."""
+    try:
+        with open(path) as fh:
+            bench = json.load(fh)
+        if not isinstance(bench, dict) or bench.get("bench") != "cluster" \
+                or not isinstance(bench.get("networks"), list) or "layers" not in bench:
+            raise ValueError("no 'bench': 'cluster' record with 'layers' and 'networks'")
+    except (OSError, ValueError) as exc:
+        parser.error(f"--validate-cluster {path}: not the JSON of "
+                     f"bench/cluster/bench_cluster.py ({exc})")
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     if (args.alpha is None) != (args.beta is None):
-        raise SystemExit("give both --alpha and --beta, or neither (then --network)")
+        parser.error("give both --alpha and --beta, or neither (then --network)")
+    if args.alpha is not None and not (args.alpha >= 0 and args.beta > 0):
+        parser.error(f"--alpha must be >= 0 and --beta > 0 seconds, got {args.alpha:g} and "
+                     f"{args.beta:g}")
     alpha, beta = (args.alpha, args.beta) if args.alpha is not None else NETWORKS[args.network]
     net = (f"alpha {alpha * 1e6:.1f} us, beta {beta * 1e9:.3f} ns/byte "
            f"({8 / beta / 1e9:.1f} Gb/s)")
-    layers = [int(v) for v in args.model.split(",")]
-    nodes = [int(v) for v in args.nodes.split(",")]
+    layers = _positive_ints(args.model, "--model (layer widths)", parser)
+    if len(layers) < 2:
+        parser.error(f"--model needs at least two layer widths (inputs, classes), got "
+                     f"{args.model!r}")
+    nodes = _positive_ints(args.nodes, "--nodes", parser)
+    _positive_ints(f"{args.batch_size},{args.servers}", "--batch-size and --servers", parser)
+    if not args.compression > 0:
+        parser.error(f"--compression must be > 0, got {args.compression:g}")
+    unknown = sorted(set(args.strategies.split(",")) - set(STRATEGIES))
+    if unknown:
+        parser.error(f"--strategies: unknown {', '.join(unknown)}; choose from "
+                     f"{', '.join(STRATEGIES)}")
+    if args.data and not os.path.isfile(args.data):
+        parser.error(f"--data {args.data}: no such file")
+    if args.validate_cluster:
+        _bench_json(args.validate_cluster, parser)
     m = measure_compute(layers, args.batch_size, data=args.data)
     t_c, t_u = m["compute_s"], m["update_s_per_param"]
     n = sum((layers[i] + 1) * layers[i + 1] for i in range(len(layers) - 1))

@@ -216,6 +216,32 @@ def test_cli_prints_the_curves_and_both_checks(tmp_path, capsys):
         scaling.main(["--alpha", "1e-5"])  # beta missing
 
 
+@pytest.mark.parametrize("argv, says", [
+    (["--model", "784"], "at least two layer widths"),
+    (["--model", "784,0,10"], "must be at least 1"),
+    (["--model", "784,x,10"], "comma-separated whole numbers"),
+    (["--nodes", "1,0"], "--nodes must be at least 1"),
+    (["--batch-size", "0"], "--batch-size and --servers must be at least 1"),
+    (["--strategies", "sync,hogwild"], "unknown hogwild"),
+    (["--alpha", "1e-5", "--beta", "0"], "--beta > 0"),
+    (["--compression", "0"], "--compression must be > 0"),
+    (["--data", "/no/such.h5"], "no such file"),
+    (["--validate-cluster", "/no/such.json"], "not the JSON of bench/cluster"),
+    (["--validate-cluster", "NOT_A_BENCH"], "not the JSON of bench/cluster"),
+])
+def test_the_cli_refuses_bad_input_in_one_line_before_measuring(argv, says, tmp_path, capsys,
+                                                                 monkeypatch):
+    """A usage error naming the option (exit code 2), not a traceback, and nothing timed."""
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({"bench": "hogwild", "models": {}}))
+    argv = [str(other) if a == "NOT_A_BENCH" else a for a in argv]
+    monkeypatch.setattr(scaling, "measure_compute", lambda *a, **k: pytest.fail("measured"))
+    with pytest.raises(SystemExit) as exc:
+        scaling.main(argv + ["--png", ""])
+    assert exc.value.code == 2
+    assert says in capsys.readouterr().err
+
+
 def test_the_cluster_check_takes_the_latency_measured_with_the_runs_ranks(tmp_path, monkeypatch):
     """Each emulated-cluster run is predicted with the alpha and beta measured while as many
     ranks ran as it had (``pingpong_at``), falling back to the two-rank ping-pong; sync,
