@@ -278,6 +278,8 @@ def test_combination(case, digits_h5, tmp_path):
     least = int(steps[1]) // 2 if "--epoch-quorum" in argv else int(steps[1])
     assert s["step"] >= least, s
     assert s["test_accuracy"] >= MIN_ACCURACY, (s["test_accuracy"], run.stdout[-2000:])
+    if not strategies()[argv[1]].whole_batch:  # a replica's iteration and its pass, timed
+        assert 0 < s["pass_cpu_s"] and 0 < s["pass_s"] < s["step_s"], s
     if "--trace" in argv:
         events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
         ranks = {e["pid"] for e in events if e["ph"] == "X"}

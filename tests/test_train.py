@@ -486,6 +486,8 @@ def test_downpour_pushing_activations_learns_and_sends_less(digits_h5, tmp_path)
     assert s["test_accuracy"] > 0.9
     assert s["push_bytes_per_step"] < 0.5 * s["dense_push_bytes_per_step"]
     assert "of layer inputs and errors instead of" in run.stdout
+    # the pass that keeps inputs and errors is the replica's pass, timed as any other
+    assert 0 < s["pass_cpu_s"] and 0 < s["pass_s"] < s["step_s"], s
 
 
 # -- layouts that combine features ---------------------------------------------------------------

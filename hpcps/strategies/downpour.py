@@ -363,7 +363,9 @@ class DownpourReplica(ReplicaLoop):
     def step(self, x, y) -> float:
         T = self.T
         if self.activations:  # keep what the gradient is made of, not the gradient
-            loss, ins, errs = activations.parts(self.ctx.model, self.params, x, y, self.grad)
+            with self.source.timed(len(x)):
+                loss, ins, errs = activations.parts(self.ctx.model, self.params, x, y,
+                                                    self.grad)
             self.rows_in.append(ins)
             self.rows_err.append(errs)
             if self.dense_layers:

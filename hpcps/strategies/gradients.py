@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 
 import numpy as np
 
@@ -89,22 +90,32 @@ class GradientSource:
     def __call__(self, params: np.ndarray, x: np.ndarray, y: np.ndarray,
                  grad: np.ndarray) -> float:
         """Mean loss over the examples; ``grad`` receives the mean gradient."""
+        with self.timed(len(x)):
+            if self.compiled_one is not None:
+                loss = self.compiled_one.loss_and_grad(params, x, y, grad=grad)[0]
+            elif self.threads == 1:
+                loss = self.model.loss_and_grad(params, x, y, grad=grad)[0]
+            else:
+                loss = self._threads(params, x, y, grad)
+            if self.weight_decay:  # + the gradient of weight_decay/2 * |w|^2
+                grad += self.weight_decay * params
+        return loss
+
+    @contextmanager
+    def timed(self, examples: int):
+        """Count the block as the replica's pass (``pass_s``, ``pass_cpu_s``, the trace's
+        compute span): every pass goes through here, also one a strategy computes itself
+        (downpour's ``--push activations`` keeps layer inputs and errors instead)."""
         tr = trace.ACTIVE
         t0 = tr.now() if tr is not None else 0
         start, cpu = time.perf_counter(), time.process_time()
-        if self.compiled_one is not None:
-            loss = self.compiled_one.loss_and_grad(params, x, y, grad=grad)[0]
-        elif self.threads == 1:
-            loss = self.model.loss_and_grad(params, x, y, grad=grad)[0]
-        else:
-            loss = self._threads(params, x, y, grad)
-        if self.weight_decay:  # + the gradient of weight_decay/2 * |w|^2
-            grad += self.weight_decay * params
-        self.pass_s += time.perf_counter() - start
-        self.pass_cpu_s += time.process_time() - cpu
-        if tr is not None:
-            tr.span(trace.COMPUTE, "gradient", t0, {"examples": len(x)})
-        return loss
+        try:
+            yield
+        finally:
+            self.pass_s += time.perf_counter() - start
+            self.pass_cpu_s += time.process_time() - cpu
+            if tr is not None:
+                tr.span(trace.COMPUTE, "gradient", t0, {"examples": examples})
 
     def _threads(self, params, x, y, grad) -> float:
         """T Hogwild threads, one mini-batch each (see the class docstring)."""
