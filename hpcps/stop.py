@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 import numpy as np
 from mpi4py import MPI
@@ -45,12 +46,21 @@ SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 LOCKSTEP_EVERY = 4  # iterations between two lockstep rounds (a stop lands 4-8 iterations late)
 
 
+DUPLICATE_S = 2.0  # a SIGTERM this soon after the first is the same request, delivered twice
+
+
 class SignalFlag:
     """Records SIGTERM and SIGUSR1 instead of dying. A second SIGTERM kills the process as
-    SIGTERM normally does (a user who insists, or a rank stuck beyond help)."""
+    SIGTERM normally does (a user who insists, or a rank stuck beyond help), unless it comes
+    within ``duplicate_s`` of the first: one request often arrives twice, once directly and
+    once forwarded (``pkill -f hpcps.train`` or ``kill`` of the whole process group signals
+    ``mpiexec``, which forwards SIGTERM to every rank, and every rank itself), and dying on
+    the echo would lose the checkpoint the first asked for."""
 
-    def __init__(self):
+    def __init__(self, duplicate_s: float = DUPLICATE_S):
         self.signum: int | None = None
+        self.duplicate_s = duplicate_s
+        self._first_term: float | None = None  # time.monotonic() of the first SIGTERM
 
     def install(self) -> "SignalFlag":
         """Install the handlers (main thread only, as Python requires)."""
@@ -67,10 +77,14 @@ class SignalFlag:
         signal.signal(signal.SIGUSR1, signal.SIG_IGN)
 
     def _handle(self, signum, frame) -> None:
-        if self.signum == signal.SIGTERM and signum == signal.SIGTERM:
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            os.kill(os.getpid(), signal.SIGTERM)
-            return
+        if signum == signal.SIGTERM:
+            now = time.monotonic()
+            if self._first_term is None:
+                self._first_term = now
+            elif now - self._first_term > self.duplicate_s:
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
+                os.kill(os.getpid(), signal.SIGTERM)
+                return
         if self.signum is None or signum == signal.SIGTERM:
             self.signum = signum
 

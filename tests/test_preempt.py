@@ -71,8 +71,10 @@ def rank_pids(root_pid: int) -> dict[int, int]:
 def run_and_signal(n: int, args: list[str], run_dir: Path, sig: int, target: str,
                    after_step: int, timeout: float = 120):
     """Start ``mpiexec -n n python -m hpcps.train args``; once a progress record past
-    ``after_step`` is in ``run_dir``, send ``sig`` to mpiexec (``target="mpiexec"``) or to
-    one rank (``target="rank:R"``). Returns (exit code, output, the step signalled at)."""
+    ``after_step`` is in ``run_dir``, send ``sig`` to mpiexec (``target="mpiexec"``), to
+    one rank (``target="rank:R"``) or to mpiexec and every rank at once (``target="all"``,
+    as ``pkill -f hpcps.train`` does: each rank gets it twice, directly and forwarded).
+    Returns (exit code, output, the step signalled at)."""
     cmd = [mpiexec(), "-n", str(n), sys.executable, "-m", "hpcps.train", *args]
     env = {**os.environ, "OPENBLAS_NUM_THREADS": "1",
            "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
@@ -92,6 +94,9 @@ def run_and_signal(n: int, args: list[str], run_dir: Path, sig: int, target: str
                 sent_at = steps[-1]
                 if target == "mpiexec":
                     os.kill(proc.pid, sig)
+                elif target == "all":
+                    for pid in [proc.pid, *rank_pids(proc.pid).values()]:
+                        os.kill(pid, sig)
                 else:
                     rank = int(target.split(":")[1])
                     os.kill(rank_pids(proc.pid)[rank], sig)
@@ -111,6 +116,7 @@ def run_and_signal(n: int, args: list[str], run_dir: Path, sig: int, target: str
 CASES = [
     ("sync", 3, ["--batch-size", "16"], signal.SIGUSR1, "mpiexec"),
     ("sync", 4, ["--partitions", "2"], signal.SIGTERM, "rank:3"),
+    ("sync", 4, ["--partitions", "2"], signal.SIGTERM, "all"),
     ("averaging", 3, ["--average-every", "3"], signal.SIGTERM, "rank:2"),
     ("downpour", 4, ["--servers", "1", "--warmup-steps", "20"], signal.SIGUSR1, "rank:3"),
     ("downpour", 4, ["--partitions", "2", "--servers", "2", "--warmup-steps", "0"],
@@ -166,6 +172,27 @@ def test_signal_stops_checkpoints_and_resume_auto_continues(strategy, n, extra, 
     final = records(tmp_path, "summary")[-1]
     assert final["stopped_early"] is False and final["step"] >= total
     assert checkpoint.load(tmp_path / "checkpoint.h5").step == final["step"]
+
+
+FLAG_PROBE = """
+import os, signal, sys, time
+from hpcps.stop import SignalFlag
+flag = SignalFlag(duplicate_s=float(sys.argv[1])).install()
+os.kill(os.getpid(), signal.SIGTERM)
+os.kill(os.getpid(), signal.SIGTERM)  # the same request, forwarded: still alive
+print("alive", flag.name, flush=True)
+time.sleep(float(sys.argv[1]) + 0.3)
+os.kill(os.getpid(), signal.SIGTERM)  # a later one: the default action, death
+time.sleep(5)
+print("survived")
+"""
+
+
+def test_a_duplicate_sigterm_is_one_request_and_a_later_one_kills():
+    run = subprocess.run([sys.executable, "-c", FLAG_PROBE, "0.5"], capture_output=True,
+                         text=True, timeout=60, cwd=ROOT)
+    assert run.stdout.split() == ["alive", "SIGTERM"], (run.stdout, run.stderr)
+    assert run.returncode == -signal.SIGTERM, (run.returncode, run.stderr)
 
 
 def test_a_finished_run_exits_0_and_signals_after_it_change_nothing(digits_h5, tmp_path):
