@@ -53,6 +53,7 @@ from hpcps.metrics import Metrics
 from hpcps.model import InitialWeights, SingleExchange
 from hpcps.stacks import StackDumper
 from hpcps.stop import SignalFlag, StopVote
+from hpcps.strategies.registry import strategies
 from hpcps.strategies.context import (Context, explain_nonfinite, make_optimizer,
                                       state_from_checkpoint)
 from hpcps.topology import Layout, abort, build_grid, check_thread_support, world_comm
@@ -113,6 +114,14 @@ def _load_resume(cfg: config.Config, info: data.DatasetInfo):
     if (saved and convnet.resolve(saved)) != (cfg.model and convnet.resolve(cfg.model)):
         raise CheckpointError(f"checkpoint {cfg.resume} holds model {saved or 'an MLP'} but "
                               f"this run asks for {cfg.model or 'an MLP (--layers)'}")
+    if ckpt.optimizer not in cfg.spec.optimizers:  # no --optimizer of this strategy fits
+        takers = [name for name, spec in strategies().items()
+                  if ckpt.optimizer in spec.optimizers]
+        raise CheckpointError(
+            f"checkpoint {cfg.resume} was written by optimizer {ckpt.optimizer!r}, which "
+            f"--strategy {cfg.strategy} does not run (it runs {' or '.join(cfg.spec.optimizers)})"
+            f", and an optimizer's state does not carry over to another: resume it with "
+            f"--strategy {' or '.join(takers) or '(none)'}, or start a new run")
     warnings = checkpoint.check_compatible(ckpt, convnet.build(cfg, info).sizes,
                                            optimizer=cfg.optimizer,
                                            dataset=info.to_dict())

@@ -440,6 +440,16 @@ RUNS = [
     ("downpour from an overflowing checkpoint", 3,
      lambda f: ["--optimizer", "sgd", "--resume", str(f["huge_ckpt"]), *_d(f)], 7,
      "training diverged at step 40"),
+    ("sandblaster from an SGD checkpoint", 3,
+     lambda f: ["--strategy", "sandblaster", "--resume", str(f["good"]), "--portions", "4",
+                *_d(f)], 4,
+     "which --strategy sandblaster does not run (it runs lbfgs), and an optimizer's state "
+     "does not carry over to another: resume it with --strategy downpour or averaging or "
+     "deadreckon or sync, or start a new run"),
+    ("sync from a sandblaster checkpoint", 2,
+     lambda f: ["--strategy", "sync", "--resume", str(f["huge_sb"]), *_d(f)], 4,
+     "written by optimizer 'lbfgs', which --strategy sync does not run (it runs adagrad or "
+     "sgd or momentum)"),
     ("sandblaster from an overflowing checkpoint", 3,
      lambda f: ["--strategy", "sandblaster", "--resume", str(f["huge_sb"]), "--portions", "4",
                 *_d(f)], 7,
