@@ -19,9 +19,10 @@ time, as a vertical line in the run's colour (:func:`preemptions`), and listed i
 Written to ``--out`` (default ``report`` in the current directory):
 
 ``summary.md``
-    One row per run: strategy, layout of ranks, status (finished, or no summary: killed or
-    still running), global step, final test accuracy and loss, training and wall time, and
-    examples/s (over all segments of a resumed run). The same table is printed.
+    One row per run: strategy, layout of ranks, status (finished; stopped early by a signal,
+    checkpointed; or no summary: killed or still running), global step, final test accuracy
+    and loss, training and wall time, and examples/s (over all segments of a resumed run).
+    The same table is printed.
 ``*.png``
     Figures overlaying the runs (one colour per run), each written only when some run has
     its figures: ``loss`` (training loss from progress records, test loss from evaluations,
@@ -291,9 +292,8 @@ def table_rows(runs: list[Run]) -> list[dict[str, Any]]:
     rows = []
     for run in runs:
         summaries = run.of_kind("summary")
-        finished = _finished(run)
         row: dict[str, Any] = {"run": run.label, "strategy": run.strategy, "layout": _layout(run),
-                               "status": "finished" if finished else "no summary (stopped?)"}
+                               "status": _status(run)}
         final = summaries[-1] if summaries else None
         last_eval = run.last("eval")
         source = final if final is not None else last_eval
@@ -317,14 +317,17 @@ def table_rows(runs: list[Run]) -> list[dict[str, Any]]:
     return rows
 
 
-def _finished(run: Run) -> bool:
-    """True when the last segment (from the last start record) ends with a summary."""
+def _status(run: Run) -> str:
+    """How the last segment (from the last start record) ended: ``finished`` (a summary),
+    ``stopped early`` (a summary of a run stopped by SIGTERM or SIGUSR1 at a safe point, its
+    checkpoint written: ``--resume auto`` continues it), or ``no summary (stopped?)`` (killed,
+    or still running)."""
     for rec in reversed(run.records):
         if rec.get("kind") == "summary":
-            return True
+            return "stopped early" if rec.get("stopped_early") else "finished"
         if rec.get("kind") == "start":
-            return False
-    return False
+            break
+    return "no summary (stopped?)"
 
 
 COLUMNS = (  # (key, heading, format)

@@ -137,6 +137,14 @@ def test_resumed_run_counts_time_on_and_adds_up(tmp_path):
     assert row["step"] == 200 and row["test_accuracy"] == 0.75 and row["status"] == "finished"
     assert row["train_s"] == 2.0 and row["wall_s"] == 5.0
     assert row["examples_per_s"] == pytest.approx((1000 * 1.5 + 3000 * 0.5) / 2.0)
+    # the last segment stopped by a signal: its summary says so, and so does the status;
+    # an earlier segment's stop does not count
+    seg[2]["stopped_early"] = True
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in seg + again))
+    assert table_rows([load_run(tmp_path)])[0]["status"] == "finished"
+    again[2]["stopped_early"] = True
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in seg + again))
+    assert table_rows([load_run(tmp_path)])[0]["status"] == "stopped early"
 
 
 def test_directories_without_metrics_are_refused(runs, tmp_path, capsys):
