@@ -356,6 +356,13 @@ def test_cli_errors_exit_with_data_error_code(tmp_path):
     result = run_cli("prepare", "digits", "--wheel", "x.whl", cwd=tmp_path)
     assert result.returncode == DataError.exit_code
     assert "--wheel only applies to mnist" in result.stderr
+    # --out where nothing can be written: a file in the way of its directory
+    (tmp_path / "plain").write_text("")
+    result = run_cli("prepare", "digits", "--out", str(tmp_path / "plain" / "d.h5"),
+                     cwd=tmp_path)
+    assert result.returncode == DataError.exit_code, result.stderr
+    assert result.stderr.startswith(f"hpcps.data: error: cannot write dataset {tmp_path}")
+    assert "Traceback" not in result.stderr
 
 
 # ------------------------------------------------------------------------------ package

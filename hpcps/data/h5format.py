@@ -82,9 +82,9 @@ def write_dataset(
     would find it, and a file being read by a running job is never modified in place.
     """
     out_path = Path(out_path)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
     tmp_path = out_path.with_name(f"{out_path.name}.tmp-{os.getpid()}")
     try:
+        out_path.parent.mkdir(parents=True, exist_ok=True)
         with h5py.File(tmp_path, "w") as f:
             f.attrs["format"] = FORMAT
             f.attrs["layout_version"] = LAYOUT_VERSION
@@ -106,8 +106,14 @@ def write_dataset(
         with open(tmp_path, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp_path, out_path)
-    except BaseException:
-        tmp_path.unlink(missing_ok=True)
+    except BaseException as exc:
+        try:
+            tmp_path.unlink(missing_ok=True)
+        except OSError:
+            pass  # nowhere to write means nothing was written
+        if isinstance(exc, OSError):
+            raise DataError(f"cannot write dataset {out_path}: {exc.strerror or exc}; give a "
+                            "path in a directory you can write to") from exc
         raise
     return out_path
 
