@@ -1,7 +1,11 @@
 """The scaling model (hpcps.scaling): the pure alpha-beta formulas, its check against Strom's
 Table 2, and its bytes per step against what the strategies report in a real run."""
 import json
+import os
+import subprocess
+import sys
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -500,3 +504,19 @@ def test_an_average_pays_for_its_own_copies_every_k_steps():
     assert step[copying] - step[plain] == pytest.approx(W.n_params * 2e-9 / k)
     m = scaling.measure_compute([64, 256, 10], 16, repeats=3)
     assert m["average_s_per_param"] > 0, m
+
+
+def test_the_bench_table_refuses_a_file_it_did_not_write(tmp_path):
+    """``bench_cluster.py --table`` on another bench's JSON, or a missing file: a usage error
+    naming the file (exit code 2), not a traceback; needs no root."""
+    root = Path(__file__).resolve().parents[1]
+    other = tmp_path / "hogwild.json"
+    other.write_text(json.dumps({"bench": "hogwild", "models": {}}))
+    env = dict(os.environ, PYTHONPATH=str(root) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    for path in (other, tmp_path / "missing.json"):
+        run = subprocess.run([sys.executable, str(root / "bench" / "cluster" / "bench_cluster.py"),
+                              "--table", str(path)], capture_output=True, text=True, env=env,
+                             timeout=60)
+        assert run.returncode == 2, run.stderr
+        assert f"--table {path}: not this bench's JSON" in run.stderr
+        assert "Traceback" not in run.stderr

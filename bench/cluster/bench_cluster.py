@@ -285,8 +285,14 @@ def main(argv=None) -> int:
     p.add_argument("--table", metavar="JSON", help="print the tables of a finished run's JSON")
     args = p.parse_args(argv)
     if args.table:
-        with open(args.table) as fh:
-            print(table(json.load(fh)))
+        try:
+            with open(args.table) as fh:
+                data = json.load(fh)
+            if not isinstance(data, dict) or data.get("bench") != "cluster":
+                raise ValueError("no 'bench': 'cluster' record")
+        except (OSError, ValueError) as exc:
+            p.error(f"--table {args.table}: not this bench's JSON ({exc})")
+        print(table(data))
         return 0
     if os.geteuid() != 0:
         raise SystemExit("bench_cluster: network namespaces need root")
