@@ -365,7 +365,6 @@ def test_the_cluster_check_takes_each_runs_own_calibration(tmp_path, monkeypatch
 
 def _bench_cluster():
     import importlib.util
-    from pathlib import Path
     path = Path(__file__).resolve().parents[1] / "bench" / "cluster" / "bench_cluster.py"
     spec = importlib.util.spec_from_file_location("bench_cluster", path)
     module = importlib.util.module_from_spec(spec)
