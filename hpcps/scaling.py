@@ -822,7 +822,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--model needs at least two layer widths (inputs, classes), got "
                      f"{args.model!r}")
     nodes = _positive_ints(args.nodes, "--nodes", parser)
-    _positive_ints(f"{args.batch_size},{args.servers}", "--batch-size and --servers", parser)
+    if args.batch_size < 1 or args.servers < 1:
+        parser.error(f"--batch-size and --servers must be at least 1, got {args.batch_size} "
+                     f"and {args.servers}")
     if not args.compression > 0:
         parser.error(f"--compression must be > 0, got {args.compression:g}")
     unknown = sorted(set(args.strategies.split(",")) - set(STRATEGIES))
