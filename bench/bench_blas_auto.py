@@ -25,9 +25,9 @@ import numpy as np  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from hpcps import hogwild  # noqa: E402
+from hpcps.engine import hogwild  # noqa: E402
 from hpcps.kernels import blas  # noqa: E402
-from hpcps.model import MLP  # noqa: E402
+from hpcps.model.mlp import MLP  # noqa: E402
 from machine import cpu_features, cpu_model  # noqa: E402  (bench/machine.py)
 
 MODELS = [(784, 512, 512, 10), (784, 1024, 1024, 10)]

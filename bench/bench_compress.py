@@ -1,4 +1,4 @@
-"""Benchmark Strom's compressed updates (hpcps.compress); print one JSON object to stdout.
+"""Benchmark Strom's compressed updates (hpcps.compress.codec); print one JSON object to stdout.
 
 For one worker's residual of ``--n`` float32 weights and a normal gradient whose standard
 deviation puts the density after thresholding at ~1e-3 and ~1e-2 (from a zero residual), it
@@ -33,8 +33,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from hpcps import compress  # noqa: E402
-from hpcps.compress import reference  # noqa: E402
+from hpcps.compress import codec as compress  # noqa: E402
+from hpcps.compress.codec import reference  # noqa: E402
 from machine import cpu_model  # noqa: E402  (bench/machine.py)
 
 try:

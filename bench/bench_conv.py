@@ -1,6 +1,6 @@
 """Benchmark the conv engine on Project Adam's MNIST network; print one JSON object to stdout.
 
-Examples/s of :class:`hpcps.conv_hogwild.ConvHogwild` training ``--model adam-mnist`` on MNIST
+Examples/s of :class:`hpcps.engine.conv_hogwild.ConvHogwild` training ``--model adam-mnist`` on MNIST
 (the dataset needs ``image_shape``; ``python -m hpcps.data prepare mnist`` writes it) with
 T = 1 and 2 Hogwild threads of the compiled engine (``ext/convnet.pyx``), T = 1 of the NumPy
 reference (``engine_numpy_T1``, what runs without the extension), mini-batch 128, plain SGD,
@@ -35,9 +35,11 @@ import numpy as np  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from hpcps import conv_hogwild, data  # noqa: E402
-from hpcps.conv_hogwild import ConvHogwild  # noqa: E402
-from hpcps.convnet import ConvNet  # noqa: E402
+from hpcps.engine import conv_hogwild  # noqa: E402
+
+from hpcps.io import data
+from hpcps.engine.conv_hogwild import ConvHogwild  # noqa: E402
+from hpcps.model.convnet import ConvNet  # noqa: E402
 from hpcps.kernels import blas  # noqa: E402
 from machine import cpu_features, cpu_model  # noqa: E402  (bench/machine.py)
 

@@ -1,6 +1,6 @@
 """Benchmark Hogwild training inside one process; print one JSON object to stdout.
 
-Examples/s of :class:`hpcps.hogwild.HogwildEngine` on MNIST (``data/mnist.h5``) for the
+Examples/s of :class:`hpcps.engine.hogwild.HogwildEngine` on MNIST (``data/mnist.h5``) for the
 default MLP 784-512-512-10 and for 784-1024-1024-10, mini-batch 128, with T = 1 and 2
 threads (Python-thread backend; T = 2 also with the OpenMP backend and with ``delta``, the
 accumulation a replica pushes), and, when ``torch`` imports, the same model trained by
@@ -43,9 +43,9 @@ import numpy as np  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from hpcps import hogwild  # noqa: E402
+from hpcps.engine import hogwild  # noqa: E402
 from hpcps.kernels import blas  # noqa: E402
-from hpcps.model import MLP  # noqa: E402
+from hpcps.model.mlp import MLP  # noqa: E402
 from machine import cpu_features, cpu_model  # noqa: E402  (bench/machine.py)
 
 try:

@@ -3,13 +3,13 @@
 Trains a large MLP (default 64,10000,10000,10000,10 on the digits dataset: 200.7 million
 parameters, 803 MB of float32 weights) with Downpour for a few steps at several layouts of
 one replica, ``P`` partitions and ``S`` shards, and reads every rank's peak resident memory
-from the run's summary (``peak_rss_mib_by_rank``, :mod:`hpcps.memory`). A tiny model on the
+from the run's summary (``peak_rss_mib_by_rank``, :mod:`hpcps.runtime.memory`). A tiny model on the
 same layout gives the fixed cost of a rank (Python, NumPy, MPI, the dataset). Then, per role,
 
     peak(rank) = fixed + bytes_per_param * parameters held by the rank
 
 is fitted by least squares over the layouts and the fitted bytes per parameter are set beside
-the formula's (:func:`hpcps.memory.bytes_per_param`). Shard 0 and the chief (replica 0,
+the formula's (:func:`hpcps.runtime.memory.bytes_per_param`). Shard 0 and the chief (replica 0,
 partition 0) also receive the whole model at the end (shard 0 gathers it for the final
 checkpoint, the chief evaluates it and writes the checkpoint): they are reported, not fitted.
 
@@ -40,9 +40,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench_train import find_mpiexec, log, machine, summary_of, train  # noqa: E402
 from machine import cpu_features  # noqa: E402
 
-from hpcps import memory  # noqa: E402
-from hpcps.model import PartitionedMLP  # noqa: E402
-from hpcps.topology import shard_range  # noqa: E402
+from hpcps.runtime import memory  # noqa: E402
+from hpcps.model.mlp import PartitionedMLP  # noqa: E402
+from hpcps.mpi.topology import shard_range  # noqa: E402
 
 MIB = memory.MIB
 
@@ -79,7 +79,7 @@ def run_layout(mpiexec: str, args, layers: list[int], P: int, S: int, tmp: Path)
     for role, mib in summ["peak_rss_mib_by_rank"]:
         i = seen[role]
         seen[role] += 1
-        # world order (hpcps.topology): replica 0's partitions, then the shards in order
+        # world order (hpcps.mpi.topology): replica 0's partitions, then the shards in order
         ranks_out.append({"role": role, "index": i, "peak_mib": mib,
                           "params": counts[role][i],
                           "holds_whole_model_at_end": i == 0})

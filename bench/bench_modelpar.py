@@ -18,7 +18,7 @@ sum_{l<L} (n_l - w_p(l)) * B * 4, where n_l is layer l's width and w_p(l) its sh
 With ``--conv`` the models are conv models on MNIST's 1x28x28 images instead: Project Adam's
 ``adam-mnist`` (conv5x5x10, pool2, conv5x5x20, pool2, fc400, fc400, fc10) and a wide one
 (conv5x5x64, pool2, conv5x5x128, pool2, fc1024, fc10), partitioned by output maps and units
-(:class:`hpcps.convnet.PartitionedConvNet`, whose ``exchange_bytes`` is the same formula with
+(:class:`hpcps.model.convnet.PartitionedConvNet`, whose ``exchange_bytes`` is the same formula with
 n_l the values per example at the input of the l-th layer with parameters, after pooling).
 A partitioned model computes with the NumPy layers, a whole one (P = 1) with the compiled
 engine; so P = 1 runs twice, the second time with ``HPCPS_NO_EXTENSION=1`` (NumPy too), and
@@ -49,8 +49,8 @@ sys.path.insert(0, str(HERE.parent))
 
 import bench_train  # noqa: E402  (sibling script: launching runs, machine info)
 
-from hpcps.convnet import PartitionedConvNet  # noqa: E402
-from hpcps.model import partition_widths  # noqa: E402
+from hpcps.model.convnet import PartitionedConvNet  # noqa: E402
+from hpcps.model.mlp import partition_widths  # noqa: E402
 
 CONV_MODELS = {"adam-mnist": ("conv5x5x10,pool2,conv5x5x20,pool2,fc400,fc400,fc10", 120),
                "wide-conv": ("conv5x5x64,pool2,conv5x5x128,pool2,fc1024,fc10", 12)}

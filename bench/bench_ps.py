@@ -77,7 +77,7 @@ MIB = 1 << 18  # float32 elements per 1 MiB chunk
 
 
 def bench_chunks() -> list[dict]:
-    from hpcps.chunks import ChunkPlan, moved_fraction
+    from hpcps.ps.chunks import ChunkPlan, moved_fraction
     out = []
     for n in (1_863_690, 100_000_000, 1_000_000_000):
         for S in (2, 4, 8, 16):

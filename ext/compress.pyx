@@ -1,7 +1,7 @@
 # cython: cdivision=True, boundscheck=False, wraparound=False
 """Strom's compressed updates: threshold + residual, apply, Golomb-Rice coding of index gaps.
 
-The format and the method are described in ``hpcps.compress``, which checks every argument
+The format and the method are described in ``hpcps.compress.codec``, which checks every argument
 before coming here and turns the status codes below into exceptions. These functions repeat
 only the checks that memory safety needs (buffer lengths), so a caller that skips the Python
 layer can get wrong answers but never an access outside an array.
@@ -27,7 +27,7 @@ cdef extern from *:
     """
     int hpcps_clz64(unsigned long long x) nogil
 
-# Status codes of rice_decode, mirrored in hpcps.compress.
+# Status codes of rice_decode, mirrored in hpcps.compress.codec.
 cdef enum:
     OK = 0
     TRUNCATED = 1

@@ -1,7 +1,7 @@
 # cython: cdivision=True, boundscheck=False, wraparound=False, initializedcheck=False
 """Hogwild training of a convolutional network inside one process: T threads, no GIL.
 
-The compiled counterpart of ``hpcps.convnet.ConvNet`` (the NumPy reference, which the tests
+The compiled counterpart of ``hpcps.model.convnet.ConvNet`` (the NumPy reference, which the tests
 compare it with): the same layers (convolution with any kernel, stride and padding, max-pooling,
 flatten, fully connected, softmax cross-entropy), the same parameter layout (conv kernels
 ``(out, in, kh, kw)``, fc weights ``(fan_in, fan_out)``) and the same arithmetic on NHWC
@@ -21,16 +21,16 @@ BLAS is column-major: a row-major product ``C = A @ B`` is ``sgemm(N, N, n, m, k
 with the operands swapped; each call below has its row-major meaning beside it.
 
 Dropout (op column ``O_DROP``, a hidden fc layer's 24-bit threshold) follows
-``hpcps.convnet.dropout_scale`` exactly: each thread has a key and a draw counter, a unit's
+``hpcps.model.convnet.dropout_scale`` exactly: each thread has a key and a draw counter, a unit's
 fate is SplitMix64's output function of (key, draw, layer, example row, unit), and the dropped
 and scaled outputs go to a buffer of their own (``O_DOUT``) that the next layer reads, so the
 backward pass still has the activations themselves.
 
 A step computes the mini-batch's whole gradient at the weights it read, then adds ``-lr * g``
-to the parameters (and to ``delta``): the update rule of ``hpcps.conv_hogwild``'s NumPy path,
+to the parameters (and to ``delta``): the update rule of ``hpcps.engine.conv_hogwild``'s NumPy path,
 so one thread alone computes what sequential SGD computes.
 
-Callers use ``hpcps.conv_hogwild``, which checks shapes, dtypes and labels; this module trusts
+Callers use ``hpcps.engine.conv_hogwild``, which checks shapes, dtypes and labels; this module trusts
 its input.
 """
 import numpy as np
@@ -81,11 +81,11 @@ cdef enum:
     N_COLS = 22
 
 cdef enum:
-    DROP_SHIFT = 40     # 64 - hpcps.convnet.DROP_BITS
+    DROP_SHIFT = 40     # 64 - hpcps.model.convnet.DROP_BITS
 
 
 cdef inline uint64_t _mix64(uint64_t z) noexcept nogil:
-    """SplitMix64's output function (hpcps.convnet._mix)."""
+    """SplitMix64's output function (hpcps.model.convnet._mix)."""
     z = (z ^ (z >> 30)) * <uint64_t> 0xBF58476D1CE4E5B9ULL
     z = (z ^ (z >> 27)) * <uint64_t> 0x94D049BB133111EBULL
     return z ^ (z >> 31)
@@ -94,7 +94,7 @@ cdef inline uint64_t _mix64(uint64_t z) noexcept nogil:
 cdef void _drop(float *z, float *out, int nb, int n, uint64_t key, int64_t draw,
                 int64_t layer, uint64_t thresh, float scale) noexcept nogil:
     """out = z * mask (nb x n), or z *= mask in place when out is z: the masks of
-    hpcps.convnet.dropout_scale(p, key, draw, layer, nb, n)."""
+    hpcps.model.convnet.dropout_scale(p, key, draw, layer, nb, n)."""
     cdef uint64_t golden = <uint64_t> 0x9E3779B97F4A7C15ULL
     cdef uint64_t base = _mix64(key + golden * (<uint64_t> draw * 256 + <uint64_t> layer + 1))
     cdef Py_ssize_t i, total = <Py_ssize_t> nb * n
@@ -181,7 +181,7 @@ cdef class ConvEngine:
     """T threads training one convolutional network's flat float32 parameters.
 
     ``ops`` is the op table (int64, one row per layer, columns ``O_*``) that
-    ``hpcps.conv_hogwild`` builds from a ``ConvNet``; ``n_params`` the vector's length;
+    ``hpcps.engine.conv_hogwild`` builds from a ``ConvNet``; ``n_params`` the vector's length;
     ``batch`` the largest mini-batch; ``act`` the hidden activation; ``dropout`` the rate of
     the fc layers whose ``O_DROP`` is set (thread t's masks: ``keys[t]``, ``draws[t]``).
     """

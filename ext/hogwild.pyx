@@ -8,7 +8,7 @@ thread gathers its own examples, runs forward and backward with ``sgemm`` from
 ``scipy.linalg.cython_blas`` (callable without the GIL) and writes its update straight
 into the shared parameter vector, without a lock (section 3.2.2, and Niu et al.'s
 Hogwild!). The races this allows, and why SGD tolerates them, are described in
-``hpcps/hogwild.py``.
+``hpcps/engine/hogwild.py``.
 
 BLAS is Fortran, column-major: a row-major (m, n) matrix is, to BLAS, its (n, m)
 transpose. So a row-major product ``C = A @ B`` is computed as ``C^T = B^T @ A^T``, i.e.
@@ -22,7 +22,7 @@ Without ``delta`` the weight-gradient GEMM accumulates straight into the shared 
 to the layer below before that layer's weights are updated, so one thread alone computes
 exactly what sequential SGD computes.
 
-Callers should use ``hpcps.hogwild``, which checks shapes, dtypes, index and label
+Callers should use ``hpcps.engine.hogwild``, which checks shapes, dtypes, index and label
 ranges and overlap before coming here; this module trusts its input.
 """
 import numpy as np
@@ -50,7 +50,7 @@ cdef class HogwildEngine:
     Parameters
     ----------
     sizes : sequence of int
-        Layer widths, input first, as for ``hpcps.model.MLP``.
+        Layer widths, input first, as for ``hpcps.model.mlp.MLP``.
     activation : str
         ``relu``, ``tanh`` or ``sigmoid`` (hidden layers; the output is softmax).
     threads : int

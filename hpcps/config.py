@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from hpcps.errors import ConfigError
-from hpcps.modelspec import PRESETS, parse_spec
+from hpcps.model.spec import PRESETS, parse_spec
 from hpcps.options import TAU_TYPE, Option, flag, parse_tau
 from hpcps.strategies.registry import DEFAULT, Strategy, strategies
 

@@ -9,11 +9,11 @@ them into one message and one exit code on every rank. The codes, in one place (
  2    :class:`ConfigError`: options, config files, layouts of ranks, the run directory
  3    :class:`DataError`: datasets (missing, not HDF5, wrong layout, non-finite features)
  4    :class:`CheckpointError`: checkpoints (missing, corrupt, incompatible, non-finite)
- 5    ``hpcps.comm.PeerTimeout``: a rank waited longer than ``--timeout`` on another
- 6    ``hpcps.compress.CodecError``: a corrupt compressed message
+ 5    ``hpcps.mpi.comm.PeerTimeout``: a rank waited longer than ``--timeout`` on another
+ 6    ``hpcps.compress.codec.CodecError``: a corrupt compressed message
  7    :class:`NonFiniteError`: training produced a NaN or an infinity and was stopped
 75    :data:`PREEMPTED_EXIT`: stopped early on SIGTERM or SIGUSR1 with a checkpoint written;
-      resubmit (or requeue) the job with ``--resume auto`` to continue (``hpcps.stop``)
+      resubmit (or requeue) the job with ``--resume auto`` to continue (``hpcps.runtime.stop``)
 130   interrupted (Ctrl-C)
 ====  ===============================================================================
 """

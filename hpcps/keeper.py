@@ -1,68 +1,7 @@
-"""Keep a rank's death from taking the whole job down: ``python -m hpcps.keeper [train options]``.
-
-Launch a run whose replicas may die as::
-
-    mpiexec -disable-auto-cleanup -n N python -m hpcps.keeper --heartbeat-timeout 10 ...
-
-``-disable-auto-cleanup`` alone is not enough with Hydra (MPICH 5.0.2, measured on this
-machine, ``docs/fault-tolerance.md``): when a rank is killed, Hydra sometimes still kills every
-other rank (in most trials with ranks started directly, none in trials through this keeper).
-What it does reliably is what it does when the process it started exits *normally* while its
-MPI connection closes: it sends SIGUSR1 to the others and lets them run.
-
-So the keeper is the process Hydra starts: it starts ``python -m hpcps.train`` with the same
-arguments as its child, closes its own copy of the PMI connection (so the child's death
-closes it), forwards SIGTERM and SIGINT to the child, ignores Hydra's SIGUSR1, waits, and
-exits with the child's exit code, or with 0 after printing which signal killed it (a
-non-zero exit while other ranks run would make Hydra kill them). The run's summary names the
-lost ranks. The keeper imports neither MPI nor NumPy.
-"""
-from __future__ import annotations
-
+"""``python -m hpcps.keeper``: runs :mod:`hpcps.runtime.keeper`."""
 import os
-import signal
-import sys
 
-KEEPER_ENV = "HPCPS_KEEPER"  # set in the child's environment: "started by hpcps.keeper"
-
-
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # Hydra: "a rank died"; the child decides
-    env = dict(os.environ, **{KEEPER_ENV: "1"})
-    pid = os.fork()
-    if pid == 0:
-        os.execve(sys.executable, [sys.executable, "-m", "hpcps.train", *argv], env)
-    fd = os.environ.get("PMI_FD")
-    if fd and fd.isdigit():
-        try:
-            os.close(int(fd))
-        except OSError:
-            pass
-
-    def forward(signum, frame):
-        try:
-            os.kill(pid, signum)
-        except ProcessLookupError:
-            pass
-
-    for s in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(s, forward)
-    while True:
-        try:
-            _, status = os.waitpid(pid, 0)
-            break
-        except InterruptedError:
-            continue
-    code = os.waitstatus_to_exitcode(status)
-    if code < 0:
-        rank = os.environ.get("PMI_RANK", os.environ.get("SLURM_PROCID", "?"))
-        print(f"hpcps.keeper: rank {rank} (pid {pid}) was killed by "
-              f"{signal.Signals(-code).name}; the other ranks go on", file=sys.stderr,
-              flush=True)
-        return 0
-    return code
-
+from hpcps.runtime.keeper import main
 
 if __name__ == "__main__":
     os._exit(main())

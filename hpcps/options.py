@@ -162,3 +162,31 @@ CHUNK_BYTES = Option("chunk_bytes", int, "bytes per chunk of the parameter vecto
                      "hashed to the server shards (Project Adam; default 1048576 = 1 MiB); a "
                      "model smaller than one chunk per shard is cut into one chunk per shard",
                      check="positive")
+
+
+# The options every strategy built on this loop takes (each lists ``*LOOP_OPTIONS``): batch
+# prefetch, a slowed replica for tests, weight decay, added to every gradient (in
+# ``GradientSource``) whatever the strategy then does with it, the learning-rate schedule,
+# which each strategy applies where its updates are taken (``ReplicaLoop.lr_factor``), and
+# dropout, which lives in the model's training pass (``hpcps.model.convnet``).
+LOOP_OPTIONS = (PREFETCH, INJECT_SLOW, WEIGHT_DECAY, LR_SCHEDULE, DROPOUT)
+
+
+def check_loop_options(cfg) -> None:
+    """Checks every strategy built on this loop shares (its ``validate``, or part of it)."""
+    if cfg.inject_slow is not None:
+        parse_inject_slow(cfg.inject_slow)
+    if cfg.dropout and cfg.model is None:
+        widths = ",".join(f"fc{n}" for n in cfg.layers[1:])
+        raise ConfigError("--dropout applies to the hidden fc layers of a --model network; "
+                          f"an MLP with dropout is --model {widths} (the same network as "
+                          "--layers without its input width)")
+
+
+def check_fault_options(cfg) -> None:
+    """What no strategy can do while replicas may die (its ``validate`` calls this)."""
+    copies = (getattr(cfg, "ps_copies", None) or 1) > 1  # brings a heartbeat timeout
+    if cfg.trace and (cfg.heartbeat_timeout is not None or copies):
+        why = "--ps-copies > 1 shards" if copies else "--heartbeat-timeout replicas"
+        raise ConfigError("--trace merges every rank's timeline at the end of the run, which "
+                          f"needs every rank alive; with {why} may die: drop one of the two")

@@ -21,7 +21,7 @@ Categories (``cat``): :data:`STEP` one iteration of a replica, :data:`COMPUTE` a
 collective with its bytes (``args.bytes``; a server's handling of a message spans the
 handler: the update it applies). Times are recorded with ``time.perf_counter_ns`` (the
 monotonic clock, per host) and moved onto rank 0's clock when the files are merged:
-:mod:`hpcps.timeline` measures each rank's offset against rank 0 at start.
+:mod:`hpcps.runtime.timeline` measures each rank's offset against rank 0 at start.
 """
 from __future__ import annotations
 

@@ -10,12 +10,12 @@ reason and aborts the whole job; a NaN or infinity in training ends it with code
 codes are listed in :mod:`hpcps.errors` and ``docs/errors.md``).
 
 SIGTERM and SIGUSR1 (preemption, a time limit: ``docs/slurm.md``) stop training on every rank
-at the next safe point (:mod:`hpcps.stop`); the final checkpoint then holds the step reached
+at the next safe point (:mod:`hpcps.runtime.stop`); the final checkpoint then holds the step reached
 and the job exits with code 75, "checkpointed, resubmit me": ``--resume auto`` continues from
 the run directory's newest valid checkpoint, or starts fresh when there is none.
 
 Under Slurm (``jobs/*.sbatch``), ``srun --mpi=pmi2`` and ``mpiexec`` start the same job; the
-default run directory is ``runs/slurm-<job id>`` (:mod:`hpcps.slurm`).
+default run directory is ``runs/slurm-<job id>`` (:mod:`hpcps.runtime.slurm`).
 
 Examples::
 
@@ -44,19 +44,25 @@ import numpy as np
 
 import dataclasses
 
-from hpcps import checkpoint, config, convnet, data, faults, memory, slurm, timeline, trace
-from hpcps.comm import PeerTimeout, ReplicaExchange, barrier, dup_comm, host
+from hpcps import config, trace
+
+from hpcps.io import checkpoint, data
+
+from hpcps.model import convnet
+
+from hpcps.runtime import faults, memory, slurm, timeline
+from hpcps.mpi.comm import PeerTimeout, ReplicaExchange, barrier, dup_comm, host
 from hpcps.options import parse_inject_slow
 from hpcps.errors import (PREEMPTED_EXIT, CheckpointError, ConfigError, HpcpsError,
                           NonFiniteError)
-from hpcps.metrics import Metrics
-from hpcps.model import InitialWeights, SingleExchange
-from hpcps.stacks import StackDumper
-from hpcps.stop import SignalFlag, StopVote
+from hpcps.runtime.metrics import Metrics
+from hpcps.model.mlp import InitialWeights, SingleExchange
+from hpcps.runtime.stacks import StackDumper
+from hpcps.runtime.stop import SignalFlag, StopVote
 from hpcps.strategies.registry import strategies
 from hpcps.strategies.context import (Context, explain_nonfinite, make_optimizer,
                                       state_from_checkpoint)
-from hpcps.topology import Layout, abort, build_grid, check_thread_support, world_comm
+from hpcps.mpi.topology import Layout, abort, build_grid, check_thread_support, world_comm
 
 
 def _agree(world, fn, *args):
@@ -259,7 +265,8 @@ def _summary(ctx: Context, results: list[dict], wall_s: float, stopped: bool = F
     mine = results[ctx.reporter]
     step = mine.get("step", ctx.start_step)
     trained = step - ctx.start_step
-    figures = dict(spec.summarize(ctx, results) if spec.summarize else mine.get("figures", {}))
+    summarize = spec.summarizer()
+    figures = dict(summarize(ctx, results) if summarize else mine.get("figures", {}))
     bytes_per_step = figures.pop("bytes_per_step", 0.0)
     staleness = figures.pop("mean_staleness", 0.0)
     rec = m.record("summary", echo=False, strategy=cfg.strategy, ranks=ctx.grid.layout.n_world,
@@ -394,7 +401,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[hpcps] warning: {w}", flush=True)
     vote_comm = dup_comm(world, 1, cfg.timeout, "every rank to set up the stop vote")[0]
     ctx = _agree(world, _setup, cfg, world, layout, info, ckpt, run_dir)
-    may_lose = cfg.heartbeat_timeout is not None  # replicas may die (hpcps.faults)
+    may_lose = cfg.heartbeat_timeout is not None  # replicas may die (hpcps.runtime.faults)
     if may_lose:  # no world-wide vote with ranks that may die: signals act as usual
         flag.uninstall()
         _agree(world, faults.check_thread_level)

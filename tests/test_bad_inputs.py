@@ -21,15 +21,19 @@ import numpy as np
 import pytest
 from mpirun import train
 
-from hpcps import checkpoint, compress, config, data, train as hpcps_train
+from hpcps import config, train as hpcps_train
+
+from hpcps.compress import codec as compress
+
+from hpcps.io import checkpoint, data
 from hpcps.errors import HpcpsError, NonFiniteError
-from hpcps.metrics import DivergenceWatch
-from hpcps.model import MLP, PartitionedMLP
-from hpcps.protocol import H, Message
+from hpcps.runtime.metrics import DivergenceWatch
+from hpcps.model.mlp import MLP, PartitionedMLP
+from hpcps.mpi.protocol import H, Message
 from hpcps.ps.gradient_shard import HEALTH_EVERY, GradientShard
 from hpcps.strategies import context
-from hpcps.strategies.sandblaster import _check_health
-from hpcps.topology import Layout, shard_range
+from hpcps.strategies.sandblaster.coordinator import _check_health
+from hpcps.mpi.topology import Layout, shard_range
 
 LAYERS = "64,32,10"
 QUICK = ["--layers", LAYERS, "--batch-size", "16", "--progress-every", "0.2",

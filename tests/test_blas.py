@@ -18,11 +18,11 @@ import numpy as np
 import pytest
 from test_hogwild import check_gradient_matches_mlp
 
-from hpcps import hogwild
+from hpcps.engine import hogwild
 from hpcps.errors import ConfigError
-from hpcps.hogwild import HogwildEngine
+from hpcps.engine.hogwild import HogwildEngine
 from hpcps.kernels import blas, gemm
-from hpcps.model import MLP
+from hpcps.model.mlp import MLP
 
 REPO = Path(__file__).resolve().parents[1]
 GEMM_RTOL, GEMM_ATOL = 1e-4, 1e-4   # as tests/test_gemm.py
@@ -277,7 +277,7 @@ def test_environment_variable(tmp_path):
         import numpy as np
         from hpcps.errors import ConfigError
         from hpcps.kernels import blas, gemm
-        from hpcps.hogwild import HogwildEngine
+        from hpcps.engine.hogwild import HogwildEngine
         blas._mkl_candidates = lambda: [{str(tmp_path / "libmkl_rt.so.3")!r}]
         try:
             HogwildEngine((4, 3), "relu")
@@ -343,7 +343,7 @@ def test_auto_times_the_engines_shapes():
     library and why."""
     code = """
         import json
-        from hpcps.hogwild import HogwildEngine
+        from hpcps.engine.hogwild import HogwildEngine
         from hpcps.kernels import blas
         engine = HogwildEngine((30, 700, 10), batch=16)
         first = blas.info()
@@ -407,7 +407,7 @@ def test_auto_with_a_one_layer_model():
     does them for dense batches), never an empty set."""
     code = """
         import json
-        from hpcps.hogwild import HogwildEngine
+        from hpcps.engine.hogwild import HogwildEngine
         from hpcps.kernels import blas
         HogwildEngine((2, 2), batch=1)
         print(json.dumps(blas.info()))
@@ -437,9 +437,9 @@ _TORCH_CODE = """
     import numpy as np
     warnings.simplefilter("error")           # the late-torch warning must not fire here
     {first}
-    from hpcps.hogwild import HogwildEngine
+    from hpcps.engine.hogwild import HogwildEngine
     from hpcps.kernels import blas
-    from hpcps.model import MLP
+    from hpcps.model.mlp import MLP
     sizes = (64, 48, 10)
     rng = np.random.default_rng(0)
     x = rng.standard_normal((256, 64), dtype=np.float32)

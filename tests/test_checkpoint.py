@@ -15,9 +15,9 @@ import h5py
 import numpy as np
 import pytest
 
-from hpcps import checkpoint
+from hpcps.io import checkpoint
 from hpcps.errors import CheckpointError
-from hpcps.inspect import describe, summarize
+from hpcps.tools.inspect import describe, summarize
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = dict(os.environ, PYTHONPATH=str(ROOT))
@@ -150,7 +150,7 @@ def test_layer_sizes_and_refused_input(tmp_path):
 # -- atomic writes ------------------------------------------------------------------------------
 WRITER = """
 import sys, numpy as np
-from hpcps import checkpoint
+from hpcps.io import checkpoint
 n, loop = int(sys.argv[2]), sys.argv[3] == "loop"
 params = {"layer0/W": np.full((n, n), 2.0, np.float32), "layer0/b": np.full(n, 2.0, np.float32),
           "layer1/W": np.full((n, 10), 2.0, np.float32), "layer1/b": np.full(10, 2.0, np.float32)}
@@ -259,7 +259,7 @@ def test_flipped_bytes_in_weights_are_detected(tmp_path):
 
 SWEEP = """
 import json, sys
-from hpcps import checkpoint
+from hpcps.io import checkpoint
 from hpcps.errors import CheckpointError
 src, tmp, stride = sys.argv[1], sys.argv[2], int(sys.argv[3])
 raw = open(src, "rb").read()
@@ -415,7 +415,7 @@ def test_inspect_cli(tmp_path):
     for bad in (tmp_path / "bad.h5", tmp_path / "missing.h5"):
         run = inspect(bad)
         assert run.returncode == CheckpointError.exit_code == 4
-        assert run.stderr.startswith("hpcps.inspect: error: ") and run.stdout == ""
+        assert run.stderr.startswith("hpcps.tools.inspect: error: ") and run.stdout == ""
         assert "Traceback" not in run.stderr
     run = inspect("--help")
     assert run.returncode == 0 and "--json" in run.stdout and "Exit status" in run.stdout

@@ -1,8 +1,8 @@
-"""Chunks hashed to shards (hpcps.chunks): pure, no MPI."""
+"""Chunks hashed to shards (hpcps.ps.chunks): pure, no MPI."""
 import numpy as np
 import pytest
 
-from hpcps.chunks import ChunkPlan, assign, chunk_elements, moved_fraction
+from hpcps.ps.chunks import ChunkPlan, assign, chunk_elements, moved_fraction
 from hpcps.errors import ConfigError
 
 MIB = 1 << 18  # float32 elements in 1 MiB
@@ -42,7 +42,7 @@ def test_few_chunks_move_when_a_shard_leaves(n_chunks, shards):
 def test_plain_hashing_alone_is_less_balanced():
     """Why the bounds: the unbounded rendezvous choice (highest weight) at 382 chunks over 4
     shards is off by more than the bounded one's single chunk."""
-    from hpcps.chunks import weights
+    from hpcps.ps.chunks import weights
     w = weights(382, range(4))
     counts = np.bincount(np.argmax(w, axis=1), minlength=4)
     assert counts.max() - counts.min() > 1

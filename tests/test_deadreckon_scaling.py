@@ -15,8 +15,9 @@ from test_train import QUICK, assert_learned, records, train
 from hpcps import config
 from hpcps.options import WARMUP_STEPS
 from hpcps.strategies import deadreckon, downpour
-from hpcps.strategies.deadreckon import Reckoner, replica_lr
-from hpcps.threshold import UNIT_DIVISOR
+from hpcps.strategies.deadreckon import replica_lr
+from hpcps.strategies.deadreckon.replica import Reckoner
+from hpcps.compress.threshold import UNIT_DIVISOR
 
 
 # -- the learning-rate rule, no MPI ------------------------------------------------------------

@@ -7,9 +7,15 @@ import pytest
 from mpirun import train
 from test_convnet import numeric_grad
 
-from hpcps import checkpoint, config, conv_hogwild, convnet
-from hpcps.conv_hogwild import ConvHogwild
-from hpcps.convnet import ConvNet, dropout_key, dropout_scale, thread_key
+from hpcps import config
+
+from hpcps.engine import conv_hogwild
+
+from hpcps.io import checkpoint
+
+from hpcps.model import convnet
+from hpcps.engine.conv_hogwild import ConvHogwild
+from hpcps.model.convnet import ConvNet, dropout_key, dropout_scale, thread_key
 from hpcps.errors import ConfigError
 
 SMALL = "conv3x3x4,pool2,fc20,fc16,fc5"

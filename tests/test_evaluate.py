@@ -17,9 +17,9 @@ import pytest
 from mpirun import ROOT, train
 from test_train import QUICK, records
 
-from hpcps import checkpoint, data
-from hpcps.evaluate import main
-from hpcps.model import MLP
+from hpcps.io import checkpoint, data
+from hpcps.tools.evaluate import main
+from hpcps.model.mlp import MLP
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +37,7 @@ def trained(digits_h5, tmp_path_factory):
 def evaluate_cli(*args: str) -> subprocess.CompletedProcess:
     """Run the command's ``main`` in a fresh Python (no mpiexec) and say on stderr whether
     mpi4py was imported."""
-    code = ("import sys; from hpcps.evaluate import main; rc = main(sys.argv[1:]); "
+    code = ("import sys; from hpcps.tools.evaluate import main; rc = main(sys.argv[1:]); "
             "print('mpi4py imported:', 'mpi4py' in sys.modules, file=sys.stderr); sys.exit(rc)")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "MPIR_", "HYDRA_"))}
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
@@ -169,7 +169,7 @@ def test_refusals(trained, digits_h5, tmp_path, capsys):
         assert main(argv) == code, label
         captured = capsys.readouterr()
         assert captured.out == "", label
-        assert captured.err.startswith("hpcps.evaluate: error: "), (label, captured.err)
+        assert captured.err.startswith("hpcps.tools.evaluate: error: "), (label, captured.err)
         for w in words:
             assert w in captured.err, (label, w, captured.err)
     assert not (tmp_path / "p.txt").exists()

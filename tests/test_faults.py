@@ -14,8 +14,8 @@ from mpirun import ROOT, mpiexec
 
 from hpcps import config
 from hpcps.errors import ConfigError
-from hpcps.faults import launcher_verdict
-from hpcps.keeper import KEEPER_ENV
+from hpcps.runtime.faults import launcher_verdict
+from hpcps.runtime.keeper import KEEPER_ENV
 from hpcps.ps.liveness import Liveness
 
 HYDRA = ["/work/venv/bin/mpiexec", "-disable-auto-cleanup", "-n", "4", "python"]

@@ -384,7 +384,7 @@ def test_zero_skip_cap_from_environment(cap):
     seen from this one); the Hogwild engine follows; results still match the reference."""
     code = textwrap.dedent("""
         import numpy as np
-        from hpcps.hogwild import HogwildEngine
+        from hpcps.engine.hogwild import HogwildEngine
         from hpcps.kernels import gemm
         rng = np.random.default_rng(0)
         X = rng.standard_normal((9, 40), dtype=np.float32)

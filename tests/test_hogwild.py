@@ -1,4 +1,4 @@
-"""Tests for hpcps.hogwild: the nogil engine against hpcps.model.MLP, Hogwild convergence,
+"""Tests for hpcps.engine.hogwild: the nogil engine against hpcps.model.mlp.MLP, Hogwild convergence,
 the delta a replica pushes, input checks, and the NumPy fallback (in a subprocess).
 
 BLAS is kept to one thread by conftest.py (OPENBLAS_NUM_THREADS=1 before numpy loads).
@@ -13,10 +13,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hpcps import hogwild
+from hpcps.engine import hogwild
 from hpcps.errors import ConfigError
-from hpcps.hogwild import HogwildEngine
-from hpcps.model import MLP
+from hpcps.engine.hogwild import HogwildEngine
+from hpcps.model.mlp import MLP
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -206,8 +206,8 @@ def test_numpy_fallback_matches_compiled():
     code = textwrap.dedent("""
         import json, warnings
         import numpy as np
-        from hpcps import hogwild
-        from hpcps.model import MLP
+        from hpcps.engine import hogwild
+        from hpcps.model.mlp import MLP
         sizes = (8, 11, 4)
         x = np.random.default_rng(0).standard_normal((40, 8), dtype=np.float32)
         y = np.random.default_rng(1).integers(0, 4, 40)

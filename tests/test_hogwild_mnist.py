@@ -26,9 +26,9 @@ the half-data runs.
 import numpy as np
 import pytest
 
-from hpcps import data
-from hpcps.hogwild import HogwildEngine
-from hpcps.model import MLP
+from hpcps.io import data
+from hpcps.engine.hogwild import HogwildEngine
+from hpcps.model.mlp import MLP
 
 SIZES = (784, 512, 512, 10)
 N_TRAIN = 20_000

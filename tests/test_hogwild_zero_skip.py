@@ -2,7 +2,7 @@
 threaded gradient sum Sandblaster uses.
 
 Each test runs the same engine call twice, with ``zero_skip=1`` (skip zeros whenever there
-is any) and ``zero_skip=0`` (BLAS only), and against ``hpcps.model.MLP``; shapes are odd on
+is any) and ``zero_skip=0`` (BLAS only), and against ``hpcps.model.mlp.MLP``; shapes are odd on
 purpose: inputs not a multiple of the 4-input blocks, outputs not a multiple of the
 64-column panels or of 16 lanes, batches not a multiple of the 4-row blocks.
 """
@@ -11,11 +11,11 @@ import os
 import numpy as np
 import pytest
 
-from hpcps import hogwild
+from hpcps.engine import hogwild
 from hpcps.errors import ConfigError
-from hpcps.hogwild import HogwildEngine
+from hpcps.engine.hogwild import HogwildEngine
 from hpcps.kernels import gemm
-from hpcps.model import MLP
+from hpcps.model.mlp import MLP
 
 pytestmark = pytest.mark.skipif(
     not hogwild.HAVE_EXTENSION or not HogwildEngine((2, 2), threads=1, batch=1).zero_skipping,

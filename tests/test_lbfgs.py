@@ -3,9 +3,9 @@ import numpy as np
 import pytest
 from scipy.optimize import minimize
 
-from hpcps import optim
+from hpcps.model import optim
 from hpcps.errors import ConfigError
-from hpcps.model import MLP
+from hpcps.model.mlp import MLP
 
 
 def rosen(x, g):

@@ -2,9 +2,9 @@
 import numpy as np
 import pytest
 
-import hpcps.model as model_mod
-from hpcps import memory
-from hpcps.model import MLP, InitialWeights, PartitionedMLP, initial_slice
+import hpcps.model.mlp as model_mod
+from hpcps.runtime import memory
+from hpcps.model.mlp import MLP, InitialWeights, PartitionedMLP, initial_slice
 
 
 def _reference_init(sizes, activation, seed):

@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 
 from hpcps.errors import ConfigError
-from hpcps.model import MLP
+from hpcps.model.mlp import MLP
 
 
 def _batch(model, n=5, seed=1, dtype=np.float64):
@@ -79,7 +79,7 @@ def test_bad_model_refused(sizes, act):
 # -- model parallelism: P partitions computed in lockstep threads (no MPI) ---------------------
 import threading  # noqa: E402
 
-from hpcps.model import PartitionedMLP, SingleExchange, partition_widths  # noqa: E402
+from hpcps.model.mlp import PartitionedMLP, SingleExchange, partition_widths  # noqa: E402
 
 
 class ThreadExchange:

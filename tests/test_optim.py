@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from hpcps import optim
+from hpcps.model import optim
 from hpcps.errors import ConfigError
 
 
@@ -120,7 +120,7 @@ def test_lr_scale_is_a_rate_for_this_gradient(name):
 
 # -- weight decay (--weight-decay, added to every gradient in strategies/gradients.py) ---------
 def _weight_norm(path) -> float:
-    from hpcps import checkpoint
+    from hpcps.io import checkpoint
     ck = checkpoint.load(path)
     return float(np.sqrt(sum(np.sum(v.astype(np.float64) ** 2) for k, v in ck.params.items()
                              if k.endswith("/W"))))
@@ -208,6 +208,6 @@ def test_cosine_schedule_ends_with_small_steps_and_follows_the_resumed_step(
 
 
 def _weights(path) -> np.ndarray:
-    from hpcps import checkpoint
+    from hpcps.io import checkpoint
     ck = checkpoint.load(path)
     return np.concatenate([v.ravel().astype(np.float64) for k, v in sorted(ck.params.items())])

@@ -11,8 +11,8 @@ import pytest
 from test_model import ThreadExchange
 
 from hpcps.errors import ConfigError
-from hpcps.model import MLP, PartitionedMLP
-from hpcps.partitioned_hogwild import (
+from hpcps.model.mlp import MLP, PartitionedMLP
+from hpcps.engine.partitioned_hogwild import (
     HogwildThreadTimeout,
     PartitionedHogwild,
     thread_rows,
@@ -186,7 +186,7 @@ def test_needs_a_row_per_thread_and_an_exchange():
 def test_thread_multiple_is_required_only_for_threads_with_partitions():
     from mpi4py import MPI
 
-    from hpcps.topology import check_thread_support
+    from hpcps.mpi.topology import check_thread_support
     check_thread_support(4, 1, MPI.THREAD_SINGLE)
     check_thread_support(1, 4, MPI.THREAD_SINGLE)
     check_thread_support(2, 2, MPI.THREAD_MULTIPLE)

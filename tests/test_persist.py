@@ -14,9 +14,9 @@ import pytest
 from faultinject import wait_for_step
 from mpirun import ROOT, mpiexec, train
 
-from hpcps import checkpoint
-from hpcps.chunks import ChunkPlan
-from hpcps.model import MLP, PartitionedMLP
+from hpcps.io import checkpoint
+from hpcps.ps.chunks import ChunkPlan
+from hpcps.model.mlp import MLP, PartitionedMLP
 from hpcps.ps.persist import (MANIFEST_NAME, Persister, boxes, create_shard_file, mapping,
                               placements)
 
@@ -162,7 +162,7 @@ def test_the_reported_window_counts_from_the_shard_with_the_oldest_flush():
     """A replica reports shard 0's step, but a persistence manifest holds each chunk at its
     shard's last flush: the steps not yet on disk are counted to the oldest shard's flush,
     whichever shard that is."""
-    from hpcps.protocol import HEADER_SLOTS, H
+    from hpcps.mpi.protocol import HEADER_SLOTS, H
     from hpcps.ps.client import unpersisted
 
     def header(steps, behind):

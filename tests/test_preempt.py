@@ -19,7 +19,11 @@ import h5py
 import pytest
 from mpirun import ROOT, mpiexec, train
 
-from hpcps import checkpoint, config, slurm
+from hpcps import config
+
+from hpcps.io import checkpoint
+
+from hpcps.runtime import slurm
 from hpcps.errors import PREEMPTED_EXIT, CheckpointError, ConfigError
 
 QUICK = ["--layers", "64,32,10", "--progress-every", "0.1",
@@ -176,7 +180,7 @@ def test_signal_stops_checkpoints_and_resume_auto_continues(strategy, n, extra, 
 
 FLAG_PROBE = """
 import os, signal, sys, time
-from hpcps.stop import SignalFlag
+from hpcps.runtime.stop import SignalFlag
 flag = SignalFlag(duplicate_s=float(sys.argv[1])).install()
 os.kill(os.getpid(), signal.SIGTERM)
 os.kill(os.getpid(), signal.SIGTERM)  # the same request, forwarded: still alive

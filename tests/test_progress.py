@@ -1,4 +1,4 @@
-"""Progress a person can follow (hpcps.progress, hpcps.metrics): a bar rewritten in place on a
+"""Progress a person can follow (hpcps.runtime.progress, hpcps.runtime.metrics): a bar rewritten in place on a
 terminal, plain lines elsewhere. (Sandblaster's progress carrying percent done and ETA is
 checked on test_report's sandblaster run.)"""
 from __future__ import annotations
@@ -12,8 +12,8 @@ import sys
 
 from mpirun import ROOT, mpiexec
 
-from hpcps import progress
-from hpcps.metrics import Metrics
+from hpcps.runtime import progress
+from hpcps.runtime.metrics import Metrics
 
 
 class Tty(io.StringIO):

@@ -11,7 +11,7 @@ import pytest
 from mpirun import train
 
 from hpcps import config
-from hpcps.chunks import ChunkPlan
+from hpcps.ps.chunks import ChunkPlan
 from hpcps.ps import replicated as rp
 
 

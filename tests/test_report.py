@@ -16,7 +16,7 @@ import pytest
 from mpirun import ROOT, train
 from test_train import QUICK, records
 
-from hpcps.report import FIGURES, draw, load_run, load_runs, main, plan_figures, table_rows
+from hpcps.tools.report import FIGURES, draw, load_run, load_runs, main, plan_figures, table_rows
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 ALL_FIGURES = {f.name for f in FIGURES}
@@ -162,7 +162,7 @@ def test_directories_without_metrics_are_refused(runs, tmp_path, capsys):
     for path, *words in cases:
         assert main([str(path), "--out", str(tmp_path / "out")]) == 2, path
         err = capsys.readouterr().err
-        assert err.startswith("hpcps.report: error: "), err
+        assert err.startswith("hpcps.tools.report: error: "), err
         for w in words:
             assert w in err, (w, err)
     assert not (tmp_path / "out").exists()  # refused before anything was written
@@ -170,7 +170,7 @@ def test_directories_without_metrics_are_refused(runs, tmp_path, capsys):
 
 def report_without_matplotlib(*args: str) -> subprocess.CompletedProcess:
     """The command in a Python where ``import matplotlib`` fails, as when it is not installed."""
-    code = ("import sys; sys.modules['matplotlib'] = None; from hpcps.report import main; "
+    code = ("import sys; sys.modules['matplotlib'] = None; from hpcps.tools.report import main; "
             "sys.exit(main(sys.argv[1:]))")
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True,
@@ -217,7 +217,7 @@ def _segmented_metrics(path):
 
 
 def test_preemption_segments_are_marked(runs, tmp_path):
-    from hpcps.report import preemptions
+    from hpcps.tools.report import preemptions
     seg = load_run(_segmented_metrics(tmp_path / "preempted"))
     marks = [(m.kind, m.step, m.text) for m in preemptions(seg)]
     assert marks == [("stopped", 300.0, "stopped on SIGUSR1"),

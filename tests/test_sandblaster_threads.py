@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hpcps import hogwild
+from hpcps.engine import hogwild
 from mpirun import train
 from test_train import SB, records, reference_lbfgs, sb_losses
 

@@ -1,4 +1,4 @@
-"""The scaling model (hpcps.scaling): the pure alpha-beta formulas, its check against Strom's
+"""The scaling model (hpcps.tools.scaling): the pure alpha-beta formulas, its check against Strom's
 Table 2, and its bytes per step against what the strategies report in a real run."""
 import json
 import os
@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from hpcps import scaling
-from hpcps.scaling import Workload, bytes_per_step, predict, ring
+from hpcps.tools import scaling
+from hpcps.tools.scaling import Workload, bytes_per_step, predict, ring
 from mpirun import train
 
 W = Workload(n_params=1_000_000, batch=32, compute_s=0.01, update_s_per_param=1e-9)
@@ -318,7 +318,7 @@ def test_shared_cores_slow_every_cpu_term():
 def test_compute_is_measured_on_the_replicas_code_and_the_users_rows(digits_h5):
     """measure_compute times the compiled engine a replica runs (NumPy without it), on rows
     of the user's dataset when given, and says so."""
-    from hpcps import hogwild
+    from hpcps.engine import hogwild
     path = digits_h5
     m = scaling.measure_compute([64, 32, 10], 16, repeats=2, data=str(path))
     assert ("compiled engine" if hogwild.HAVE_EXTENSION else "NumPy") in m["path"]

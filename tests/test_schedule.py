@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from hpcps.schedule import PortionScheduler
+from hpcps.strategies.sandblaster.schedule import PortionScheduler
 
 
 def drain(s, r, now=0.0):

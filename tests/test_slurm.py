@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 from mpirun import ROOT
 
-from hpcps import checkpoint
+from hpcps.io import checkpoint
 from hpcps.errors import PREEMPTED_EXIT
 
 SETUP = ROOT / "jobs" / "slurm-local" / "setup.sh"
@@ -203,7 +203,7 @@ def test_prepare_data_job(cluster, tmp_path):
     job = submit(tmp_path, "prepare-data.sbatch", args=["digits"])
     (state,) = wait_for(job, finished, 90, tmp_path, "finish")
     assert state["JobState"] == "COMPLETED", outputs(tmp_path)
-    from hpcps.data import open_dataset
+    from hpcps.io.data import open_dataset
     assert open_dataset(tmp_path / "data" / "digits.h5").n_train == 1437
     job = submit(tmp_path, "prepare-data.sbatch", args=["digits"])   # kept, not redone
     (state,) = wait_for(job, finished, 90, tmp_path, "finish")
@@ -286,7 +286,7 @@ def _kill_rank_2_under_srun(digits_h5, run_dir: Path, steps: int):
 def _where_ranks_are(run_dir: Path) -> str:
     """For a test that timed out: where each live rank of the run is (python -m hpcps.stacks)
     and the run's last metrics records."""
-    from hpcps import stacks
+    from hpcps.runtime import stacks
     try:
         text, _, _ = stacks.ask(run_dir, wait_s=10)
     except OSError as exc:

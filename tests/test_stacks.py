@@ -19,8 +19,8 @@ import pytest
 from faultinject import wait_for_step
 from mpirun import ROOT, mpiexec, train
 
-from hpcps import stacks
-from hpcps.comm import PeerTimeout
+from hpcps.runtime import stacks
+from hpcps.mpi.comm import PeerTimeout
 
 
 def _dumper(tmp_path, rank=0, size=2, token="job-1"):
@@ -32,7 +32,7 @@ def _waits_forever(what, started, release):
     def wait_all(reqs, timeout, what):
         started.set()
         release.wait(30)
-    wait_all.__code__ = wait_all.__code__.replace(co_filename="/x/hpcps/comm.py")
+    wait_all.__code__ = wait_all.__code__.replace(co_filename="/x/hpcps/mpi/comm.py")
     wait_all([], 1.0, what)
 
 

@@ -7,11 +7,11 @@ import math
 import numpy as np
 import pytest
 
-from hpcps import compress
+from hpcps.compress import codec as compress
 from hpcps.errors import ConfigError
 from hpcps.options import parse_tau
-from hpcps.strategies.deadreckon import Reckoner
-from hpcps.threshold import (
+from hpcps.strategies.deadreckon.replica import Reckoner
+from hpcps.compress.threshold import (
     MAX_STEP,
     UNIT_DIVISOR,
     WARMUP_DENSITY_FACTOR,

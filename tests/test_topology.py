@@ -1,7 +1,7 @@
 import pytest
 
 from hpcps.errors import ConfigError
-from hpcps.topology import Layout, shard_range
+from hpcps.mpi.topology import Layout, shard_range
 
 
 @pytest.mark.parametrize("n,s,p", [(1, 0, 1), (2, 1, 1), (4, 1, 1), (5, 2, 1), (7, 1, 3),

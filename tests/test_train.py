@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 from mpirun import ROOT, run_mpi, train
 
-from hpcps import checkpoint
-from hpcps.data import load_split
-from hpcps.model import MLP
+from hpcps.io import checkpoint
+from hpcps.io.data import load_split
+from hpcps.model.mlp import MLP
 
 LAYERS = "64,32,10"
 QUICK = ["--layers", LAYERS, "--batch-size", "16", "--progress-every", "0.2",
@@ -340,7 +340,7 @@ SB = ["--strategy", "sandblaster", "--layers", LAYERS, "--progress-every", "0.01
 
 def reference_lbfgs(digits_h5, iterations, layers=LAYERS):
     """The same L-BFGS on plain arrays in one process: full-batch loss and gradient."""
-    from hpcps import optim
+    from hpcps.model import optim
     x, y = load_split(digits_h5, "train")
     model = MLP(tuple(int(n) for n in layers.split(",")))
     space = optim.ArraySpace(lambda p, g: model.loss_and_grad(p, x, y, grad=g)[0],

@@ -149,14 +149,14 @@ def computing(strategy: str, ranks: int) -> int:
 
 def calibrate(args, processes: int) -> dict:
     """What a step's CPU work costs on this machine right now (the scaling model's inputs:
-    :func:`hpcps.scaling.measure_compute` on the bench's data, and
-    :func:`hpcps.scaling.measure_together` with ``processes`` computing at once, at least one
+    :func:`hpcps.tools.scaling.measure_compute` on the bench's data, and
+    :func:`hpcps.tools.scaling.measure_together` with ``processes`` computing at once, at least one
     per core: the run's computing ranks, so that the co-run factor also holds what taking
     turns on a core does to a pass, its caches refilled after every switch: 1.3-1.5x with 4
     or 8 processes on the 2 cores, 1.0-1.1x with 2), measured just before a run: a shared
     machine's speed drifts over minutes, and the check of the model compares each run with
     what its own minute measured."""
-    from hpcps import scaling
+    from hpcps.tools import scaling
     layers = [int(v) for v in args.layers.split(",")]
     m = scaling.measure_compute(layers, BATCH, data=args.data)
     processes = max(processes, os.cpu_count() or 1)

@@ -27,7 +27,7 @@ scheduled, and TCP's copies compete for the cores with the computing ranks; a ru
 dependent messages pays those waits, as a ring allreduce does.
 
 Run inside the emulated cluster by ``bench/cluster/bench_cluster.py`` to measure the network
-the scaling model (:mod:`hpcps.scaling`) is checked against.
+the scaling model (:mod:`hpcps.tools.scaling`) is checked against.
 """
 from __future__ import annotations
 

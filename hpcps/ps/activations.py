@@ -13,7 +13,7 @@ to a shard contains, how the shard applies it. Per layer the shard receives only
 columns of the rows it holds and the whole error block (each value sent once to each shard
 that needs it).
 
-A conv model (:class:`hpcps.convnet.ConvNet`) pushes its conv layers' kernels and biases as
+A conv model (:class:`hpcps.model.convnet.ConvNet`) pushes its conv layers' kernels and biases as
 dense gradients, always (Adam, section 3.2: weight sharing makes them small), and its fully
 connected layers as above; a conv layer is one unit of the vector (pieces of kind ``dW`` and
 ``db``), never cut between shards.

@@ -10,9 +10,9 @@ import numpy as np
 from mpi4py import MPI
 
 from hpcps import trace
-from hpcps.chunks import ChunkPlan
-from hpcps.comm import wait_all
-from hpcps.protocol import ByteMessage, H, Message, Tag
+from hpcps.ps.chunks import ChunkPlan
+from hpcps.mpi.comm import wait_all
+from hpcps.mpi.protocol import ByteMessage, H, Message, Tag
 
 
 def fill_packed(msg: ByteMessage, body: np.ndarray, steps: int, loss_sum: float, rows: int,
@@ -44,7 +44,7 @@ class Client:
     ----------
     comm : the communicator the shards listen on.
     server_ranks : rank of each shard in ``comm``.
-    ranges : which chunks each shard holds: a :class:`~hpcps.chunks.ChunkPlan`, or one
+    ranges : which chunks each shard holds: a :class:`~hpcps.ps.chunks.ChunkPlan`, or one
         contiguous ``(lo, hi)`` slice per shard.
     replica : this replica's index (sent along, for the shard's bookkeeping).
     timeout : seconds to wait for a shard before failing with its rank.

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from hpcps.protocol import H
+from hpcps.mpi.protocol import H
 from hpcps.ps.gradient_shard import ShardPolicy
 
 

@@ -39,8 +39,8 @@ import numpy as np
 from mpi4py import MPI
 
 from hpcps.blocks import block_range
-from hpcps.comm import PeerTimeout, Poller, wait_all
-from hpcps.protocol import H, Message, Tag
+from hpcps.mpi.comm import PeerTimeout, Poller, wait_all
+from hpcps.mpi.protocol import H, Message, Tag
 
 LAST = -1  # EPOCH_END's epoch in the keeper's answer to DONE: nothing follows
 

@@ -2,10 +2,10 @@
 consistency models that differ only in when a push is applied or a fetch answered.
 
 The shard owns a contiguous slice of the flat parameter vector and the optimizer state for it.
-It is handed the update rule as a callable (``apply(w, g, state)``, from :mod:`hpcps.optim`)
+It is handed the update rule as a callable (``apply(w, g, state)``, from :mod:`hpcps.model.optim`)
 and knows nothing of its internals. It serves replicas through the polling loop of
 :mod:`hpcps.ps.serve` until every replica has sent DONE. Every message kind is a
-:class:`hpcps.protocol.Tag`.
+:class:`hpcps.mpi.protocol.Tag`.
 
 What a push and a fetch *do* is the shard's **policy** (:class:`ShardPolicy` itself is Downpour's:
 apply every push on arrival, answer every fetch at once, so no replica waits for another).
@@ -41,9 +41,9 @@ import numpy as np
 from mpi4py import MPI
 
 from hpcps import trace
-from hpcps.comm import PeerTimeout
+from hpcps.mpi.comm import PeerTimeout
 from hpcps.errors import NonFiniteError
-from hpcps.protocol import HEADER_BYTES, ByteMessage, H, Message, Tag
+from hpcps.mpi.protocol import HEADER_BYTES, ByteMessage, H, Message, Tag
 from hpcps.ps.liveness import Liveness, finished_by
 from hpcps.ps.serve import serve
 
@@ -118,7 +118,7 @@ class GradientShard:
         update itself and returns None (activation pushes). The strategy builds it; the
         shard only knows bytes come in.
     policy : what a push and a fetch do (default :class:`ShardPolicy`: Downpour's).
-    tick : called by the serving loop now and then (the job's stop vote, :mod:`hpcps.stop`).
+    tick : called by the serving loop now and then (the job's stop vote, :mod:`hpcps.runtime.stop`).
     liveness : when replicas may die: their heartbeats and silences (None: every replica is
         waited for until DONE).
     replica_of : ``{world rank: replica}``, to name the replica whose message broke off.

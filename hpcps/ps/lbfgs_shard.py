@@ -23,7 +23,7 @@ from typing import Callable
 
 import numpy as np
 
-from hpcps.protocol import H, Message, Op, Tag
+from hpcps.mpi.protocol import H, Message, Op, Tag
 from hpcps.ps.liveness import finished_by
 from hpcps.ps.serve import serve
 
@@ -42,7 +42,7 @@ class VectorShard:
     timeout : seconds without any message before failing.
     on_gather : called as ``on_gather(op, step)`` on CHECKPOINT and FINISH; every shard
         calls it at the same command, so it may run a collective over the shards.
-    tick : called by the serving loop now and then (the job's stop vote, :mod:`hpcps.stop`).
+    tick : called by the serving loop now and then (the job's stop vote, :mod:`hpcps.runtime.stop`).
     may_lose : seconds to wait for a transfer to or from a replica that may have died (None:
         replicas do not die, every transfer is waited for).
     """

@@ -21,8 +21,8 @@ import time
 
 from mpi4py import MPI
 
-from hpcps.comm import Poller
-from hpcps.protocol import H, Message, Tag
+from hpcps.mpi.comm import Poller
+from hpcps.mpi.protocol import H, Message, Tag
 
 HEARTBEATS_PER_TIMEOUT = 5  # a replica is lost after missing this many heartbeats in a row
 
@@ -113,7 +113,3 @@ def finished_by(req, deadline: float) -> bool:
     except MPI.Exception:
         return False
     return True
-
-
-def has_thread_multiple(provided: int | None = None) -> bool:
-    return (MPI.Query_thread() if provided is None else provided) >= MPI.THREAD_MULTIPLE

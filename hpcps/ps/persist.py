@@ -5,7 +5,7 @@ cache whose dirty chunks are flushed in the background).
 
 Files, in the run directory::
 
-    checkpoint-persisted.h5          the manifest: an hpcps checkpoint (hpcps/checkpoint.py)
+    checkpoint-persisted.h5          the manifest: an hpcps checkpoint (hpcps/io/checkpoint.py)
                                      whose /params and /optimizer datasets are virtual
     persist/from-<step>/shard-<s>.h5 shard s's chunks (one generation per run: <step> is
                                      the step the run started from)
@@ -28,7 +28,7 @@ The manifest, written by server shard 0 once every shard has created its file, m
 layer's array (and each optimizer state array) piece by piece onto the shard files: a chunk
 is a run of the flat vector, so it covers at most a few hyperslabs of a layer
 (:func:`boxes`). Plain h5py reads ``f["params/layer0/W"]`` as a whole layer. The manifest's
-step is the smallest ``chunk_step`` over all chunks (:func:`hpcps.checkpoint.load` reads it
+step is the smallest ``chunk_step`` over all chunks (:func:`hpcps.io.checkpoint.load` reads it
 from the virtual dataset ``/persisted/chunk_step``): what a resume starts from. Everything
 applied after it is the window of potential loss, which the shards report.
 """
@@ -263,7 +263,7 @@ class Persister:
         return {"flushes": self.flushes, "skipped_rounds": self.skipped,
                 "bytes_written": self.bytes, "write_s": round(self.write_s, 3),
                 "copy_s": round(self.copy_s, 3), "persisted_step": self.persisted_step,
-                "max_window_steps": self.max_window}
+                "max_window_steps": self.max_window, "manifest": MANIFEST_NAME}
 
     # -- the writer thread ---------------------------------------------------------------------
     def _run(self) -> None:
@@ -303,7 +303,7 @@ def start(ctx, shard: int, shards: list, params: np.ndarray, state: dict[str, np
     its file, and start the writer. ``shards``: ``(partition, offset of the partition's
     slice in the global vector, its ChunkPlan, the shard's index among the partition's
     shards)`` for every shard in order (:func:`hpcps.strategies.downpour.shard_locals`)."""
-    from hpcps.comm import barrier, wait_all
+    from hpcps.mpi.comm import barrier, wait_all
 
     comm, timeout = ctx.grid.server_comm, ctx.cfg.timeout
     stamp = np.array([time.time_ns() // 1_000_000], dtype=np.int64)  # shard 0's, for all
@@ -328,8 +328,7 @@ def start(ctx, shard: int, shards: list, params: np.ndarray, state: dict[str, np
 
 def write_manifest(ctx, shards: list, generation: Path, step: int) -> Path:
     """The checkpoint whose datasets read the shard files in ``generation``."""
-    from hpcps import checkpoint
-
+    from hpcps.io import checkpoint
     full = ctx.full_model
     keys = list(ctx.optimizer.state_keys)
     places = placements(ctx.model, full)

@@ -2,7 +2,7 @@
 applies and secondaries that follow, and a secondary that takes over when its primary dies
 (Project Adam, section 3.3).
 
-**Sets and holders.** The chunk plan (:mod:`hpcps.chunks`) gives each of the S shards its
+**Sets and holders.** The chunk plan (:mod:`hpcps.ps.chunks`) gives each of the S shards its
 *home set* of chunks. Set ``h`` is held by shards ``h, h+1, ..., h+C-1`` (mod S), in that
 order; the first of them alive is the set's *primary*, the others its *secondaries*. Every
 shard is the primary of its own home set while it lives and a secondary of the C-1 sets
@@ -53,8 +53,8 @@ from collections import deque
 import numpy as np
 from mpi4py import MPI
 
-from hpcps.comm import PeerTimeout, Poller
-from hpcps.protocol import HEADER_BYTES, ByteMessage, H, Message, Tag
+from hpcps.mpi.comm import PeerTimeout, Poller
+from hpcps.mpi.protocol import HEADER_BYTES, ByteMessage, H, Message, Tag
 from hpcps.ps.client import fill_packed
 from hpcps.ps.gradient_shard import ShardPolicy
 from hpcps.ps.liveness import HEARTBEATS_PER_TIMEOUT, HeartbeatThread, Liveness, finished_by

@@ -1,16 +1,16 @@
 """The one polling loop every server-like rank runs: probe, wait with back-off, dispatch on tag.
 
 ps-lite keeps its server loop fixed and makes the request handler the plug-in; so does this:
-a shard hands :func:`serve` a handler per :class:`~hpcps.protocol.Tag`, and the loop receives
+a shard hands :func:`serve` a handler per :class:`~hpcps.mpi.protocol.Tag`, and the loop receives
 nothing itself. A handler is called as ``handler(source, status)`` once a message with its tag
 is waiting (the status holds its size); it receives the message and returns True to end the
 loop. A tag with no handler is a protocol error, reported with its sender.
 
 The loop polls (``Iprobe``) rather than blocking in ``Recv``, so that it can fail after
 ``timeout`` seconds without any message, naming what it still waits for, and between polls it
-yields the core (:class:`~hpcps.comm.Poller`): ranks are often oversubscribed. An optional
+yields the core (:class:`~hpcps.mpi.comm.Poller`): ranks are often oversubscribed. An optional
 ``tick`` is called when the loop is idle and every ``TICK_EVERY`` messages, so a serving rank
-still takes part in the job's stop vote (:mod:`hpcps.stop`) and notices silent peers; a tick
+still takes part in the job's stop vote (:mod:`hpcps.runtime.stop`) and notices silent peers; a tick
 that returns True ends the loop (the last peer it waited for was lost).
 """
 from __future__ import annotations
@@ -21,8 +21,8 @@ from typing import Callable, Mapping
 from mpi4py import MPI
 
 from hpcps import trace
-from hpcps.comm import PeerTimeout, Poller
-from hpcps.protocol import Tag
+from hpcps.mpi.comm import PeerTimeout, Poller
+from hpcps.mpi.protocol import Tag
 
 Handler = Callable[[int, MPI.Status], "bool | None"]
 Tick = Callable[[], "bool | None"]

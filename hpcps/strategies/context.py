@@ -22,15 +22,17 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from hpcps import checkpoint, optim
-from hpcps.comm import ReplicaExchange, gather_to_root
+from hpcps.io import checkpoint
+
+from hpcps.model import optim
+from hpcps.mpi.comm import ReplicaExchange, gather_to_root
 from hpcps.blocks import block_range
-from hpcps.data import DatasetInfo
+from hpcps.io.data import DatasetInfo
 from hpcps.errors import NonFiniteError
-from hpcps.metrics import Metrics
-from hpcps.model import MLP
-from hpcps.stop import StopVote
-from hpcps.topology import Grid
+from hpcps.runtime.metrics import Metrics
+from hpcps.model.mlp import MLP
+from hpcps.runtime.stop import StopVote
+from hpcps.mpi.topology import Grid
 
 if TYPE_CHECKING:  # annotations only: config reads the strategy registry
     from hpcps.config import Config
@@ -72,11 +74,11 @@ class Context:
     test_y: np.ndarray | None = None
     reporter: int = 0                  # the rank that logs and prints the summary
     resumed: dict | None = None        # the metrics saved in the --resume checkpoint
-    stop: StopVote | None = None       # SIGTERM/SIGUSR1 agreed among the ranks (hpcps.stop)
+    stop: StopVote | None = None       # SIGTERM/SIGUSR1 agreed among the ranks (hpcps.runtime.stop)
 
     def stop_requested(self) -> bool:
         """At a safe point of a rank that runs at its own pace: poll the stop vote (never
-        waits); True once this rank should stop (see :mod:`hpcps.stop`)."""
+        waits); True once this rank should stop (see :mod:`hpcps.runtime.stop`)."""
         return self.stop is not None and self.stop.poll()
 
     def stop_tick(self) -> None:
@@ -189,7 +191,7 @@ def evaluate(ctx: Context, params: np.ndarray, step: int) -> tuple[float, float]
     Raises NonFiniteError when the test loss is NaN or infinite: the data are finite
     (checked at load), so the parameters overflow the forward pass, finite or not.
     """
-    from hpcps import conv_hogwild  # the compiled forward pass for conv models
+    from hpcps.engine import conv_hogwild  # the compiled forward pass for conv models
     loss, acc = conv_hogwild.evaluate(ctx.full_model, params, ctx.test_x, ctx.test_y)
     check_test_loss(loss, step)
     return loss, acc
@@ -318,7 +320,8 @@ def explain_nonfinite(ctx: Context, exc: NonFiniteError) -> NonFiniteError:
 
 def warn_divergence(ctx: Context, watch, fired: dict, step: int) -> None:
     """The divergence warning, once: a ``warning`` record in metrics.jsonl and one line on the
-    terminal, with the usual causes. ``watch`` is the :class:`~hpcps.metrics.DivergenceWatch`
+    terminal, with the usual causes. ``watch`` is the
+    :class:`~hpcps.runtime.metrics.DivergenceWatch`
     that returned ``fired``. Training goes on: a warning, not a stop."""
     text = f"{watch.describe(fired, step)}. {causes_text(ctx)}".rstrip()
     ctx.metrics.record("warning", echo=False, step=step, reason="diverging", message=text,

@@ -7,7 +7,7 @@ from contextlib import contextmanager
 import numpy as np
 
 from hpcps import trace
-from hpcps.comm import ReplicaExchange, dup_comm
+from hpcps.mpi.comm import ReplicaExchange, dup_comm
 from hpcps.strategies.context import Context
 
 
@@ -16,9 +16,9 @@ class GradientSource:
     (T > 1) T mini-batches trained by T Hogwild threads.
 
     One mini-batch (T = 1) goes through the compiled engine's forward and backward pass
-    (:meth:`hpcps.hogwild.HogwildEngine.loss_and_grad`: BLAS without temporaries, the first
+    (:meth:`hpcps.engine.hogwild.HogwildEngine.loss_and_grad`: BLAS without temporaries, the first
     layer skipping zero inputs; for a conv model
-    :meth:`hpcps.conv_hogwild.ConvHogwild.loss_and_grad`) when the model is whole and the
+    :meth:`hpcps.engine.conv_hogwild.ConvHogwild.loss_and_grad`) when the model is whole and the
     engine is built, else through ``model.loss_and_grad`` (NumPy; always so with P > 1).
     Both compute the same gradient, to float32 rounding.
 
@@ -29,9 +29,9 @@ class GradientSource:
     copy stood when it looked (Hogwild: possibly moved by the other threads' steps), so with
     T > 1 results are no longer bit-reproducible.
 
-    With P = 1 the threads are :mod:`hpcps.hogwild`'s compiled nogil engine on the whole
-    model (:mod:`hpcps.conv_hogwild`'s for a conv model). With P > 1 they are
-    :class:`hpcps.partitioned_hogwild.PartitionedHogwild`: thread t of every partition rank
+    With P = 1 the threads are :mod:`hpcps.engine.hogwild`'s compiled nogil engine on the whole
+    model (:mod:`hpcps.engine.conv_hogwild`'s for a conv model). With P > 1 they are
+    :class:`hpcps.engine.partitioned_hogwild.PartitionedHogwild`: thread t of every partition rank
     of the replica computes one mini-batch (rows t*batch .. (t+1)*batch of the T*batch the
     strategy hands over, the same rows on every partition)
     through its own :class:`ReplicaExchange`, over its own duplicate of the replica
@@ -57,12 +57,12 @@ class GradientSource:
             self.delta = np.empty(n, dtype=np.float32)
             self.lr = float(cfg.lr)
         if self.partitioned:
-            from hpcps.partitioned_hogwild import PartitionedHogwild
+            from hpcps.engine.partitioned_hogwild import PartitionedHogwild
             comms = dup_comm(ctx.grid.replica_comm, self.threads, cfg.timeout,
                              "the other partitions of this replica to duplicate the replica "
                              "communicator (one per Hogwild thread)")
             self.exchanges = [ReplicaExchange(c, cfg.timeout) for c in comms]
-            from hpcps.convnet import build_partition
+            from hpcps.model.convnet import build_partition
             self.engine = PartitionedHogwild(
                 cfg.layers, cfg.activation, ctx.model.parts, ctx.model.part, self.exchanges,
                 timeout=cfg.timeout * 2 * ctx.model.n_layers,
@@ -71,7 +71,7 @@ class GradientSource:
                                                       self.exchanges.index(ex)))
             self._seen = (0, 0.0)  # the threads' exchange figures already reported
         elif self.threads > 1:
-            from hpcps.conv_hogwild import engine_for
+            from hpcps.engine.conv_hogwild import engine_for
             self.engine = engine_for(ctx.full_model, cfg.activation, threads=self.threads,
                                      batch=cfg.batch_size)
             self.order = np.arange(self.batch)
@@ -79,7 +79,7 @@ class GradientSource:
         self.pass_s = self.pass_cpu_s = 0.0
         self.compiled_one = None
         if self.threads == 1 and not ctx.partitioned:
-            from hpcps import conv_hogwild, hogwild
+            from hpcps.engine import conv_hogwild, hogwild
             if cfg.model is None and hogwild.HAVE_EXTENSION:
                 self.compiled_one = hogwild.HogwildEngine(cfg.layers, cfg.activation,
                                                           threads=1, batch=cfg.batch_size)

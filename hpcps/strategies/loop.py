@@ -10,11 +10,12 @@ Numerical health, checked here for every strategy built on the loop: the trainin
 scalar, every step (a non-finite one stops the job: :class:`~hpcps.errors.NonFiniteError`);
 the parameters at each progress record and each periodic evaluation or checkpoint (one pass
 over the vector, a few times a minute); and the chief feeds its loss to a
-:class:`~hpcps.metrics.DivergenceWatch`, which warns once when the loss climbs and stays high.
+:class:`~hpcps.runtime.metrics.DivergenceWatch`, which warns once when the loss climbs and stays
+high.
 A non-finite gradient or update shows in the next step's loss, so a diverged run stops within
 a step or two, before any checkpoint is written from it (and the writer refuses one besides).
 
-Stopping early (SIGTERM or SIGUSR1, :mod:`hpcps.stop`): after each iteration, once its
+Stopping early (SIGTERM or SIGUSR1, :mod:`hpcps.runtime.stop`): after each iteration, once its
 evaluation and checkpoint are done, the loop asks whether to stop. Lockstep strategies
 (``lockstep = True``: every replica runs the same iterations, sync and averaging) ask the
 world-wide vote at the same iteration on every rank; the others poll it at their own pace,
@@ -36,38 +37,22 @@ from abc import ABC, abstractmethod
 
 import numpy as np
 
-from hpcps import checkpoint, optim, trace
-from hpcps.data import Batches, Prefetcher
-from hpcps.errors import ConfigError, NonFiniteError
-from hpcps.metrics import DivergenceWatch
-from hpcps.options import (DROPOUT, INJECT_SLOW, LR_SCHEDULE, PREFETCH, WEIGHT_DECAY,
-                           parse_inject_slow)
-from hpcps.stacks import collect_wait
-from hpcps.stop import StopVote
-from hpcps.comm import PeerTimeout, dup_comm
+from hpcps import trace
+
+from hpcps.io import checkpoint
+
+from hpcps.model import optim
+from hpcps.io.data import Batches, Prefetcher
+from hpcps.errors import NonFiniteError
+from hpcps.runtime.metrics import DivergenceWatch
+from hpcps.options import (parse_inject_slow)
+from hpcps.runtime.stacks import collect_wait
+from hpcps.runtime.stop import StopVote
+from hpcps.mpi.comm import PeerTimeout, dup_comm
 from hpcps.strategies.context import (Context, crossed, evaluate, gather_state,
                                       model_parallel_figures, rate, save_checkpoint,
                                       warn_divergence)
 from hpcps.strategies.gradients import GradientSource
-
-
-# The options every strategy built on this loop takes (each lists ``*LOOP_OPTIONS``): batch
-# prefetch, a slowed replica for tests, weight decay, added to every gradient (in
-# ``GradientSource``) whatever the strategy then does with it, the learning-rate schedule,
-# which each strategy applies where its updates are taken (``ReplicaLoop.lr_factor``), and
-# dropout, which lives in the model's training pass (``hpcps.convnet``).
-LOOP_OPTIONS = (PREFETCH, INJECT_SLOW, WEIGHT_DECAY, LR_SCHEDULE, DROPOUT)
-
-
-def check_options(cfg) -> None:
-    """Checks every strategy built on this loop shares (its ``validate``, or part of it)."""
-    if cfg.inject_slow is not None:
-        parse_inject_slow(cfg.inject_slow)
-    if cfg.dropout and cfg.model is None:
-        widths = ",".join(f"fc{n}" for n in cfg.layers[1:])
-        raise ConfigError("--dropout applies to the hidden fc layers of a --model network; "
-                          f"an MLP with dropout is --model {widths} (the same network as "
-                          "--layers without its input width)")
 
 
 def stall(timeout: float) -> None:

@@ -1,29 +1,36 @@
-"""The strategy registry: each strategy module declares everything the program needs to know.
+"""The strategy registry: each strategy package declares everything the program needs to know.
 
-A strategy is one module in ``hpcps/strategies/`` that exports ``STRATEGY``, a
-:class:`Strategy`. :func:`strategies` finds every such module (no list to edit elsewhere):
-``config`` builds the options, defaults and checks from the declarations, ``train`` plans the
-layout, dispatches each rank's role and prints the summary from them. No strategy name appears
-outside its own module and its tests.
+A strategy is a package in ``hpcps/strategies/`` whose ``__init__`` exports ``STRATEGY``, a
+:class:`Strategy`. The declaration imports no MPI: its roles are named by import path
+(``"hpcps.strategies.sync.replica:run"``) and load only when a rank runs them, so ``--help``,
+config parsing and every tool that reads declarations work where MPI does not.
+:func:`strategies` finds every such package (no list to edit elsewhere), plus the declaration
+modules named in ``HPCPS_STRATEGIES`` (comma-separated module names, for strategies kept outside
+hpcps) and those installed under the ``hpcps.strategies`` entry-point group. ``config`` builds
+the options, defaults and checks from the declarations, ``train`` plans the layout, dispatches
+each rank's role and prints the summary from them. No strategy name appears outside its own
+package and its tests.
 
-Adding a strategy: write ``hpcps/strategies/<name>.py`` with its ``run_*`` functions and a
-``STRATEGY = Strategy(...)`` at the bottom, its tests, and its row in the README's strategy
-table (docs/adding-a-strategy.md).
+Adding a strategy: docs/adding-a-strategy.md.
 """
 from __future__ import annotations
 
 import functools
 import importlib
+import os
 import pkgutil
+from importlib.metadata import entry_points
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from hpcps.options import Option
 
-if TYPE_CHECKING:  # only for annotations: config imports this module
+if TYPE_CHECKING:  # annotations only: a declaration needs neither type at run time
     from hpcps.config import Config
     from hpcps.strategies.context import Context
 
+PLUGINS_ENV = "HPCPS_STRATEGIES"  # extra declaration modules, comma-separated
+ENTRY_POINTS = "hpcps.strategies"  # entry-point group of installed strategies
 ROLES = ("replica", "server", "coordinator")
 NO_SERVERS, SERVERS = "none", "required"
 
@@ -40,9 +47,11 @@ class Strategy:
     ----------
     name : the value of ``--strategy``.
     help : one sentence for ``--help``: what the replicas do and how they combine their work.
-    roles : the function each role runs, ``{"replica": run_replica, "server": ...,
-        "coordinator": ...}``; each takes the :class:`~hpcps.strategies.context.Context` and
-        returns a dict of figures (the reporter's goes into the summary).
+    roles : the function each role runs, by import path: ``{"replica":
+        "hpcps.strategies.sync.replica:run", "server": ..., "coordinator": ...}`` (loaded
+        when a rank runs it; a callable is taken too); each takes the
+        :class:`~hpcps.strategies.context.Context` and returns a dict of figures (the
+        reporter's goes into the summary).
     servers : ``"none"`` (``--servers`` must be 0) or ``"required"`` (at least one shard).
     coordinator : one extra rank, the last, runs the ``coordinator`` role.
     options : the options that belong to this strategy (refused with the others). An option
@@ -60,15 +69,16 @@ class Strategy:
     check_resume : ``check_resume(cfg, checkpoint)``, raising CheckpointError when the
         checkpoint cannot continue this strategy.
     describe : ``describe(cfg, n_train) -> str``, how it trains, for the start line.
-    summarize : ``summarize(ctx, results) -> dict``: the strategy's own summary figures from
-        every rank's result (default: the reporter's ``figures``). ``bytes_per_step`` and
+    summarize : ``summarize(ctx, results) -> dict``, or its import path: the strategy's own
+        summary figures from every rank's result (default: the reporter's ``figures``).
+        ``bytes_per_step`` and
         ``mean_staleness`` go into the summary's common columns.
     summary_lines : ``summary_lines(figures) -> list[str]``, extra lines for the terminal.
     """
 
     name: str
     help: str
-    roles: Mapping[str, Callable[["Context"], dict]]
+    roles: Mapping[str, str | Callable[["Context"], dict]]
     servers: str = NO_SERVERS
     coordinator: bool = False
     options: tuple[Option, ...] = ()
@@ -82,7 +92,7 @@ class Strategy:
     validate: Callable[["Config"], None] = _no_checks
     check_resume: Callable[["Config", Any], None] | None = None
     describe: Callable[["Config", int], str] | None = None
-    summarize: Callable[["Context", list], dict] | None = None
+    summarize: str | Callable[["Context", list], dict] | None = None
     summary_lines: Callable[[dict], list[str]] | None = None
 
     def __post_init__(self):
@@ -99,6 +109,10 @@ class Strategy:
                              "'coordinator' role")
         if self.replica_data not in ("shard", "whole"):
             raise ValueError(f"strategy {self.name}: replica_data is 'shard' or 'whole'")
+        for role, target in self.roles.items():
+            if isinstance(target, str) and ":" not in target:
+                raise ValueError(f"strategy {self.name}: role {role} is 'module:function', "
+                                 f"got {target!r}")
 
     @property
     def uses_servers(self) -> bool:
@@ -108,22 +122,50 @@ class Strategy:
         d = self.defaults(cfg) if callable(self.defaults) else self.defaults
         return {"optimizer": self.optimizers[0], **d}
 
+    def role(self, kind: str) -> Callable[["Context"], dict]:
+        """The function of role ``kind``, imported now if it is named by path."""
+        return load(self.roles[kind])
+
     def run(self, ctx: "Context") -> dict:
         """Run this rank's role."""
-        return self.roles[ctx.grid.role.kind](ctx)
+        return self.role(ctx.grid.role.kind)(ctx)
+
+    def summarizer(self) -> Callable[["Context", list], dict] | None:
+        return None if self.summarize is None else load(self.summarize)
+
+
+def load(target):
+    """``"package.module:name"`` imported, or a callable as it is."""
+    if not isinstance(target, str):
+        return target
+    module, _, name = target.partition(":")
+    return getattr(importlib.import_module(module), name)
 
 
 # The strategy run when --strategy is not given.
 DEFAULT = "downpour"
 
 
+def _declaration_modules() -> list[str]:
+    """Where declarations live: hpcps's own strategy packages, then the plug-ins."""
+    import hpcps.strategies as package
+    names = [f"{package.__name__}.{m.name}" for m in pkgutil.iter_modules(package.__path__)
+             if m.ispkg]
+    names += [n.strip() for n in os.environ.get(PLUGINS_ENV, "").split(",") if n.strip()]
+    names += [ep.value for ep in entry_points(group=ENTRY_POINTS)]
+    return names
+
+
 @functools.cache
 def strategies() -> dict[str, Strategy]:
-    """Every strategy module's ``STRATEGY``, by name (the default first, then by name)."""
-    import hpcps.strategies as package
-    found = {}
-    for mod in pkgutil.iter_modules(package.__path__):
-        module = importlib.import_module(f"{package.__name__}.{mod.name}")
+    """Every declared ``STRATEGY``, by name (the default first, then by name)."""
+    found: dict[str, Strategy] = {}
+    for name in _declaration_modules():
+        try:
+            module = importlib.import_module(name)
+        except ImportError as exc:
+            raise ValueError(f"strategy module {name!r} ({PLUGINS_ENV} or an installed "
+                             f"plug-in) cannot be imported: {exc}") from exc
         spec = getattr(module, "STRATEGY", None)
         if isinstance(spec, Strategy):
             if spec.name in found:

@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from hpcps import compress
-from hpcps.comm import wait_all
-from hpcps.strategies.deadreckon import Peers
+from hpcps.compress import codec as compress
+from hpcps.mpi.comm import wait_all
+from hpcps.strategies.deadreckon.replica import Peers
 
 N_WEIGHTS = 20000
 MESSAGES = 30

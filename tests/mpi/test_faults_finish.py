@@ -1,4 +1,4 @@
-"""The end of a run whose replicas may die (hpcps.faults.finish), on K ranks.
+"""The end of a run whose replicas may die (hpcps.runtime.faults.finish), on K ranks.
 
 Launched with the other multi-rank tests by ``tests/test_mpi_suites.py`` (K = 1-4).
 """
@@ -8,9 +8,9 @@ import time
 
 import pytest
 
-from hpcps import faults
-from hpcps.protocol import Tag
-from hpcps.topology import Layout, world_comm
+from hpcps.runtime import faults
+from hpcps.mpi.protocol import Tag
+from hpcps.mpi.topology import Layout, world_comm
 
 
 def _one_shard():

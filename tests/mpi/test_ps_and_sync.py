@@ -8,12 +8,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hpcps import optim
-from hpcps.model import MLP
+from hpcps.model import optim
+from hpcps.model.mlp import MLP
 from hpcps.ps.client import Client
 from hpcps.ps.gradient_shard import GradientShard, ShardPolicy
-from hpcps.strategies.sync import sync_step
-from hpcps.topology import Layout, build_grid, shard_range, world_comm
+from hpcps.strategies.sync.replica import sync_step
+from hpcps.mpi.topology import Layout, build_grid, shard_range, world_comm
 
 TIMEOUT = 60.0
 
@@ -165,8 +165,8 @@ def test_two_shards_hold_their_own_slices(comm):
 @pytest.mark.mpi
 def test_partitioned_model_over_mpi_equals_the_whole_model(comm):
     """All ranks form one replica of P = size partitions, exchanging over MPI."""
-    from hpcps.comm import ReplicaExchange
-    from hpcps.model import PartitionedMLP
+    from hpcps.mpi.comm import ReplicaExchange
+    from hpcps.model.mlp import PartitionedMLP
     P, p = comm.Get_size(), comm.Get_rank()
     sizes = (16, 11, 9, 5)
     whole = MLP(sizes, "relu")

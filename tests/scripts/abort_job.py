@@ -1,5 +1,5 @@
 """Rank 1 fails while the other ranks wait on it forever: the job must end at once, not hang."""
-from hpcps.topology import world_comm
+from hpcps.mpi.topology import world_comm
 from hpcps.train import guarded
 
 world = world_comm()

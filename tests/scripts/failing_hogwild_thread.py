@@ -6,8 +6,8 @@ Usage: mpiexec -n 4 python failing_hogwild_thread.py <hpcps.train options>
 import sys
 import threading
 
-from hpcps import partitioned_hogwild
-from hpcps.topology import world_comm
+from hpcps.engine import partitioned_hogwild
+from hpcps.mpi.topology import world_comm
 from hpcps.train import main
 
 rank = world_comm().Get_rank()

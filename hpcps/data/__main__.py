@@ -1,7 +1,0 @@
-"""``python -m hpcps.data prepare mnist|digits`` and ``python -m hpcps.data info PATH``."""
-
-import sys
-
-from hpcps.data.sources import main
-
-sys.exit(main())

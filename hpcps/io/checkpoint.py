@@ -1,0 +1,882 @@
+"""Checkpoints: one self-describing HDF5 file per save, written atomically.
+
+A checkpoint holds the whole model (every layer, unpartitioned), the optimizer state, the step,
+the run's config, the identity of the dataset and the latest metrics. It does not record how
+many ranks wrote it, so a run can resume on a different number of servers, replicas or
+partitions. Whoever holds the full state (after a gather) calls :func:`save`; this module does
+no MPI. Plain ``h5py`` reads the file; ``python -m hpcps.inspect FILE`` prints a summary.
+
+File layout (``LAYOUT_VERSION = 1``)::
+
+    /                                 root attributes:
+    |   format          "hpcps-checkpoint"
+    |   layout_version  1
+    |   hpcps_version   version of hpcps that wrote the file
+    |   step            global step (mini-batches applied)
+    |   created         UTC time of the save, ISO 8601
+    |   layer_sizes     int64 array [n_0, n_1, ..., n_L], e.g. [784, 512, 512, 10]
+    |   description     one sentence saying what the file is and where it is explained
+    |   config_json     the config as JSON (what load() uses: types survive)
+    |   dataset_json    the dataset identity as JSON (what load() uses)
+    |   metrics_json    the metrics as JSON (what load() uses)
+    |   meta_sha256     SHA-256 of everything except the array data (see below)
+    |
+    +-- params/                       attr description
+    |   +-- layer0/
+    |   |   +-- W      float32 (n_0, n_1)   attr description: y = act(x @ W + b)
+    |   |   +-- b      float32 (n_1,)       attr description
+    |   +-- layer1/ ... layer{L-1}/
+    +-- optimizer/                    attrs name ("sgd", "adagrad", ...), description
+    |   +-- accum/layer0/W ...        one dataset per opt_state key, attr description
+    +-- config/                       one attr per config key, nested keys joined with "."
+    |                                 (lists as arrays, None as the string "none")
+    +-- dataset/                      one attr per dataset identity key (name, fingerprint,
+    |                                 n_train, n_test, n_features, n_classes)
+    +-- metrics/                      one attr per metric (train_loss, test_accuracy, ...)
+
+Integrity. Every dataset is chunked with the Fletcher-32 filter, so a flipped byte in the array
+data fails the read; no compression (gzip is ~50x slower than raw writes on incompressible
+weights). The file uses the HDF5 1.10 format (``libver=("v110", "latest")``), whose superblock,
+object headers and indexes carry checksums of their own. Every string attribute is a
+fixed-length UTF-8 string, so it sits in a checksummed object header: variable-length strings
+live in HDF5's global heap, which has no checksum, and one flipped byte there made the HDF5
+library loop forever on open. (h5py hands fixed-length strings back as ``bytes``:
+``f.attrs["format"].decode()``; ``json.loads`` takes the bytes as they are.) On top of that,
+``meta_sha256`` is a SHA-256 over the format, layout version, step, optimizer name, the names,
+shapes and dtypes of all datasets and the three JSON strings; load() recomputes it, so an edited
+or damaged value that still parses is refused. Flipping any single byte of a checkpoint makes
+load() raise or return exactly the saved state (tests/test_checkpoint.py sweeps the file). The
+per-key attributes of ``/config``, ``/dataset`` and ``/metrics`` are for people and for tools
+that read the file with h5py; load() reads the JSON copies.
+
+Atomicity. save() writes ``<name>.tmp-<pid>`` in the target's directory, flushes and fsyncs it,
+closes it, renames it onto the target with ``os.replace`` and fsyncs the directory. A crash or
+``kill -9`` during the write leaves the previous checkpoint untouched; the stale temporary file
+is harmless (load() of it fails cleanly), and the next save by a process with the same pid
+replaces it. Temporary files of other pids are left alone: they may belong to a live writer.
+
+Every problem with a file or with the state handed to save() raises
+:class:`hpcps.errors.CheckpointError` with the path and the reason.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import h5py
+import numpy as np
+
+from hpcps import __version__
+from hpcps.errors import CheckpointError, HpcpsError
+
+FORMAT = "hpcps-checkpoint"
+LAYOUT_VERSION = 1
+PERSISTED = "persisted"  # the group of a persistence manifest (its chunk steps)
+
+DESCRIPTION = (
+    "hpcps training checkpoint: the network's weights under /params, optimizer state under "
+    "/optimizer, the run's config, dataset identity and metrics; the layout is explained in the "
+    "hpcps docs (docs/formats.md, section 'Checkpoints') and in the docstring of "
+    "hpcps/io/checkpoint.py, and "
+    "'python -m hpcps.inspect FILE' prints a summary."
+)
+
+# The name of a parameter under /params (and a key of Checkpoint.params).
+PARAM_NAME = re.compile(r"^layer(0|[1-9][0-9]*)/(W|b)$")
+_OPT_KEY_PART = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*$")
+
+# What a known optimizer-state kind means, for the description attribute of its datasets.
+_OPT_KINDS = {
+    "accum": "Adagrad accumulator (running sum of squared gradients)",
+    "momentum": "momentum buffer (velocity)",
+    "velocity": "momentum buffer (velocity)",
+}
+
+
+@dataclass
+class Checkpoint:
+    """Everything a run needs to resume.
+
+    Parameters
+    ----------
+    params : dict of str to ndarray
+        ``"layer{i}/W"`` float32 ``(fan_in, fan_out)`` and ``"layer{i}/b"`` float32
+        ``(fan_out,)`` for layers ``0..L-1``, shapes chaining from layer to layer.
+    optimizer : str
+        Name of the optimizer whose state this is, e.g. ``"sgd"`` or ``"adagrad"``.
+    opt_state : dict of str to ndarray
+        Optimizer state by key, e.g. ``"accum/layer0/W"``; empty for plain SGD.
+    step : int
+        Global step: mini-batches applied so far.
+    config : dict
+        The run's config as plain JSON-able values (tuples come back as lists).
+    dataset : dict
+        Dataset identity: name, fingerprint, n_train, n_test, n_features, n_classes.
+    metrics : dict
+        Latest metrics, e.g. ``{"train_loss": .., "test_accuracy": .., "elapsed_s": ..}``.
+    path : Path or None
+        The file this was loaded from (set by :func:`load`, used in messages; not compared).
+    """
+
+    params: dict[str, np.ndarray]
+    optimizer: str
+    opt_state: dict[str, np.ndarray]
+    step: int
+    config: dict
+    dataset: dict
+    metrics: dict = field(default_factory=dict)
+    path: Path | None = field(default=None, compare=False, repr=False)
+
+
+# ---------------------------------------------------------------------------------------------
+# validation (shared by save and load, so a hand-edited file is held to the same rules)
+
+
+def layer_sizes(params: dict[str, np.ndarray]) -> list[int]:
+    """Return ``[n_0, n_1, ..., n_L]`` of a params dict, checking names, dtypes and shapes.
+
+    Raises
+    ------
+    CheckpointError
+        If a name is not ``layer{i}/W`` or ``layer{i}/b``, a layer is missing or incomplete, an
+        array is not float32, or the shapes do not chain (W_i is (n_i, n_{i+1}), b_i (n_{i+1},)).
+    """
+    if not isinstance(params, dict) or not params:
+        raise CheckpointError(
+            "params must be a non-empty dict like "
+            "{'layer0/W': .., 'layer0/b': ..}"
+        )
+    layers: dict[int, set[str]] = {}
+    for name, value in params.items():
+        m = PARAM_NAME.match(name) if isinstance(name, str) else None
+        if m is None:
+            raise CheckpointError(
+                f"param name {name!r} is not of the form 'layer{{i}}/W' or "
+                f"'layer{{i}}/b'"
+            )
+        if not isinstance(value, np.ndarray) or value.dtype != np.float32:
+            kind = value.dtype if isinstance(value, np.ndarray) else type(value).__name__
+            raise CheckpointError(f"param {name} must be a float32 ndarray, got {kind}")
+        layers.setdefault(int(m.group(1)), set()).add(m.group(2))
+    n_layers = len(layers)
+    if sorted(layers) != list(range(n_layers)):
+        raise CheckpointError(
+            f"layers must be numbered 0..{n_layers - 1} without gaps, got "
+            f"{sorted(layers)}"
+        )
+    sizes: list[int] = []
+    for i in range(n_layers):
+        for part in ("W", "b"):
+            if part not in layers[i]:
+                raise CheckpointError(f"param layer{i}/{part} is missing")
+        W, b = params[f"layer{i}/W"], params[f"layer{i}/b"]
+        if W.ndim != 2 or b.ndim != 1 or b.shape[0] != W.shape[1]:
+            raise CheckpointError(
+                f"layer{i}: W must be (fan_in, fan_out) and b (fan_out,), got W {W.shape} and b "
+                f"{b.shape}"
+            )
+        if i == 0:
+            sizes.append(int(W.shape[0]))
+        elif W.shape[0] != sizes[-1]:
+            raise CheckpointError(
+                f"layer{i}/W has fan_in {W.shape[0]} but layer{i - 1} has fan_out {sizes[-1]}: "
+                "shapes do not chain"
+            )
+        sizes.append(int(W.shape[1]))
+    return sizes
+
+
+def conv_model(config: dict, dataset: dict):
+    """The :class:`~hpcps.model.convnet.ConvNet` a checkpoint's config names (``model``), on its
+    dataset's image shape; None for an MLP checkpoint."""
+    spec = config.get("model") if isinstance(config, dict) else None
+    if not isinstance(spec, str) or not spec:   # an MLP's run (config files of others: any)
+        return None
+    from hpcps.model.convnet import ConvNet
+    shape = dataset.get("image_shape") or (dataset.get("n_features", 0), 1, 1)
+    try:
+        return ConvNet(spec, shape, config.get("activation", "relu"))
+    except (ValueError, TypeError, HpcpsError) as exc:
+        raise CheckpointError(f"its config names model {spec!r}, which cannot be built on "
+                              f"images of shape {shape}: {exc}") from None
+
+
+def architecture_sizes(params: dict[str, np.ndarray], config: dict, dataset: dict) -> list[int]:
+    """:func:`layer_sizes` of an MLP checkpoint; for a conv model (``config["model"]``), its
+    parameters checked against the model's names and shapes (conv kernels ``(out, in, kh,
+    kw)``) and its ``sizes``: input units, then the output units of each layer with
+    parameters."""
+    model = conv_model(config, dataset)
+    if model is None:
+        return layer_sizes(params)
+    want = {name: shape for name, shape, _ in model.layout}
+    if not isinstance(params, dict) or set(params) != set(want):
+        have = sorted(params) if isinstance(params, dict) else type(params).__name__
+        raise CheckpointError(f"params {have} are not those of model {model.spec_text!r}: "
+                              f"{sorted(want)}")
+    for name, shape in want.items():
+        value = params[name]
+        if not isinstance(value, np.ndarray) or value.dtype != np.float32:
+            raise CheckpointError(f"param {name} must be a float32 ndarray")
+        if value.shape != shape:
+            raise CheckpointError(f"param {name} has shape {value.shape}; model "
+                                  f"{model.spec_text!r} needs {shape}")
+    return list(model.sizes)
+
+
+_sizes_of = layer_sizes  # check_compatible() has an argument of the same name
+
+
+def _check_opt_state(opt_state: dict[str, np.ndarray]) -> None:
+    if not isinstance(opt_state, dict):
+        raise CheckpointError(f"opt_state must be a dict of arrays, got {type(opt_state).__name__}")
+    for key, value in opt_state.items():
+        parts = key.split("/") if isinstance(key, str) else [""]
+        if not all(_OPT_KEY_PART.match(p) for p in parts):
+            raise CheckpointError(
+                f"opt_state key {key!r} must be '/'-separated names of letters, digits, '_', '.', "
+                "'-'"
+            )
+        if not isinstance(value, np.ndarray) or value.dtype.kind not in "biuf":
+            kind = value.dtype if isinstance(value, np.ndarray) else type(value).__name__
+            raise CheckpointError(f"opt_state {key} must be a numeric ndarray, got {kind}")
+        if value.ndim == 0:
+            raise CheckpointError(f"opt_state {key} is a 0-d array; store it with shape (1,)")
+    keys = set(opt_state)
+    for key in keys:
+        parts = key.split("/")
+        for k in range(1, len(parts)):
+            if "/".join(parts[:k]) in keys:
+                raise CheckpointError(
+                    f"opt_state keys {'/'.join(parts[:k])!r} and {key!r} clash: one would be a "
+                    "group of the other"
+                )
+
+
+def _plain(value: Any, where: str) -> Any:
+    """Return ``value`` as plain JSON types (numpy scalars unwrapped), or raise naming ``where``."""
+    if value is None or isinstance(value, (bool, str)):
+        return value
+    if isinstance(value, np.generic):
+        return _plain(value.item(), where)
+    if isinstance(value, (int, float)):
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_plain(v, f"{where}[{i}]") for i, v in enumerate(value)]
+    if isinstance(value, dict):
+        out = {}
+        for k, v in value.items():
+            if not isinstance(k, str):
+                raise CheckpointError(f"{where}: key {k!r} is not a string (JSON keys are strings)")
+            out[k] = _plain(v, f"{where}.{k}")
+        return out
+    raise CheckpointError(
+        f"{where} is a {type(value).__name__}, not a JSON value "
+        "(str/int/float/bool/list/dict/None)"
+    )
+
+
+def _checked(ckpt: Checkpoint) -> tuple[list[int], dict, dict, dict]:
+    if not isinstance(ckpt, Checkpoint):
+        raise CheckpointError(f"save() needs a Checkpoint, got {type(ckpt).__name__}")
+    sizes = architecture_sizes(ckpt.params, ckpt.config if isinstance(ckpt.config, dict) else {},
+                               ckpt.dataset if isinstance(ckpt.dataset, dict) else {})
+    if not isinstance(ckpt.optimizer, str) or not _OPT_KEY_PART.match(ckpt.optimizer):
+        raise CheckpointError(
+            "optimizer must be a name like 'sgd' or 'adagrad', got "
+            f"{ckpt.optimizer!r}"
+        )
+    _check_opt_state(ckpt.opt_state)
+    if isinstance(ckpt.step, bool) or not isinstance(ckpt.step, (int, np.integer)) or ckpt.step < 0:
+        raise CheckpointError(f"step must be a non-negative int, got {ckpt.step!r}")
+    plain = []
+    for name in ("config", "dataset", "metrics"):
+        value = getattr(ckpt, name)
+        if not isinstance(value, dict):
+            raise CheckpointError(f"{name} must be a dict, got {type(value).__name__}")
+        plain.append(_plain(value, name))
+    return sizes, plain[0], plain[1], plain[2]
+
+
+# ---------------------------------------------------------------------------------------------
+# writing
+
+
+def _meta_digest(step: int, optimizer: str, arrays: dict[str, tuple[tuple[int, ...], str]],
+                 config_json: str, dataset_json: str, metrics_json: str) -> str:
+    """SHA-256 over all content except array data; ``arrays`` maps HDF5 path to (shape, dtype)."""
+    canonical = json.dumps(
+        {
+            "format": FORMAT,
+            "layout_version": LAYOUT_VERSION,
+            "step": int(step),
+            "optimizer": optimizer,
+            "arrays": {k: [list(s), d] for k, (s, d) in sorted(arrays.items())},
+            "config_json": config_json,
+            "dataset_json": dataset_json,
+            "metrics_json": metrics_json,
+        },
+        sort_keys=True,
+    )
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def _fixed_str(value: str | list[str]) -> np.ndarray:
+    """A fixed-length UTF-8 string (or array of them) for an attribute.
+
+    Variable-length strings would live in HDF5's unchecksummed global heap, where a flipped byte
+    in an object's length made HDF5 loop forever on open; fixed-length strings sit inside the
+    checksummed object headers. h5py returns them as bytes; ``.decode()`` gives the text.
+    """
+    if isinstance(value, list):
+        encoded = [v.encode("utf-8") for v in value]
+        longest = max((len(e) for e in encoded), default=1)
+    else:
+        encoded = value.encode("utf-8")
+        longest = len(encoded)
+    return np.array(encoded, dtype=h5py.string_dtype("utf-8", max(1, longest)))
+
+
+def _human_attr(value: Any) -> Any:
+    """A value as an HDF5 attribute a person can read: lists as arrays, None as "none"."""
+    if value is None:
+        return _fixed_str("none")
+    if isinstance(value, str):
+        return _fixed_str(value)
+    if isinstance(value, (bool, int, float)):
+        return value
+    if isinstance(value, list) and value:
+        if all(isinstance(v, str) for v in value):
+            return _fixed_str(value)
+        if all(isinstance(v, bool) for v in value):
+            return np.array(value, dtype=bool)
+        if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
+            return np.array(value)
+    return _fixed_str(json.dumps(value))  # empty or mixed lists: the JSON text says it best
+
+
+def flatten_keys(d: dict, prefix: str = "") -> dict[str, Any]:
+    """``d`` as one level, nested keys joined with ``"."``: the attribute names of ``/config``,
+    ``/dataset`` and ``/metrics`` (an empty dict stays a value, so it is not lost)."""
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and v:
+            out.update(flatten_keys(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def _write_attrs(group: h5py.Group, d: dict) -> None:
+    for k, v in flatten_keys(d).items():
+        group.attrs[k or "(empty key)"] = _human_attr(v)  # HDF5 refuses an empty attribute name
+
+
+def _opt_description(optimizer: str, key: str, params: dict) -> str:
+    kind, _, rest = key.partition("/")
+    text = f"{optimizer} optimizer state {key!r}"
+    if kind in _OPT_KINDS:
+        text += f": {_OPT_KINDS[kind]}"
+    if rest in params:
+        text += f" for /params/{rest} (same shape)"
+    return text
+
+
+def _write_conv_params(g: h5py.Group, model, params: dict, put) -> None:
+    """/params of a conv model: its spec and layers in the group's attributes, kernels
+    (out, in, kh, kw) as in ONNX and PyTorch (docs/conv.md)."""
+    g.attrs["description"] = _fixed_str(
+        f"the parameters of the network {model.spec_text!r} on {model.input_shape} images "
+        "(C, H, W); layers with parameters are numbered layer0, layer1, ...: conv kernels W "
+        "are (out_maps, in_maps, kh, kw) as in ONNX and PyTorch, fc weights W (fan_in, "
+        "fan_out) with y = act(x @ W + b) on the maps flattened in C, H, W order")
+    g.attrs["model_spec"] = _fixed_str(model.spec_text)
+    g.attrs["architecture"] = _fixed_str(model.describe())
+    for op in model.ops:
+        if op.param < 0:
+            continue
+        W, b = params[f"layer{op.param}/W"], params[f"layer{op.param}/b"]
+        if op.spec.kind == "conv":
+            what = (f"{op.spec.text}: kernels (out_maps, in_maps, kh, kw) = {W.shape}, "
+                    "cross-correlation as in torch.nn.functional.conv2d")
+        else:
+            what = f"{op.spec.text}: weights (fan_in, fan_out) = {W.shape}: y = act(x @ W + b)"
+        put(f"params/layer{op.param}/W", W, what)
+        put(f"params/layer{op.param}/b", b, f"{op.spec.text}: biases, one per output "
+            f"{'map' if op.spec.kind == 'conv' else 'unit'}, shape {b.shape}")
+
+
+def _virtual(f: h5py.File, name: str, shape, dtype, pieces) -> h5py.Dataset:
+    """A virtual dataset ``name`` of ``shape`` assembled from ``pieces``: ``[(file, dataset,
+    its length, [(index, start, count)])]``, each mapping ``source[start:start + count]`` of a
+    1-D source dataset onto the hyperslab ``index``."""
+    layout = h5py.VirtualLayout(shape=tuple(shape), dtype=dtype)
+    for file, dset, length, maps in pieces:
+        src = h5py.VirtualSource(file, dset, shape=(length,))
+        for index, start, count in maps:
+            layout[index] = src[start:start + count]
+    fill = np.nan if np.dtype(dtype).kind == "f" else -1
+    return f.create_virtual_dataset(name, layout, fillvalue=fill)
+
+
+def _write(path: Path, ckpt: Checkpoint, virtual: dict | None = None) -> None:
+    """Write ``ckpt`` to ``path`` (not atomically), flush and fsync it. save() wraps this.
+
+    ``virtual``: write a persistence manifest instead (:mod:`hpcps.ps.persist`): every
+    dataset is virtual, ``virtual[name]`` says from which pieces of which shard files, and
+    the arrays of ``ckpt`` only give the shapes."""
+    sizes, config, dataset, metrics = _checked(ckpt)
+    config_json = json.dumps(config)
+    dataset_json = json.dumps(dataset)
+    metrics_json = json.dumps(metrics)
+    arrays = {f"params/{k}": (v.shape, v.dtype.str) for k, v in ckpt.params.items()}
+    arrays.update({f"optimizer/{k}": (v.shape, v.dtype.str) for k, v in ckpt.opt_state.items()})
+    digest = _meta_digest(int(ckpt.step), ckpt.optimizer, arrays, config_json, dataset_json,
+                          metrics_json)
+
+    with h5py.File(path, "w", libver=("v110", "latest"), track_order=True) as f:
+        a = f.attrs
+        a["format"] = _fixed_str(FORMAT)
+        a["layout_version"] = LAYOUT_VERSION
+        a["hpcps_version"] = _fixed_str(__version__)
+        a["step"] = np.int64(ckpt.step)
+        now = datetime.datetime.now(datetime.timezone.utc)
+        a["created"] = _fixed_str(now.isoformat(timespec="seconds"))
+        a["layer_sizes"] = np.array(sizes, dtype=np.int64)
+        a["description"] = _fixed_str(DESCRIPTION)
+        a["config_json"] = _fixed_str(config_json)
+        a["dataset_json"] = _fixed_str(dataset_json)
+        a["metrics_json"] = _fixed_str(metrics_json)
+        a["meta_sha256"] = _fixed_str(digest)
+
+        def put(name: str, data: np.ndarray, description: str) -> None:
+            if virtual is None:
+                dset = f.create_dataset(name, data=data, chunks=True, fletcher32=True)
+            else:
+                dset = _virtual(f, name, data.shape, data.dtype, virtual[name])
+            dset.attrs["description"] = _fixed_str(description)
+
+        if virtual is not None:
+            g = f.create_group(PERSISTED)
+            g.attrs["description"] = _fixed_str(
+                "this checkpoint is a manifest: its datasets are virtual, read from the server "
+                "shards' own files (hpcps/ps/persist.py, docs/fault-tolerance.md); its step "
+                "is the smallest of chunk_step, the step at which each chunk was last written")
+            _virtual(f, f"{PERSISTED}/chunk_step", virtual[f"{PERSISTED}/chunk_step"][0],
+                     np.int64, virtual[f"{PERSISTED}/chunk_step"][1])
+
+        g = f.create_group("params")
+        conv = conv_model(config, dataset)
+        if conv is not None:
+            _write_conv_params(g, conv, ckpt.params, put)
+        else:
+            g.attrs["description"] = _fixed_str(
+                f"the network's parameters, {len(sizes) - 1} fully connected layers of sizes "
+                f"{' -> '.join(map(str, sizes))}; layer i computes y = act(x @ W + b)"
+            )
+        for i in range(len(sizes) - 1 if conv is None else 0):
+            W, b = ckpt.params[f"layer{i}/W"], ckpt.params[f"layer{i}/b"]
+            put(f"params/layer{i}/W", W,
+                f"weights of layer {i}, shape (fan_in, fan_out) = {W.shape}: y = act(x @ W + b)")
+            put(f"params/layer{i}/b", b,
+                f"biases of layer {i}, shape (fan_out,) = {b.shape}: y = act(x @ W + b)")
+
+        g = f.create_group("optimizer")
+        g.attrs["name"] = _fixed_str(ckpt.optimizer)
+        g.attrs["description"] = _fixed_str(
+            f"state of the {ckpt.optimizer} optimizer, one dataset per key"
+            + ("" if ckpt.opt_state else " (none: this optimizer keeps no state)")
+        )
+        for key, value in ckpt.opt_state.items():
+            put(f"optimizer/{key}", value, _opt_description(ckpt.optimizer, key, ckpt.params))
+
+        _write_attrs(f.create_group("config", track_order=True), config)
+        _write_attrs(f.create_group("dataset", track_order=True), dataset)
+        _write_attrs(f.create_group("metrics", track_order=True), metrics)
+
+        f.flush()
+        fd = f.id.get_vfd_handle()  # the sec2 driver's file descriptor
+        os.fsync(fd if isinstance(fd, int) else int(fd))
+
+
+def _fsync_dir(directory: Path) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
+        return  # cannot open directories (not POSIX): the rename is done, durability best effort
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some file systems refuse fsync on a directory (EINVAL); the rename still happened
+    finally:
+        os.close(fd)
+
+
+def save(path: str | os.PathLike, ckpt: Checkpoint, virtual: dict | None = None) -> Path:
+    """Write ``ckpt`` to ``path`` atomically and return the path.
+
+    The state is checked first (nothing is written for bad input). The file is written as
+    ``<name>.tmp-<pid>`` in the same directory, flushed, fsynced and closed, then renamed onto
+    ``path`` and the directory fsynced: a reader sees the old file or the new one, never a
+    partial one, also if this process is killed during the write.
+
+    Parameters
+    ----------
+    path : str or PathLike
+        Target file, conventionally ``*.h5``. Its directory must exist.
+    ckpt : Checkpoint
+        The full state; see :class:`Checkpoint` for the rules it must follow.
+
+    Raises
+    ------
+    CheckpointError
+        If the state breaks the rules, or the file cannot be written (the reason is given).
+    """
+    path = Path(path)
+    _checked(ckpt)  # refuse bad input before touching the file system
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    try:
+        tmp.unlink(missing_ok=True)  # a stale temp of a crashed save by a process with our pid
+        _write(tmp, ckpt, virtual)
+        os.replace(tmp, path)
+    except BaseException as exc:
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:
+            pass
+        if isinstance(exc, OSError):
+            raise CheckpointError(f"cannot write checkpoint {path}: {exc}") from exc
+        raise
+    _fsync_dir(path.parent)
+    return path
+
+
+# ---------------------------------------------------------------------------------------------
+# reading
+
+
+def _attr_str(attrs: h5py.AttributeManager, name: str) -> str:
+    value = attrs[name]
+    if isinstance(value, (bytes, np.bytes_)):
+        value = value.decode("utf-8")
+    if not isinstance(value, str):
+        raise ValueError(f"attribute {name!r} is {type(value).__name__}, expected a string")
+    return value
+
+
+def _datasets(group: h5py.Group) -> dict[str, h5py.Dataset]:
+    found: dict[str, h5py.Dataset] = {}
+
+    def visit(name: str, obj: Any) -> None:
+        if isinstance(obj, h5py.Dataset):
+            found[name] = obj
+
+    group.visititems(visit)
+    return found
+
+
+def load_with_header(path: str | os.PathLike) -> tuple[Checkpoint, dict[str, Any]]:
+    """Read a checkpoint fully, as :func:`load` does, and the facts about the file itself.
+
+    Returns
+    -------
+    ckpt : Checkpoint
+        What :func:`load` returns.
+    header : dict
+        ``format``, ``layout_version``, ``hpcps_version`` and ``created`` (None when the file
+        lacks them) and ``file_size`` in bytes: what ``python -m hpcps.inspect`` shows besides
+        the state itself.
+
+    Raises
+    ------
+    CheckpointError
+        As :func:`load`.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"checkpoint not found: {path}")
+    if path.is_dir():
+        raise CheckpointError(f"checkpoint {path} is a directory, not a file")
+
+    def missing(what: str) -> CheckpointError:
+        return CheckpointError(f"checkpoint {path} lacks {what}: not a complete hpcps checkpoint")
+
+    try:
+        with h5py.File(path, "r") as f:
+            a = f.attrs
+            if "format" not in a:
+                raise CheckpointError(
+                    f"{path} is an HDF5 file but not an hpcps checkpoint (no root attribute "
+                    "'format')"
+                )
+            fmt = _attr_str(a, "format")
+            if fmt != FORMAT:
+                raise CheckpointError(
+                    f"{path} is not an hpcps checkpoint: format is {fmt!r}, expected "
+                    f"{FORMAT!r}"
+                )
+            if "layout_version" not in a:
+                raise missing("the root attribute 'layout_version'")
+            version = a["layout_version"]
+            if not isinstance(version, (int, np.integer)) or int(version) != LAYOUT_VERSION:
+                shown = int(version) if isinstance(version, (int, np.integer)) else repr(version)
+                raise CheckpointError(
+                    f"checkpoint {path} has layout_version {shown}; this hpcps ({__version__}) "
+                    f"reads layout_version {LAYOUT_VERSION} only"
+                )
+            for name in ("step", "layer_sizes", "config_json", "dataset_json", "metrics_json",
+                         "meta_sha256"):
+                if name not in a:
+                    raise missing(f"the root attribute {name!r}")
+            for name in ("params", "optimizer", "config", "dataset", "metrics"):
+                if name not in f:
+                    raise missing(f"the group /{name}")
+            if "name" not in f["optimizer"].attrs:
+                raise missing("the attribute 'name' of /optimizer")
+
+            sizes = [int(n) for n in np.asarray(a["layer_sizes"]).ravel()]
+            for i in range(len(sizes) - 1):
+                for part in ("W", "b"):
+                    name = f"layer{i}/{part}"
+                    if name not in f["params"]:
+                        raise missing(f"the dataset /params/{name}")
+            if PERSISTED in f:
+                _check_sources(f, path)
+            params = {k: d[()] for k, d in _datasets(f["params"]).items()}
+            opt_state = {k: d[()] for k, d in _datasets(f["optimizer"]).items()}
+            step = a["step"]
+            persisted = _persisted_step(f) if PERSISTED in f else None
+            optimizer = _attr_str(f["optimizer"].attrs, "name")
+            config_json = _attr_str(a, "config_json")
+            dataset_json = _attr_str(a, "dataset_json")
+            metrics_json = _attr_str(a, "metrics_json")
+            stored_digest = _attr_str(a, "meta_sha256")
+            header = {
+                "format": fmt,
+                "layout_version": int(version),
+                "hpcps_version": _attr_str(a, "hpcps_version") if "hpcps_version" in a else None,
+                "created": _attr_str(a, "created") if "created" in a else None,
+                "file_size": path.stat().st_size,
+            }
+    except CheckpointError:
+        raise
+    except Exception as exc:  # h5py raises OSError, KeyError, ValueError, ... for damaged files
+        raise CheckpointError(
+            f"checkpoint {path} is unreadable (truncated or corrupt): {type(exc).__name__}: {exc}"
+        ) from exc
+
+    arrays = {f"params/{k}": (v.shape, v.dtype.str) for k, v in params.items()}
+    arrays.update({f"optimizer/{k}": (v.shape, v.dtype.str) for k, v in opt_state.items()})
+    if not isinstance(step, (int, np.integer)):
+        raise CheckpointError(
+            f"checkpoint {path} is unreadable (truncated or corrupt): step is "
+            f"{step!r}"
+        )
+    digest = _meta_digest(int(step), optimizer, arrays, config_json, dataset_json, metrics_json)
+    if digest != stored_digest:
+        raise CheckpointError(
+            f"checkpoint {path} is unreadable (truncated or corrupt): its metadata does not match "
+            f"meta_sha256 (names, shapes, step or JSON attributes were altered)"
+        )
+    try:
+        config, dataset, metrics = (json.loads(s)
+                                    for s in (config_json, dataset_json, metrics_json))
+    except ValueError as exc:
+        raise CheckpointError(
+            f"checkpoint {path} is unreadable (truncated or corrupt): {exc}"
+        ) from exc
+    if persisted is not None:  # a manifest: the step its shard files hold
+        step = persisted
+    ckpt = Checkpoint(params=params, optimizer=optimizer, opt_state=opt_state, step=int(step),
+                      config=config, dataset=dataset, metrics=metrics, path=path)
+    try:
+        found = _checked(ckpt)[0]
+    except CheckpointError as exc:
+        raise CheckpointError(f"checkpoint {path} is inconsistent: {exc}") from exc
+    if found != sizes:
+        raise CheckpointError(
+            f"checkpoint {path} is inconsistent: layer_sizes says {sizes} but /params holds {found}"
+        )
+    return ckpt, header
+
+
+def _check_sources(f: h5py.File, path: Path) -> None:
+    """A manifest's shard files must all be there: a missing one would read as fill values."""
+    for name in [f"{PERSISTED}/chunk_step"] + [f"params/{k}" for k in _datasets(f["params"])]:
+        for source in f[name].virtual_sources():
+            where = Path(source.file_name)
+            where = where if where.is_absolute() else path.parent / where
+            if not where.is_file():
+                raise CheckpointError(f"checkpoint {path} is a persistence manifest, and the "
+                                      f"server shard file {where} it reads is missing")
+
+
+def _persisted_step(f: h5py.File) -> int:
+    steps = np.asarray(f[f"{PERSISTED}/chunk_step"][()])
+    if len(steps) == 0 or steps.min() < 0:
+        raise CheckpointError(f"checkpoint {f.filename}: a shard file lacks the steps of its "
+                              "chunks")
+    return int(steps.min())
+
+
+def peek_step(path: str | os.PathLike) -> int | None:
+    """The step of the checkpoint at ``path`` from its root attribute alone (no arrays read;
+    for a persistence manifest, its chunks' steps), or None when there is no readable
+    checkpoint there. For messages about a stopped run and for ``--resume auto``."""
+    try:
+        with h5py.File(path, "r") as f:
+            if PERSISTED in f:
+                return _persisted_step(f)
+            step = f.attrs.get("step")
+            return int(step) if isinstance(step, (int, np.integer)) else None
+    except Exception:  # missing, not HDF5, damaged: there is no checkpoint to name
+        return None
+
+
+def nonfinite(arrays: dict[str, np.ndarray]) -> tuple[int, str] | None:
+    """None when every value of the named arrays is finite; else (how many values are NaN or
+    infinite, the name of the first array holding one). One pass over each array."""
+    total, first = 0, None
+    for name, a in arrays.items():
+        with np.errstate(over="ignore", invalid="ignore"):
+            if np.isfinite(np.sum(a, dtype=np.float64)):
+                continue  # a float64 sum of float32 values is finite only when every one is
+        bad = int(np.count_nonzero(~np.isfinite(a)))
+        total += bad
+        if bad and first is None:
+            first = name
+    return None if total == 0 else (total, first)
+
+
+def check_finite(ckpt: Checkpoint) -> None:
+    """Refuse to resume from parameters or optimizer state holding NaN or infinity.
+
+    :func:`load` reads such a file (a diverged state may be inspected); resuming from it
+    would train on NaN. Training never writes one (``hpcps.strategies.context``).
+
+    Raises
+    ------
+    CheckpointError
+        Naming the file, how many values are not finite and where the first is.
+    """
+    bad = nonfinite({**{f"params/{k}": v for k, v in ckpt.params.items()},
+                     **{f"optimizer/{k}": v for k, v in ckpt.opt_state.items()}})
+    if bad is not None:
+        raise CheckpointError(f"{_where(ckpt)} holds {bad[0]} NaN or infinite value(s), the "
+                              f"first in {bad[1]}: the run that wrote it had diverged; resume "
+                              "from an earlier checkpoint or start anew")
+
+
+def latest(run_dir: str | os.PathLike) -> tuple[Checkpoint | None, list[str]]:
+    """The newest valid checkpoint in ``run_dir``, for ``--resume auto``.
+
+    Candidates are the files ``checkpoint*.h5`` (hpcps writes ``checkpoint.h5``; a temporary
+    ``checkpoint.h5.tmp-<pid>`` left by a killed writer is not one), tried by step, highest
+    first, then by modification time: the first that :func:`load` reads and whose values are
+    finite (:func:`check_finite`) is returned, with one line per candidate skipped and why.
+    ``(None, [])`` when there is no candidate (start fresh).
+
+    Raises
+    ------
+    CheckpointError
+        When there are candidates and none is valid: starting fresh would overwrite them, so
+        the user decides (the message names each file and its problem).
+    """
+    directory = Path(run_dir)
+    found = [p for p in directory.glob("checkpoint*.h5") if p.is_file()] \
+        if directory.is_dir() else []
+    found.sort(key=lambda p: (peek_step(p) or -1, p.stat().st_mtime), reverse=True)
+    skipped = []
+    for path in found:
+        try:
+            ckpt = load(path)
+            check_finite(ckpt)
+            return ckpt, skipped
+        except CheckpointError as exc:
+            skipped.append(f"skipped {path}: {exc}")
+    if skipped:
+        raise CheckpointError(f"--resume auto found no valid checkpoint in {directory}: "
+                              + "; ".join(skipped) + ". Move the file(s) away to start "
+                              "fresh, or give --resume a checkpoint")
+    return None, []
+
+
+def load(path: str | os.PathLike) -> Checkpoint:
+    """Read a checkpoint fully into memory (the file is closed on return).
+
+    Raises
+    ------
+    CheckpointError
+        If the file is missing, not HDF5, truncated or corrupt (a failed checksum), not an hpcps
+        checkpoint, of a layout version this hpcps does not read, or lacks a piece (named).
+    """
+    return load_with_header(path)[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# compatibility with the run that wants to resume
+
+
+def _where(ckpt: Checkpoint) -> str:
+    return f"checkpoint {ckpt.path}" if ckpt.path is not None else "the checkpoint"
+
+
+def check_compatible(ckpt: Checkpoint, layer_sizes: list[int], optimizer: str | None = None,
+                     dataset: dict | None = None) -> list[str]:
+    """Refuse to resume ``ckpt`` into a different model; return warnings for lesser mismatches.
+
+    Parameters
+    ----------
+    ckpt : Checkpoint
+        As returned by :func:`load`.
+    layer_sizes : list of int
+        The run's layer sizes ``[n_0, ..., n_L]``.
+    optimizer : str, optional
+        The run's optimizer; resuming with another one is refused (its state would not match).
+    dataset : dict, optional
+        The run's dataset identity. Different ``n_features`` or ``n_classes`` are refused; a
+        different ``name`` or ``fingerprint`` alone is allowed with a warning.
+
+    Returns
+    -------
+    list of str
+        Warnings for the caller to print (empty when everything matches).
+    """
+    where = _where(ckpt)
+    have = architecture_sizes(ckpt.params, ckpt.config, ckpt.dataset)
+    want = [int(n) for n in layer_sizes]
+    if have != want:
+        raise CheckpointError(
+            f"{where} holds layers {','.join(map(str, have))} but this run asks for "
+            f"{','.join(map(str, want))}"
+        )
+    if optimizer is not None and optimizer != ckpt.optimizer:
+        raise CheckpointError(
+            f"{where} was written by optimizer {ckpt.optimizer!r} but this run asks for "
+            f"{optimizer!r}; "
+            f"resuming with another optimizer is refused because its state would not match "
+            f"(use optimizer {ckpt.optimizer!r}, or start a new run)"
+        )
+    warnings: list[str] = []
+    if dataset is not None:
+        for key in ("n_features", "n_classes"):
+            if key in dataset and key in ckpt.dataset and dataset[key] != ckpt.dataset[key]:
+                raise CheckpointError(
+                    f"{where} was trained on data with {key} = {ckpt.dataset[key]} but this run's "
+                    f"dataset has {key} = {dataset[key]}"
+                )
+        for key in ("name", "fingerprint"):
+            if key in dataset and key in ckpt.dataset and dataset[key] != ckpt.dataset[key]:
+                warnings.append(
+                    f"{where} was trained on dataset {key} {ckpt.dataset[key]!r} but this run uses "
+                    f"{dataset[key]!r}; resuming anyway (same n_features and n_classes)"
+                )
+    return warnings
+

@@ -1,0 +1,365 @@
+"""The HDF5 dataset layout: its constants, writing it, checking a file against it, reading shards.
+
+Every rank of a job reads its own rows straight from one file, so the file format is the
+contract between preparing a dataset (:mod:`hpcps.io.data.sources`, run once, on a machine with
+network) and training (run on compute nodes that may have none). This module owns that
+contract. It does no MPI: callers pass the shard index and shard count they got from
+``topology.py``.
+
+Layout (``layout_version`` 1)
+-----------------------------
+Root attributes::
+
+    format          "hpcps-dataset"
+    layout_version  1
+    name            short name, e.g. "mnist"
+    n_classes       number of classes; labels are 0 .. n_classes-1
+    description     what the examples are
+    source          where the data came from (package, file, checksum)
+    image_shape     optional int64 [C, H, W]: each row of x is an image of C maps of H x W
+                    pixels, flattened C, H, W row-major (C*H*W = D); conv models
+                    (``--model``) need it. MNIST's is [1, 28, 28], digits' [1, 8, 8]
+
+Datasets, each with a ``description`` attribute saying what it holds::
+
+    /train/x   float32 (N, D)   one flattened example per row, features in [0, 1]
+    /train/y   int64   (N,)     class label of each row of /train/x
+    /test/x    float32 (M, D)
+    /test/y    int64   (M,)
+
+Datasets are stored uncompressed and contiguous, so that reading rows ``lo:hi`` is one read
+and any HDF5 reader can open the file without filter plugins.
+
+Bring your own data: any HDF5 file with ``train/x``, ``train/y``, ``test/x``, ``test/y`` is
+accepted when x is 2-D floating point, y is 1-D integer, x and y have the same number of
+rows, train and test have the same D, and labels are >= 0. ``n_classes`` is optional (then
+it is max label + 1); ``format`` and ``layout_version`` are optional for such files.
+x is converted to float32 on read and must be finite: NaN or infinity in the rows a rank reads
+is refused (:class:`DataError`, exit code 3) with the count and the first such row.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import h5py
+import numpy as np
+
+from hpcps.blocks import block_range
+from hpcps.errors import DataError
+
+FORMAT = "hpcps-dataset"
+LAYOUT_VERSION = 1
+SPLITS = ("train", "test")
+
+_FINGERPRINT_ROWS = 8
+_PREPARE_HINT = "prepare it with: python -m hpcps.data prepare mnist"
+
+
+# --------------------------------------------------------------------------------------------
+# Writing
+
+
+def write_dataset(
+    out_path: str | os.PathLike,
+    *,
+    name: str,
+    description: str,
+    source: str,
+    n_classes: int,
+    x_description: str,
+    train: tuple[np.ndarray, np.ndarray],
+    test: tuple[np.ndarray, np.ndarray],
+    image_shape: tuple[int, int, int] | None = None,
+) -> Path:
+    """Write one dataset file in layout 1, atomically.
+
+    The file is written to ``out_path.tmp-<pid>`` and renamed over ``out_path`` only when
+    complete, so a crash or a full disk never leaves a half-written file where training
+    would find it, and a file being read by a running job is never modified in place.
+    """
+    out_path = Path(out_path)
+    tmp_path = out_path.with_name(f"{out_path.name}.tmp-{os.getpid()}")
+    try:
+        out_path.parent.mkdir(parents=True, exist_ok=True)
+        with h5py.File(tmp_path, "w") as f:
+            f.attrs["format"] = FORMAT
+            f.attrs["layout_version"] = LAYOUT_VERSION
+            f.attrs["name"] = name
+            f.attrs["n_classes"] = int(n_classes)
+            f.attrs["description"] = description
+            f.attrs["source"] = source
+            if image_shape is not None:
+                f.attrs["image_shape"] = np.asarray(image_shape, dtype=np.int64)
+            for split, (x, y) in zip(SPLITS, (train, test)):
+                group = f.create_group(split)
+                group.attrs["description"] = f"{split} split of {name}"
+                dx = group.create_dataset("x", data=np.ascontiguousarray(x, dtype=np.float32))
+                dx.attrs["description"] = f"{split} examples, one per row: {x_description}"
+                dy = group.create_dataset("y", data=np.ascontiguousarray(y, dtype=np.int64))
+                dy.attrs["description"] = (
+                    f"class label (0..{n_classes - 1}) of each row of /{split}/x"
+                )
+        with open(tmp_path, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp_path, out_path)
+    except BaseException as exc:
+        try:
+            tmp_path.unlink(missing_ok=True)
+        except OSError:
+            pass  # nowhere to write means nothing was written
+        if isinstance(exc, OSError):
+            raise DataError(f"cannot write dataset {out_path}: {exc.strerror or exc}; give a "
+                            "path in a directory you can write to") from exc
+        raise
+    return out_path
+
+
+# --------------------------------------------------------------------------------------------
+# Reading
+
+
+@dataclass(frozen=True)
+class DatasetInfo:
+    """What a dataset file holds, checked; ``to_dict()`` is its identity in checkpoints.
+
+    ``fingerprint`` changes when the labels, the shapes or the ends of x change, so a
+    checkpoint resumed on other data is caught cheaply (without hashing all of x).
+    """
+
+    path: str
+    name: str
+    n_train: int
+    n_test: int
+    n_features: int
+    n_classes: int
+    fingerprint: str
+    image_shape: tuple[int, int, int] | None = None
+
+    def to_dict(self) -> dict:
+        """Plain JSON-able dict of the fields (``image_shape`` as a list, left out when the
+        dataset has none)."""
+        d = asdict(self)
+        if self.image_shape is None:
+            del d["image_shape"]
+        else:
+            d["image_shape"] = list(self.image_shape)
+        return d
+
+
+def _open_h5(path: str | os.PathLike) -> h5py.File:
+    path = Path(path)
+    if not path.exists():
+        raise DataError(f"dataset not found: {path} ({_PREPARE_HINT})")
+    if not path.is_file():
+        raise DataError(f"dataset {path} is not a file")
+    try:
+        return h5py.File(path, "r")
+    except OSError as exc:
+        raise DataError(f"cannot open dataset {path}: not a readable HDF5 file ({exc})") from exc
+
+
+def _dataset(f: h5py.File, path: Path, key: str) -> h5py.Dataset:
+    obj = f.get(key)
+    if not isinstance(obj, h5py.Dataset):
+        what = "missing" if obj is None else "not a dataset"
+        raise DataError(f"{path}: /{key} is {what}; a dataset file needs "
+                        "/train/x, /train/y, /test/x, /test/y")
+    return obj
+
+
+def _check_layout(f: h5py.File, path: Path) -> tuple[dict[str, tuple], int]:
+    """Check shapes, dtypes and labels; return {split: (x_shape, y)} and n_classes.
+
+    Reads the labels (small) but of x only its metadata.
+    """
+    fmt = f.attrs.get("format")
+    if fmt is not None and _attr_str(fmt) != FORMAT:
+        raise DataError(f"{path}: format attribute is {_attr_str(fmt)!r}, expected {FORMAT!r}")
+    version = f.attrs.get("layout_version")
+    if version is not None:
+        if not np.issubdtype(np.asarray(version).dtype, np.integer):
+            raise DataError(f"{path}: layout_version attribute {version!r} is not an integer")
+        if int(version) > LAYOUT_VERSION:
+            raise DataError(f"{path}: layout_version {int(version)} is newer than this hpcps "
+                            f"understands ({LAYOUT_VERSION}); upgrade hpcps")
+    splits = {}
+    n_features = None
+    for split in SPLITS:
+        dx = _dataset(f, path, f"{split}/x")
+        dy = _dataset(f, path, f"{split}/y")
+        if dx.ndim != 2:
+            raise DataError(f"{path}: /{split}/x has shape {dx.shape}; expected 2-D (N, D)")
+        if not np.issubdtype(dx.dtype, np.floating):
+            raise DataError(f"{path}: /{split}/x has dtype {dx.dtype}; expected floating point")
+        if dx.shape[0] == 0 or dx.shape[1] == 0:
+            raise DataError(f"{path}: /{split}/x has shape {dx.shape}; expected N >= 1, D >= 1")
+        if n_features is None:
+            n_features = dx.shape[1]
+        elif dx.shape[1] != n_features:
+            raise DataError(f"{path}: /{split}/x has shape {dx.shape}; expected "
+                            f"({dx.shape[0]}, {n_features}), the same D as /train/x")
+        if dy.shape != (dx.shape[0],):
+            raise DataError(f"{path}: /{split}/y has shape {dy.shape}; expected "
+                            f"({dx.shape[0]},), one label per row of /{split}/x")
+        if not np.issubdtype(dy.dtype, np.integer):
+            raise DataError(f"{path}: /{split}/y has dtype {dy.dtype}; expected integer labels")
+        y = dy[()].astype(np.int64, copy=False)
+        if y.min() < 0:
+            raise DataError(f"{path}: /{split}/y has negative labels (min {y.min()}); "
+                            "labels must be 0 .. n_classes-1")
+        splits[split] = (dx.shape, y)
+
+    max_label = max(int(y.max()) for _, y in splits.values())
+    n_classes = f.attrs.get("n_classes")
+    if n_classes is None:
+        n_classes = max_label + 1
+    else:
+        try:
+            n_classes = int(n_classes)
+        except (TypeError, ValueError):
+            raise DataError(f"{path}: n_classes attribute {n_classes!r} is not an integer")
+        if n_classes <= max_label:
+            raise DataError(f"{path}: label {max_label} found but n_classes is {n_classes}")
+    return splits, n_classes
+
+
+def _attr_str(value: object) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def open_dataset(path: str | os.PathLike) -> DatasetInfo:
+    """Check that ``path`` is a usable dataset file and describe it.
+
+    Reads the labels and the first and last rows of x, never all of x, so it is cheap to
+    call on every rank before training starts.
+
+    Raises
+    ------
+    DataError
+        The file is missing, not HDF5, truncated or unreadable, or not in the layout
+        described in this module's docstring; the message names the offending dataset and
+        the shape or dtype found versus expected.
+    """
+    path = Path(path)
+    with _open_h5(path) as f:
+        try:
+            splits, n_classes = _check_layout(f, path)
+            digest = hashlib.sha256()
+            for split in SPLITS:
+                x_shape, y = splits[split]
+                n = x_shape[0]
+                dx = f[f"{split}/x"]
+                digest.update(f"{split}/x{tuple(x_shape)};".encode())
+                digest.update(y.astype("<i8", copy=False).tobytes())
+                for lo, hi in ((0, min(n, _FINGERPRINT_ROWS)), (max(0, n - _FINGERPRINT_ROWS), n)):
+                    digest.update(np.asarray(dx[lo:hi], dtype="<f4").tobytes())
+            name = _attr_str(f.attrs.get("name", path.stem))
+            image_shape = _image_shape(f, path, splits["train"][0][1])
+        except OSError as exc:
+            raise DataError(f"cannot read dataset {path}: {exc} (truncated or corrupt?)") from exc
+    return DatasetInfo(
+        path=str(path),
+        name=name,
+        n_train=splits["train"][0][0],
+        n_test=splits["test"][0][0],
+        n_features=splits["train"][0][1],
+        n_classes=n_classes,
+        fingerprint=digest.hexdigest()[:16],
+        image_shape=image_shape,
+    )
+
+
+def _image_shape(f: h5py.File, path: Path, n_features: int) -> tuple[int, int, int] | None:
+    """The ``image_shape`` attribute, checked: three positive integers whose product is D."""
+    raw = f.attrs.get("image_shape")
+    if raw is None:
+        return None
+    a = np.asarray(raw)
+    if a.shape != (3,) or not np.issubdtype(a.dtype, np.integer) or a.min() < 1:
+        raise DataError(f"{path}: image_shape attribute {raw!r} is not three positive integers "
+                        "[C, H, W]")
+    shape = tuple(int(n) for n in a)
+    if shape[0] * shape[1] * shape[2] != n_features:
+        raise DataError(f"{path}: image_shape {list(shape)} holds {int(np.prod(shape))} values "
+                        f"but each row of x has {n_features}")
+    return shape
+
+
+def load_split(
+    path: str | os.PathLike, split: str, shard: int = 0, n_shards: int = 1
+) -> tuple[np.ndarray, np.ndarray]:
+    """Read shard ``shard`` of ``n_shards`` of a split: rows ``block_range(N, n_shards, shard)``.
+
+    Only those rows are read from disk, so each rank holds 1/n_shards of the data. They are
+checked once for NaN and infinity (:func:`check_finite_rows`), so each rank checks what it
+reads and no rank reads the whole file to check it.
+
+    Returns
+    -------
+    x : ndarray, float32, C-contiguous, shape (rows, D)
+    y : ndarray, int64, shape (rows,)
+
+    Raises
+    ------
+    DataError
+        Unknown split, a bad file (see :func:`open_dataset`), more shards than rows (a
+        rank with no data would have nothing to train on), or non-finite features.
+    """
+    if split not in SPLITS:
+        raise DataError(f"unknown split {split!r}; known: {', '.join(SPLITS)}")
+    path = Path(path)
+    with _open_h5(path) as f:
+        try:
+            splits, _ = _check_layout(f, path)
+            x_shape, y = splits[split]
+            n = x_shape[0]
+            lo, hi = block_range(n, n_shards, shard)
+            if lo == hi:
+                raise DataError(f"{path}: /{split} has {n} rows, too few for {n_shards} shards "
+                                f"(shard {shard} would be empty)")
+            dx = f[f"{split}/x"]
+            with np.errstate(over="ignore"):  # float64 beyond float32: inf, refused below
+                x = np.ascontiguousarray(dx[lo:hi], dtype=np.float32)
+            stored = dx.dtype
+        except OSError as exc:
+            raise DataError(f"cannot read dataset {path}: {exc} (truncated or corrupt?)") from exc
+    check_finite_rows(x, path, split, lo, stored)
+    return x, np.ascontiguousarray(y[lo:hi])
+
+
+def check_finite_rows(x: np.ndarray, path, split: str, lo: int = 0, stored=np.float32) -> None:
+    """Refuse features holding NaN or infinity: they would make every loss NaN.
+
+    ``x`` holds rows ``lo ..`` of ``/{split}/x`` as read (float32); ``stored`` is the dtype
+    in the file (a float64 value beyond float32's range becomes infinite on reading). One
+    pass, no temporary: the sum of all values is finite exactly when no value is NaN or
+    infinite, unless finite values overflow the sum, in which case the rows are looked at
+    one by one before anything is refused.
+
+    Raises
+    ------
+    DataError
+        With the number of non-finite values and the first row and column holding one
+        (row numbers count from the start of the split, not of this rank's rows).
+    """
+    with np.errstate(over="ignore", invalid="ignore"):
+        if x.size == 0 or np.isfinite(np.sum(x, dtype=np.float32)):
+            return
+    bad = ~np.isfinite(x)
+    count = int(np.count_nonzero(bad))
+    if count == 0:
+        return  # the sum overflowed; every value is finite
+    row, col = (int(i) for i in np.argwhere(bad)[0])
+    value = x[row, col]
+    why = ""
+    if np.dtype(stored).itemsize > 4 and not np.isnan(value):
+        why = f" (the file stores {np.dtype(stored)}; values beyond float32's range " \
+              "become infinite when read)"
+    raise DataError(f"{path}: /{split}/x holds {count} non-finite value(s) (NaN or infinity) "
+                    f"in rows {lo}..{lo + len(x) - 1}; the first is row {lo + row}, column "
+                    f"{col} ({value}){why}. Training on it would make every loss NaN: replace "
+                    "or drop those values before training")

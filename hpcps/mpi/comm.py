@@ -1,0 +1,156 @@
+"""Communication helpers every role uses: timed waits, gathers, communicator copies, and the
+exchange inside a model-parallel replica. Nothing here is specific to parameter servers.
+
+Every wait in hpcps goes through :func:`wait_all`: it polls the requests, yields the core
+between polls (ranks are often oversubscribed, and a rank spinning in MPI steals the CPU the
+rank it waits for needs), and after ``timeout`` seconds raises :class:`PeerTimeout` naming
+what, and which rank, it waited for. Collectives here are the non-blocking ones, waited on
+that way, so a missing rank ends the job with a message instead of a hang.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+from hpcps import trace
+from hpcps.blocks import displacements
+from hpcps.errors import HpcpsError
+
+
+class PeerTimeout(HpcpsError):
+    """Another rank did not answer in time."""
+
+    exit_code = 5
+
+
+class Poller:
+    """Back-off between polls: yield at first, then sleep a little longer each idle round."""
+
+    def __init__(self):
+        self.idle = 0
+
+    def reset(self) -> None:
+        self.idle = 0
+
+    def pause(self) -> None:
+        self.idle += 1
+        if self.idle < 200:
+            os.sched_yield()
+        else:
+            time.sleep(min(1e-3, 1e-5 * (self.idle - 199)))
+
+
+def wait_all(reqs, timeout: float, what: str) -> None:
+    """Complete every request in ``reqs`` or raise PeerTimeout after ``timeout`` seconds."""
+    if MPI.Request.Testall(reqs):
+        return
+    tr = trace.ACTIVE
+    t0 = tr.now() if tr is not None else 0
+    deadline = time.monotonic() + timeout
+    poll = Poller()
+    while not MPI.Request.Testall(reqs):
+        if time.monotonic() > deadline:
+            raise PeerTimeout(f"waited {timeout:.0f} s for {what}; that rank is stuck or dead "
+                              "(raise --timeout if it is only slow)")
+        poll.pause()
+    if tr is not None:
+        tr.span(trace.WAIT, what, t0)
+
+
+def barrier(comm, timeout: float, what: str) -> None:
+    """A barrier that fails after ``timeout`` seconds instead of hanging."""
+    wait_all([comm.Ibarrier()], timeout, what)
+
+
+def dup_comm(comm, copies: int, timeout: float, what: str) -> list:
+    """``copies`` duplicates of ``comm`` (collective over it: every rank asks for the same
+    number, in the same order), each waited on with ``timeout``."""
+    out = []
+    for _ in range(copies):
+        new, req = comm.Idup()
+        wait_all([req], timeout, what)
+        out.append(new)
+    return out
+
+
+def gather_to_root(comm, local: np.ndarray, counts, timeout: float, what: str,
+                   root: int = 0) -> np.ndarray | None:
+    """Concatenate every rank's float32 block, in rank order, on ``root`` (None elsewhere).
+
+    ``counts[i]`` is rank i's block length (every rank passes the same list). Collective
+    over ``comm``.
+    """
+    counts = [int(c) for c in counts]
+    displs = displacements(counts)
+    mine = comm.Get_rank() == root
+    out = np.empty(sum(counts), np.float32) if mine else None
+    recv = [out, counts, displs, MPI.FLOAT] if mine else None
+    wait_all([comm.Igatherv(np.ascontiguousarray(local, np.float32), recv, root=root)],
+             timeout, what)
+    return out
+
+
+def host() -> str:
+    return socket.gethostname()
+
+
+class ReplicaExchange:
+    """Model parallelism's traffic inside one replica, over its replica communicator.
+
+    ``gather``: every partition's block of a layer's activations to every partition (an
+    allgather: each value is sent once to each of the P-1 other ranks). ``scatter_sum``: the
+    partitions' contributions to the previous layer's error terms summed, each partition
+    receiving the rows it owns (a reduce-scatter). Counts the bytes this rank sends and the
+    seconds it spends in these exchanges (waiting included), for the progress line.
+    """
+
+    def __init__(self, comm, timeout: float):
+        self.comm = comm
+        self.rank = comm.Get_rank()
+        self.parts = comm.Get_size()
+        self.timeout = timeout
+        self.bytes_sent = 0
+        self.wait_s = 0.0
+
+    def _run(self, req, what: str) -> None:
+        t = time.perf_counter()
+        wait_all([req], self.timeout, f"the other partitions of this replica ({what})")
+        self.wait_s += time.perf_counter() - t
+
+    def gather(self, local_t: np.ndarray, widths) -> np.ndarray:
+        batch = local_t.shape[1]
+        counts = [w * batch for w in widths]
+        displs = displacements(counts)
+        out = np.empty((sum(widths), batch), dtype=np.float32)
+        tr = trace.ACTIVE
+        t0 = tr.now() if tr is not None else 0
+        self._run(self.comm.Iallgatherv(local_t, [out, counts, displs, MPI.FLOAT]),
+                  "activation exchange")
+        self.bytes_sent += local_t.nbytes * (self.parts - 1)
+        if tr is not None:
+            tr.message("allgather activations (partitions)", local_t.nbytes * (self.parts - 1),
+                       t0)
+        return out
+
+    def scatter_sum(self, partial_t: np.ndarray, widths) -> np.ndarray:
+        batch = partial_t.shape[1]
+        counts = [w * batch for w in widths]
+        out = np.empty((widths[self.rank], batch), dtype=np.float32)
+        tr = trace.ACTIVE
+        t0 = tr.now() if tr is not None else 0
+        self._run(self.comm.Ireduce_scatter(partial_t, out, counts, op=MPI.SUM),
+                  "error-term exchange")
+        self.bytes_sent += partial_t.nbytes - out.nbytes
+        if tr is not None:
+            tr.message("reduce-scatter error terms (partitions)", partial_t.nbytes - out.nbytes,
+                       t0)
+        return out
+
+
+def has_thread_multiple(provided: int | None = None) -> bool:
+    """Whether MPI runs with ``MPI_THREAD_MULTIPLE`` (given, or as this process has it)."""
+    return (MPI.Query_thread() if provided is None else provided) >= MPI.THREAD_MULTIPLE

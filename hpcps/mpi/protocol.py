@@ -1,0 +1,129 @@
+"""Message tags and the layout of parameter-server messages. No MPI calls here.
+
+Every point-to-point message hpcps sends carries one of the :class:`Tag` values; no literal tag
+appears anywhere else. A data message is one contiguous byte buffer: a header of
+``HEADER_SLOTS`` float64 values (indices named by :class:`H`) followed by a float32 payload, so a
+push or a parameter reply is a single MPI message with its bookkeeping attached. float64 holds
+integers exactly up to 2**53, far beyond any step count.
+"""
+from __future__ import annotations
+
+from enum import IntEnum
+
+import numpy as np
+
+
+class Tag(IntEnum):
+    """Point-to-point message kinds (all well below MPI's guaranteed TAG_UB of 32767)."""
+
+    PUSH = 1          # replica -> shard: header + gradient slice
+    FETCH = 2         # replica -> shard: header only, asks for the shard's parameters
+    PARAMS = 3        # shard -> replica: header + parameter slice
+    DONE = 4          # replica -> shard: this replica has pushed its last gradient
+    WARMUP_DONE = 5   # replica 0 -> other replicas: warm start over, start training
+    FINAL = 6         # server shard 0 -> world rank 0: the final parameters, for evaluation
+    PUSH_COMPRESSED = 7  # replica -> shard: header + compressed gradient message (bytes)
+    DR_UPDATE = 8     # deadreckon peer -> peer: a compressed weight-delta message (bytes)
+    DR_DONE = 9       # deadreckon peer -> peer: no more updates from this replica
+    SB_CMD = 10       # sandblaster coordinator -> shard: one vector operation (see Op)
+    SB_REPLY = 11     # shard -> coordinator: the operation's scalar result
+    SB_TASK = 12      # coordinator -> replica: compute a portion, flush, evaluate, stop
+    SB_RESULT = 13    # replica -> coordinator: portion done / flushed / evaluation result
+    SB_PUSH = 14      # replica -> shard: accumulated gradient of accepted portions
+    SB_PUSH_ACK = 15  # shard -> replica: push applied
+    SB_STATE = 16     # coordinator -> shard 0: L-BFGS scalars and metrics for a checkpoint
+    PUSH_ACTIVATIONS = 17  # replica -> shard: header + k rows of layer inputs and errors
+    # --trace: a clock ping between a rank and rank 0 at start (hpcps.runtime.timeline)
+    TRACE_CLOCK = 18
+    HEARTBEAT = 19    # replica -> shard: header only, "still alive" (--heartbeat-timeout)
+    RESULT = 20       # any rank <-> reporter: final figures (pickled), when ranks may be lost
+    EPOCH_DONE = 21   # replica -> server shard 0: share of epoch STEPS run (--epoch-quorum)
+    EPOCH_END = 22    # server shard 0 -> replica: epoch STEPS ended (-1: nothing follows)
+    # --ps-copies > 1 (hpcps.ps.replicated): a set's primary and its secondaries
+    REPLICATE = 23    # primary -> secondary: a dense push it applied, as the replica sent it
+    REPLICATE_PACKED = 24  # primary -> secondary: a compressed push it applied, as sent
+    REPL_ACK = 25     # secondary -> primary: set SET applied up to its VERSION
+    PUSH_ACK = 26     # primary -> replica: push SEQ of set SET is committed
+    NEW_PRIMARY = 27  # new primary -> replicas and shards: it serves set SET, shard PEER is dead
+    SET_STATE = 28    # new primary -> secondary: set SET's whole state, replacing its copy
+    FINAL_DONE = 29   # world rank 0 -> shards: it holds every set's final state; leave
+    FINAL_SET = 30    # a set's primary -> world rank 0: the set's final state
+    CKPT_SET = 31     # a set's primary -> the collector shard: the set's state at step STEPS
+
+
+class Op(IntEnum):
+    """Sandblaster's vector operations, executed by every shard on its own slice."""
+
+    COPY = 1          # v[a] = v[b]
+    AXPY = 2          # v[a] += alpha * v[b]
+    SCALE = 3         # v[a] *= alpha
+    DOT = 4           # reply v[a] . v[b] (this shard's part; the coordinator adds them)
+    RESET_ACC = 5     # gradients pushed from now on accumulate into v[a], starting from 0
+    COMMIT = 6        # add replica a's pushed gradients into the accumulator
+    BAN = 7           # replica a stopped answering: drop what it pushed, ignore it from now on
+    CHECKPOINT = 8    # gather x, g and the history on shard 0, which writes a checkpoint
+    FINISH = 9        # like CHECKPOINT, then leave the loop
+
+
+class Task(IntEnum):
+    """What a sandblaster replica is asked to do."""
+
+    PORTION = 1       # compute the gradient of a portion of the batch
+    FLUSH = 2         # push the accumulated gradient of accepted portions to the shards
+    EVALUATE = 3      # fetch x and report test loss and accuracy (replica 0)
+    STOP = 4
+
+
+class H(IntEnum):
+    """Slots of the float64 message header."""
+
+    VERSION = 0       # PUSH: shard version the gradient was computed from; PARAMS: shard version
+    STEPS = 1         # PUSH: mini-batches this push covers; PARAMS: global steps applied so far
+    LOSS_SUM = 2      # PUSH: sum of the training losses of those mini-batches; PARAMS: recent mean
+    STALENESS = 3     # PARAMS: mean staleness of the pushes applied since the previous reply
+    MAX_STALENESS = 4  # PARAMS: max staleness over the same window
+    EXAMPLES = 5      # PUSH_ACTIVATIONS: rows k of inputs and errors in the message
+    SENDER = 6        # replica index of the sender (for messages and error reports)
+    VECTOR = 7        # sandblaster FETCH / SB_PUSH: which of the shard's vectors
+    CLOCK = 8         # PARAMS under a staleness bound: steps completed by the slowest live replica
+    UNPERSISTED = 9   # PARAMS with --persist-every: global steps applied since the last flush
+    SET = 10          # --ps-copies > 1: which chunk set (a home shard's chunks) a message is of
+    SEQ = 11          # --ps-copies > 1, PUSH: the replica's push count, 1, 2, ... (dedup, acks)
+    PEER = 12         # NEW_PRIMARY: the shard found dead; SET_STATE: pushes applied to the set
+
+
+HEADER_SLOTS = len(H)
+HEADER_BYTES = HEADER_SLOTS * 8
+
+
+class Message:
+    """A preallocated buffer for one header + ``n`` float32 values.
+
+    ``buf`` is what MPI sends or receives; ``header`` and ``payload`` are views into it, so
+    filling them and sending ``buf`` needs no copy or allocation on the hot path.
+    """
+
+    def __init__(self, n: int):
+        self.buf = np.zeros(HEADER_BYTES + 4 * n, dtype=np.uint8)
+        self.header = self.buf[:HEADER_BYTES].view(np.float64)
+        self.payload = self.buf[HEADER_BYTES:].view(np.float32)
+
+    def __len__(self) -> int:
+        return len(self.payload)
+
+
+class ByteMessage:
+    """A preallocated buffer for one header + up to ``max_bytes`` of variable-length payload.
+
+    Used for compressed messages, whose size changes with every push: the sender fills
+    ``body[:n]`` and sends ``spec(n)``; the receiver reads the size from the probe status.
+    """
+
+    def __init__(self, max_bytes: int):
+        self.buf = np.zeros(HEADER_BYTES + max_bytes, dtype=np.uint8)
+        self.header = self.buf[:HEADER_BYTES].view(np.float64)
+        self.body = self.buf[HEADER_BYTES:]
+
+    def spec(self, n: int) -> np.ndarray:
+        """What to send: the header plus the first ``n`` payload bytes (a view, no copy)."""
+        return self.buf[:HEADER_BYTES + n]

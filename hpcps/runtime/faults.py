@@ -1,0 +1,227 @@
+"""Runs whose replicas may die (``--heartbeat-timeout``): the launch check and the ending.
+
+Two things differ from a run in which one failure ends the job (``docs/fault-tolerance.md``):
+
+* **The launcher must let survivors live.** MPICH's ``mpiexec`` kills every rank when one
+  dies unless started with ``-disable-auto-cleanup``, and even then often does when a rank is
+  killed by a signal, unless each rank runs under :mod:`hpcps.keeper`. Slurm's ``srun`` ends
+  the step when a task exits with a non-zero status or a signal under ``--kill-on-bad-exit``
+  (or a site's ``KillOnBadExit=1``), which the keeper's exit 0 is not, and when a task has
+  exited for ``--wait`` seconds (a site's ``WaitTime``), which ``--wait=0`` turns off
+  (measured with Slurm 22.05, ``docs/fault-tolerance.md``; ``--no-kill`` is about failed
+  nodes, not tasks). :func:`launcher_verdict` looks at this rank's ancestors (Hydra's
+  ``mpiexec`` is an ancestor of every rank on its own node) and at ``HPCPS_KEEPER``, and says
+  once, at start, when a failure would take the job down anyway, or when it cannot tell.
+* **The end uses no collective over the world.** A collective that includes a dead rank never
+  completes, and ``MPI_Finalize`` waits for it. So every rank sends its final figures to the
+  reporter point to point (:func:`finish`); the reporter waits only for the ranks the shards
+  did not lose, writes the summary naming the lost ones, and tells every survivor whether
+  anyone was lost. Then, if so, the survivors flush their output and leave with
+  ``os._exit``, skipping ``MPI_Finalize`` (``mpiexec`` then returns the dead rank's status);
+  if not, the run ends as usual.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+from hpcps.mpi.comm import PeerTimeout, Poller
+from hpcps.errors import ConfigError
+from hpcps.runtime.keeper import KEEPER_ENV
+from hpcps.mpi.protocol import Tag
+
+LAUNCHERS = ("mpiexec", "mpirun", "mpiexec.hydra")
+NO_CLEANUP = ("-disable-auto-cleanup", "--disable-auto-cleanup", "-disable-auto-cleanup=1")
+
+
+def ancestry(pid: int | None = None, depth: int = 4) -> list[list[str]]:
+    """Command lines (argv lists) of this process's parent, grandparent, ... (Linux /proc;
+    empty where it cannot be read)."""
+    out = []
+    pid = os.getppid() if pid is None else pid
+    for _ in range(depth):
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            break
+        out.append([a.decode(errors="replace") for a in argv if a])
+        pid = int(stat.rsplit(")", 1)[1].split()[1])
+        if pid <= 1:
+            break
+    return out
+
+
+def launcher_verdict(ancestors: list[list[str]], environ) -> str | None:
+    """None if a dead rank will leave the others running; else what to say, once.
+
+    Parameters
+    ----------
+    ancestors : argv of the parent, grandparent, ... (:func:`ancestry`).
+    environ : the environment (``SLURM_*``).
+    """
+    for argv in ancestors:
+        if argv and Path(argv[0]).name in LAUNCHERS:
+            if not any(a in NO_CLEANUP for a in argv[1:]):
+                return (f"{Path(argv[0]).name} was started without -disable-auto-cleanup: "
+                        "it kills every rank when one dies, so --heartbeat-timeout cannot keep "
+                        "the run going (start it with mpiexec -disable-auto-cleanup -n N "
+                        "python -m hpcps.keeper ...)")
+            if environ.get(KEEPER_ENV) != "1":
+                return ("ranks started without hpcps.keeper: Hydra often kills every rank "
+                        "when one is killed even with -disable-auto-cleanup; start them with "
+                        "mpiexec -disable-auto-cleanup -n N python -m hpcps.keeper ...")
+            return None
+    if "SLURM_STEP_ID" in environ or "SLURM_JOB_ID" in environ:
+        if environ.get(KEEPER_ENV) == "1":
+            return None  # srun's --wait (a site's WaitTime) cannot be seen from here: docs
+        return ("under Slurm, ranks started without hpcps.keeper: srun ends the job step when "
+                "one dies if --kill-on-bad-exit or the site's KillOnBadExit=1 is in force; "
+                "start them with srun --wait=0 ... python -m hpcps.keeper ...")
+    return ("cannot tell whether the launcher keeps the other ranks running when one dies "
+            "(no mpiexec among this rank's ancestors, not under Slurm): with MPICH use "
+            "mpiexec -disable-auto-cleanup -n N python -m hpcps.keeper, with Slurm "
+            "srun --wait=0 ... python -m hpcps.keeper")
+
+
+def check_thread_level(provided: int | None = None) -> None:
+    """Refuse ``--heartbeat-timeout`` where MPI cannot send from a second thread: the
+    heartbeats go from a thread of their own while the main thread computes or waits."""
+    from hpcps.mpi.comm import has_thread_multiple
+    if not has_thread_multiple(provided):
+        raise ConfigError("--heartbeat-timeout needs an MPI library with MPI_THREAD_MULTIPLE "
+                          "(each replica sends its heartbeats from a thread of its own)")
+
+
+def lost_ranks(results: list, layout, reporter: int = 0) -> list[int] | None:
+    """World ranks of the replicas lost, once that is known (else None): the reporter's own
+    ``lost_ranks`` when it has them (sandblaster's coordinator), else the replicas and shards
+    (``--ps-copies``) any shard lost, once every shard not lost has reported (replica r with
+    P = 1 is world rank ``layout.replica_rank(r)``)."""
+    mine = results[reporter]
+    if mine is not None and "lost_ranks" in mine:
+        return sorted(int(r) for r in mine["lost_ranks"])
+    shards = [results[r] for r in layout.server_ranks if results[r] is not None]
+    dead = {int(k) for s in shards for k in s.get("lost_shard_ranks", {})}
+    if any(results[r] is None and r not in dead for r in layout.server_ranks):
+        return None
+    lost = {int(r) for s in shards for r in s.get("lost_replicas", {})}
+    return sorted({layout.replica_rank(r) for r in lost} | dead)
+
+
+# The least a replica the shards did not lose gets to send its final figures once they ended
+# (finish's grace is --heartbeat-timeout, at least this): on oversubscribed cores a live rank
+# can wait seconds for a core, and one wrongly called lost loses its figures.
+ENDING_GRACE_S = 10.0
+
+
+def ending_grace(heartbeat_timeout: float) -> float:
+    return max(float(heartbeat_timeout), ENDING_GRACE_S)
+
+
+def finish(world, reporter: int, result: dict, layout, timeout: float,
+           summarize, grace: float | None = None) -> bool:
+    """End a run without world collectives. Returns whether ranks were lost.
+
+    Parameters
+    ----------
+    world : the world communicator.
+    reporter : the rank that writes the summary.
+    result : this rank's final figures.
+    layout : the grid (:func:`lost_ranks` reads the shards' figures with it).
+    timeout : seconds to wait for a rank's figures before calling it lost too (a replica
+        that dies after its last push, which its shards therefore never lost).
+    summarize : ``summarize(results)``, on the reporter (lost ranks' entries are
+        ``{"lost": True}``, with ``why`` and ``after_s`` for those lost here).
+    grace : once the shards have ended and said whom they lost (downpour's end once every
+        replica is done), a replica they did not lose has only its final figures left to
+        send: seconds to wait for them before calling it lost (:func:`ending_grace` of
+        ``--heartbeat-timeout``, the silence that means a death during the run); None:
+        ``timeout``. A replica lost so is told so, in case it was only late: it then leaves
+        as the survivors do. A reporter that lists the lost itself says how long its live
+        replicas may still be busy once it ended, ``ending_grace_s`` in its ``result``
+        (sandblaster's coordinator: a replica may still compute a portion it was given
+        twice, for as long as ``--replica-timeout`` lets a busy replica be silent); that
+        figure replaces ``grace`` and is not passed on to ``summarize``.
+    """
+    size, rank = world.Get_size(), world.Get_rank()
+    if rank != reporter:
+        world.send(result, dest=reporter, tag=Tag.RESULT)
+        req = world.irecv(source=reporter, tag=Tag.RESULT)
+        deadline = time.monotonic() + 2 * timeout + 10  # the reporter may wait `timeout`
+        poll = Poller()
+        while True:
+            done, lost = req.test()
+            if done:
+                return bool(lost)
+            if time.monotonic() > deadline:
+                raise PeerTimeout(f"waited {timeout:.0f} s for the reporter (rank {reporter}) "
+                                  "to end the run")
+            poll.pause()
+    result = dict(result)
+    grace = result.pop("ending_grace_s", grace)  # the reporter's own, where it has one
+    results: list = [None] * size
+    results[reporter] = result
+    lost: list[int] | None = None
+    late: list[int] = []  # replicas lost here, for want of their final figures
+    start = time.monotonic()
+    ended = None  # when the lost ranks were known: the others' training was over then
+    poll = Poller()
+    while True:
+        if lost is None:
+            lost = lost_ranks(results, layout, reporter)
+            ended = None if lost is None else time.monotonic()
+        waiting = [r for r in range(size) if results[r] is None and r not in (lost or [])]
+        if not waiting:
+            break
+        status = _probe(world)
+        if status is not None:
+            results[status] = world.recv(source=status, tag=Tag.RESULT)
+            continue
+        now = time.monotonic()
+        if now - start > timeout and any(not layout.role(r).is_replica for r in waiting):
+            raise PeerTimeout(f"waited {timeout:.0f} s for the final figures of rank(s) "
+                              f"{waiting}")
+        graced = ended is not None and grace is not None
+        waited, limit = (now - ended, grace) if graced else (now - start, timeout)
+        replicas = [r for r in waiting if layout.role(r).is_replica]
+        if waited > limit and replicas:  # died after the run had stopped waiting for it
+            after = (f"within {limit:g} s of the end of training" if graced
+                     else f"within {limit:g} s")
+            for r in replicas:
+                results[r] = {"lost": True, "after_s": round(waited, 1),
+                              "why": f"it sent no final figures {after}: it died after the "
+                                     "training had stopped waiting for it"}
+            late += replicas
+            lost = sorted(set(lost or []) | set(replicas))
+            continue
+        poll.pause()
+    for r in lost:
+        results[r] = results[r] if results[r] is not None else {"lost": True}
+    summarize(results)
+    for r in range(size):
+        if r != reporter and r not in lost:
+            world.send(lost, dest=r, tag=Tag.RESULT)
+    for r in late:  # never waited for: it may be dead (this rank leaves without finalizing)
+        world.isend(lost, dest=r, tag=Tag.RESULT)
+    return bool(lost)
+
+
+def _probe(world) -> int | None:
+    from mpi4py import MPI
+    status = MPI.Status()
+    if world.Iprobe(MPI.ANY_SOURCE, Tag.RESULT, status):
+        return status.Get_source()
+    return None
+
+
+def leave(code: int) -> None:
+    """End this process now, without ``MPI_Finalize`` (which would wait for a dead rank)."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)

@@ -1,0 +1,128 @@
+"""``--trace`` across ranks: align every rank's clock on rank 0's at start, and merge every
+rank's events into one ``RUN_DIR/trace.json`` at the end (the recorder: :mod:`hpcps.trace`).
+
+Clocks: each rank records with its own monotonic clock, which on another host starts at
+another time. At start, every rank r > 0 exchanges ``PINGS`` ping-pongs with rank 0 and keeps
+Cristian's estimate from the fastest round trip (:func:`hpcps.trace.clock_offset`): rank 0's
+clock minus its own, uncertain by half that round trip (microseconds within a node, tens of
+microseconds across nodes). Clocks drift apart by up to tens of microseconds per second
+between hosts; one offset, taken at start, is what Horovod's timeline also assumes (it
+timestamps everything on rank 0). The offsets and their uncertainty are written into the
+file (``otherData``).
+
+Merge: at the end of training every rank turns its events into trace-event dicts on rank 0's
+clock and sends them, as JSON bytes, to rank 0 (a gather over the world communicator, waited
+on with ``--timeout``), which writes one file that chrome://tracing and Perfetto
+(https://ui.perfetto.dev) open. A job that fails or is aborted writes no trace.
+"""
+from __future__ import annotations
+
+import json
+import os
+import threading
+from pathlib import Path
+
+import numpy as np
+from mpi4py import MPI
+
+from hpcps import trace
+from hpcps.blocks import displacements
+from hpcps.mpi.comm import wait_all
+from hpcps.mpi.protocol import Tag
+
+PINGS = 8
+FILE = "trace.json"
+
+
+class Timeline:
+    """This rank's recorder and its clock's offset to rank 0 (build it with :func:`start`)."""
+
+    def __init__(self, tracer: trace.Tracer, offset_ns: float, uncertainty_ns: float,
+                 base_ns: float):
+        self.tracer = tracer
+        self.offset_ns = offset_ns
+        self.uncertainty_ns = uncertainty_ns
+        self.base_ns = base_ns  # rank 0's clock at start: time 0 of the trace
+        self.main_ident = threading.main_thread().ident
+
+
+def start(world, timeout: float) -> Timeline:
+    """Measure this rank's clock offset to rank 0 (collective over ``world``)."""
+    rank, size = world.Get_rank(), world.Get_size()
+    buf = np.zeros(1, dtype=np.int64)
+    tracer = trace.Tracer()
+    offset = uncertainty = 0.0
+    if rank == 0:
+        for r in range(1, size):
+            for _ in range(PINGS):
+                wait_all([world.Irecv(buf, source=r, tag=Tag.TRACE_CLOCK)], timeout,
+                         f"rank {r} to measure its clock against rank 0 (--trace)")
+                buf[0] = time_ns()
+                world.Send(buf, dest=r, tag=Tag.TRACE_CLOCK)
+    else:
+        samples = []
+        for _ in range(PINGS):
+            t1 = time_ns()
+            world.Send(buf, dest=0, tag=Tag.TRACE_CLOCK)
+            wait_all([world.Irecv(buf, source=0, tag=Tag.TRACE_CLOCK)], timeout,
+                     "rank 0 to answer a clock ping (--trace)")
+            samples.append((t1, int(buf[0]), time_ns()))
+        offset, uncertainty = trace.clock_offset(samples)
+    base = np.array([tracer.t0 if rank == 0 else 0], dtype=np.int64)
+    wait_all([world.Ibcast(base, root=0)], timeout, "rank 0 to send the trace's time zero")
+    return Timeline(tracer, offset, uncertainty, float(base[0]))
+
+
+def time_ns() -> int:
+    return trace.Tracer.now()
+
+
+def label(role) -> str:
+    """``replica 1``, ``replica 0 partition 1``, ``server 0``, ``coordinator``."""
+    if role.kind == "replica":
+        part = f" partition {role.partition}" if role.partition > 0 else ""
+        return f"replica {role.replica}{part}"
+    if role.kind == "server":
+        return f"server {role.shard}"
+    return role.kind
+
+
+def finish(world, tl: Timeline, role, run_dir, timeout: float,
+           extra: dict | None = None) -> Path | None:
+    """Gather every rank's events on rank 0 and write ``run_dir/trace.json`` there
+    (collective over ``world``). Returns the path on rank 0, None elsewhere."""
+    rank, size = world.Get_rank(), world.Get_size()
+    names = {t.ident: t.name for t in threading.enumerate()}
+    names[tl.main_ident] = "main"
+    events = trace.chrome_events(rank, label(role), tl.tracer.events, tl.offset_ns,
+                                 tl.base_ns, names, tl.main_ident)
+    mine = {"rank": rank, "offset_us": round(tl.offset_ns / 1000, 3),
+            "uncertainty_us": round(tl.uncertainty_ns / 1000, 3), "events": events}
+    data = np.frombuffer(json.dumps(mine).encode(), dtype=np.uint8)
+    counts = np.zeros(size, dtype=np.int64)
+    wait_all([world.Igather(np.array([len(data)], np.int64), counts, root=0)], timeout,
+             "every rank to send the size of its trace (--trace)")
+    recv = None
+    if rank == 0:
+        counts_l = [int(c) for c in counts]
+        out = np.empty(sum(counts_l), dtype=np.uint8)
+        recv = [out, counts_l, displacements(counts_l), MPI.BYTE]
+    wait_all([world.Igatherv(data, recv, root=0)], timeout,
+             "every rank to send its trace events (--trace)")
+    if rank != 0:
+        return None
+    parts, lo = [], 0
+    for c in counts_l:
+        parts.append(json.loads(out[lo:lo + c].tobytes()))
+        lo += c
+    other = {"clock": "each rank's monotonic clock moved onto rank 0's by the offset "
+                      "measured at start (Cristian's method)",
+             "offsets_us": {p["rank"]: p["offset_us"] for p in parts},
+             "uncertainty_us": {p["rank"]: p["uncertainty_us"] for p in parts},
+             **(extra or {})}
+    doc = trace.document([p["events"] for p in parts], other)
+    path = Path(run_dir) / FILE
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(doc, separators=(",", ":")))
+    os.replace(tmp, path)
+    return path

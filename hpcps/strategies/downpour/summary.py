@@ -1,0 +1,152 @@
+"""Downpour's summary: every replica's traffic and every shard's staleness, added up, and its
+lines on the terminal. Pure: reads the ranks' results."""
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from hpcps.strategies.context import Context
+
+
+def summarize(ctx: Context, results: list[dict]) -> dict:
+    """Traffic of every replica and staleness seen by every shard, added up."""
+    cfg = ctx.cfg
+    reps = [r for r in results if "replica_steps" in r]
+    shards = [r for r in results if "shard" in r]
+    trained = max(1, results[ctx.reporter].get("step", ctx.start_step) - ctx.start_step)
+    moved = sum(r["bytes_sent"] + r["bytes_received"] for r in reps)
+    out = {"bytes_per_step": moved / trained,
+           "mean_staleness": sum(s["mean_staleness"] for s in shards) / max(1, len(shards)),
+           "max_staleness": max((s["max_staleness"] for s in shards), default=0.0),
+           # pushes by staleness as the first shard that reported saw them: bins 0, 1, 2-3,
+           # 4-7, ..., >= 256 (shard 0 unless it was lost)
+           "staleness_hist": min(shards, key=lambda s: s["shard"])["staleness_hist"]}
+    out.update(results[ctx.reporter].get("figures", {}))  # the chief's model-parallel figures
+    if cfg.staleness_bound is not None:  # per shard, averaged over the shards
+        out.update(staleness_bound=cfg.staleness_bound,
+                   clock_lead_max=max(r["clock_lead_max"] for r in reps + shards),
+                   ssp_held_fetches=sum(s["held_fetches"] for s in shards) / len(shards),
+                   ssp_held_s=sum(s["held_s"] for s in shards) / len(shards))
+    if shards and isinstance(shards[0].get("combined_updates"), int):
+        updates = sum(s["combined_updates"] for s in shards)
+        out.update(softsync=cfg.softsync or 1, staleness_lr=cfg.staleness_lr or "off",
+                   pushes_per_update=sum(s["combined_pushes"] for s in shards) / max(1, updates))
+    if cfg.epoch_quorum is not None:
+        keeper = next(s["epochs"] for s in shards if s["shard"] == 0)
+        out.update(epoch_quorum=cfg.epoch_quorum, **keeper,
+                   epoch_left_steps=sum(r["epoch_left"] for r in reps),
+                   epoch_wait_s=max((r["epoch_wait_s"] for r in reps), default=0.0))
+    if cfg.persist_every is not None:
+        kept = [s["persist"] for s in shards]
+        out.update(persist_every_s=cfg.persist_every,
+                   persist_flushes=sum(k["flushes"] for k in kept),
+                   persist_skipped_rounds=sum(k["skipped_rounds"] for k in kept),
+                   persist_bytes=sum(k["bytes_written"] for k in kept),
+                   persist_write_s=max(k["write_s"] for k in kept),
+                   persist_copy_s=max(k["copy_s"] for k in kept),
+                   persist_max_window_steps=max(k["max_window_steps"] for k in kept),
+                   persisted_step=min(k["persisted_step"] for k in kept),
+                   persist_manifest=kept[0]["manifest"])
+    if cfg.ps_copies > 1:
+        chief = results[ctx.reporter]
+        takeovers = [t for s in shards for t in s["takeovers"]]
+        out.update(ps_copies=cfg.ps_copies,
+                   pushes_committed=sum(r["pushes_committed"] for r in reps),
+                   ps_applied=chief.get("ps_applied"),
+                   resent_pushes=sum(r["resent_pushes"] for r in reps),
+                   replicated_pushes=sum(s["replicated_pushes"] for s in shards),
+                   takeovers=[{**t, "served_after_s": None if t["first_served_at"] is None
+                               else round(t["first_served_at"] - t["detected_at"]
+                                          + t["silent_s"], 3)} for t in takeovers],
+                   lost_shard_ranks=sorted({int(k) for s in shards
+                                            for k in s["lost_shard_ranks"]}))
+    if cfg.heartbeat_timeout is not None:
+        layout = ctx.grid.layout
+        lost = sorted({int(r) for s in shards for r in s["lost_replicas"]})
+        why = {str(layout.replica_rank(r)): next(
+            s["lost_replicas"][r] for s in shards if r in s["lost_replicas"]) for r in lost}
+        # seconds between the last message from a lost replica and its drop, the longest over
+        # the shards: how long the shards waited for a dead replica
+        after = {str(layout.replica_rank(r)): max(
+            s["lost_after_s"][r] for s in shards if r in s["lost_after_s"]) for r in lost}
+        for rank, r in enumerate(results):  # died after its last push (hpcps.runtime.faults.finish)
+            if r.get("lost") and "why" in r:
+                why[str(rank)], after[str(rank)] = r["why"], r["after_s"]
+        for s in shards:  # server shards lost (--ps-copies > 1)
+            for rank, reason in s.get("lost_shard_ranks", {}).items():
+                why.setdefault(str(rank), f"server shard {layout.role(int(rank)).shard}: "
+                                          f"{reason}")
+        out.update(lost_ranks=sorted(int(k) for k in why), lost_why=why,
+                   lost_detected_s=after,
+                   discarded_pushes=sum(s["discarded_pushes"] for s in shards))
+    pushed = sum(r["bytes_sent"] for r in reps) / trained
+    if cfg.push == "activations":
+        out.update(push_bytes_per_step=round(pushed),
+                   dense_push_bytes_per_step=4 * ctx.full_model.n_params)
+    if cfg.compress == "threshold":
+        words = sum(r["words_sent"] for r in reps)
+        out.update(final_tau=reps[0]["final_tau"] if reps else None,
+                   residual_warning=any(r["residual_warning"] for r in reps))
+        out.update(push_bytes_per_step=round(pushed), updates_per_step=words / trained,
+                   compression_ratio=4 * ctx.full_model.n_params / max(1.0, pushed),
+                   bits_per_update=8 * pushed * trained / max(1, words))
+    return out
+
+
+def summary_lines(f: dict) -> list[str]:
+    lines = []
+    if "compression_ratio" in f:
+        lines.append(f"{f['updates_per_step']:.0f} updates per step, {f['bits_per_update']:.1f} "
+                     f"bits per update, compression {f['compression_ratio']:.0f}x of the dense "
+                     "gradient")
+    if "dense_push_bytes_per_step" in f:
+        lines.append(f"pushed {f['push_bytes_per_step']:.0f} bytes per step of layer inputs and "
+                     f"errors instead of {f['dense_push_bytes_per_step']} of gradient")
+    if f.get("lost_ranks"):
+        kinds = "rank(s)" if f.get("lost_shard_ranks") else "replica rank(s)"
+        lines.append(f"lost {kinds} {f['lost_ranks']} during the run ("
+                     + "; ".join(f"rank {k}: {v}" for k, v in f["lost_why"].items())
+                     + f"); {f['discarded_pushes']} late push(es) from them discarded; the "
+                     "others finished the run")
+    if "ps_copies" in f:
+        applied = f["ps_applied"] or []
+        line = (f"{f['ps_copies']} copies of every chunk set: {f['pushes_committed']} pushes "
+                f"committed, applied to the sets {sorted(set(applied))} time(s)")
+        for t in f["takeovers"]:
+            line += (f"; set {t['set']} taken over by shard {t['by_shard']} from shard "
+                     f"{t['from_shard']} (silent "
+                     f"{t['silent_s']:.1f} s), serving again "
+                     + (f"{t['served_after_s']:.1f} s after its last sign of life"
+                        if t["served_after_s"] is not None else "never (no request came)"))
+        if f["resent_pushes"]:
+            line += f"; {f['resent_pushes']} uncommitted push(es) sent again to a new primary"
+        lines.append(line)
+    if "epoch_quorum" in f:
+        counted = sorted(set(zip(f["epoch_finished"], f["epoch_counted"])))
+        left = any(a < math.ceil(f["epoch_quorum"] * b - 1e-9) for a, b in counted)
+        lines.append(f"epoch quorum {f['epoch_quorum']:g}: {f['epochs_ended']} of "
+                     f"{f['epochs_planned']} epoch(s) ended, when "
+                     + ", ".join(f"{a} of {b}" for a, b in counted)
+                     + " replicas had run their share"
+                     + (" (the others had left the run)" if left else "")
+                     + "; stragglers left "
+                     f"{f['epoch_left_steps']} mini-batch(es) of their shares to the next "
+                     f"epoch; epochs took {', '.join(f'{t:.1f}' for t in f['epoch_s'])} s")
+    if "persist_every_s" in f:
+        lines.append(f"persisted every {f['persist_every_s']:g} s: {f['persist_flushes']} "
+                     f"flush(es) of {f['persist_bytes'] / 2**20:.1f} MiB in all "
+                     f"({f['persist_skipped_rounds']} round(s) skipped while the writer was "
+                     f"busy); at most {f['persist_max_window_steps']} step(s) applied and not "
+                     f"yet on disk; {f['persist_manifest']} reads the shards' files at step "
+                     f"{f['persisted_step']}")
+    lines.append(f"staleness: mean {f['mean_staleness']:.2f}, max {f['max_staleness']:.0f} "
+                 "shard updates between a replica's fetch and its push")
+    if "softsync" in f:
+        lines.append(f"softsync {f['softsync']}: {f['pushes_per_update']:.2f} pushes combined per "
+                     f"shard update; staleness-scaled rates: {f['staleness_lr']}")
+    if "staleness_bound" in f:
+        lines.append(f"staleness bound {f['staleness_bound']}: largest lead over the slowest "
+                     f"replica {f['clock_lead_max']} steps; {f['ssp_held_fetches']:.0f} fetches "
+                     f"held per shard, {f['ssp_held_s']:.2f} s in all")
+    return lines

@@ -1,0 +1,130 @@
+"""A sandblaster replica: the portions it is handed, summed into gradients it pushes."""
+from __future__ import annotations
+
+import math
+import time
+
+import numpy as np
+
+from hpcps import trace
+
+from hpcps.mpi.comm import PeerTimeout, Poller, wait_all
+from hpcps.options import parse_inject_slow
+from hpcps.mpi.protocol import H, Message, Tag, Task
+from hpcps.strategies.context import Context
+from hpcps.strategies.sandblaster.common import (PORTION_CHUNK, RESULT_SLOTS, TASK_SLOTS,
+                                                 batch_order, shard_plan)
+
+# -- replicas -----------------------------------------------------------------------------------
+def run_replica(ctx: Context) -> dict:
+    cfg, model, grid = ctx.cfg, ctx.model, ctx.grid
+    world, layout = grid.world, grid.layout
+    coord = layout.n_world - 1
+    plan = shard_plan(ctx)
+    n = model.n_params
+    x = np.empty(n, dtype=np.float32)
+    acc = np.zeros(n, dtype=np.float32)
+    pg = np.zeros(n, dtype=np.float32)
+    have_pg = False
+    slow = 1.0
+    if cfg.inject_slow:
+        who, factor = parse_inject_slow(cfg.inject_slow)
+        slow = factor if who == grid.rank else 1.0
+    task = np.zeros(TASK_SLOTS, dtype=np.int64)
+    result = np.zeros(RESULT_SLOTS, dtype=np.float64)
+    from hpcps.engine import conv_hogwild
+    from hpcps.engine.conv_hogwild import engine_for
+    engine = engine_for(ctx.full_model, cfg.activation, threads=cfg.threads,
+                        batch=PORTION_CHUNK)   # see the module docstring
+    fetch = [Message(size) for size in plan.sizes]
+    push = [Message(size) for size in plan.sizes]
+    ask, ack = Message(0), Message(0)
+    current, order, order_of = None, None, None
+    done_portions = 0
+    compute_s = 0.0
+    moved = 0  # bytes of parameters fetched and gradients pushed, with their requests
+    fetch_bytes = ask.buf.nbytes * plan.n_shards + sum(f.buf.nbytes for f in fetch)
+    while True:
+        wait_all([world.Irecv(task, source=coord, tag=Tag.SB_TASK)], cfg.timeout,
+                 f"the coordinator (rank {coord}) to send work")
+        kind, batch, portion, lo, hi, accept, vec, data_batch = (int(v) for v in task)
+        ctx.stop_tick()  # the coordinator decides; a replica only passes a signal on
+        if accept and have_pg:
+            acc += pg
+        have_pg = False
+        if kind == Task.STOP:
+            break
+        if kind == Task.EVALUATE:
+            _fetch(world, layout, plan, fetch, ask, vec, x, cfg.timeout)
+            moved += fetch_bytes
+            loss, accuracy = conv_hogwild.evaluate(model, x, ctx.test_x, ctx.test_y)
+            result[:] = (int(Task.EVALUATE), batch, 0, loss, accuracy, 0)
+            world.Send(result, dest=coord, tag=Tag.SB_RESULT)
+            continue
+        if batch != current:  # parameters are fetched once per evaluation of a batch
+            _fetch(world, layout, plan, fetch, ask, vec, x, cfg.timeout)
+            moved += fetch_bytes
+            acc[:] = 0.0
+            current = batch
+        if data_batch != order_of:
+            order, order_of = batch_order(ctx, data_batch), data_batch
+        if kind == Task.PORTION:
+            if math.isinf(slow) and done_portions > 0:
+                _stall(world, coord, task, cfg.timeout)  # stops answering, as a dead machine
+                break
+            t = time.perf_counter()
+            tr = trace.ACTIVE
+            t0 = tr.now() if tr is not None else 0
+            rows = order[lo:hi]
+            # sums, not means, so portions of any size add up exactly
+            loss_sum, _, _ = engine.gradient_sum(x, ctx.train_x, ctx.train_y, rows, pg)
+            if tr is not None:
+                tr.span(trace.COMPUTE, "portion gradient", t0,
+                        {"examples": len(rows), "batch": batch, "portion": portion})
+            loss = loss_sum / max(len(rows), 1)
+            elapsed = time.perf_counter() - t
+            compute_s += elapsed
+            if 1.0 < slow < math.inf:
+                time.sleep((slow - 1.0) * elapsed)
+            have_pg = True
+            done_portions += 1
+            result[:] = (int(Task.PORTION), batch, portion, loss * len(rows), len(rows), 0)
+            world.Send(result, dest=coord, tag=Tag.SB_RESULT)
+        elif kind == Task.FLUSH:
+            for s in range(plan.n_shards):
+                msg = push[s]
+                msg.header[H.VECTOR] = vec
+                plan.take(s, acc, out=msg.payload)
+                req = world.Irecv(ack.buf, source=layout.server_rank(s), tag=Tag.SB_PUSH_ACK)
+                world.Send(msg.buf, dest=layout.server_rank(s), tag=Tag.SB_PUSH)
+                wait_all([req], cfg.timeout, f"server shard {s} to take a gradient push")
+                moved += msg.buf.nbytes + ack.buf.nbytes
+            acc[:] = 0.0
+            result[:] = (int(Task.FLUSH), batch, 0, 0, 0, 0)
+            world.Send(result, dest=coord, tag=Tag.SB_RESULT)
+    return {"replica_portions": done_portions, "compute_s": compute_s, "bytes_moved": moved}
+
+
+def _fetch(world, layout, plan, msgs, ask, vec, out, timeout) -> None:
+    reqs = [world.Irecv(msgs[s].buf, source=layout.server_rank(s), tag=Tag.PARAMS)
+            for s in range(plan.n_shards)]
+    ask.header[H.VECTOR] = vec
+    for s in range(plan.n_shards):
+        world.Send(ask.buf, dest=layout.server_rank(s), tag=Tag.FETCH)
+    wait_all(reqs, timeout, "the server shards to send the parameters")
+    for s in range(plan.n_shards):
+        plan.put(s, msgs[s].payload, out)
+
+
+def _stall(world, coord, task, timeout) -> None:
+    """--inject-slow RANK:stall: answer nothing more, only wait for the coordinator's STOP."""
+    poll = Poller()
+    deadline = time.monotonic() + timeout
+    while True:
+        if world.Iprobe(coord, Tag.SB_TASK):
+            world.Recv(task, source=coord, tag=Tag.SB_TASK)
+            if int(task[0]) == Task.STOP:
+                return
+        elif time.monotonic() > deadline:
+            raise PeerTimeout(f"stalled replica waited {timeout:.0f} s for the end of the job")
+        poll.pause()

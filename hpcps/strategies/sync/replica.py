@@ -1,0 +1,88 @@
+"""The sync replica: one allreduce of the gradients per step, the same update everywhere (the
+method: :mod:`hpcps.strategies.sync`)."""
+from __future__ import annotations
+
+import numpy as np
+from mpi4py import MPI
+
+from hpcps import trace
+from hpcps.mpi.comm import wait_all
+from hpcps.strategies.context import Context, finish_on_chief, gather_state
+from hpcps.strategies.loop import ReplicaLoop
+
+
+def sync_step(comm, gradient, optimizer, params, state, x, y, buf, timeout: float,
+              step_scale: float = 1.0) -> float:
+    """One synchronous step; returns the mean training loss over all replicas' batches.
+
+    ``gradient(params, x, y, grad) -> loss`` computes this replica's mean gradient (one
+    mini-batch, or T of them with Hogwild threads); ``buf`` is a float32 array of
+    ``len(params) + 1`` (the loss rides along with the gradient, so one allreduce carries
+    both). ``step_scale`` is the learning-rate schedule's multiplier of the update.
+    """
+    n = len(params)
+    loss = gradient(params, x, y, buf[:n])
+    buf[n] = loss
+    if comm.Get_size() > 1:
+        tr = trace.ACTIVE
+        t0 = tr.now() if tr is not None else 0
+        req = comm.Iallreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
+        wait_all([req], timeout, "the gradient allreduce with the other replicas "
+                 f"(ranks of the partition communicator, size {comm.Get_size()})")
+        if tr is not None:
+            tr.message("allreduce gradient", buf.nbytes, t0)
+        buf *= np.float32(1.0 / comm.Get_size())
+    optimizer.apply(params, buf[:n], state, step_scale=step_scale)
+    return float(buf[n])
+
+
+class SyncReplica(ReplicaLoop):
+    """Every iteration: this replica's gradient, one allreduce, the same update everywhere.
+
+    One update consumes the R replicas' mini-batches (T each with threads): the global step
+    advances by R * T.
+    """
+
+    lockstep = True  # one allreduce per iteration: every replica stops at the same one
+
+    def __init__(self, ctx: Context):
+        self.comm = ctx.grid.partition_comm
+        self.R = self.comm.Get_size()
+        super().__init__(ctx, -(-ctx.remaining_steps // self.R))
+        self.state = ctx.opt_state
+        self.buf = np.zeros(ctx.model.n_params + 1, dtype=np.float32)
+        # Bytes each rank sends per update in a ring allreduce, 2 (R-1)/R of the buffer;
+        # summed over the R ranks and divided by the R mini-batches of an update, the same
+        # figure per step.
+        self.bytes_per_step = 2 * self.buf.nbytes * (self.R - 1) / self.R / self.T
+
+    def step(self, x, y) -> float:
+        return sync_step(self.comm, self.source, self.ctx.optimizer, self.params, self.state,
+                         x, y, self.buf, self.cfg.timeout, self.lr_factor())
+
+    def global_step(self) -> int:
+        return self.ctx.start_step + self.done * self.R
+
+    def loss_source(self) -> str:
+        # the loss rides in the allreduce: every replica holds the same mean, and rank 0
+        # reports it for the job
+        return f"the {self.R} replicas' mini-batches (their mean, allreduced)"
+
+    def progress_fields(self) -> dict:
+        return {"staleness": 0, "bytes_per_step": round(self.bytes_per_step)}
+
+    def checkpoint_state(self) -> dict:
+        return self.state
+
+    def finish(self, train_s: float) -> dict:
+        out = {"figures": {"bytes_per_step": self.bytes_per_step}}
+        if self.first:  # every replica holds the same weights
+            full, full_state = gather_state(self.ctx, self.params, self.state)
+            if self.ctx.grid.is_chief:
+                out.update(finish_on_chief(self.ctx, full, full_state, self.global_step(),
+                                           train_s))
+        return out
+
+
+def run(ctx: Context) -> dict:
+    return SyncReplica(ctx).run()
