@@ -1,6 +1,7 @@
 """Benchmark the conv engine on Project Adam's MNIST network; print one JSON object to stdout.
 
-Examples/s of :class:`hpcps.engine.conv_hogwild.ConvHogwild` training ``--model adam-mnist`` on MNIST
+Examples/s of :class:`hpcps.engine.conv_hogwild.ConvHogwild` training ``--model adam-mnist`` on
+MNIST
 (the dataset needs ``image_shape``; ``python -m hpcps.data prepare mnist`` writes it) with
 T = 1 and 2 Hogwild threads of the compiled engine (``ext/convnet.pyx``), T = 1 of the NumPy
 reference (``engine_numpy_T1``, what runs without the extension), mini-batch 128, plain SGD,

@@ -197,6 +197,31 @@ def _add(parser, o: Option, help_text: str) -> None:
         parser.add_argument(o.flag, type=o.type, help=help_text)
 
 
+def _show(value: Any) -> str:
+    return ",".join(map(str, value)) if isinstance(value, tuple) else str(value)
+
+
+def _with_default(o: Option, owners: Sequence[str] = ()) -> str:
+    """The option's help, ending with its default where the text does not already say it:
+    the option's own, else each owning strategy's (``--help`` shows every default)."""
+    if "default" in o.help:
+        return o.help
+    if o.type is bool:
+        return f"{o.help} (default off)"
+    if o.default is not None:
+        return f"{o.help} (default {_show(o.default)})"
+    found = {}
+    for name in owners:
+        d = strategies()[name].default_values(Config(strategy=name))
+        if o.name in d and d[o.name] is not None:
+            found[name] = _show(d[o.name])
+    if not found:
+        return f"{o.help} (default: none)"
+    if len(set(found.values())) == 1 and len(found) == len(owners):
+        return f"{o.help} (default {next(iter(found.values()))})"
+    return f"{o.help} (default: {', '.join(f'{k} {v}' for k, v in found.items())})"
+
+
 def _defaults_help(spec: Strategy) -> str:
     """The strategy's defaults for the common options, for its --help group."""
     shown = ("servers", "optimizer", "lr", "batch_size")
@@ -220,15 +245,16 @@ def _build_parser(prog: str) -> argparse.ArgumentParser:
                 "mpiexec -n N python -m hpcps.train [options]",
                 argument_default=argparse.SUPPRESS)
     for o in COMMON:
-        _add(p, o, o.help)
+        _add(p, o, _with_default(o))
     groups = {name: p.add_argument_group(f"{name} options", _defaults_help(s))
               for name, s in specs.items()}
     shared = p.add_argument_group("options of several strategies")
     for name, owners in OWNERS.items():
+        text = _with_default(OPTIONS[name], owners)
         if len(owners) == 1:
-            _add(groups[owners[0]], OPTIONS[name], OPTIONS[name].help)
+            _add(groups[owners[0]], OPTIONS[name], text)
         else:
-            _add(shared, OPTIONS[name], f"{OPTIONS[name].help} [{', '.join(owners)}]")
+            _add(shared, OPTIONS[name], f"{text} [{', '.join(owners)}]")
     return p
 
 

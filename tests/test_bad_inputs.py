@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 from mpirun import train
 
-from hpcps import config, train as hpcps_train
+from hpcps import config, job as hpcps_train
 
 from hpcps.compress import codec as compress
 

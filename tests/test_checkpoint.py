@@ -415,7 +415,7 @@ def test_inspect_cli(tmp_path):
     for bad in (tmp_path / "bad.h5", tmp_path / "missing.h5"):
         run = inspect(bad)
         assert run.returncode == CheckpointError.exit_code == 4
-        assert run.stderr.startswith("hpcps.tools.inspect: error: ") and run.stdout == ""
+        assert run.stderr.startswith("hpcps.inspect: error: ") and run.stdout == ""
         assert "Traceback" not in run.stderr
     run = inspect("--help")
     assert run.returncode == 0 and "--json" in run.stdout and "Exit status" in run.stdout

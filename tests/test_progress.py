@@ -1,6 +1,6 @@
-"""Progress a person can follow (hpcps.runtime.progress, hpcps.runtime.metrics): a bar rewritten in place on a
-terminal, plain lines elsewhere. (Sandblaster's progress carrying percent done and ETA is
-checked on test_report's sandblaster run.)"""
+"""Progress a person can follow (hpcps.runtime.progress, hpcps.runtime.metrics): a bar
+rewritten in place on a terminal, plain lines elsewhere. (Sandblaster's progress carrying
+percent done and ETA is checked on test_report's sandblaster run.)"""
 from __future__ import annotations
 
 import io

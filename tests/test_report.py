@@ -162,7 +162,7 @@ def test_directories_without_metrics_are_refused(runs, tmp_path, capsys):
     for path, *words in cases:
         assert main([str(path), "--out", str(tmp_path / "out")]) == 2, path
         err = capsys.readouterr().err
-        assert err.startswith("hpcps.tools.report: error: "), err
+        assert err.startswith("hpcps.report: error: "), err
         for w in words:
             assert w in err, (w, err)
     assert not (tmp_path / "out").exists()  # refused before anything was written

@@ -26,8 +26,22 @@ import sys
 KEEPER_ENV = "HPCPS_KEEPER"  # set in the child's environment: "started by hpcps.keeper"
 
 
+USAGE = """usage: mpiexec -disable-auto-cleanup -n N python -m hpcps.keeper [train options]
+       srun --wait=0 ... python -m hpcps.keeper [train options]
+
+The keeper starts one rank of hpcps.train as its child and keeps that rank's death from ending
+the whole job: it forwards SIGTERM and SIGINT to the child, ignores the launcher's SIGUSR1 and
+exits with the child's exit code, or with 0 (after saying which signal killed the child) so that
+the launcher leaves the other ranks running. Use it for runs whose replicas or shards may die
+(--heartbeat-timeout, --ps-copies > 1; docs/fault-tolerance.md). Every option is passed to
+hpcps.train unchanged: python -m hpcps.train --help lists them."""
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv in (["-h"], ["--help"]):
+        print(USAGE)
+        return 0
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # Hydra: "a rank died"; the child decides
     env = dict(os.environ, **{KEEPER_ENV: "1"})
     pid = os.fork()

@@ -25,7 +25,7 @@ Predictions (``--predict OUT``), one row per example of the split, in the split'
 
 Either file is written atomically (a temporary file renamed onto OUT).
 
-Refusals end with ``hpcps.tools.evaluate: error: <reason>`` on stderr and the exit code of the
+Refusals end with ``hpcps.evaluate: error: <reason>`` on stderr and the exit code of the
 error's class (:mod:`hpcps.errors`): 4 for a checkpoint that is missing, corrupt, not an hpcps
 checkpoint or holds NaN/infinity; 3 for a dataset that is missing or unreadable, or whose
 features or classes do not fit the checkpoint's model; 2 for options (``--predict`` with an

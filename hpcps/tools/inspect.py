@@ -7,7 +7,7 @@ Usage::
 
 The whole file is read and verified (checksums, layout version), so this is also the way to
 check that a checkpoint is intact before resuming from it. A bad file prints
-``hpcps.tools.inspect: error: <reason>`` on stderr and exits with code 4 (``CheckpointError``).
+``hpcps.inspect: error: <reason>`` on stderr and exits with code 4 (``CheckpointError``).
 
 Run it with ``-m``: run as ``python hpcps/tools/inspect.py`` this file would shadow the standard
 library's ``inspect`` module.

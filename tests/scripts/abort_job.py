@@ -1,6 +1,6 @@
 """Rank 1 fails while the other ranks wait on it forever: the job must end at once, not hang."""
 from hpcps.mpi.topology import world_comm
-from hpcps.train import guarded
+from hpcps.job import guarded
 
 world = world_comm()
 

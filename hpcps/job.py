@@ -1,0 +1,444 @@
+"""One training job under MPI: config -> checks every rank agrees on -> grid of ranks -> this
+rank's role in the strategy -> summary. Started by :mod:`hpcps.train` (the command), which
+answers ``--help`` and ``--version`` before MPI is loaded.
+
+Start-up checks (options, layout, dataset, checkpoint, run directory) run on every rank and
+end in one collective vote: if any rank refused its input, the lowest such rank prints the
+reason once and every rank exits with the same code (2 config and run directory, 3 data, 4
+checkpoint), never a hang. Once training runs, a rank that fails prints its rank, host and
+reason and aborts the whole job; a NaN or infinity in training ends it with code 7 (the exit
+codes are listed in :mod:`hpcps.errors` and ``docs/errors.md``).
+
+SIGTERM and SIGUSR1 (preemption, a time limit: ``docs/slurm.md``) stop training on every rank
+at the next safe point (:mod:`hpcps.runtime.stop`); the final checkpoint then holds the step
+reached and the job exits with code 75, "checkpointed, resubmit me": ``--resume auto``
+continues from the run directory's newest valid checkpoint, or starts fresh when there is none.
+
+Under Slurm (``jobs/*.sbatch``), ``srun --mpi=pmi2`` and ``mpiexec`` start the same job; the
+default run directory is ``runs/slurm-<job id>`` (:mod:`hpcps.runtime.slurm`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import numpy as np
+
+from hpcps import config, trace
+from hpcps.io import checkpoint, data
+from hpcps.model import convnet
+from hpcps.runtime import faults, memory, slurm, timeline
+from hpcps.mpi.comm import PeerTimeout, ReplicaExchange, barrier, dup_comm, host
+from hpcps.options import parse_inject_slow
+from hpcps.errors import (PREEMPTED_EXIT, CheckpointError, ConfigError, HpcpsError,
+                          NonFiniteError)
+from hpcps.runtime.metrics import Metrics
+from hpcps.model.mlp import InitialWeights, SingleExchange
+from hpcps.runtime.stacks import StackDumper
+from hpcps.runtime.stop import SignalFlag, StopVote
+from hpcps.strategies.registry import strategies
+from hpcps.strategies.context import (Context, explain_nonfinite, make_optimizer,
+                                      state_from_checkpoint)
+from hpcps.mpi.topology import Layout, abort, build_grid, check_thread_support, world_comm
+
+
+def _agree(world, fn, *args):
+    """Run ``fn`` on every rank; if any rank raised, all exit with the first failure's code."""
+    value, code, text = None, 0, ""
+    try:
+        value = fn(*args)
+    except HpcpsError as exc:
+        code, text = exc.exit_code, str(exc)
+    except Exception:  # a bug, not bad input: show where
+        code, text = 1, traceback.format_exc()
+    codes = world.allgather(code)
+    if any(codes):
+        first = next(i for i, c in enumerate(codes) if c)
+        if world.Get_rank() == first:
+            where = "" if all(codes) else f" (rank {first})"
+            print(f"hpcps: error{where}: {text}", file=sys.stderr, flush=True)
+        raise SystemExit(codes[first])
+    return value
+
+
+def _ensure_dataset(cfg: config.Config, rank: int) -> None:
+    """Prepare a built-in dataset on first use (rank 0 only; the others wait in the vote)."""
+    path = Path(cfg.data)
+    if rank != 0 or path.exists():
+        return
+    for name, default in data.DEFAULT_DATA.items():
+        if path.resolve() == Path(default).resolve():
+            print(f"[hpcps] {path} not found: preparing the {name} dataset first", flush=True)
+            data.prepare(name, path, log=lambda s: print(f"[hpcps] {s}", flush=True))
+            return
+
+
+def _check_dataset(cfg: config.Config) -> data.DatasetInfo:
+    info = data.open_dataset(cfg.data)
+    if cfg.model is not None:
+        convnet.build(cfg, info)  # refuses a flat dataset, a spec that does not fit
+        return info
+    if cfg.layers[0] != info.n_features or cfg.layers[-1] != info.n_classes:
+        raise ConfigError(
+            f"--layers {','.join(map(str, cfg.layers))} does not fit dataset {cfg.data} "
+            f"({info.n_features} features, {info.n_classes} classes): the first width must be "
+            f"{info.n_features} and the last {info.n_classes}")
+    return info
+
+
+def _load_resume(cfg: config.Config, info: data.DatasetInfo):
+    if not cfg.resume:
+        return None, []
+    ckpt = checkpoint.load(cfg.resume)
+    checkpoint.check_finite(ckpt)
+    if cfg.spec.check_resume is not None:
+        cfg.spec.check_resume(cfg, ckpt)
+    saved = ckpt.config.get("model")
+    if (saved and convnet.resolve(saved)) != (cfg.model and convnet.resolve(cfg.model)):
+        raise CheckpointError(f"checkpoint {cfg.resume} holds model {saved or 'an MLP'} but "
+                              f"this run asks for {cfg.model or 'an MLP (--layers)'}")
+    if ckpt.optimizer not in cfg.spec.optimizers:  # no --optimizer of this strategy fits
+        takers = [name for name, spec in strategies().items()
+                  if ckpt.optimizer in spec.optimizers]
+        raise CheckpointError(
+            f"checkpoint {cfg.resume} was written by optimizer {ckpt.optimizer!r}, which "
+            f"--strategy {cfg.strategy} does not run (it runs {' or '.join(cfg.spec.optimizers)})"
+            f", and an optimizer's state does not carry over to another: resume it with "
+            f"--strategy {' or '.join(takers) or '(none)'}, or start a new run")
+    warnings = checkpoint.check_compatible(ckpt, convnet.build(cfg, info).sizes,
+                                           optimizer=cfg.optimizer,
+                                           dataset=info.to_dict())
+    return ckpt, warnings
+
+
+def _resolve_auto(cfg: config.Config, run_dir: Path) -> tuple[config.Config, list[str]]:
+    """``--resume auto``: the run directory's newest valid checkpoint, or a fresh start.
+    Returns the config with ``resume`` set to that file (or None) and notes for the log."""
+    if cfg.resume != config.RESUME_AUTO:
+        return cfg, []
+    ckpt, skipped = checkpoint.latest(run_dir)
+    if ckpt is None:
+        return dataclasses.replace(cfg, resume=None), \
+            [f"--resume auto: no checkpoint in {run_dir}, starting fresh"]
+    return dataclasses.replace(cfg, resume=str(ckpt.path)), skipped
+
+
+def check_run_dir(run_dir: Path, given: bool) -> None:
+    """Create the run directory if needed and make sure this rank can write into it, so that
+    a run never trains for hours and then fails to write its metrics or checkpoint.
+
+    ``given``: the path came from ``--run-dir`` (else from ``--resume`` or the default).
+    Raises ConfigError with the path and the system's reason.
+    """
+    what = "--run-dir" if given else "run directory"
+    if run_dir.exists() and not run_dir.is_dir():
+        raise ConfigError(f"{what} {run_dir} is a file, not a directory: give a directory for "
+                          "metrics.jsonl and checkpoint.h5")
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"{what} {run_dir} cannot be created: {exc.strerror or exc}; give "
+                          "--run-dir a directory you can write to") from None
+    probe = run_dir / f".hpcps-write-test-{os.getpid()}"
+    try:
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise ConfigError(f"{what} {run_dir} is not writable: {exc.strerror or exc}; give "
+                          "--run-dir a directory you can write to") from None
+
+
+def _setup(cfg: config.Config, world, layout: Layout, info, ckpt, run_dir: Path) -> Context:
+    full = convnet.build(cfg, info)
+    P = layout.partitions
+    if P > 1:  # refuse a layer narrower than P on every rank before any communication
+        convnet.build_partition(cfg, full, P, 0)
+    check_thread_support(cfg.threads, P)
+    grid = build_grid(world, layout)
+    opt = make_optimizer(cfg)
+    role = grid.role
+    if role.is_replica and isinstance(full, convnet.ConvNet):  # its own dropout masks
+        full.seed_dropout(convnet.dropout_key(cfg.seed, role.replica,
+                                              ckpt.step if ckpt is not None else 0))
+    model = full
+    if P > 1:
+        exchange = ReplicaExchange(grid.replica_comm, cfg.timeout) if role.is_replica \
+            else SingleExchange
+        model = convnet.build_partition(cfg, full, P, role.partition if role.is_replica
+                                        else 0, exchange)
+    whole = ckpt is not None  # params hold the whole model: cut to this rank's part below
+    if ckpt is None:  # each rank draws only what it holds: memory falls as 1/P and 1/S
+        if role.is_replica:
+            params = model.init_params(cfg.seed)
+        elif cfg.model is not None:  # a conv model (small): drawn whole, cut below
+            params, whole = full.init_params(cfg.seed), True
+        else:  # an MLP's servers slice it
+            params = InitialWeights(cfg.layers, cfg.activation, P, cfg.seed)
+        state, start = opt.init_state(len(params)), 0  # zeros: pages untouched cost nothing
+    else:
+        params, state = state_from_checkpoint(full, ckpt, opt.state_keys)
+        start = ckpt.step
+    if whole and P > 1:
+        if role.is_replica:  # this partition's slice
+            cut = model.local_from_full
+        else:  # servers: every partition's slice, one after the other (the global vector)
+            def cut(named):
+                return np.concatenate([model.local_from_full(named, q) for q in range(P)])
+        params = cut(full.views(params))
+        state = {k: cut(full.views(v)) for k, v in state.items()}
+    # the coordinator, where there is one, sees the whole run: it logs; otherwise rank 0
+    reporter = layout.n_world - 1 if layout.coordinator else 0
+    metrics = Metrics(run_dir if grid.rank == reporter else None, cfg.progress_every)
+    ctx = Context(cfg=cfg, grid=grid, model=model, full_model=full, optimizer=opt,
+                  dataset=info, params=params, opt_state=state, start_step=start,
+                  total_steps=cfg.total_steps(info.n_train), run_dir=run_dir, metrics=metrics,
+                  reporter=reporter,
+                  resumed=ckpt.metrics if ckpt is not None else None)
+    if grid.role.is_replica and cfg.spec.replica_data == "whole":
+        # any replica may be handed any portion: each holds the whole training set
+        ctx.train_x, ctx.train_y = data.load_split(cfg.data, "train")
+    elif grid.role.is_replica:
+        # every partition of a replica reads the same shard and draws the same batches
+        ctx.train_x, ctx.train_y = data.load_split(cfg.data, "train", grid.role.replica,
+                                                   layout.replicas)
+        need = cfg.batch_size * cfg.threads  # a step draws one mini-batch per thread
+        if len(ctx.train_x) < need:
+            what = (f"one step's {need} (--batch-size {cfg.batch_size} x --threads "
+                    f"{cfg.threads})" if cfg.threads > 1 else f"--batch-size {cfg.batch_size}")
+            raise ConfigError(f"replica {grid.role.replica} holds {len(ctx.train_x)} training "
+                              f"examples, fewer than {what}")
+    if grid.is_chief:
+        ctx.test_x, ctx.test_y = data.load_split(cfg.data, "test")
+    return ctx
+
+
+def plan(cfg: config.Config, n_world: int) -> Layout:
+    """The grid of ranks ``cfg`` asks for on ``n_world`` ranks (ConfigError if it cannot fit,
+    or if --inject-slow names a rank that is not a replica's)."""
+    layout = Layout.plan(n_world, cfg.servers, cfg.partitions, int(cfg.spec.coordinator))
+    if cfg.inject_slow is not None:
+        who, _ = parse_inject_slow(cfg.inject_slow)
+        n_rep = layout.replicas * layout.partitions
+        if who >= n_rep:
+            role = layout.role(who) if who < n_world else None
+            where = (f"outside the job's {n_world} ranks" if role is None else
+                     f"server shard {role.shard}" if role.is_server else "the coordinator")
+            raise ConfigError(f"--inject-slow {cfg.inject_slow} names world rank {who}, "
+                              f"{where}; it slows a replica: the replicas are ranks 0-"
+                              f"{n_rep - 1} here")
+    return layout
+
+
+def _describe(cfg, layout: Layout) -> str:
+    reps = f"{layout.replicas} replica(s) x {layout.partitions} partition(s)"
+    coord = ", 1 coordinator" if layout.coordinator else ""
+    shards = f"{layout.servers} server shard(s){coord}, " if layout.servers else ""
+    return f"{cfg.strategy} on {layout.n_world} ranks: {shards}{reps}"
+
+
+def _summary(ctx: Context, results: list[dict], wall_s: float, stopped: bool = False) -> None:
+    """The summary record and lines: common figures, then the strategy's own."""
+    m, cfg, spec = ctx.metrics, ctx.cfg, ctx.cfg.spec
+    mine = results[ctx.reporter]
+    step = mine.get("step", ctx.start_step)
+    trained = step - ctx.start_step
+    summarize = spec.summarizer()
+    figures = dict(summarize(ctx, results) if summarize else mine.get("figures", {}))
+    bytes_per_step = figures.pop("bytes_per_step", 0.0)
+    staleness = figures.pop("mean_staleness", 0.0)
+    rec = m.record("summary", echo=False, strategy=cfg.strategy, ranks=ctx.grid.layout.n_world,
+                   servers=ctx.grid.layout.servers, replicas=ctx.grid.layout.replicas,
+                   partitions=ctx.grid.layout.partitions, threads=cfg.threads,
+                   step=step, epoch=round(ctx.epochs(step), 3), steps_trained=trained,
+                   train_s=round(mine.get("train_s", 0.0), 3), wall_s=round(wall_s, 3),
+                   examples_per_s=round(mine.get("examples_per_s", float("nan")), 1),
+                   bytes_per_step=round(bytes_per_step), mean_staleness=round(staleness, 3),
+                   test_accuracy=mine.get("test_accuracy"), test_loss=mine.get("test_loss"),
+                   stopped_early=stopped, total_steps=ctx.total_steps,
+                   checkpoint=mine.get("checkpoint"), **memory.by_role(results),
+                   **_blas_in_use(results), **_step_times(results), **figures)
+    m.message(f"finished {_describe(cfg, ctx.grid.layout)}")
+    m.message(f"  {trained} steps this run (global step {step}, {rec['epoch']:.2f} epochs) in "
+              f"{rec['train_s']:.1f} s: {rec['examples_per_s']:.0f} examples/s, "
+              f"{rec['bytes_per_step']:.0f} bytes moved per step")
+    for line in (spec.summary_lines(rec) if spec.summary_lines else []):
+        m.message("  " + line)
+    m.message(f"  final test accuracy: {100 * rec['test_accuracy']:.2f}% "
+              f"(test loss {rec['test_loss']:.4f})")
+    m.message(f"  checkpoint: {rec['checkpoint']}   metrics: {m.path}")
+    if stopped:
+        m.message(f"  stopped early at step {step} of {ctx.total_steps} on a signal: exit code "
+                  f"{PREEMPTED_EXIT}; run again with --resume auto (same run directory) to "
+                  "continue")
+    if "step_s" in rec:
+        m.message(f"  a replica's iteration: {1e3 * rec['step_s']:.2f} ms, of which its gradient "
+                  f"pass {1e3 * rec['pass_s']:.2f} ms "
+                  f"({100 * rec['pass_s'] / max(rec['step_s'], 1e-12):.0f}%, "
+                  f"{1e3 * rec['pass_cpu_s']:.2f} ms of CPU time; the rest is "
+                  "communication, the update and the loop's own work)")
+        idle = 1.0 - rec["cpu_s"] / max(rec["step_s"], 1e-12)
+        m.message(f"  its process's CPU time: {1e3 * rec['cpu_s']:.2f} ms an iteration "
+                  + (f"(it waited {100 * idle:.0f}% of the iteration: for its peers, the "
+                     "network, or a core shared with other ranks)" if idle >= 0.1
+                     else "(busy throughout: computing, or MPI polling)"))
+    m.message(f"  BLAS: {rec['blas']} ({rec['blas_reason']})")
+    m.message("  " + memory.describe(rec))
+
+
+def _step_times(results: list[dict]) -> dict:
+    """``step_s``: seconds of a replica's iteration, from its first to its last (without the
+    run's ending); ``pass_s``: of them, its gradient passes; ``cpu_s`` and ``pass_cpu_s``:
+    the CPU time its process used per iteration and in its passes (every thread, user and
+    system). Means over the ranks that train (empty when none reported them: sandblaster,
+    whose step is a pass over the data)."""
+    timed = [r for r in results if "step_s" in r]
+    if not timed:
+        return {}
+    return {k: round(sum(r[k] for r in timed) / len(timed), 7)
+            for k in ("step_s", "pass_s", "pass_cpu_s", "cpu_s")}
+
+
+def _blas_chosen() -> dict | None:
+    """This rank's BLAS choice, if it ran a compiled kernel (see :func:`_blas_in_use`)."""
+    from hpcps.kernels import HAVE_EXTENSION, blas
+    return blas.chosen() if HAVE_EXTENSION else None
+
+
+def _blas_in_use(results: list[dict]) -> dict:
+    """``blas``: ``mkl`` or ``openblas``, the sgemm the compiled kernels call (``HPCPS_BLAS``),
+    ``numpy`` when they are not built; ``blas_reason``: why. Each rank chooses its own when it
+    first runs a kernel: the reporter's choice when it computed, else the first replica's
+    (sandblaster's coordinator computes nothing)."""
+    from hpcps.kernels import HAVE_EXTENSION, blas
+    if not HAVE_EXTENSION:
+        return {"blas": "numpy", "blas_reason": "no compiled kernels"}
+    mine = blas.chosen()
+    if mine is None:
+        mine = next((r["blas_used"] for r in results
+                     if r.get("role") == "replica" and r.get("blas_used")), None)
+        if mine is not None:
+            mine = {**mine, "blas_reason": f"a replica's choice: {mine['blas_reason']}"}
+    return mine or blas.summary()
+
+
+def guarded(world, role: str, fn, *args, stacks: StackDumper | None = None,
+            timeout: float = 0.0):
+    """Run ``fn``; if it raises on this rank, print rank, host and reason, and abort the job.
+
+    Once training runs, the other ranks may be blocked waiting on this one: only an abort
+    ends them promptly (mpiexec then exits non-zero), so no failure becomes a hang. A wait
+    that timed out first gathers every rank's stack (``stacks``, :mod:`hpcps.stacks`) and
+    says where each rank was.
+    """
+    try:
+        return fn(*args)
+    except BaseException as exc:
+        code = exc.exit_code if isinstance(exc, HpcpsError) else 1
+        if isinstance(exc, KeyboardInterrupt):
+            code = 130
+        detail = str(exc) if isinstance(exc, HpcpsError) else traceback.format_exc()
+        defer_s = exc.defer_s if isinstance(exc, NonFiniteError) else 0.0
+        if isinstance(exc, PeerTimeout) and stacks is not None:
+            more, defer_s = stacks.explain(exc, timeout)
+            detail += more
+        if defer_s > 0:
+            time.sleep(defer_s)  # the reporting rank's abort usually ends us first
+        print(f"hpcps: rank {world.Get_rank()} of {world.Get_size()} on {host()} ({role}) "
+              f"failed: {detail}", file=sys.stderr, flush=True)
+        abort(code)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    world = world_comm()
+    rank, size = world.Get_rank(), world.Get_size()
+    t_start = time.perf_counter()
+    flag = SignalFlag().install()  # from here on SIGTERM/SIGUSR1 ask for a stop, not death
+    cfg = _agree(world, config.parse, argv)
+    _agree(world, slurm.check_tasks, os.environ, size)
+    layout = _agree(world, plan, cfg, size)
+    _agree(world, _ensure_dataset, cfg, rank)
+    info = _agree(world, _check_dataset, cfg)
+    stamp, token = world.bcast((time.strftime("%Y%m%d-%H%M%S"), f"{host()}-{os.getpid()}-"
+                                f"{time.time():.6f}") if rank == 0 else None)
+    run_dir = _agree(world, config.run_dir_for, cfg, stamp, slurm.job_name(os.environ))
+    given = bool(cfg.run_dir)
+    _agree(world, check_run_dir, run_dir, given)
+    auto = cfg.resume == config.RESUME_AUTO
+    cfg, notes = _agree(world, _resolve_auto, cfg, run_dir)
+    ckpt, warnings = _agree(world, _load_resume, cfg, info)
+    if rank == 0:
+        for w in notes:
+            print(f"[hpcps] {w}", flush=True)
+        for w in warnings:
+            print(f"[hpcps] warning: {w}", flush=True)
+    vote_comm = dup_comm(world, 1, cfg.timeout, "every rank to set up the stop vote")[0]
+    ctx = _agree(world, _setup, cfg, world, layout, info, ckpt, run_dir)
+    may_lose = cfg.heartbeat_timeout is not None  # replicas may die (hpcps.runtime.faults)
+    if may_lose:  # no world-wide vote with ranks that may die: signals act as usual
+        flag.uninstall()
+        _agree(world, faults.check_thread_level)
+        verdict = faults.launcher_verdict(faults.ancestry(), os.environ)
+        if rank == 0 and verdict:
+            print(f"[hpcps] warning: {verdict}", flush=True)
+    else:
+        ctx.stop = StopVote(vote_comm, flag, cfg.timeout)
+    m = ctx.metrics
+    how = cfg.spec.describe(cfg, info.n_train) if cfg.spec.describe else cfg.optimizer
+    m.message(_describe(cfg, layout) + f"; model {convnet.describe_model(ctx.full_model)} "
+              f"({ctx.full_model.n_params} parameters), {how}, {ctx.total_steps} steps "
+              f"({ctx.epochs(ctx.total_steps):.2f} epochs) of {info.name}")
+    if ckpt is not None:
+        m.message(f"resumed from {cfg.resume}{' (--resume auto)' if auto else ''} at step "
+                  f"{ckpt.step}")
+    m.record("start", echo=False, config=cfg.to_dict(), dataset=info.to_dict(),
+             start_step=ctx.start_step, total_steps=ctx.total_steps, ranks=size,
+             resume_auto=auto, slurm=slurm.describe(os.environ))
+
+    def train_and_report(tl: timeline.Timeline | None) -> int:
+        try:
+            result = cfg.spec.run(ctx)
+        except NonFiniteError as exc:  # say where, what is left, and the usual causes
+            raise explain_nonfinite(ctx, exc) from None
+        result = {**result, "role": ctx.grid.role.kind, "peak_rss_bytes": memory.peak_rss_bytes(),
+                  "blas_used": _blas_chosen()}
+        if may_lose:
+            lost = faults.finish(world, ctx.reporter, result, ctx.grid.layout, cfg.timeout,
+                                 lambda results: _summary(ctx, results,
+                                                          time.perf_counter() - t_start),
+                                 grace=faults.ending_grace(cfg.heartbeat_timeout))
+            m.close()
+            if lost:  # MPI_Finalize would wait for the dead ranks
+                faults.leave(0)
+            return 0
+        stopped = ctx.stop.finish()  # every rank leaves the vote after the same round
+        barrier(world, cfg.timeout, "every rank to finish training")
+        if tl is not None:
+            with trace.activated(None):
+                path = timeline.finish(world, tl, ctx.grid.role, run_dir, cfg.timeout,
+                                       {"strategy": cfg.strategy, "ranks": size})
+            if path is not None:
+                m.message(f"trace: {path} (open it in https://ui.perfetto.dev or "
+                          "chrome://tracing)")
+        results = world.gather(result, root=ctx.reporter)
+        code = 0
+        if world.Get_rank() == ctx.reporter:
+            step = results[ctx.reporter].get("step", ctx.start_step)
+            code = PREEMPTED_EXIT if stopped and step < ctx.total_steps else 0
+            _summary(ctx, results, time.perf_counter() - t_start, code == PREEMPTED_EXIT)
+        m.close()
+        return world.bcast(code, root=ctx.reporter)
+
+    tl = timeline.start(world, cfg.timeout) if cfg.trace else None
+    stacks = StackDumper(run_dir, rank, size, ctx.grid.role.kind, token, host()).start()
+    try:
+        with trace.activated(tl.tracer if tl is not None else None):
+            return guarded(world, ctx.grid.role.kind, train_and_report, tl, stacks=stacks,
+                           timeout=cfg.timeout)
+    finally:
+        stacks.stop()
+
