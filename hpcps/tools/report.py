@@ -268,7 +268,9 @@ def _layout(run: Run) -> str:
     if s is not None and all(_number(s.get(k)) for k in ("ranks", "replicas", "partitions")):
         parts = []
         if s.get("servers"):
-            coordinator = " + coordinator" if run.strategy == "sandblaster" else ""
+            # a rank beyond the servers and the replicas' partitions is a coordinator
+            extra = s["ranks"] - s["servers"] - s["replicas"] * s["partitions"]
+            coordinator = " + coordinator" if extra == 1 else ""
             parts.append(f"{s['servers']} server{'s' if s['servers'] != 1 else ''}{coordinator}")
         parts.append(f"{s['replicas']} replica{'s' if s['replicas'] != 1 else ''}"
                      + (f" x {s['partitions']} partitions" if s["partitions"] > 1 else ""))
