@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from hpcps.engine import hogwild  # noqa: E402
 from hpcps.kernels import blas  # noqa: E402
 from hpcps.model.mlp import MLP  # noqa: E402
-from machine import cpu_features, cpu_model  # noqa: E402  (bench/machine.py)
+from machine import cpu_features, cpu_model, save  # noqa: E402  (bench/machine.py)
 
 MODELS = [(784, 512, 512, 10), (784, 1024, 1024, 10)]
 BATCH = 128
@@ -76,6 +76,7 @@ def main():
             "auto_right": sum(n == faster for n, _ in verdicts), "of": len(verdicts)}
     out["machine"]["loadavg_end"] = os.getloadavg()
     print(json.dumps(out, indent=1))
+    save("bench_blas_auto", out)  # bench/results/, for bench/render.py
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hpcps.compress import codec as compress  # noqa: E402
 from hpcps.compress.codec import reference  # noqa: E402
-from machine import cpu_model  # noqa: E402  (bench/machine.py)
+from machine import cpu_model, save  # noqa: E402  (bench/machine.py)
 
 try:
     from hpcps.kernels import _compress as compiled  # noqa: E402
@@ -176,6 +176,7 @@ def main(argv=None):
         "results": results,
     }
     print(json.dumps(report, indent=2))
+    save("bench_compress", report)  # bench/results/, for bench/render.py
 
 
 if __name__ == "__main__":

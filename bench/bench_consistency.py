@@ -441,6 +441,8 @@ def main(argv: list[str] | None = None) -> int:
     doc["complete"] = True
     text = json.dumps(doc, indent=2)
     print(text)
+    from machine import save  # bench/machine.py
+    save("bench_consistency", doc)  # bench/results/, for bench/render.py
     if a.out:
         a.out.write_text(text + "\n")
     n_runs = len(doc["runs"]) + len(doc["many_replicas"]) + len(doc["slow_replica"])

@@ -42,7 +42,7 @@ from hpcps.io import data
 from hpcps.engine.conv_hogwild import ConvHogwild  # noqa: E402
 from hpcps.model.convnet import ConvNet  # noqa: E402
 from hpcps.kernels import blas  # noqa: E402
-from machine import cpu_features, cpu_model  # noqa: E402  (bench/machine.py)
+from machine import cpu_features, cpu_model, save  # noqa: E402  (bench/machine.py)
 
 try:
     import torch
@@ -176,6 +176,7 @@ def main():
            "paired_ratios_median": paired,
            "targets": {"engine_over_torch_T1": 1.0, "engine_over_torch_T2": 1.3}}
     print(json.dumps(out, indent=1))
+    save("bench_conv", out)  # bench/results/, for bench/render.py
 
 
 if __name__ == "__main__":

@@ -45,7 +45,7 @@ import numpy as np  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hpcps.kernels import blas, gemm  # noqa: E402
-from machine import cpu_features, cpu_model  # noqa: E402  (bench/machine.py)
+from machine import cpu_features, cpu_model, save  # noqa: E402  (bench/machine.py)
 
 try:
     from hpcps.kernels import _gemm  # noqa: E402
@@ -325,6 +325,7 @@ def main():
     result["machine"]["load_avg_at_end"] = os.getloadavg()
     json.dump(result, sys.stdout, indent=1)
     print()
+    save("bench_gemm", result)  # bench/results/, for bench/render.py
 
 
 if __name__ == "__main__":

@@ -46,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from hpcps.engine import hogwild  # noqa: E402
 from hpcps.kernels import blas  # noqa: E402
 from hpcps.model.mlp import MLP  # noqa: E402
-from machine import cpu_features, cpu_model  # noqa: E402  (bench/machine.py)
+from machine import cpu_features, cpu_model, save  # noqa: E402  (bench/machine.py)
 
 try:
     import torch
@@ -259,6 +259,7 @@ def main():
                               "paired_ratios_median": paired}
     out["machine"]["loadavg_end"] = os.getloadavg()
     print(json.dumps(out, indent=1))
+    save("bench_hogwild", out)  # bench/results/, for bench/render.py
 
 
 if __name__ == "__main__":

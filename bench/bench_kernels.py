@@ -24,7 +24,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hpcps.kernels import reference  # noqa: E402
-from machine import cpu_model  # noqa: E402  (bench/machine.py)
+from machine import cpu_model, save  # noqa: E402  (bench/machine.py)
 
 try:
     from hpcps.kernels import _adagrad as compiled  # noqa: E402
@@ -109,6 +109,7 @@ def main(argv=None):
         "speedup": ratios,
     }
     print(json.dumps(report, indent=2))
+    save("bench_kernels", report)  # bench/results/, for bench/render.py
 
 
 if __name__ == "__main__":

@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench_train import find_mpiexec, log, machine, summary_of, train  # noqa: E402
-from machine import cpu_features  # noqa: E402
+from machine import cpu_features, save  # noqa: E402
 
 from hpcps.runtime import memory  # noqa: E402
 from hpcps.model.mlp import PartitionedMLP  # noqa: E402
@@ -182,6 +182,7 @@ def main(argv=None) -> int:
     out["fit"] = fits
     out.update(largest_models(out, layouts, args.memory_gib))
     print(json.dumps(out, indent=1))
+    save("bench_memory", out)  # bench/results/, for bench/render.py
     return 0
 
 

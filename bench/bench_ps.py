@@ -71,7 +71,7 @@ sys.path[:0] = [str(ROOT), str(HERE), str(ROOT / "tests")]
 
 from bench_train import (RunError, _kill_group, find_mpiexec, log, machine,  # noqa: E402
                          read_metrics, start, summary_of)
-from machine import cpu_features  # noqa: E402
+from machine import cpu_features, save  # noqa: E402
 
 MIB = 1 << 18  # float32 elements per 1 MiB chunk
 
@@ -299,6 +299,7 @@ def main(argv: list[str] | None = None) -> int:
             out["quorum"] = bench_quorum(mpiexec, Path(tmp), args.data, args.epochs,
                                          args.repeats, args.timeout)
     print(json.dumps(out, indent=1))
+    save("bench_ps", out)  # bench/results/, for bench/render.py
     return 0
 
 

@@ -89,6 +89,8 @@ def main(argv=None) -> int:
     out["bench_s"] = round(time.perf_counter() - t0, 1)
     text = json.dumps(out, indent=1)
     print(text)
+    from machine import save  # bench/machine.py
+    save("bench_sandblaster", out)  # bench/results/, for bench/render.py
     if a.out:
         Path(a.out).write_text(text + "\n")
     return 0

@@ -176,6 +176,8 @@ def main(argv=None) -> int:
     out["bench_s"] = round(time.perf_counter() - t0, 1)
     save()
     print(json.dumps(out, indent=1))
+    from machine import save  # bench/machine.py
+    save("bench_strom", out)  # bench/results/, for bench/render.py
     return 0
 
 

@@ -99,6 +99,8 @@ def main(argv=None) -> int:
                 log(str(exc))
                 return 1
     print(json.dumps(out, indent=2))
+    from machine import save  # bench/machine.py
+    save("bench_trace", out)  # bench/results/, for bench/render.py
     return 0
 
 

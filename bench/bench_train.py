@@ -52,7 +52,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from machine import cpu_model  # noqa: E402  (bench/machine.py)
+from machine import cpu_model, save  # noqa: E402  (bench/machine.py)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -320,6 +320,7 @@ def main(argv: list[str] | None = None) -> int:
     out["bench_s"] = round(time.perf_counter() - t0, 1)
     text = json.dumps(out, indent=2)
     print(text)
+    save("bench_train", out)  # bench/results/, for bench/render.py
     if args.out:
         Path(args.out).write_text(text + "\n")
     return 0

@@ -46,7 +46,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from machine import cpu_model  # bench/machine.py
+from machine import cpu_model, save  # bench/machine.py
 
 ROOT = Path(__file__).resolve().parents[1]
 BATCH_STEPS = 10                 # whole-set L-BFGS evaluations for batch methods
@@ -251,6 +251,7 @@ def main(argv: list[str] | None = None) -> int:
            "ok": not bad, "runs": runs}
     text = json.dumps(doc, indent=2)
     print(text)
+    save("soak_ranks", doc)  # bench/results/, for bench/render.py
     if a.json:
         a.json.write_text(text + "\n")
     print(f"{len(runs)} runs in {doc['total_seconds']:.0f} s: "

@@ -51,7 +51,7 @@ sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE.parents[1]))
 
 from bench_train import RunError, log, machine, summary_of, train  # noqa: E402
-from machine import cpu_features  # noqa: E402
+from machine import cpu_features, save  # noqa: E402
 
 from hpcps.strategies.registry import strategies  # noqa: E402
 
@@ -329,6 +329,7 @@ def main(argv=None) -> int:
     started = time.strftime("%Y-%m-%d")
     out["date"] = started
     print(json.dumps(out, indent=1))
+    save("bench_cluster", out)  # bench/results/, for bench/render.py
     return 0
 
 

@@ -1,0 +1,178 @@
+"""Render the measurement tables of docs/ and the README from the files in bench/results/.
+
+A table is generated where a Markdown file holds the marker pair::
+
+    <!-- results: bench_hogwild-2026-11-26-amd-epyc#ratios -->
+    ... (generated: do not edit) ...
+    <!-- /results -->
+
+naming one results file (its stem in ``bench/results/``) and one table in it. Between the
+markers this script writes a caption line (date, CPU, command, and where the figures came
+from) and the table. A results file is what ``machine.save`` wrote when a bench ran: its
+``figures`` become tables through the bench's view below (``VIEWS``); a file may also carry
+its tables ready-made under ``tables`` (``{"name": {"columns": [...], "rows": [[...]]}}``),
+which is how figures measured before the benches wrote files were transcribed from the docs
+(those files say so in ``transcribed_from``).
+
+Usage::
+
+    python bench/render.py            # rewrite every marked table in place
+    python bench/render.py --check    # exit 1 naming each table that differs from its file
+
+``tests/test_docs.py`` runs the check, so a table edited by hand, or a results file changed
+without rendering again, fails the tests.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results"
+DOCS = ("README.md", "bench/README.md", *sorted(
+    str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md")))
+
+BLOCK = re.compile(r"(<!-- results: (?P<ref>[^ ]+?) -->\n)(?P<body>.*?)(<!-- /results -->)",
+                   re.S)
+
+
+class RenderError(Exception):
+    """A marker that names a file or table that does not exist."""
+
+
+def markdown_table(table: dict) -> str:
+    """``{"columns": [...], "rows": [[...], ...], "align": [...]}`` as a Markdown table."""
+    cols = table["columns"]
+    align = table.get("align") or ["---"] * len(cols)
+    lines = ["| " + " | ".join(cols) + " |", "|" + "|".join(align) + "|"]
+    for row in table["rows"]:
+        if len(row) != len(cols):
+            raise RenderError(f"a row of {len(row)} cells under {len(cols)} columns: {row}")
+        lines.append("| " + " | ".join(str(c) for c in row) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _x(v) -> str:
+    return "" if v is None else f"{v:.2f}x"
+
+
+def _eps(entry: dict | None) -> str:
+    if not entry:
+        return ""
+    return f"{round(entry['examples_per_s'], -1):,.0f}"
+
+
+def hogwild_view(figures: dict) -> dict:
+    """bench_hogwild: the paired ratios per model (``ratios``) and examples/s (``examples``)."""
+    models = figures["models"]
+    rows = (("hpcps / PyTorch, T = 1", "hogwild_over_torch_T1"),
+            ("hpcps / PyTorch, T = 2", "hogwild_over_torch_T2"),
+            ("hpcps T = 2 / T = 1", "hogwild_T2_over_T1"),
+            ("PyTorch T = 2 / T = 1", "torch_T2_over_T1"),
+            ("zero skipping on / off, T = 1", "zero_skip_gain_T1"),
+            ("zero skipping on / off, T = 2", "zero_skip_gain_T2"),
+            ("MKL / OpenBLAS in the engine, T = 1", "mkl_gain_T1"),
+            ("MKL / OpenBLAS in the engine, T = 2", "mkl_gain_T2"))
+    keys = list(models)
+    ratios = {"columns": [f"ratio (paired medians of {figures['repeats']})", *keys],
+              "rows": [[label, *(_x(models[k]["paired_ratios_median"].get(key)) for k in keys)]
+                       for label, key in rows
+                       if any(key in models[k]["paired_ratios_median"] for k in keys)]}
+    examples = {"columns": ["model", "T", "hpcps", "hpcps, MKL", "hpcps, no zero skipping",
+                            "PyTorch"], "rows": []}
+    for k in keys:
+        res = models[k]["results"]
+        for t in ("T1", "T2"):
+            examples["rows"].append([k, t[1:], _eps(res.get(f"hogwild_{t}")),
+                                     _eps(res.get(f"hogwild_{t}_mkl")),
+                                     _eps(res.get(f"hogwild_{t}_no_zero_skip")),
+                                     _eps(res.get(f"torch_{t}"))])
+    return {"ratios": ratios, "examples": examples}
+
+
+# bench name -> figures -> {table name: table}; a bench without a view renders only the
+# tables its files carry ready-made
+VIEWS = {"bench_hogwild": hogwild_view}
+
+
+def load(stem: str) -> dict:
+    path = RESULTS / f"{stem}.json"
+    if not path.is_file():
+        raise RenderError(f"no results file bench/results/{stem}.json")
+    return json.loads(path.read_text())
+
+
+def tables_of(doc: dict) -> dict:
+    tables = dict(doc.get("tables") or {})
+    view = VIEWS.get(doc.get("bench"))
+    if view is not None and doc.get("figures"):
+        tables.update(view(doc["figures"]))
+    return tables
+
+
+def caption(doc: dict, stem: str) -> str:
+    m = doc.get("machine") or {}
+    cpu = m.get("cpu") or "CPU not recorded"
+    if m.get("cores"):
+        cpu += f", {m['cores']} cores"
+    if m.get("cpu_features"):
+        cpu += " (" + " ".join(m["cpu_features"]) + ")"
+    source = (f"transcribed from {doc['transcribed_from']} into" if doc.get("transcribed_from")
+              else "from")
+    note = f"; {doc['note']}" if doc.get("note") else ""
+    return (f"*{doc['date']}, {cpu}: `{doc['command']}` ({source} "
+            f"`bench/results/{stem}.json`{note})*\n")
+
+
+def render_block(ref: str) -> str:
+    stem, _, name = ref.partition("#")
+    doc = load(stem)
+    tables = tables_of(doc)
+    if name not in tables:
+        raise RenderError(f"bench/results/{stem}.json has no table {name!r} "
+                          f"(it has: {', '.join(sorted(tables)) or 'none'})")
+    return caption(doc, stem) + "\n" + markdown_table(tables[name])
+
+
+def render_text(text: str) -> tuple[str, list[str]]:
+    """``text`` with every marked table rendered, and the refs of those that changed."""
+    changed: list[str] = []
+
+    def one(m: re.Match) -> str:
+        body = render_block(m["ref"])
+        if body != m["body"]:
+            changed.append(m["ref"])
+        return m.group(1) + body + m.group(4)
+
+    return BLOCK.sub(one, text), changed
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--check", action="store_true",
+                   help="change nothing; exit 1 naming every table that differs from its file")
+    a = p.parse_args(argv)
+    stale = []
+    for rel in DOCS:
+        path = ROOT / rel
+        if not path.is_file():
+            continue
+        text = path.read_text()
+        try:
+            new, changed = render_text(text)
+        except RenderError as exc:
+            print(f"render: {rel}: {exc}", file=sys.stderr)
+            return 2
+        stale += [f"{rel}: {ref}" for ref in changed]
+        if changed and not a.check:
+            path.write_text(new)
+    for line in stale:
+        print(("differs from its results file: " if a.check else "rendered: ") + line)
+    return 1 if a.check and stale else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
