@@ -1,0 +1,88 @@
+"""Every import in hpcps/ points down the layers of docs/layout.md (read from the source, no
+import run). Imports under ``if TYPE_CHECKING:`` (annotations only) are exempt."""
+from __future__ import annotations
+
+import ast
+
+from mpirun import ROOT
+
+# Lowest first; a module belongs to the longest prefix that matches it.
+LAYERS = [
+    ["hpcps", "hpcps.errors", "hpcps.options", "hpcps.blocks", "hpcps.trace"],
+    ["hpcps.kernels"],
+    ["hpcps.model", "hpcps.compress"],
+    ["hpcps.engine", "hpcps.io"],
+    ["hpcps.mpi"],
+    ["hpcps.runtime"],
+    ["hpcps.ps"],
+    ["hpcps.strategies"],
+    ["hpcps.tools", "hpcps.config", "hpcps.job"],
+    ["hpcps.train", "hpcps.__main__", "hpcps.data", "hpcps.evaluate", "hpcps.inspect",
+     "hpcps.report", "hpcps.scaling", "hpcps.keeper", "hpcps.stacks"],
+]
+
+
+def layer(module: str) -> int:
+    best, length = None, -1
+    for i, prefixes in enumerate(LAYERS):
+        for p in prefixes:
+            if (module == p or module.startswith(p + ".")) and len(p) > length:
+                best, length = i, len(p)
+    assert best is not None, module
+    return best
+
+
+def imports(tree: ast.Module):
+    """Every hpcps module imported, outside ``if TYPE_CHECKING:`` blocks."""
+    skip = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING":
+            skip |= {id(n) for b in node.body for n in ast.walk(b)}
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("hpcps"):
+            if node.module == "hpcps":
+                yield from (f"hpcps.{a.name}" for a in node.names)
+            else:
+                yield node.module
+        elif isinstance(node, ast.Import):
+            yield from (a.name for a in node.names if a.name.startswith("hpcps"))
+
+
+def module_name(path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def test_every_import_points_down():
+    up = []
+    for path in sorted((ROOT / "hpcps").rglob("*.py")):
+        me = module_name(path)
+        for target in imports(ast.parse(path.read_text())):
+            if layer(target) > layer(me):
+                up.append(f"{me} imports {target}")
+    assert not up, up
+
+
+def test_the_check_sees_an_upward_import():
+    tree = ast.parse("from hpcps.strategies.registry import strategies\n"
+                     "from typing import TYPE_CHECKING\n"
+                     "if TYPE_CHECKING:\n    from hpcps.config import Config\n")
+    assert list(imports(tree)) == ["hpcps.strategies.registry"]
+    assert layer("hpcps.strategies.registry") > layer("hpcps.model.mlp")
+    assert layer("hpcps.strategies.sync.replica") == layer("hpcps.strategies")
+
+
+def test_declarations_import_no_mpi():
+    """A strategy's declaration module (its package's __init__) imports nothing that loads
+    MPI: the role modules do that, when a rank runs them."""
+    mpi_layers = {layer("hpcps.mpi"), layer("hpcps.runtime"), layer("hpcps.ps")}
+    for init in sorted((ROOT / "hpcps" / "strategies").glob("*/__init__.py")):
+        source = init.read_text()
+        tree = ast.parse(source)
+        assert "mpi4py" not in source, init
+        for target in imports(tree):
+            if target.startswith("hpcps.ps.chunks"):  # pure placement math
+                continue
+            assert layer(target) not in mpi_layers, (init, target)
