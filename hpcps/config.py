@@ -19,11 +19,11 @@ import functools
 import math
 import tomllib
 from pathlib import Path
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from hpcps.errors import ConfigError
 from hpcps.model.spec import PRESETS, parse_spec
-from hpcps.options import TAU_TYPE, Option, flag, parse_tau
+from hpcps.options import TAU_TYPE, Option, RunConfig, flag, parse_tau
 from hpcps.strategies.registry import DEFAULT, Strategy, strategies
 
 ACTIVATIONS = ("relu", "tanh", "sigmoid")
@@ -130,6 +130,13 @@ OPTIONS, OWNERS = _collect()
 class _ConfigMethods:
     """Methods of :class:`Config` (the dataclass itself is built from the declarations)."""
 
+    # the fields the methods read (annotations only: the dataclass declares them)
+    strategy: str
+    layers: tuple[int, ...]
+    batch_size: int | None
+    steps: int | None
+    epochs: float | None
+
     @property
     def spec(self) -> Strategy:
         """The declaration of the strategy in use."""
@@ -137,7 +144,7 @@ class _ConfigMethods:
 
     def to_dict(self) -> dict[str, Any]:
         """A plain JSON-able dict (lists for tuples), as saved in checkpoints."""
-        d = dataclasses.asdict(self)
+        d = dataclasses.asdict(self)  # type: ignore[call-overload]  # a dataclass at run time
         d["layers"] = list(self.layers)
         return d
 
@@ -159,7 +166,7 @@ def _field_type(o: Option):
     return tuple[int, ...] if o.type == LAYERS else (o.type | None)
 
 
-Config = dataclasses.make_dataclass(
+_Config = dataclasses.make_dataclass(
     "Config",
     [(o.name, _field_type(o), dataclasses.field(default=o.default, compare=o.name != "config"))
      for o in OPTIONS.values()],
@@ -167,6 +174,16 @@ Config = dataclasses.make_dataclass(
     namespace={"__module__": __name__, "__doc__": "Everything a run needs to know. Build it "
                "with :func:`parse`; see ``--help`` for meanings. Fields: every option of "
                ":data:`COMMON` and of every strategy's declaration."})
+
+if TYPE_CHECKING:
+    Config = RunConfig  # what a type checker reads (hpcps.options.RunConfig)
+else:
+    Config = _Config
+
+
+def new(**values: Any) -> RunConfig:
+    """A :class:`Config` of these values (the others at their declared defaults), unchecked."""
+    return _Config(**values)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -212,7 +229,7 @@ def _with_default(o: Option, owners: Sequence[str] = ()) -> str:
         return f"{o.help} (default {_show(o.default)})"
     found = {}
     for name in owners:
-        d = strategies()[name].default_values(Config(strategy=name))
+        d = strategies()[name].default_values(new(strategy=name))
         if o.name in d and d[o.name] is not None:
             found[name] = _show(d[o.name])
     if not found:
@@ -225,7 +242,7 @@ def _with_default(o: Option, owners: Sequence[str] = ()) -> str:
 def _defaults_help(spec: Strategy) -> str:
     """The strategy's defaults for the common options, for its --help group."""
     shown = ("servers", "optimizer", "lr", "batch_size")
-    d = spec.default_values(Config(strategy=spec.name))
+    d = spec.default_values(new(strategy=spec.name))
     parts = [f"{flag(k)} {d[k]}" for k in shown if k in d]
     if "servers" not in d and not spec.uses_servers:
         parts.insert(0, "--servers 0")
@@ -377,7 +394,7 @@ def from_values(values: dict[str, Any]):
         raise ConfigError("give --model or --layers, not both: --layers is an MLP's widths, "
                           "--model a spec of conv, pool and fc layers")
     _check_types(values)
-    return validate(Config(**values))
+    return validate(new(**values))
 
 
 def from_dict(d: dict[str, Any]):
@@ -388,7 +405,7 @@ def from_dict(d: dict[str, Any]):
     d = dict(d)
     if "layers" in d:
         d["layers"] = tuple(d["layers"])
-    return Config(**d)
+    return new(**d)
 
 
 RESUME_AUTO = "auto"  # --resume auto: the run directory's newest valid checkpoint, if any

@@ -10,9 +10,54 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from hpcps.errors import ConfigError
+
+class RunConfig(Protocol):
+    """The run's configuration as a type checker sees it: every option all runs have, typed,
+    and the methods of :class:`hpcps.config.Config` (which builds the real, frozen object from
+    the declarations). A strategy's own options (``cfg.n_fetch``) are read through
+    ``__getattr__``, typed ``Any``. Declared here, at the ground, so that every layer may
+    name the type; ``tests/test_config.py`` checks it against the options."""
+
+    strategy: str
+    servers: int | None
+    partitions: int
+    layers: tuple[int, ...]
+    model: str | None
+    activation: str
+    optimizer: str | None
+    lr: float | None
+    adagrad_eps: float
+    momentum: float | None
+    nesterov: str | None
+    epochs: float | None
+    steps: int | None
+    batch_size: int | None
+    threads: int
+    data: str
+    run_dir: str | None
+    checkpoint_every: int
+    eval_every: int
+    resume: str | None
+    seed: int
+    progress_every: float
+    timeout: float
+    trace: bool
+    config: str | None
+
+    def __getattr__(self, name: str) -> Any: ...
+
+    @property
+    def spec(self) -> Any: ...
+
+    def to_dict(self) -> dict[str, Any]: ...
+
+    def batch(self, n_train: int) -> int: ...
+
+    def total_steps(self, n_train: int) -> int: ...
+
 
 CHECKS = (None, "positive", "nonneg", "fraction")
 TAU_TYPE = "tau"  # Option.type of --tau: a positive number or "auto"
@@ -76,9 +121,9 @@ def parse_inject_slow(text: str) -> tuple[int, float]:
     """``RANK:FACTOR`` -> (world rank, factor); FACTOR >= 1, or ``stall`` (inf): the replica
     stops answering (it only waits for the end of the job)."""
     try:
-        rank, factor = text.split(":")
-        rank = int(rank)
-        factor = math.inf if factor == "stall" else float(factor)
+        rank_text, factor_text = text.split(":")
+        rank = int(rank_text)
+        factor = math.inf if factor_text == "stall" else float(factor_text)
     except ValueError:
         raise ConfigError(f"--inject-slow wants RANK:FACTOR (e.g. 2:10 or 2:stall), got {text!r}")
     if rank < 0 or not factor >= 1:

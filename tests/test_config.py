@@ -146,3 +146,22 @@ def test_every_option_has_help():
         assert option.flag in text and option.help
     for name in config.OWNERS:  # strategy options are listed under their strategy
         assert f"{config.OWNERS[name][0]} options" in text
+
+
+def test_the_typed_config_names_every_common_option():
+    """hpcps.options.RunConfig, the type checkers read, has a typed attribute for every
+    option all runs have, of the option's type, and none other."""
+    import typing
+
+    from hpcps.options import TAU_TYPE, RunConfig
+    hints = typing.get_type_hints(RunConfig)
+    assert set(hints) == {o.name for o in config.COMMON}, set(hints) ^ {o.name for o in
+                                                                           config.COMMON}
+    for o in config.COMMON:
+        want = {config.LAYERS: tuple[int, ...], TAU_TYPE: float | str}.get(o.type, o.type)
+        args = typing.get_args(hints[o.name]) or (hints[o.name],)
+        assert want in args or hints[o.name] == want, (o.name, hints[o.name], want)
+        if o.default is None:
+            assert type(None) in args, (o.name, "may be unset: its type must admit None")
+    cfg = config.parse(["--strategy", "sync"])
+    assert isinstance(cfg.lr, float) and cfg.layers == (784, 512, 512, 10)

@@ -532,7 +532,7 @@ def encode(words, golomb=True):
         if nbytes > 0xFFFFFFFF:
             raise ValueError(f"raw message too large: {nbytes} payload bytes")
         msg = np.empty(HEADER_BYTES + nbytes, dtype=np.uint8)
-        HEADER.pack_into(msg, 0, MAGIC, VERSION, CODING_RAW, 0, 0, m, nbytes)
+        HEADER.pack_into(msg.data, 0, MAGIC, VERSION, CODING_RAW, 0, 0, m, nbytes)
         msg[HEADER_BYTES:] = words.astype("<u4", copy=False).view(np.uint8)
         return msg
     k, nbits = _best_k(words)
@@ -550,7 +550,7 @@ def encode(words, golomb=True):
     if nbytes > 0xFFFFFFFF:
         raise ValueError(f"message too large: {nbytes} payload bytes")
     msg = np.empty(HEADER_BYTES + nbytes, dtype=np.uint8)
-    HEADER.pack_into(msg, 0, MAGIC, VERSION, CODING_GOLOMB, k, 0, m, nbytes)
+    HEADER.pack_into(msg.data, 0, MAGIC, VERSION, CODING_GOLOMB, k, 0, m, nbytes)
     written = _impl.rice_encode(words, k, msg[HEADER_BYTES:])
     if written != nbytes:  # a bug, not bad input: the length was computed above
         raise RuntimeError(f"rice_encode wrote {written} bytes, expected {nbytes}")

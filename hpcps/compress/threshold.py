@@ -181,7 +181,7 @@ class Threshold:
         self.steps = 0            # passes so far (the warm-up's clock)
         self.last_density = 0.0
         self._log_m = math.log(self.multiple)
-        self._avg = None          # moving average of the measured density
+        self._avg: float | None = None  # moving average of the measured density
         self._win = [0, 0]        # words and passes since the last fields()
 
     @classmethod
@@ -205,6 +205,8 @@ class Threshold:
 
     def target(self) -> float:
         """The density the controller aims at for the next pass (warm-up included)."""
+        if self.density is None:
+            raise ValueError("a fixed tau has no target density")
         return warmup_density(self.steps, self.density, self.warmup_steps)
 
     def after_pass(self, residual: np.ndarray, sent: int) -> None:
@@ -218,12 +220,13 @@ class Threshold:
         self._win[1] += 1
         if self.adaptive:
             measured = sent / self.n
-            self._avg = measured if self._avg is None else \
+            avg = measured if self._avg is None else \
                 self._avg + SMOOTHING * (measured - self._avg)
+            self._avg = avg
             target = self.target()
             self.steps += 1
             # no word sent yet: as if half a word (log of zero)
-            move = GAIN * math.log(max(self._avg, 0.5 / self.n) / target)
+            move = GAIN * math.log(max(avg, 0.5 / self.n) / target)
             move = max(-math.log(MAX_STEP), min(math.log(MAX_STEP), move))
             self._log_m = min(max(self._log_m + move, 0.0), math.log(MAX_MULTIPLE))
             self.multiple = max(1, int(round(math.exp(self._log_m))))

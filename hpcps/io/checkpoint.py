@@ -335,6 +335,7 @@ def _fixed_str(value: str | list[str]) -> np.ndarray:
     in an object's length made HDF5 loop forever on open; fixed-length strings sit inside the
     checksummed object headers. h5py returns them as bytes; ``.decode()`` gives the text.
     """
+    encoded: bytes | list[bytes]
     if isinstance(value, list):
         encoded = [v.encode("utf-8") for v in value]
         longest = max((len(e) for e in encoded), default=1)
@@ -743,14 +744,14 @@ def peek_step(path: str | os.PathLike) -> int | None:
 def nonfinite(arrays: dict[str, np.ndarray]) -> tuple[int, str] | None:
     """None when every value of the named arrays is finite; else (how many values are NaN or
     infinite, the name of the first array holding one). One pass over each array."""
-    total, first = 0, None
+    total, first = 0, ""
     for name, a in arrays.items():
         with np.errstate(over="ignore", invalid="ignore"):
             if np.isfinite(np.sum(a, dtype=np.float64)):
                 continue  # a float64 sum of float32 values is finite only when every one is
         bad = int(np.count_nonzero(~np.isfinite(a)))
         total += bad
-        if bad and first is None:
+        if bad and not first:
             first = name
     return None if total == 0 else (total, first)
 
@@ -793,7 +794,7 @@ def latest(run_dir: str | os.PathLike) -> tuple[Checkpoint | None, list[str]]:
     found = [p for p in directory.glob("checkpoint*.h5") if p.is_file()] \
         if directory.is_dir() else []
     found.sort(key=lambda p: (peek_step(p) or -1, p.stat().st_mtime), reverse=True)
-    skipped = []
+    skipped: list[str] = []
     for path in found:
         try:
             ckpt = load(path)

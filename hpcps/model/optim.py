@@ -155,14 +155,16 @@ def scheduled(apply, schedule: str | None, step, total: int):
 def make(name: str, lr: float | None, eps: float = 1e-8, history: int = 10,
          momentum: float = 0.9, nesterov: bool = False):
     """The optimizer called ``name`` ("sgd", "adagrad", "momentum" or "lbfgs")."""
+    if name == "lbfgs":
+        return LBFGSState(history)
+    if lr is None:
+        raise ValueError(f"optimizer {name} needs a learning rate")
     if name == "sgd":
         return SGD(lr)
     if name == "adagrad":
         return Adagrad(lr, eps)
     if name == "momentum":
         return Momentum(lr, momentum, nesterov)
-    if name == "lbfgs":
-        return LBFGSState(history)
     raise ConfigError(f"unknown optimizer {name!r}; choose sgd, adagrad, momentum or lbfgs")
 
 
@@ -327,7 +329,10 @@ class LBFGS:
             self.order.clear()
             self.rho.clear()
             gd = self._direction()
-        found = self._line_search(self.f, gd)
+        f0 = self.f
+        if f0 is None:
+            raise RuntimeError("L-BFGS has no objective value at its point (start() failed)")
+        found = self._line_search(f0, gd)
         if found is None:
             self.order.clear()
             self.rho.clear()

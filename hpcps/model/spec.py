@@ -55,7 +55,8 @@ def parse_spec(spec: str) -> tuple[LayerSpec, ...]:
     layers = []
     for tok in text.split(","):
         if m := _CONV.fullmatch(tok):
-            kh, kw, n, s, p = (int(g) if g is not None else None for g in m.groups())
+            kh, kw, n = (int(g) for g in m.groups()[:3])
+            s, p = (int(g) if g is not None else None for g in m.groups()[3:])
             layer = LayerSpec("conv", tok, n, kh, kw, s or 1, p or 0)
             if min(kh, kw, n, layer.stride) < 1:
                 raise ConfigError(f"--model layer {tok!r}: kernel, maps and stride must be >= 1")

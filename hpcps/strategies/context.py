@@ -18,24 +18,20 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 
-from hpcps.io import checkpoint
-
-from hpcps.model import optim
-from hpcps.mpi.comm import ReplicaExchange, gather_to_root
 from hpcps.blocks import block_range
-from hpcps.io.data import DatasetInfo
 from hpcps.errors import NonFiniteError
-from hpcps.runtime.metrics import Metrics
+from hpcps.io import checkpoint
+from hpcps.io.data import DatasetInfo
+from hpcps.model import optim
 from hpcps.model.mlp import MLP
-from hpcps.runtime.stop import StopVote
+from hpcps.mpi.comm import ReplicaExchange, gather_to_root
 from hpcps.mpi.topology import Grid
-
-if TYPE_CHECKING:  # annotations only: config reads the strategy registry
-    from hpcps.config import Config
+from hpcps.options import RunConfig
+from hpcps.runtime.metrics import Metrics
+from hpcps.runtime.stop import StopVote
 
 CHECKPOINT_NAME = "checkpoint.h5"
 
@@ -56,7 +52,7 @@ class Context:
     ``test_x/test_y`` are loaded on the chief only.
     """
 
-    cfg: Config
+    cfg: RunConfig
     grid: Grid
     model: object
     full_model: MLP
@@ -143,7 +139,7 @@ def crossed(step: int, advanced: int, every: int) -> bool:
     return bool(every) and step // every != (step - advanced) // every
 
 
-def make_optimizer(cfg: Config):
+def make_optimizer(cfg: RunConfig):
     return optim.make(cfg.optimizer, cfg.lr, cfg.adagrad_eps, cfg.lbfgs_history or 10,
                       momentum=cfg.momentum or 0.0, nesterov=cfg.nesterov == "on")
 

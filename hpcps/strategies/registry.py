@@ -23,10 +23,9 @@ from importlib.metadata import entry_points
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
-from hpcps.options import Option
+from hpcps.options import Option, RunConfig
 
 if TYPE_CHECKING:  # annotations only: a declaration needs neither type at run time
-    from hpcps.config import Config
     from hpcps.strategies.context import Context
 
 PLUGINS_ENV = "HPCPS_STRATEGIES"  # extra declaration modules, comma-separated
@@ -35,7 +34,7 @@ ROLES = ("replica", "server", "coordinator")
 NO_SERVERS, SERVERS = "none", "required"
 
 
-def _no_checks(cfg: "Config") -> None:
+def _no_checks(cfg: RunConfig) -> None:
     return None
 
 
@@ -82,16 +81,16 @@ class Strategy:
     servers: str = NO_SERVERS
     coordinator: bool = False
     options: tuple[Option, ...] = ()
-    defaults: Mapping[str, Any] | Callable[["Config"], Mapping[str, Any]] = \
+    defaults: Mapping[str, Any] | Callable[[RunConfig], Mapping[str, Any]] = \
         field(default_factory=dict)
     optimizers: tuple[str, ...] = ("adagrad", "sgd", "momentum")
     model_parallel: bool = True
     whole_batch: bool = False
     epochs: float = 4.0
     replica_data: str = "shard"
-    validate: Callable[["Config"], None] = _no_checks
-    check_resume: Callable[["Config", Any], None] | None = None
-    describe: Callable[["Config", int], str] | None = None
+    validate: Callable[[RunConfig], None] = _no_checks
+    check_resume: Callable[[RunConfig, Any], None] | None = None
+    describe: Callable[[RunConfig, int], str] | None = None
     summarize: str | Callable[["Context", list], dict] | None = None
     summary_lines: Callable[[dict], list[str]] | None = None
 
@@ -118,7 +117,7 @@ class Strategy:
     def uses_servers(self) -> bool:
         return self.servers == SERVERS
 
-    def default_values(self, cfg: "Config") -> dict[str, Any]:
+    def default_values(self, cfg: RunConfig) -> dict[str, Any]:
         d = self.defaults(cfg) if callable(self.defaults) else self.defaults
         return {"optimizer": self.optimizers[0], **d}
 

@@ -282,7 +282,7 @@ def _image_shape(f: h5py.File, path: Path, n_features: int) -> tuple[int, int, i
     if a.shape != (3,) or not np.issubdtype(a.dtype, np.integer) or a.min() < 1:
         raise DataError(f"{path}: image_shape attribute {raw!r} is not three positive integers "
                         "[C, H, W]")
-    shape = tuple(int(n) for n in a)
+    shape = (int(a[0]), int(a[1]), int(a[2]))
     if shape[0] * shape[1] * shape[2] != n_features:
         raise DataError(f"{path}: image_shape {list(shape)} holds {int(np.prod(shape))} values "
                         f"but each row of x has {n_features}")

@@ -94,7 +94,8 @@ def _numpy_pickle_globals() -> dict[tuple[str, str], object]:
         "ndarray": np.ndarray,
         "dtype": np.dtype,
     }
-    allowed = {("numpy", "ndarray"): np.ndarray, ("numpy", "dtype"): np.dtype}
+    allowed: dict[tuple[str, str], object] = {("numpy", "ndarray"): np.ndarray,
+                                              ("numpy", "dtype"): np.dtype}
     for module in ("numpy.core.multiarray", "numpy._core.multiarray"):
         for attr, obj in objects.items():
             allowed[(module, attr)] = obj
@@ -292,7 +293,7 @@ def prepare_digits(
     return path
 
 
-_PREPARERS = {"mnist": prepare_mnist, "digits": prepare_digits}
+_PREPARERS: dict[str, Callable[..., Path]] = {"mnist": prepare_mnist, "digits": prepare_digits}
 
 
 def prepare(name: str, out_path: str | os.PathLike | None = None, log: Log = print) -> Path:
