@@ -86,3 +86,16 @@ def test_declarations_import_no_mpi():
             if target.startswith("hpcps.ps.chunks"):  # pure placement math
                 continue
             assert layer(target) not in mpi_layers, (init, target)
+
+
+def test_strategy_tags_stay_above_the_shared_ones():
+    """The shared protocol's tags end below where strategies' own begin, and every declared
+    strategy's tags are its own range (the registry refuses others)."""
+    from hpcps.mpi.protocol import Tag
+    from hpcps.strategies.registry import STRATEGY_TAGS_START, message_tags, strategies
+    assert max(Tag) < STRATEGY_TAGS_START
+    for spec in strategies().values():
+        if spec.tags is not None:
+            assert min(spec.tags) >= STRATEGY_TAGS_START, spec.name
+    made = message_tags("x", "A", "B")
+    assert [int(t) for t in made] == [STRATEGY_TAGS_START, STRATEGY_TAGS_START + 1]

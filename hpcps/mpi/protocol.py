@@ -14,17 +14,15 @@ import numpy as np
 
 
 class Tag(IntEnum):
-    """Point-to-point message kinds (all well below MPI's guaranteed TAG_UB of 32767)."""
+    """Point-to-point message kinds of the parameter server and of every run (all below 100:
+    a strategy's own tags, declared in its package with
+    :func:`hpcps.strategies.registry.message_tags`, start there)."""
 
     PUSH = 1          # replica -> shard: header + gradient slice
     FETCH = 2         # replica -> shard: header only, asks for the shard's parameters
     PARAMS = 3        # shard -> replica: header + parameter slice
     DONE = 4          # replica -> shard: this replica has pushed its last gradient
-    WARMUP_DONE = 5   # replica 0 -> other replicas: warm start over, start training
-    FINAL = 6         # server shard 0 -> world rank 0: the final parameters, for evaluation
     PUSH_COMPRESSED = 7  # replica -> shard: header + compressed gradient message (bytes)
-    DR_UPDATE = 8     # deadreckon peer -> peer: a compressed weight-delta message (bytes)
-    DR_DONE = 9       # deadreckon peer -> peer: no more updates from this replica
     SB_CMD = 10       # sandblaster coordinator -> shard: one vector operation (see Op)
     SB_REPLY = 11     # shard -> coordinator: the operation's scalar result
     SB_TASK = 12      # coordinator -> replica: compute a portion, flush, evaluate, stop

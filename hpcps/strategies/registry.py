@@ -19,6 +19,7 @@ import functools
 import importlib
 import os
 import pkgutil
+from enum import IntEnum
 from importlib.metadata import entry_points
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Mapping
@@ -29,6 +30,11 @@ if TYPE_CHECKING:  # annotations only: a declaration needs neither type at run t
     from hpcps.strategies.context import Context
 
 PLUGINS_ENV = "HPCPS_STRATEGIES"  # extra declaration modules, comma-separated
+# A strategy's own message tags start here, above the shared protocol's (hpcps.mpi.protocol.Tag,
+# checked by tests/test_layers.py); only one strategy runs in a job, so strategies may reuse
+# the same numbers.
+STRATEGY_TAGS_START = 100
+TAG_UB = 32767  # the largest tag MPI guarantees
 ENTRY_POINTS = "hpcps.strategies"  # entry-point group of installed strategies
 ROLES = ("replica", "server", "coordinator")
 NO_SERVERS, SERVERS = "none", "required"
@@ -73,6 +79,8 @@ class Strategy:
         ``bytes_per_step`` and
         ``mean_staleness`` go into the summary's common columns.
     summary_lines : ``summary_lines(figures) -> list[str]``, extra lines for the terminal.
+    tags : the strategy's own message tags, an IntEnum made by :func:`message_tags` (the
+        parameter server's and the run's shared tags are in :mod:`hpcps.mpi.protocol`).
     """
 
     name: str
@@ -93,6 +101,7 @@ class Strategy:
     describe: Callable[[RunConfig, int], str] | None = None
     summarize: str | Callable[["Context", list], dict] | None = None
     summary_lines: Callable[[dict], list[str]] | None = None
+    tags: type[IntEnum] | None = None
 
     def __post_init__(self):
         unknown = set(self.roles) - set(ROLES)
@@ -108,6 +117,9 @@ class Strategy:
                              "'coordinator' role")
         if self.replica_data not in ("shard", "whole"):
             raise ValueError(f"strategy {self.name}: replica_data is 'shard' or 'whole'")
+        if self.tags is not None and any(not STRATEGY_TAGS_START <= t <= TAG_UB
+                                         for t in self.tags):
+            raise ValueError(f"strategy {self.name}: its tags come from message_tags()")
         for role, target in self.roles.items():
             if isinstance(target, str) and ":" not in target:
                 raise ValueError(f"strategy {self.name}: role {role} is 'module:function', "
@@ -131,6 +143,15 @@ class Strategy:
 
     def summarizer(self) -> Callable[["Context", list], dict] | None:
         return None if self.summarize is None else load(self.summarize)
+
+
+def message_tags(strategy: str, *names: str) -> type[IntEnum]:
+    """The message tags of ``strategy``, named ``names``, numbered from
+    :data:`STRATEGY_TAGS_START` in the order given (the same on every rank)."""
+    if len(set(names)) != len(names) or STRATEGY_TAGS_START + len(names) > TAG_UB:
+        raise ValueError(f"strategy {strategy}: tag names must be distinct and few, got {names}")
+    return IntEnum(f"{strategy.capitalize()}Tag",
+                   [(n, STRATEGY_TAGS_START + i) for i, n in enumerate(names)])
 
 
 def load(target):

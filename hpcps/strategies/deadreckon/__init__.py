@@ -57,8 +57,10 @@ from hpcps.compress.threshold import check_config, describe_tau
 from hpcps.errors import ConfigError
 from hpcps.options import (AUTO, COMPRESSION, GOLOMB, LOOP_OPTIONS, TAU, WARMUP_STEPS, Option,
                            check_loop_options)
-from hpcps.strategies.registry import Strategy
+from hpcps.strategies.registry import Strategy, message_tags
 
+# UPDATE: a compressed weight-delta message, peer to peer; DONE: no more from this replica
+Tag = message_tags("deadreckon", "UPDATE", "DONE")
 LR_SCALINGS = ("sum", "sqrt", "mean")
 
 
@@ -124,4 +126,5 @@ STRATEGY = Strategy(
     optimizers=("sgd", "momentum"),
     describe=_describe,
     summary_lines=_summary_lines,
+    tags=Tag,
 )

@@ -16,10 +16,9 @@ from hpcps.mpi.comm import barrier, wait_all
 from hpcps.options import (
     AUTO,
 )
-from hpcps.mpi.protocol import Tag
 from hpcps.ps.serve import serve
 from hpcps.strategies.context import Context, finish_on_chief, steps_for_replica
-from hpcps.strategies.deadreckon import replica_lr
+from hpcps.strategies.deadreckon import Tag, replica_lr
 from hpcps.strategies.loop import ReplicaLoop
 from hpcps.compress.threshold import (
     ResidualWatch,
@@ -97,7 +96,7 @@ class Peers:
         buf = np.empty(PREFIX_BYTES + len(msg), dtype=np.uint8)
         buf[:PREFIX_BYTES].view(np.int64)[:] = (step, multiple)
         buf[PREFIX_BYTES:] = msg
-        reqs = [self.comm.Isend(buf, dest=p, tag=Tag.DR_UPDATE) for p in self.peers]
+        reqs = [self.comm.Isend(buf, dest=p, tag=Tag.UPDATE) for p in self.peers]
         self.pending.append((reqs, buf))
         self.bytes_sent += buf.nbytes * len(self.peers)
         if tr is not None:
@@ -128,11 +127,11 @@ class Peers:
 
     def _receive(self, st, on_words) -> int:
         src, tag = st.Get_source(), st.Get_tag()
-        if tag == Tag.DR_DONE:
-            self.comm.Recv(self.rx[:0], source=src, tag=Tag.DR_DONE)
+        if tag == Tag.DONE:
+            self.comm.Recv(self.rx[:0], source=src, tag=Tag.DONE)
             self.done_from.add(src)
             return 0
-        if tag != Tag.DR_UPDATE:
+        if tag != Tag.UPDATE:
             raise RuntimeError(f"deadreckon got unexpected tag {tag} from replica {src}")
         tr = trace.ACTIVE
         t0 = tr.now() if tr is not None else 0
@@ -140,7 +139,7 @@ class Peers:
         if not PREFIX_BYTES <= size <= len(self.rx):
             raise compress.CodecError(f"message of {size} bytes from replica {src} is larger "
                                       f"than any valid message for {self.n} weights")
-        self.comm.Recv(self.rx[:size], source=src, tag=Tag.DR_UPDATE)
+        self.comm.Recv(self.rx[:size], source=src, tag=Tag.UPDATE)
         step, multiple = (int(v) for v in self.rx[:PREFIX_BYTES].view(np.int64))
         if multiple < 1:
             raise compress.CodecError(f"message from replica {src} carries tau = {multiple} "
@@ -157,14 +156,14 @@ class Peers:
 
     def finish(self, on_words) -> None:
         """Tell every peer we are done, then apply messages until every peer said the same."""
-        done_reqs = [self.comm.Isend(self.rx[:0], dest=p, tag=Tag.DR_DONE) for p in self.peers]
+        done_reqs = [self.comm.Isend(self.rx[:0], dest=p, tag=Tag.DONE) for p in self.peers]
 
         def receive(src: int, status) -> bool:
             self._receive(status, on_words)
             return len(self.done_from) >= len(self.peers)
 
         if len(self.done_from) < len(self.peers):
-            serve(self.comm, {Tag.DR_UPDATE: receive, Tag.DR_DONE: receive}, self.timeout,
+            serve(self.comm, {Tag.UPDATE: receive, Tag.DONE: receive}, self.timeout,
                   lambda: f"replicas {sorted(set(self.peers) - self.done_from)} of the "
                           "partition communicator to finish sending their updates",
                   self.tick)

@@ -26,7 +26,7 @@ from hpcps.options import (CHUNK_BYTES, COMPRESSION, GOLOMB, HEARTBEAT_TIMEOUT, 
                            TAU, WARMUP_STEPS, Option, check_fault_options, check_loop_options)
 from hpcps.ps.chunks import DEFAULT_CHUNK_BYTES
 from hpcps.strategies.downpour.summary import summary_lines
-from hpcps.strategies.registry import SERVERS, Strategy
+from hpcps.strategies.registry import SERVERS, Strategy, message_tags
 
 def momentum_corrected(cfg) -> bool:
     """Compressed pushes with momentum: the replicas keep the velocity, the shards run SGD."""
@@ -34,6 +34,9 @@ def momentum_corrected(cfg) -> bool:
 
 
 # --------------------------------------------------------------------------------
+# WARMUP_DONE: replica 0 -> the others, the warm start is over; FINAL: server shard 0 -> world
+# rank 0, the final parameters, for evaluation
+Tag = message_tags("downpour", "WARMUP_DONE", "FINAL")
 PS_HEARTBEAT_TIMEOUT = 10.0  # --heartbeat-timeout's default with --ps-copies > 1 (seconds)
 DOWNPOUR_TAU = 0.01  # default threshold of compressed pushes (gradient units, not weight units)
 
@@ -196,4 +199,5 @@ STRATEGY = Strategy(
     describe=_describe,
     summarize="hpcps.strategies.downpour.summary:summarize",
     summary_lines=summary_lines,
+    tags=Tag,
 )

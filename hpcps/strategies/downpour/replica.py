@@ -21,6 +21,7 @@ from hpcps.strategies.context import (
     steps_for_replica,
 )
 from hpcps.strategies.downpour import DOWNPOUR_TAU, momentum_corrected
+from hpcps.strategies.downpour import Tag as DownpourTag
 from hpcps.strategies.downpour.plan import (TAU_BYTES, clock_offsets, epochs_of, final_message,
                                            partition_plan, warmup_steps)
 from hpcps.strategies.loop import ReplicaLoop
@@ -176,7 +177,7 @@ class DownpourReplica(ReplicaLoop):
     def _wait_for_release(self) -> None:
         self.ctx.metrics.message(f"replica {self.replica} waits for replica 0's warm start")
         leader = self.layout.replica_rank(0, self.ctx.grid.role.partition)
-        req = self.ctx.grid.world.Irecv(self.flag.buf, source=leader, tag=Tag.WARMUP_DONE)
+        req = self.ctx.grid.world.Irecv(self.flag.buf, source=leader, tag=DownpourTag.WARMUP_DONE)
         wait_all([req], self.cfg.timeout, f"replica 0 (rank {leader}) to finish its "
                  f"{self.warmup}-step warm start")
 
@@ -185,7 +186,7 @@ class DownpourReplica(ReplicaLoop):
         for other in range(1, self.layout.replicas):
             dest = self.layout.replica_rank(other, part)
             self.release_reqs.append(self.ctx.grid.world.Isend(self.flag.buf, dest=dest,
-                                                               tag=Tag.WARMUP_DONE))
+                                                               tag=DownpourTag.WARMUP_DONE))
         self.released = True
 
     def _push(self) -> None:
@@ -325,7 +326,7 @@ def _finish_chief(ctx: Context, t0: float) -> dict:
         out = finish_on_chief(ctx, params, state, step, train_s)
         return {**out, "train_s": train_s, "ps_applied": applied}
     msg = final_message(ctx)
-    req = ctx.grid.world.Irecv(msg.buf, source=layout.server_rank(0), tag=Tag.FINAL)
+    req = ctx.grid.world.Irecv(msg.buf, source=layout.server_rank(0), tag=DownpourTag.FINAL)
     wait_all([req], ctx.cfg.timeout, f"the final parameters from server shard 0 "
              f"(rank {layout.server_rank(0)})")
     n = ctx.full_model.n_params

@@ -15,6 +15,7 @@ from hpcps.ps.consistency import SoftSync, StaleSynchronous
 from hpcps.ps.epochs import EpochKeeper
 from hpcps.ps.gradient_shard import GradientShard
 from hpcps.ps.liveness import Liveness
+from hpcps.strategies.downpour import Tag as DownpourTag
 from hpcps.strategies.downpour import momentum_corrected
 from hpcps.strategies.downpour.plan import (TAU_BYTES, clock_offsets, epochs_of, final_message,
                                            partition_plan, shard_locals)
@@ -154,7 +155,7 @@ def run_server(ctx: Context) -> dict:
         for i, k in enumerate(keys):
             msg.payload[(i + 1) * n:(i + 2) * n] = got[1][k]
         msg.header[H.STEPS] = server.step
-        req = grid.world.Isend(msg.buf, dest=0, tag=Tag.FINAL)
+        req = grid.world.Isend(msg.buf, dest=0, tag=DownpourTag.FINAL)
         wait_all([req], cfg.timeout, "the chief (rank 0) to take the final parameters")
     return {"shard": s, "pushes": stats.pushes, "fetches": stats.fetches,
             "bytes_in": stats.bytes_in, "bytes_out": stats.bytes_out,
