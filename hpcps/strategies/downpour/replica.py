@@ -80,6 +80,35 @@ class PackedPusher:
                 for s, (lo, _) in enumerate(self.ranges)]
 
 
+def epoch_clock(ctx: Context, shares: list[int]) -> EpochClock:
+    """--epoch-quorum: this replica's clock of the epochs (its partitions agree on it over a
+    copy of the replica communicator)."""
+    grid, cfg = ctx.grid, ctx.cfg
+    agree = dup_comm(grid.replica_comm, 1, cfg.timeout, "the other partitions of this replica "
+                     "to set up the epoch clock")[0] if grid.layout.partitions > 1 else None
+    return EpochClock(grid.world, grid.layout.server_rank(0), shares, grid.role.replica,
+                      cfg.timeout, announce=grid.role.partition == 0, agree=agree)
+
+
+def packed_pusher(ctx: Context, plan: ChunkPlan) -> PackedPusher | None:
+    """--compress threshold: the residual and the messages to each shard (else None)."""
+    cfg = ctx.cfg
+    if cfg.compress != "threshold":
+        return None
+    return PackedPusher(plan, Threshold.from_config(cfg, ctx.model.n_params, DOWNPOUR_TAU),
+                        cfg.golomb == "on", cfg.momentum if momentum_corrected(cfg) else None)
+
+
+def shard_client(ctx: Context, plan: ChunkPlan, ranks: list[int], packed: list[int] | None):
+    """A replica's fetches and pushes: to one copy of each chunk, or (--ps-copies) to the
+    primary of each chunk set, re-routed when it fails over."""
+    cfg, r = ctx.cfg, ctx.grid.role.replica
+    if cfg.ps_copies > 1:
+        return replicated.ReplicatedClient(ctx.grid.world, ranks, plan, r, cfg.timeout,
+                                           cfg.ps_copies, packed_bytes=packed)
+    return Client(ctx.grid.world, ranks, plan, r, cfg.timeout, packed_bytes=packed)
+
+
 # ----------------------------------------------------------------------------------
 class DownpourReplica(ReplicaLoop):
     """Fetch every ``n_fetch`` steps, push every ``n_push``; never wait for another replica.
@@ -110,36 +139,19 @@ class DownpourReplica(ReplicaLoop):
         if shares is not None:
             # each epoch's share is run in whole iterations of T mini-batches
             self.iterations = sum(-(-k // self.T) for k in shares)
-            agree = dup_comm(grid.replica_comm, 1, cfg.timeout, "the other partitions of "
-                             "this replica to set up the epoch clock")[0] \
-                if layout.partitions > 1 else None
-            self.epochs = EpochClock(grid.world, layout.server_rank(0), shares, r,
-                                     cfg.timeout, announce=part == 0, agree=agree)
+            self.epochs = epoch_clock(ctx, shares)
         self.advance_due = False  # an iteration ran whose end the epoch clock has not seen
         plan = partition_plan(ctx, part)
         ranks = [layout.server_rank(part * plan.n_shards + j) for j in range(plan.n_shards)]
-        self.pusher = PackedPusher(
-            plan, Threshold.from_config(cfg, model.n_params, DOWNPOUR_TAU),
-            cfg.golomb == "on", cfg.momentum if momentum_corrected(cfg) else None) \
-            if cfg.compress == "threshold" else None
+        self.pusher = packed_pusher(ctx, plan)
         self.grad_clip = (cfg.grad_clip or 0.0) / np.sqrt(R)
         self.activations = cfg.push == "activations"
         # a conv model's conv layers go dense with activation pushes: their summed gradient
         self.dense_layers = self.activations and None in activations.layer_dims(model)
         if self.activations:
             self.chunks = [activations.pieces(model, lo, hi) for lo, hi in plan.ranges]
-            k_max = cfg.batch_size * cfg.n_push
-            bounds = [activations.max_message_bytes(model, c, k_max) for c in self.chunks]
-        else:
-            bounds = [TAU_BYTES + compress.max_message_bytes(size) for size in plan.sizes]
-        packed = self.pusher is not None or self.activations
-        if cfg.ps_copies > 1:
-            self.client = replicated.ReplicatedClient(grid.world, ranks, plan, r, cfg.timeout,
-                                                      cfg.ps_copies,
-                                                      packed_bytes=bounds if packed else None)
-        else:
-            self.client = Client(grid.world, ranks, plan, r, cfg.timeout,
-                                 packed_bytes=bounds if packed else None)
+        self.client = shard_client(ctx, plan, ranks, self.packed_bounds(plan)
+                                   if self.pusher is not None or self.activations else None)
         self.rows_in, self.rows_err = [], []  # activation pushes: since the last push
         self.params = np.empty(model.n_params, dtype=np.float32)
         self.grad = np.empty(model.n_params, dtype=np.float32)
@@ -159,6 +171,15 @@ class DownpourReplica(ReplicaLoop):
             if cfg.heartbeat_timeout is not None else None
         if cfg.ps_copies > 1:  # it stops beating a shard found dead
             self.client.heartbeat = self.heartbeat
+
+    def packed_bounds(self, plan: ChunkPlan) -> list[int]:
+        """The largest message each shard may receive from this replica, for packed pushes
+        (compressed gradients, or layer inputs and errors)."""
+        if self.activations:
+            k_max = self.cfg.batch_size * self.cfg.n_push
+            return [activations.max_message_bytes(self.ctx.model, c, k_max)
+                    for c in self.chunks]
+        return [TAU_BYTES + compress.max_message_bytes(size) for size in plan.sizes]
 
     def run(self) -> dict:
         if self.heartbeat is not None:
