@@ -124,4 +124,5 @@ STRATEGY = Strategy(
     optimizers=("sgd", "momentum"),
     describe=_describe,
     summary_lines=_summary_lines,
+    cost="hpcps.strategies.deadreckon.cost:COST",
 )

@@ -196,4 +196,5 @@ STRATEGY = Strategy(
     describe=_describe,
     summarize="hpcps.strategies.downpour.summary:summarize",
     summary_lines=summary_lines,
+    cost="hpcps.strategies.downpour.cost:COST",
 )
