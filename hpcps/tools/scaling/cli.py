@@ -30,7 +30,6 @@ def plot(curves: dict, title: str, path: str) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    modelled = [name for name, m in models().items() if m is not None]
     p = argparse.ArgumentParser(
         prog="python -m hpcps.scaling",
         description="Predict examples/s and speed-up per strategy for 1..N nodes (alpha-beta "
@@ -58,9 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nodes", default="1,2,4,8,16,32,64,128,256",
                    help="node counts to predict, comma-separated (default: %(default)s)")
     p.add_argument("--strategies", default=",".join(models()),
-                   help="strategies to predict, comma-separated; one without a cost model "
-                        "is listed as such (default: every registered strategy, "
-                        f"%(default)s; with a cost model: {','.join(modelled)})")
+                   help="strategies to predict, comma-separated; one that declares no cost "
+                        "model is listed as such (default: every registered strategy, "
+                        "%(default)s)")
     p.add_argument("--compression", type=float, default=1000.0,
                    help="thresholded messages: dense gradient bytes / message bytes (Strom: "
                         "~850 at tau 4; a run's summary gives compression_ratio) (default: "
