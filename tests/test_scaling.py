@@ -223,8 +223,22 @@ def test_cli_prints_the_curves_and_both_checks(tmp_path, capsys):
         scaling.main(["--alpha", "1e-5"])  # beta missing
 
 
+def test_every_option_says_its_default_and_layers_takes_the_widths():
+    """--layers takes the layer widths (--model, its old name, still works); every option's
+    help gives its default."""
+    parser = scaling.build_parser()
+    for action in parser._actions:
+        if action.dest != "help":
+            assert "default" in (action.help or ""), action.option_strings
+    assert parser.parse_args(["--layers", "64,32,10"]).layers == "64,32,10"
+    assert parser.parse_args(["--model", "64,32,10"]).layers == "64,32,10"
+    assert "--layers WIDTHS, --model WIDTHS" in parser.format_help()
+
+
 @pytest.mark.parametrize("argv, says", [
     (["--model", "784"], "at least two layer widths"),
+    (["--layers", "784"], "--layers needs at least two layer widths"),
+    (["--run-steps", "0"], "--run-steps must be at least 1"),
     (["--model", "784,0,10"], "must be at least 1"),
     (["--model", "784,x,10"], "comma-separated whole numbers"),
     (["--nodes", "1,0"], "--nodes must be at least 1"),
