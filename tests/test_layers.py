@@ -99,3 +99,20 @@ def test_strategy_tags_stay_above_the_shared_ones():
             assert min(spec.tags) >= STRATEGY_TAGS_START, spec.name
     made = message_tags("x", "A", "B")
     assert [int(t) for t in made] == [STRATEGY_TAGS_START, STRATEGY_TAGS_START + 1]
+
+
+def test_cost_models_import_no_mpi():
+    """A strategy's cost model (``cost.py``, and the shared ``strategies/cost.py``) is pure
+    math: no mpi4py, nothing of the MPI layers but the protocol's message sizes (a module
+    without mpi4py). Its ``calibrate`` hook, which may run role code, lives apart."""
+    mpi_layers = {layer("hpcps.mpi"), layer("hpcps.runtime"), layer("hpcps.ps")}
+    strategies = ROOT / "hpcps" / "strategies"
+    for path in [strategies / "cost.py", *sorted(strategies.glob("*/cost.py"))]:
+        source = path.read_text()
+        assert "mpi4py" not in source, path
+        for target in imports(ast.parse(source)):
+            if target == "hpcps.mpi.protocol":
+                continue
+            assert layer(target) not in mpi_layers, (path, target)
+            assert not target.endswith((".replica", ".server", ".coordinator")), (path, target)
+    assert "mpi4py" not in (ROOT / "hpcps" / "mpi" / "protocol.py").read_text()

@@ -1,7 +1,7 @@
 """A strategy defined outside hpcps (tests/plugins/oneshot: one-shot averaging) is a full
 strategy once registered with ``HPCPS_STRATEGIES``: ``--help`` lists it with its defaults, it
-trains under ``mpiexec``, the combination matrix runs it, the report shows its runs. Nothing in
-hpcps/ names it.
+trains under ``mpiexec``, the combination matrix runs it, the report shows its runs, the scaling
+model predicts it from the cost model it declares. Nothing in hpcps/ names it.
 
 Also here: what needs no MPI works without mpi4py (``import hpcps.config``, every strategy's
 declaration, ``python -m hpcps.train --help`` and ``--version``), checked with mpi4py blocked.
@@ -119,9 +119,68 @@ def test_the_combination_matrix_runs_a_plugin(tmp_path):
     assert ran.returncode == 0 and "2 passed" in ran.stdout, ran.stdout[-3000:]
 
 
-# The scaling model still keeps its own table of the five strategies' costs: a strategy does
-# not yet declare its cost model. Listed here so that the day it does, this test says to drop it.
-NAMES_STILL_IN = {"hpcps/tools/scaling.py"}
+# Shared modules that still name a strategy (none: the scaling model reads each strategy's
+# declared cost model).
+NAMES_STILL_IN: set[str] = set()
+
+
+# A declaration without a cost model, registered beside the plug-in: the scaling tool lists it.
+NO_COST = """
+from hpcps.options import LOOP_OPTIONS, check_loop_options
+from hpcps.strategies.registry import Strategy
+
+STRATEGY = Strategy(name="nocost", help="a declaration without a cost model",
+                    roles={"replica": "oneshot.replica:run"}, options=LOOP_OPTIONS,
+                    validate=check_loop_options)
+"""
+
+
+def test_a_plugin_is_in_the_scaling_model(tmp_path):
+    """``python -m hpcps.scaling`` lists the plug-in in --help and predicts it from its cost
+    model (compute-only steps, one allreduce at the end of --run-steps steps: close to linear,
+    and below it); a registered strategy that declares no cost model is listed as such."""
+    (tmp_path / "nocost.py").write_text(NO_COST)
+    env = {**os.environ, **ENV, "HPCPS_STRATEGIES": "oneshot,nocost",
+           "PYTHONPATH": os.pathsep.join([str(tmp_path), ENV["PYTHONPATH"]])}
+    helped = subprocess.run([sys.executable, "-m", "hpcps.scaling", "--help"],
+                            capture_output=True, text=True, env=env, timeout=120, cwd=ROOT)
+    assert helped.returncode == 0, helped.stderr
+    assert "oneshot" in helped.stdout and "--layers" in helped.stdout, helped.stdout
+    args = ["--layers", "64,32,10", "--nodes", "1,4,64", "--network", "1gbe", "--png", "",
+            "--run-steps", "100"]
+    ran = subprocess.run([sys.executable, "-m", "hpcps.scaling", *args, "--json"],
+                         capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    out = json.loads(ran.stdout)
+    assert out["no_cost_model"] == ["nocost"], out["no_cost_model"]
+    one, four, many = out["curves"]["oneshot"]
+    assert one["examples_per_s"] > 0 and one["speedup"] == 1.0, one
+    assert 3.0 < four["speedup"] < 4.0 and many["speedup"] < 64, (four, many)
+    table = subprocess.run([sys.executable, "-m", "hpcps.scaling", *args], capture_output=True,
+                           text=True, env=env, timeout=300, cwd=ROOT)
+    assert table.returncode == 0, table.stderr[-3000:]
+    header = next(line for line in table.stdout.splitlines() if line.startswith("nodes"))
+    assert "oneshot" in header and "nocost" not in header, header
+    assert "nocost: no cost model declared" in table.stdout, table.stdout
+
+
+def test_cost_models_load_and_predict_without_mpi():
+    """Every declared cost model (the plug-in's too) is pure: predictions with mpi4py
+    blocked."""
+    code = BLOCK_MPI + """
+from hpcps.tools import scaling
+w = scaling.Workload(n_params=100_000, batch=32, compute_s=1e-3, run_steps=1000)
+names = scaling.modelled()
+for name in names:
+    assert scaling.predict(name, w, 8, 2e-5, 1e-9) > 0, name
+    assert scaling.bytes_per_step(name, w, 8) >= 0, name
+assert not [m for m in sys.modules if m.startswith("mpi4py")]
+print(",".join(names))
+"""
+    out = python(code, env=ENV)
+    assert out.returncode == 0, out.stderr
+    assert set(out.stdout.strip().split(",")) == {"downpour", "sync", "averaging", "deadreckon",
+                                                   "sandblaster", "oneshot"}, out.stdout
 
 
 def test_no_strategy_name_in_the_shared_code():

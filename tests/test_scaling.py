@@ -1,5 +1,6 @@
-"""The scaling model (hpcps.tools.scaling): the pure alpha-beta formulas, its check against Strom's
-Table 2, and its bytes per step against what the strategies report in a real run."""
+"""The scaling model (hpcps.tools.scaling, over the strategies' own cost models): the pure
+alpha-beta formulas, deadreckon's check against Strom's Table 2, and its bytes per step against
+what the strategies report in a real run."""
 import json
 import os
 import subprocess
@@ -9,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from hpcps.compress.codec import HEADER_BYTES
+from hpcps.strategies.deadreckon.cost import message_bytes, strom_table2
 from hpcps.tools import scaling
 from hpcps.tools.scaling import Workload, bytes_per_step, predict, ring
 from mpirun import train
@@ -44,7 +47,7 @@ def test_a_free_network_scales_linearly(strategy):
                                                                                 0.0, 0.0))
 
 
-@pytest.mark.parametrize("strategy", scaling.STRATEGIES)
+@pytest.mark.parametrize("strategy", scaling.modelled())
 def test_a_slower_network_is_never_faster(strategy):
     for k in (4, 8, 64):
         fast = predict(strategy, W, k, 1e-6, 1e-10)
@@ -179,14 +182,14 @@ def test_shared_cores_slow_compute_past_the_core_count():
 
 def test_deadreckon_messages_follow_compress():
     w = replace(W, updates_per_step=1000, bits_per_update=11.0)
-    assert scaling.message_bytes(w) == scaling.compress.HEADER_BYTES + 8 + 1375
-    assert bytes_per_step("deadreckon", w, 5) == 4 * scaling.message_bytes(w)
+    assert message_bytes(w) == HEADER_BYTES + 8 + 1375
+    assert bytes_per_step("deadreckon", w, 5) == 4 * message_bytes(w)
     with pytest.raises(ValueError):
         bytes_per_step("nosuch", w, 2)
 
 
 def test_strom_table2_shape_within_a_quarter():
-    rows = scaling.strom_table2()
+    rows = strom_table2()
     assert [r["nodes"] for r in rows] == [1, 5, 10, 20, 40, 80]
     assert all(abs(r["relative_difference"]) <= 0.25 for r in rows), rows
     # the curve bends: the speed-up per node falls as nodes are added
@@ -220,8 +223,22 @@ def test_cli_prints_the_curves_and_both_checks(tmp_path, capsys):
         scaling.main(["--alpha", "1e-5"])  # beta missing
 
 
+def test_every_option_says_its_default_and_layers_takes_the_widths():
+    """--layers takes the layer widths (--model, its old name, still works); every option's
+    help gives its default."""
+    parser = scaling.build_parser()
+    for action in parser._actions:
+        if action.dest != "help":
+            assert "default" in (action.help or ""), action.option_strings
+    assert parser.parse_args(["--layers", "64,32,10"]).layers == "64,32,10"
+    assert parser.parse_args(["--model", "64,32,10"]).layers == "64,32,10"
+    assert "--layers WIDTHS, --model WIDTHS" in parser.format_help()
+
+
 @pytest.mark.parametrize("argv, says", [
     (["--model", "784"], "at least two layer widths"),
+    (["--layers", "784"], "--layers needs at least two layer widths"),
+    (["--run-steps", "0"], "--run-steps must be at least 1"),
     (["--model", "784,0,10"], "must be at least 1"),
     (["--model", "784,x,10"], "comma-separated whole numbers"),
     (["--nodes", "1,0"], "--nodes must be at least 1"),
@@ -239,7 +256,8 @@ def test_the_cli_refuses_bad_input_in_one_line_before_measuring(argv, says, tmp_
     other = tmp_path / "other.json"
     other.write_text(json.dumps({"bench": "hogwild", "models": {}}))
     argv = [str(other) if a == "NOT_A_BENCH" else a for a in argv]
-    monkeypatch.setattr(scaling, "measure_compute", lambda *a, **k: pytest.fail("measured"))
+    monkeypatch.setattr(scaling.calibrate, "measure_compute",
+                        lambda *a, **k: pytest.fail("measured"))
     with pytest.raises(SystemExit) as exc:
         scaling.main(argv + ["--png", ""])
     assert exc.value.code == 2
@@ -257,9 +275,11 @@ def test_the_cluster_check_takes_the_latency_measured_with_the_runs_ranks(tmp_pa
         asked["data"] = data
         return {"compute_s": 0.004, "update_s_per_param": 1e-9, "portion_s_per_example": 1e-4,
                 "reduce_s_per_param": 2e-10, "reckon_s_per_param": 1e-9, "load_average": 0.0}
-    monkeypatch.setattr(scaling, "measure_compute", compute)
-    monkeypatch.setattr(scaling, "measure_together", lambda layers, batch, k, data=None: {
-        "processes": k, "alone_s": 0.004, "together_s": 0.005, "slowdown": 1.25})
+
+    def together(layers, batch, k, data=None):
+        return {"processes": k, "alone_s": 0.004, "together_s": 0.005, "slowdown": 1.25}
+    monkeypatch.setattr(scaling.calibrate, "measure_compute", compute)
+    monkeypatch.setattr(scaling.calibrate, "measure_together", together)
     ring4 = {"alpha_s": 5e-3, "beta_s_per_byte": 4e-9}
     two, four = {"alpha_s": 2e-5, "beta_s_per_byte": 1e-9}, {"alpha_s": 3e-3,
                                                                "beta_s_per_byte": 2e-9,
@@ -341,8 +361,8 @@ def test_the_cluster_check_takes_each_runs_own_calibration(tmp_path, monkeypatch
     those figures; nothing is measured again."""
     def measuring(*a, **k):
         raise AssertionError("measured although every run carries its calibration")
-    monkeypatch.setattr(scaling, "measure_compute", measuring)
-    monkeypatch.setattr(scaling, "measure_together", measuring)
+    monkeypatch.setattr(scaling.calibrate, "measure_compute", measuring)
+    monkeypatch.setattr(scaling.calibrate, "measure_together", measuring)
     pp = {"alpha_s": 2e-5, "beta_s_per_byte": 1e-9}
     cal = [{"compute_s": t, "update_s_per_param": 1e-9, "portion_s_per_example": 1e-4,
             "reduce_s_per_param": 2e-10, "reckon_s_per_param": 1e-9, "co_run": 1.1}
@@ -437,8 +457,9 @@ def test_deadreckons_step_is_measured_on_its_code():
     assert m["reckon_compute_s"] > 0 and m["reckon_s_per_param"] > 0, m
     assert m["receive_s_per_word"] > 0, m
     w = scaling.measured_workload(m, (64 + 1) * 256 + (256 + 1) * 10, 16)
-    assert w.compute(1, "deadreckon") == m["reckon_compute_s"]
-    assert w.compute(1, "sync") == m["compute_s"]
+    assert w.reckon_compute_s == m["reckon_compute_s"]
+    assert w.compute(1, w.reckon_compute_s) == m["reckon_compute_s"]
+    assert w.compute(1) == m["compute_s"]
 
 
 def test_the_runs_own_pass_time_replaces_the_shared_cores_terms():
@@ -449,7 +470,7 @@ def test_the_runs_own_pass_time_replaces_the_shared_cores_terms():
                      portion_s_per_example=1e-4, reckon_compute_s=2 * W.compute_s)
     run = scaling.in_run_workload(shared, 3 * W.compute_s)
     assert run.share(8) == 1.0 and run.compute(8) == pytest.approx(3 * W.compute_s)
-    assert run.compute(8, "deadreckon") == pytest.approx(3 * W.compute_s)  # as the run timed
+    assert run.compute(8, run.reckon_compute_s) == pytest.approx(3 * W.compute_s)  # as timed
     for term in ("update_s_per_param", "reduce_s_per_param", "reckon_s_per_param",
                  "receive_s_per_word", "portion_s_per_example"):
         assert getattr(run, term) == pytest.approx(3 * getattr(shared, term)), term

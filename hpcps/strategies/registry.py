@@ -28,6 +28,7 @@ from hpcps.options import Option, RunConfig
 
 if TYPE_CHECKING:  # annotations only: a declaration needs neither type at run time
     from hpcps.strategies.context import Context
+    from hpcps.strategies.cost import CostModel
 
 PLUGINS_ENV = "HPCPS_STRATEGIES"  # extra declaration modules, comma-separated
 # A strategy's own message tags start here, above the shared protocol's (hpcps.mpi.protocol.Tag,
@@ -81,6 +82,10 @@ class Strategy:
     summary_lines : ``summary_lines(figures) -> list[str]``, extra lines for the terminal.
     tags : the strategy's own message tags, an IntEnum made by :func:`message_tags` (the
         parameter server's and the run's shared tags are in :mod:`hpcps.mpi.protocol`).
+    cost : its cost model for the scaling tool (``python -m hpcps.scaling``): a
+        :class:`~hpcps.strategies.cost.CostModel`, or its import path
+        (``"hpcps.strategies.sync.cost:COST"``, loaded when the tool asks); None: the tool
+        lists the strategy as having no cost model.
     """
 
     name: str
@@ -102,6 +107,7 @@ class Strategy:
     summarize: str | Callable[["Context", list], dict] | None = None
     summary_lines: Callable[[dict], list[str]] | None = None
     tags: type[IntEnum] | None = None
+    cost: "str | CostModel | None" = None
 
     def __post_init__(self):
         unknown = set(self.roles) - set(ROLES)
@@ -124,6 +130,9 @@ class Strategy:
             if isinstance(target, str) and ":" not in target:
                 raise ValueError(f"strategy {self.name}: role {role} is 'module:function', "
                                  f"got {target!r}")
+        if isinstance(self.cost, str) and ":" not in self.cost:
+            raise ValueError(f"strategy {self.name}: cost is 'module:attribute', got "
+                             f"{self.cost!r}")
 
     @property
     def uses_servers(self) -> bool:
@@ -140,6 +149,10 @@ class Strategy:
     def run(self, ctx: "Context") -> dict:
         """Run this rank's role."""
         return self.role(ctx.grid.role.kind)(ctx)
+
+    def cost_model(self) -> "CostModel | None":
+        """Its cost model, imported now if it is named by path; None if it declares none."""
+        return None if self.cost is None else load(self.cost)
 
     def summarizer(self) -> Callable[["Context", list], dict] | None:
         return None if self.summarize is None else load(self.summarize)

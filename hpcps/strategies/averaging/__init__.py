@@ -41,4 +41,5 @@ STRATEGY = Strategy(
                                    f", state averaged: {cfg.average_state}"),
     summary_lines=lambda f: [f"{f['averaging_rounds']} averages, replicas' mean RMS distance "
                              f"to the average before each: {f['mean_spread']:.3g}"],
+    cost="hpcps.strategies.averaging.cost:COST",
 )

@@ -127,4 +127,5 @@ STRATEGY = Strategy(
     describe=_describe,
     summary_lines=_summary_lines,
     tags=Tag,
+    cost="hpcps.strategies.deadreckon.cost:COST",
 )

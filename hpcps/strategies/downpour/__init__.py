@@ -200,4 +200,5 @@ STRATEGY = Strategy(
     summarize="hpcps.strategies.downpour.summary:summarize",
     summary_lines=summary_lines,
     tags=Tag,
+    cost="hpcps.strategies.downpour.cost:COST",
 )

@@ -129,4 +129,5 @@ STRATEGY = Strategy(
     check_resume=_check_resume,
     describe=_describe,
     summary_lines=_summary_lines,
+    cost="hpcps.strategies.sandblaster.cost:COST",
 )

@@ -25,4 +25,5 @@ STRATEGY = Strategy(
     defaults={"lr": 0.01, "batch_size": 32, "prefetch": 2},
     describe=lambda cfg, n_train: f"{cfg.optimizer} lr={cfg.lr}, batch "
                                   f"{cfg.batch_size}/replica",
+    cost="hpcps.strategies.sync.cost:COST",
 )

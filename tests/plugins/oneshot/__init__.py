@@ -4,7 +4,7 @@ One-shot averaging (Zinkevich et al. 2010, "Parallelized stochastic gradient des
 replica trains alone on its own shard of the data, and at the end one allreduce averages the
 replicas' parameters. Registered with ``HPCPS_STRATEGIES=oneshot`` and this folder on
 ``PYTHONPATH`` (tests/test_plugin_strategy.py). The declaration imports no MPI; the role
-module loads when a rank runs it.
+module loads when a rank runs it, and its cost model (``cost.py``) when the scaling tool asks.
 """
 from hpcps.options import LOOP_OPTIONS, check_loop_options
 from hpcps.strategies.registry import Strategy
@@ -22,4 +22,5 @@ STRATEGY = Strategy(
                                   "replica, parameters averaged once at the end",
     summary_lines=lambda f: [f"replicas' RMS distance to their average at the end: "
                              f"{f['final_spread']:.3g}"],
+    cost="oneshot.cost:COST",  # its cost model for python -m hpcps.scaling (no MPI)
 )
