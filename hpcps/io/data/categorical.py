@@ -239,7 +239,7 @@ class CategoricalWriter:
             dense = np.ascontiguousarray(dense, dtype=np.float32)
             if dense.shape != (n, self.n_dense):
                 raise DataError(f"dense features {dense.shape}, expected ({n}, {self.n_dense})")
-            check_finite_rows(dense, self.out_path, split, lo)
+            check_finite_rows(dense, self.out_path, split, lo, dataset="dense")
             g["dense"][lo:lo + n] = dense
         if n:
             starts = _columns(self.fields)
@@ -493,7 +493,7 @@ def load_block(path: str | os.PathLike, split: str, shard: int = 0,
     check_ids(ids, fields, path, split, lo)
     check_labels(y, path, split, label_kind, lo)
     if dense is not None:
-        check_finite_rows(dense, path, split, lo, stored)
+        check_finite_rows(dense, path, split, lo, stored, dataset="dense")
     return CategoricalBlock(ids=np.ascontiguousarray(ids, dtype=np.int64),
                             y=np.ascontiguousarray(y, dtype=np.int64), dense=dense, lo=lo)
 

@@ -380,10 +380,11 @@ reads and no rank reads the whole file to check it.
     return x, np.ascontiguousarray(y[lo:hi])
 
 
-def check_finite_rows(x: np.ndarray, path, split: str, lo: int = 0, stored=np.float32) -> None:
+def check_finite_rows(x: np.ndarray, path, split: str, lo: int = 0, stored=np.float32,
+                      dataset: str = "x") -> None:
     """Refuse features holding NaN or infinity: they would make every loss NaN.
 
-    ``x`` holds rows ``lo ..`` of ``/{split}/x`` as read (float32); ``stored`` is the dtype
+    ``x`` holds rows ``lo ..`` of ``/{split}/{dataset}`` as read (float32); ``stored`` is the dtype
     in the file (a float64 value beyond float32's range becomes infinite on reading). One
     pass, no temporary: the sum of all values is finite exactly when no value is NaN or
     infinite, unless finite values overflow the sum, in which case the rows are looked at
@@ -408,7 +409,7 @@ def check_finite_rows(x: np.ndarray, path, split: str, lo: int = 0, stored=np.fl
     if np.dtype(stored).itemsize > 4 and not np.isnan(value):
         why = f" (the file stores {np.dtype(stored)}; values beyond float32's range " \
               "become infinite when read)"
-    raise DataError(f"{path}: /{split}/x holds {count} non-finite value(s) (NaN or infinity) "
-                    f"in rows {lo}..{lo + len(x) - 1}; the first is row {lo + row}, column "
-                    f"{col} ({value}){why}. Training on it would make every loss NaN: replace "
-                    "or drop those values before training")
+    raise DataError(f"{path}: /{split}/{dataset} holds {count} non-finite value(s) (NaN or "
+                    f"infinity) in rows {lo}..{lo + len(x) - 1}; the first is row {lo + row}, "
+                    f"column {col} ({value}){why}. Training on it would make every loss NaN: "
+                    "replace or drop those values before training")
