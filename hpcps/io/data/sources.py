@@ -341,7 +341,8 @@ def _build_parser() -> argparse.ArgumentParser:
              "test_rows": "last rows held out as test (default 10%%)",
              "chunk_rows": f"rows generated and written at a time (default {DEFAULT_CHUNK_ROWS})"}
     for option, text in helps.items():
-        p_prep.add_argument(f"--{option.replace('_', '-')}", dest=option, metavar="N",
+        p_prep.add_argument(f"--{option.replace('_', '-')}", dest=option,
+                            metavar="A" if option == "zipf" else "N",
                             help=f"synthetic-ctr: {text}")
     p_info = sub.add_parser("info", help="check a dataset file and print what it holds",
                             description="Check a dataset file and print its DatasetInfo.")
