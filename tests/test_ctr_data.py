@@ -138,8 +138,8 @@ BAD = {
                       r"1 bad id\(s\) \(ids beyond the field's range 0..6\); the first is "
                       r"row 3, column 2 \(field 'genres'\): 7"),
     "float ids": (lambda r: ("test/ids", with_cell(r["test"][0], 5, 0, 2.5, np.float64)),
-                  r"/test/ids holds float ids \(float64\); 1 of them are not whole numbers, "
-                  r"the first in row 5 \(2.5\)"),
+                  r"/test/ids holds float ids \(float64; 1 of its 35 values in rows 0..6 are "
+                  r"not whole numbers, the first in row 5, column 0 \(2.5\)\)"),
     "label 2": (lambda r: ("train/y", with_cell(r["train"][1][:, None], 20, 0, 2)[:, 0]),
                 r"/train/y holds 1 label\(s\) not in \{0, 1\}.*binary'; the first is row 20"),
     "float labels": (lambda r: ("test/y", r["test"][1].astype(np.float32)),

@@ -89,13 +89,15 @@ def check_ids(ids: np.ndarray, fields, path, split: str, lo: int = 0) -> None:
             with np.errstate(invalid="ignore"):
                 frac = ~np.isfinite(ids) | (ids != np.floor(ids))
             count = int(np.count_nonzero(frac))
-            detail = ""
+            span = f"rows {lo}..{lo + len(ids) - 1}"
             if count:
                 row, col = (int(i) for i in np.argwhere(frac)[0])
-                detail = (f"; {count} of them are not whole numbers, the first in row "
-                          f"{lo + row} ({ids[row, col]})")
-            raise DataError(f"{where} holds float ids ({ids.dtype}){detail}; ids must be stored "
-                            "as integers (int64): floats lose ids above 2**53")
+                detail = (f"{count} of its {ids.size} values in {span} are not whole numbers, "
+                          f"the first in row {lo + row}, column {col} ({ids[row, col]})")
+            else:
+                detail = f"all {ids.size} values in {span}, the first in row {lo}"
+            raise DataError(f"{where} holds float ids ({ids.dtype}; {detail}); ids must be "
+                            "stored as integers (int64): floats lose ids above 2**53")
         raise DataError(f"{where} has dtype {ids.dtype}; expected integer ids (int64)")
     if ids.size == 0:
         return
@@ -139,8 +141,8 @@ class CategoricalWriter:
     in layout 1) and filled with :meth:`write`, so memory holds one block, not the file. The
     file goes to ``out_path.tmp-<pid>`` and is renamed over ``out_path`` by :meth:`close` only
     when every row of every split has been written; leaving the ``with`` block by an exception
-    removes it. Nothing in the file depends on the time or the path, so the same rows give the
-    same bytes.
+    removes it (use it in a ``with`` block). Nothing in the file depends on the time or the
+    path, so the same rows give the same bytes.
 
     Parameters
     ----------
@@ -183,6 +185,20 @@ class CategoricalWriter:
             self._cleanup()
             raise DataError(f"cannot write dataset {self.out_path}: {exc.strerror or exc}; give "
                             "a path in a directory you can write to") from exc
+        try:
+            self._create(name, description, source, split_note, dense_names,
+                         label_description, n_cols)
+        except BaseException as exc:
+            self._cleanup()
+            if isinstance(exc, OSError):
+                raise DataError(f"cannot write dataset {self.out_path}: "
+                                f"{exc.strerror or exc}") from exc
+            raise
+
+    def _create(self, name, description, source, split_note, dense_names, label_description,
+                n_cols) -> None:
+        """Root attributes and each split's datasets at full size."""
+        names = [fl.name for fl in self.fields]
         f = self._f
         f.attrs["format"] = FORMAT
         f.attrs["layout_version"] = CATEGORICAL_LAYOUT_VERSION
@@ -232,14 +248,15 @@ class CategoricalWriter:
         if (dense is None) != (self.n_dense == 0):
             raise DataError(f"dense features must be given exactly when dense_names are "
                             f"({self.n_dense} declared)")
-        g = self._f[split]
-        g["ids"][lo:lo + n] = ids
-        g["y"][lo:lo + n] = y
         if dense is not None:
             dense = np.ascontiguousarray(dense, dtype=np.float32)
             if dense.shape != (n, self.n_dense):
                 raise DataError(f"dense features {dense.shape}, expected ({n}, {self.n_dense})")
             check_finite_rows(dense, self.out_path, split, lo, dataset="dense")
+        g = self._f[split]
+        g["ids"][lo:lo + n] = ids
+        g["y"][lo:lo + n] = y
+        if dense is not None:
             g["dense"][lo:lo + n] = dense
         if n:
             starts = _columns(self.fields)
