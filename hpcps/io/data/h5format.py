@@ -36,6 +36,45 @@ rows, train and test have the same D, and labels are >= 0. ``n_classes`` is opti
 it is max label + 1); ``format`` and ``layout_version`` are optional for such files.
 x is converted to float32 on read and must be finite: NaN or infinity in the rows a rank reads
 is refused (:class:`DataError`, exit code 3) with the count and the first such row.
+
+Layout 2: categorical features (click-through, recommendation)
+---------------------------------------------------------------
+Layout 2 adds a second kind of file; a dense file is unchanged by it and is still written as
+``layout_version`` 1, so older hpcps reads it. A categorical file holds integer ids, one
+column per field, instead of x. It is written, checked and read by
+:mod:`hpcps.io.data.categorical`; :func:`open_dataset` and :func:`load_split` refuse it with
+a message saying so. Root attributes::
+
+    format          "hpcps-dataset"
+    layout_version  2
+    kind            "categorical"
+    name, description, source   as in layout 1
+    split           how train and test were drawn (seed, fractions)
+    label_kind      "binary": labels are 0/1 (a click, a rating >= 4)
+    n_classes       2
+    field_names     fixed-length UTF-8 [F]: the fields, in column order
+    field_widths    int64 [F]: id columns per field; 1 for a single-valued field, the
+                    largest number of values per row for a multi-valued one
+    field_vocab     int64 [F]: field i's ids are 0 .. field_vocab[i]-1
+    dense_names     optional fixed-length UTF-8 [D]: names of the dense features
+
+Datasets, each with a ``description`` attribute::
+
+    /train/ids    int64   (N, C)  C = sum(field_widths); field i occupies the columns
+                                  sum(field_widths[:i]) .. + field_widths[i]-1. -1 means no
+                                  value: a multi-valued field's values come first, the rest of
+                                  its block is -1. attr field_max_id int64 [F] (largest id seen
+                                  per field, -1 for none)
+    /train/y      int64   (N,)    0/1; attr positives (count of 1s)
+    /train/dense  float32 (N, D)  optional dense features (finite)
+    /test/...     the same with M rows
+    /vocab/<field>  optional, fixed-length UTF-8 [field_vocab]: raw value of each id
+
+A multi-valued field is a fixed-width block padded with -1 rather than values plus an offsets
+array, so a rank's rows are one rectangular read, as for x (the reasons are in
+:mod:`hpcps.io.data.categorical`). Ids below -1, ids past ``field_vocab``, float ids and
+labels other than 0/1 are refused (:class:`DataError`) with their count and the first bad row,
+by the writer and by each rank for the rows it reads.
 """
 
 from __future__ import annotations
@@ -52,7 +91,8 @@ from hpcps.blocks import block_range
 from hpcps.errors import DataError
 
 FORMAT = "hpcps-dataset"
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2  # the newest layout this module knows
+DENSE_LAYOUT_VERSION = 1  # what a dense file is written as: layout 2 left dense files unchanged
 SPLITS = ("train", "test")
 
 _FINGERPRINT_ROWS = 8
@@ -75,7 +115,7 @@ def write_dataset(
     test: tuple[np.ndarray, np.ndarray],
     image_shape: tuple[int, int, int] | None = None,
 ) -> Path:
-    """Write one dataset file in layout 1, atomically.
+    """Write one dense dataset file (``layout_version`` 1), atomically.
 
     The file is written to ``out_path.tmp-<pid>`` and renamed over ``out_path`` only when
     complete, so a crash or a full disk never leaves a half-written file where training
@@ -87,7 +127,7 @@ def write_dataset(
         out_path.parent.mkdir(parents=True, exist_ok=True)
         with h5py.File(tmp_path, "w") as f:
             f.attrs["format"] = FORMAT
-            f.attrs["layout_version"] = LAYOUT_VERSION
+            f.attrs["layout_version"] = DENSE_LAYOUT_VERSION
             f.attrs["name"] = name
             f.attrs["n_classes"] = int(n_classes)
             f.attrs["description"] = description
@@ -186,6 +226,15 @@ def _check_layout(f: h5py.File, path: Path) -> tuple[dict[str, tuple], int]:
         if int(version) > LAYOUT_VERSION:
             raise DataError(f"{path}: layout_version {int(version)} is newer than this hpcps "
                             f"understands ({LAYOUT_VERSION}); upgrade hpcps")
+    kind = f.attrs.get("kind")
+    if (kind is not None and _attr_str(kind) == "categorical") or \
+            (kind is None and "train/ids" in f and "train/x" not in f):
+        raise DataError(f"{path} is a categorical dataset (ids per field, layout 2), not dense "
+                        "features: models with dense inputs cannot read it "
+                        "(`python -m hpcps.data info` shows its fields)")
+    if kind is not None and _attr_str(kind) != "dense":
+        raise DataError(f"{path}: kind attribute is {_attr_str(kind)!r}; known: dense, "
+                        "categorical")
     splits = {}
     n_features = None
     for split in SPLITS:
@@ -331,10 +380,11 @@ reads and no rank reads the whole file to check it.
     return x, np.ascontiguousarray(y[lo:hi])
 
 
-def check_finite_rows(x: np.ndarray, path, split: str, lo: int = 0, stored=np.float32) -> None:
+def check_finite_rows(x: np.ndarray, path, split: str, lo: int = 0, stored=np.float32,
+                      dataset: str = "x") -> None:
     """Refuse features holding NaN or infinity: they would make every loss NaN.
 
-    ``x`` holds rows ``lo ..`` of ``/{split}/x`` as read (float32); ``stored`` is the dtype
+    ``x`` holds rows ``lo ..`` of ``/{split}/{dataset}`` as read (float32); ``stored`` is the dtype
     in the file (a float64 value beyond float32's range becomes infinite on reading). One
     pass, no temporary: the sum of all values is finite exactly when no value is NaN or
     infinite, unless finite values overflow the sum, in which case the rows are looked at
@@ -359,7 +409,7 @@ def check_finite_rows(x: np.ndarray, path, split: str, lo: int = 0, stored=np.fl
     if np.dtype(stored).itemsize > 4 and not np.isnan(value):
         why = f" (the file stores {np.dtype(stored)}; values beyond float32's range " \
               "become infinite when read)"
-    raise DataError(f"{path}: /{split}/x holds {count} non-finite value(s) (NaN or infinity) "
-                    f"in rows {lo}..{lo + len(x) - 1}; the first is row {lo + row}, column "
-                    f"{col} ({value}){why}. Training on it would make every loss NaN: replace "
-                    "or drop those values before training")
+    raise DataError(f"{path}: /{split}/{dataset} holds {count} non-finite value(s) (NaN or "
+                    f"infinity) in rows {lo}..{lo + len(x) - 1}; the first is row {lo + row}, "
+                    f"column {col} ({value}){why}. Training on it would make every loss NaN: "
+                    "replace or drop those values before training")

