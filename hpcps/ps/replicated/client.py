@@ -8,10 +8,10 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from hpcps.mpi.comm import PeerTimeout, Poller
+from hpcps.mpi.comm import Transport, done, wait_until
 from hpcps.mpi.protocol import HEADER_BYTES, ByteMessage, H, Message, Tag
 from hpcps.ps.client import fill_packed
-from hpcps.ps.liveness import HeartbeatThread, finished_by
+from hpcps.ps.liveness import HeartbeatThread
 from hpcps.ps.replicated.placement import assemble, primary
 
 
@@ -26,6 +26,7 @@ class ReplicatedClient:
     def __init__(self, comm, shard_ranks, plan, replica: int, timeout: float, copies: int,
                  packed_bytes: list[int] | None = None):
         self.comm = comm
+        self.net = Transport(comm)
         self.shard_ranks = list(shard_ranks)
         self.S, self.C = len(self.shard_ranks), copies
         self.plan = plan
@@ -66,12 +67,12 @@ class ReplicatedClient:
         """Take acknowledgements and role changes; True if a set was re-routed."""
         st = MPI.Status()
         moved = False
-        while self.comm.Iprobe(MPI.ANY_SOURCE, Tag.PUSH_ACK, st):
-            self.comm.Recv(self._small.buf, source=st.Get_source(), tag=Tag.PUSH_ACK)
+        while self.net.probe(st, Tag.PUSH_ACK):
+            self.net.take(self._small.buf, st.Get_source(), Tag.PUSH_ACK)
             h, seq = int(self._small.header[H.SET]), int(self._small.header[H.SEQ])
             self.acked[h] = max(self.acked[h], seq)
-        while self.comm.Iprobe(MPI.ANY_SOURCE, Tag.NEW_PRIMARY, st):
-            self.comm.Recv(self._small.buf, source=st.Get_source(), tag=Tag.NEW_PRIMARY)
+        while self.net.probe(st, Tag.NEW_PRIMARY):
+            self.net.take(self._small.buf, st.Get_source(), Tag.NEW_PRIMARY)
             hd = self._small.header
             moved |= self._reroute(int(hd[H.SET]), int(hd[H.SENDER]), int(hd[H.PEER]))
         return moved
@@ -87,19 +88,17 @@ class ReplicatedClient:
         self.route[h] = new
         self.reroutes += 1
         req = self._fetch_req[h]
-        if req != MPI.REQUEST_NULL and not _test(req):  # a fetch of h in flight
-            req.Cancel()
-            if not finished_by(req, time.monotonic() + 1.0):
+        if req != MPI.REQUEST_NULL and not done(req):  # a fetch of h in flight
+            if not self.net.cancel(req, time.monotonic() + 1.0):
                 self._params[h] = Message(len(self._params[h]))  # MPI may still write there
-            self._fetch_req[h] = self.comm.Irecv(self._params[h].buf, source=new,
-                                                 tag=Tag.PARAMS)
-            self.comm.Send(self._ask[h].buf, dest=new, tag=Tag.FETCH)
+            self._fetch_req[h] = self.net.post_recv(self._params[h].buf, new, Tag.PARAMS)
+            self.net.send_eager(self._ask[h].buf, new, Tag.FETCH)
         for slot in sorted((0, 1), key=lambda k: self._push_seq[h][k]):
             if self._push_seq[h][slot] <= self.acked[h] or self._push_out[h][slot] is None:
                 continue
             data, tag = self._push_out[h][slot]
             req = self._push_req[h][slot]
-            if req != MPI.REQUEST_NULL and not _test(req):  # to the dead: its buffer stays
+            if req != MPI.REQUEST_NULL and not done(req):  # to the dead: its buffer stays
                 old = self._push[h][slot]
                 fresh = Message(len(old)) if isinstance(old, Message) else \
                     ByteMessage(len(old.body))
@@ -107,31 +106,25 @@ class ReplicatedClient:
                 self._push[h][slot] = fresh
                 data = fresh.buf[:len(data)]
                 self._push_out[h][slot] = (data, tag)
-            self._push_req[h][slot] = self.comm.Isend(data, dest=new, tag=tag)
+            self._push_req[h][slot] = self.net.send_nowait(data, new, tag)
             self.resent += 1
         return True
 
     def _wait(self, ready, what) -> None:
-        deadline = time.monotonic() + self.timeout
-        poll = Poller()
-        while not ready():
-            if self._events():
-                deadline = time.monotonic() + self.timeout
-                continue
-            if time.monotonic() > deadline:
-                raise PeerTimeout(f"waited {self.timeout:.0f} s for {what()}; no shard took "
-                                  "over (raise --timeout if it is only slow)")
-            poll.pause()
+        """Wait for ``ready()``, taking acknowledgements and role changes meanwhile; a set
+        re-routed to a new primary starts the timeout again."""
+        wait_until(ready, self.timeout, lambda: f"{what()}; no shard took over",
+                   events=self._events)
 
     # -- the calls ------------------------------------------------------------------------------
     def fetch(self, params: np.ndarray) -> dict[str, float]:
         self._events()
         for h in range(self.S):
-            self._fetch_req[h] = self.comm.Irecv(self._params[h].buf, source=self.route[h],
-                                                 tag=Tag.PARAMS)
-        for h in range(self.S):
-            self.comm.Send(self._ask[h].buf, dest=self.route[h], tag=Tag.FETCH)
-        self._wait(lambda: all(_test(r) for r in self._fetch_req),
+            self._fetch_req[h] = self.net.post_recv(self._params[h].buf, self.route[h],
+                                                    Tag.PARAMS)
+        for h in range(self.S):  # header only, to a rank that posted its receive first
+            self.net.send_eager(self._ask[h].buf, self.route[h], Tag.FETCH)
+        self._wait(lambda: all(done(r) for r in self._fetch_req),
                    lambda: f"parameters from server ranks {self.route}")
         for h in range(self.S):
             msg = self._params[h]
@@ -152,7 +145,7 @@ class ReplicatedClient:
     def _slot(self, h: int, slot: int):
         """Set ``h``'s push buffer in ``slot`` once the push it held is committed."""
         def free() -> bool:
-            return self._push_seq[h][slot] <= self.acked[h] and _test(self._push_req[h][slot])
+            return self._push_seq[h][slot] <= self.acked[h] and done(self._push_req[h][slot])
         self._wait(free, lambda: f"server rank {self.route[h]} to commit push "
                    f"{self._push_seq[h][slot]} of set {h}")
         msg = self._push[h][slot]
@@ -164,7 +157,7 @@ class ReplicatedClient:
     def _send(self, h: int, slot: int, data, tag: int) -> None:
         self._push_seq[h][slot] = self.seq
         self._push_out[h][slot] = (data, tag)
-        self._push_req[h][slot] = self.comm.Isend(data, dest=self.route[h], tag=tag)
+        self._push_req[h][slot] = self.net.send_nowait(data, self.route[h], tag)
         self.bytes_sent += data.nbytes
 
     def push(self, grad: np.ndarray, steps: int, loss_sum: float) -> None:
@@ -189,25 +182,15 @@ class ReplicatedClient:
     def done(self) -> None:
         """Wait until every push is committed, then tell every live shard."""
         self._wait(lambda: all(a >= self.seq for a in self.acked) and all(
-            _test(r) for pair in self._push_req for r in pair),
+            done(r) for pair in self._push_req for r in pair),
             lambda: f"server ranks {self.route} to commit the last pushes")
         for j, rank in enumerate(self.shard_ranks):
             if j not in self.dead:
-                self.comm.Send(self._done_msg.buf, dest=rank, tag=Tag.DONE)
+                self.net.send_eager(self._done_msg.buf, rank, Tag.DONE)
 
     def figures(self) -> dict:
         return {"pushes_committed": self.seq, "resent_pushes": self.resent,
                 "reroutes": self.reroutes}
-
-
-def _test(req) -> bool:
-    """Whether a request has completed (a null request has); an error counts as not."""
-    if req == MPI.REQUEST_NULL:
-        return True
-    try:
-        return req.Test()
-    except MPI.Exception:
-        return False
 
 
 def receive_final(comm, plan, keys, shard_ranks, heartbeat_timeout: float,
@@ -218,19 +201,16 @@ def receive_final(comm, plan, keys, shard_ranks, heartbeat_timeout: float,
     is taken once; a message that breaks off (its sender died) is dropped."""
     parts: dict[int, np.ndarray] = {}
     steps, applied = [], {}
+    net = Transport(comm)
     st = MPI.Status()
-    deadline = time.monotonic() + timeout
-    poll = Poller()
+    since = time.monotonic()  # one timeout for every set, not one each
     while len(parts) < plan.n_shards:
-        if not comm.Iprobe(MPI.ANY_SOURCE, Tag.FINAL_SET, st):
-            if time.monotonic() > deadline:
-                raise PeerTimeout(f"waited {timeout:.0f} s for the final state of chunk sets "
-                                  f"{sorted(set(range(plan.n_shards)) - set(parts))}")
-            poll.pause()
-            continue
+        wait_until(lambda: net.probe(st, Tag.FINAL_SET), timeout,
+                   lambda: "the final state of chunk sets "
+                   f"{sorted(set(range(plan.n_shards)) - set(parts))}", since=since)
         msg = np.empty(st.Get_count(MPI.BYTE), dtype=np.uint8)
-        req = comm.Irecv(msg, source=st.Get_source(), tag=Tag.FINAL_SET)
-        if not finished_by(req, time.monotonic() + heartbeat_timeout):
+        if not net.take_by(msg, st.Get_source(), Tag.FINAL_SET,
+                           time.monotonic() + heartbeat_timeout):
             continue
         header = msg[:HEADER_BYTES].view(np.float64)
         h = int(header[H.SET])
@@ -238,9 +218,8 @@ def receive_final(comm, plan, keys, shard_ranks, heartbeat_timeout: float,
             parts[h] = msg[HEADER_BYTES:].view(np.float32)
             steps.append(int(header[H.STEPS]))
             applied[h] = int(header[H.PEER])
-    done = Message(0)
+    bye = Message(0)
     for rank in shard_ranks:  # header only: goes eagerly, even to a dead shard
-        finished_by(comm.Isend(done.buf, dest=rank, tag=Tag.FINAL_DONE),
-                    time.monotonic() + 1.0)
+        net.send_by(bye.buf, rank, Tag.FINAL_DONE, time.monotonic() + 1.0)
     params, state = assemble(plan, parts, keys)
     return params, state, min(steps), [applied[h] for h in range(plan.n_shards)]

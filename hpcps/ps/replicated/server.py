@@ -9,10 +9,10 @@ from collections import deque
 import numpy as np
 from mpi4py import MPI
 
-from hpcps.mpi.comm import PeerTimeout
+from hpcps.mpi.comm import PeerTimeout, Transport, test
 from hpcps.mpi.protocol import HEADER_BYTES, ByteMessage, H, Message, Tag
 from hpcps.ps.gradient_shard import ShardPolicy
-from hpcps.ps.liveness import HEARTBEATS_PER_TIMEOUT, HeartbeatThread, Liveness, finished_by
+from hpcps.ps.liveness import HEARTBEATS_PER_TIMEOUT, HeartbeatThread, Liveness
 from hpcps.ps.serve import serve
 from hpcps.ps.replicated.placement import collector, holders, primary, state_size
 
@@ -49,6 +49,7 @@ class ReplicatedServer:
     def __init__(self, comm, me: int, shard_ranks, replica_ranks, copies: int, sets: dict,
                  keys, heartbeat_timeout: float, timeout: float, save=None, chief: int = 0):
         self.comm, self.me = comm, me
+        self.net = Transport(comm)
         self.shard_ranks, self.replica_ranks = list(shard_ranks), list(replica_ranks)
         self.S, self.R, self.C = len(self.shard_ranks), len(self.replica_ranks), copies
         self.sets = sets
@@ -143,10 +144,10 @@ class ReplicatedServer:
         """Forget finished sends, and give up those to a rank now dead."""
         still = []
         for req, buf, dest in self.sends:
-            try:
-                if req.Test():
-                    continue
-            except MPI.Exception:
+            finished = test(req)
+            if finished:
+                continue
+            if finished is None:  # failed: its destination died
                 self.abandoned += 1
                 continue
             if self._dest_dead(dest):
@@ -156,7 +157,7 @@ class ReplicatedServer:
         self.sends = still
 
     def _send(self, buf, dest: int, tag: int):
-        req = self.comm.Isend(buf, dest=dest, tag=tag)
+        req = self.net.send_nowait(buf, dest, tag)
         self.sends.append((req, buf, dest))
         return req
 
@@ -170,8 +171,7 @@ class ReplicatedServer:
     # -- receiving -----------------------------------------------------------------------------
     def _receive(self, buf, src: int, tag: int) -> bool:
         """Receive a probed message; False if its sender died half-way (then it is lost)."""
-        req = self.comm.Irecv(buf, source=src, tag=tag)
-        if finished_by(req, time.monotonic() + self.hb):
+        if self.net.take_by(buf, src, tag, time.monotonic() + self.hb):
             return True
         if src in self.shard_of:
             self._shard_lost(self.shard_of[src], f"its message (tag {int(tag)}) broke off")
@@ -278,7 +278,7 @@ class ReplicatedServer:
         return False
 
     def _recv_repl_ack(self, src: int, status) -> bool:
-        self.comm.Recv(self._small.buf, source=src, tag=Tag.REPL_ACK)
+        self.net.take(self._small.buf, src, Tag.REPL_ACK)
         q, h = self.shard_of[src], int(self._small.header[H.SET])
         if q in self.dead or h not in self.sets:
             return False
@@ -289,7 +289,7 @@ class ReplicatedServer:
         return self._finished()
 
     def _recv_fetch(self, src: int, status) -> bool:
-        self.comm.Recv(self._small.buf, source=src, tag=Tag.FETCH)
+        self.net.take(self._small.buf, src, Tag.FETCH)
         h, sender = int(self._small.header[H.SET]), int(self._small.header[H.SENDER])
         if h not in self.sets or self.role[h] != "primary":
             raise RuntimeError(f"replica {sender} (rank {src}) asked shard {self.me} for set "
@@ -304,13 +304,13 @@ class ReplicatedServer:
         return self._finished()
 
     def _recv_done(self, src: int, status) -> bool:
-        self.comm.Recv(self._small.buf, source=src, tag=Tag.DONE)
+        self.net.take(self._small.buf, src, Tag.DONE)
         self.done.add(int(self._small.header[H.SENDER]))
         self._close_sets()
         return self._finished()
 
     def _recv_heartbeat(self, src: int, status) -> bool:
-        self.comm.Recv(self._small.buf, source=src, tag=Tag.HEARTBEAT)
+        self.net.take(self._small.buf, src, Tag.HEARTBEAT)
         if src in self.shard_of:
             self.peers.heard(self.shard_of[src])
         else:
@@ -318,7 +318,7 @@ class ReplicatedServer:
         return False
 
     def _recv_new_primary(self, src: int, status) -> bool:
-        self.comm.Recv(self._small.buf, source=src, tag=Tag.NEW_PRIMARY)
+        self.net.take(self._small.buf, src, Tag.NEW_PRIMARY)
         hd = self._small.header
         a, h, d = int(hd[H.SENDER]), int(hd[H.SET]), int(hd[H.PEER])
         if a in self.dead:
@@ -353,7 +353,7 @@ class ReplicatedServer:
         return False
 
     def _recv_final_done(self, src: int, status) -> bool:
-        self.comm.Recv(self._small.buf, source=src, tag=Tag.FINAL_DONE)
+        self.net.take(self._small.buf, src, Tag.FINAL_DONE)
         self.ended = True  # sends still pending (a set sent twice, a checkpoint) are dropped
         return True
 
