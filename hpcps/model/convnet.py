@@ -22,11 +22,11 @@ elsewhere without a transpose. An fc layer's W is ``(fan_in, fan_out)`` as in th
 input the flattened maps in C, H, W order (PyTorch's ``flatten``; ``nn.Linear.weight`` is
 W transposed).
 
-The computation works on NHWC arrays (maps last) so that a convolution is one GEMM: the input
-windows are copied into a matrix of (B*Ho*Wo) rows of KH*KW*C values (im2col) and multiplied by
-the kernels seen as a (KH*KW*C, N) matrix. The backward pass is two GEMMs and a scatter-add of
-the window gradients back onto the input (col2im). Everything follows the dtype of the
-parameter vector (float32 in training, float64 for the finite-difference tests).
+The computation works on NHWC arrays (maps last) so that a convolution is one GEMM; the layers'
+arithmetic (im2col, pooling, dropout masks, each layer kind's forward and backward) is
+:mod:`hpcps.model.layers`, shared by :class:`ConvNet` and :class:`PartitionedConvNet`.
+Everything follows the dtype of the parameter vector (float32 in training, float64 for the
+finite-difference tests).
 """
 from __future__ import annotations
 
@@ -34,145 +34,14 @@ import itertools
 from dataclasses import dataclass
 
 import numpy as np
-from numpy.lib.stride_tricks import as_strided
 
 from hpcps.errors import ConfigError
 from hpcps.options import DROPOUT
-from hpcps.model.mlp import ACTIVATIONS, MLP, _act, _act_grad_inplace, flatten_named, local_views
+from hpcps.model.layers import (  # noqa: F401 (im2col, col2im, drop_threshold: this module's API)
+    col2im, conv_backward, conv_forward, drop_threshold, dropout_key, dropout_scale, fc_backward,
+    fc_forward, flatten_maps, im2col, maxpool, maxpool_back)
+from hpcps.model.mlp import ACTIVATIONS, MLP, flatten_named, local_views
 from hpcps.model.spec import LayerSpec, is_conv_spec, parse_spec, resolve  # noqa: F401
-
-# -- the layers' arithmetic on NHWC arrays ------------------------------------------------------
-def _windows(a: np.ndarray, kh: int, kw: int, stride: int, ho: int, wo: int) -> np.ndarray:
-    """A strided view (B, Ho, Wo, KH, KW, C) of the windows of a C-contiguous NHWC array."""
-    sb, sh, sw, sc = a.strides
-    return as_strided(a, (a.shape[0], ho, wo, kh, kw, a.shape[3]),
-                      (sb, stride * sh, stride * sw, sh, sw, sc), writeable=False)
-
-
-def im2col(a: np.ndarray, kh: int, kw: int, stride: int, pad: int, ho: int, wo: int):
-    """(B*Ho*Wo, KH*KW*C) matrix of the (zero-padded) input windows, a copy."""
-    if pad:
-        a = np.pad(a, ((0, 0), (pad, pad), (pad, pad), (0, 0)))
-    a = np.ascontiguousarray(a)
-    w = _windows(a, kh, kw, stride, ho, wo)
-    return w.reshape(a.shape[0] * ho * wo, kh * kw * a.shape[3])
-
-
-def col2im(dcols: np.ndarray, in_shape, kh: int, kw: int, stride: int, pad: int,
-           ho: int, wo: int) -> np.ndarray:
-    """The input gradient (B, H, W, C): each window's gradient added back where it came from."""
-    B, H, W, C = in_shape
-    dx = np.zeros((B, H + 2 * pad, W + 2 * pad, C), dtype=dcols.dtype)
-    d6 = dcols.reshape(B, ho, wo, kh, kw, C)
-    if ho * wo <= 4 * kh * kw:
-        # few output positions: one add of a (B, KH, KW, C) block per position, whose rows of
-        # KW*C values are contiguous (10x faster than the loop below for conv2 of adam-mnist)
-        for i in range(ho):
-            for j in range(wo):
-                dx[:, i * stride:i * stride + kh, j * stride:j * stride + kw, :] += d6[:, i, j]
-    else:
-        he, we = stride * (ho - 1) + 1, stride * (wo - 1) + 1
-        for i in range(kh):
-            for j in range(kw):
-                dx[:, i:i + he:stride, j:j + we:stride, :] += d6[:, :, :, i, j, :]
-    return dx[:, pad:pad + H, pad:pad + W, :] if pad else dx
-
-
-def _act_grad(name: str, a: np.ndarray, delta: np.ndarray) -> None:
-    """delta *= act'(z) through the output a = act(z); relu by a multiply with the mask a > 0
-    (several times faster than the boolean-index assignment of the MLP's version)."""
-    if name == "relu":
-        np.multiply(delta, a > 0, out=delta)
-    else:
-        _act_grad_inplace(name, a, delta)
-
-
-# -- dropout ------------------------------------------------------------------------------------
-# Which units a step drops is a pure function of (key, draw, layer, example row, unit): a
-# counter-based generator (SplitMix64's output function over a Weyl sequence), so the NumPy
-# reference, the compiled engine (ext/convnet.pyx, the same arithmetic in C) and every partition
-# of a model-parallel replica (each computing its own units' masks) drop the same units.
-_GOLDEN = 0x9E3779B97F4A7C15
-_MASK64 = (1 << 64) - 1
-DROP_BITS = 24  # a unit is dropped when the top 24 bits of its draw are below p * 2**24
-
-
-def _mix(z: np.ndarray) -> np.ndarray:
-    """SplitMix64's output function on a uint64 array (NumPy's uint64 array arithmetic wraps
-    mod 2**64)."""
-    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return z ^ (z >> np.uint64(31))
-
-
-def drop_threshold(p: float) -> int:
-    """The 24-bit threshold of dropout rate ``p``: units whose draw is below it are dropped."""
-    return int(round(float(p) * (1 << DROP_BITS)))
-
-
-def dropout_scale(p: float, key: int, draw: int, layer: int, rows: int, width: int,
-                  lo: int = 0, hi: int | None = None, dtype=np.float32) -> np.ndarray:
-    """(rows, hi - lo): 0 where unit j of example r is dropped, 1/(1-p) where it is kept
-    (inverted dropout: nothing changes at test time), for units lo..hi-1 of a layer of
-    ``width`` units. ``key`` names the stream (a replica and thread), ``draw`` the step in
-    it, ``layer`` the parameter layer whose outputs are dropped."""
-    hi = width if hi is None else hi
-    base = _mix(np.array([(key + _GOLDEN * (draw * 256 + layer + 1)) & _MASK64],
-                         dtype=np.uint64))[0]
-    idx = (np.arange(rows, dtype=np.uint64)[:, None] * np.uint64(width)
-           + np.arange(lo, hi, dtype=np.uint64)[None, :] + np.uint64(1))
-    u = _mix(base + idx * np.uint64(_GOLDEN)) >> np.uint64(64 - DROP_BITS)
-    keep = u >= np.uint64(drop_threshold(p))
-    return keep.astype(dtype) * np.asarray(1.0 / (1.0 - p), dtype=dtype)
-
-
-def dropout_key(seed: int, replica: int, start_step: int = 0, thread: int = 0) -> int:
-    """The key of a dropout stream: one per replica (its partitions share it, so they drop
-    the same units), Hogwild thread and run segment (a resumed run does not replay the masks
-    of the steps before it)."""
-    ss = np.random.SeedSequence([int(seed) & _MASK64, int(replica), int(start_step),
-                                 int(thread), 0xD0])
-    return int(ss.generate_state(1, np.uint64)[0])
-
-
-def _pool_slices(k: int, stride: int, ho: int, wo: int):
-    """For each window position (i, j), row-major: the strided slices of the input that hold
-    it for every output."""
-    he, we = stride * (ho - 1) + 1, stride * (wo - 1) + 1
-    return [(slice(None), slice(i, i + he, stride), slice(j, j + we, stride), slice(None))
-            for i in range(k) for j in range(k)]
-
-
-def maxpool(a: np.ndarray, k: int, stride: int, ho: int, wo: int) -> np.ndarray:
-    """Max-pooling of an NHWC array: (B, Ho, Wo, C), the maximum of k*k strided slices (no
-    window copy, no argmax: 20x faster than both on adam-mnist's first pool)."""
-    sl = _pool_slices(k, stride, ho, wo)
-    out = a[sl[0]].copy()
-    for s in sl[1:]:
-        np.maximum(out, a[s], out=out)
-    return out
-
-
-def maxpool_back(d: np.ndarray, a: np.ndarray, out: np.ndarray, k: int,
-                 stride: int) -> np.ndarray:
-    """Gradient of max-pooling: each output's gradient goes to the first position (row-major)
-    of its window that holds the maximum, as an argmax would choose."""
-    B, ho, wo, C = d.shape
-    dx = np.zeros(a.shape, dtype=d.dtype)
-    taken = np.zeros(out.shape, dtype=bool)
-    hit = np.empty(out.shape, dtype=bool)
-    part = np.empty(d.shape, dtype=d.dtype)
-    for s in _pool_slices(k, stride, ho, wo):
-        np.equal(a[s], out, out=hit)
-        hit &= ~taken
-        taken |= hit
-        np.multiply(d, hit, out=part)
-        if stride >= k:   # windows do not overlap: each input position is written once
-            dx[s] = part
-        else:
-            dx[s] += part
-    return dx
-
 
 @dataclass(frozen=True)
 class Op:
@@ -366,15 +235,8 @@ class ConvNet(SoftmaxOutput):
             s = op.spec
             cache = None
             if s.kind == "conv":
-                _, ho, wo = op.out_shape
-                cols = im2col(a, s.kh, s.kw, s.stride, s.pad, ho, wo)
-                # kernels (O, C, KH, KW) -> (KH*KW*C, O), matching the column order of cols
-                wm = v[f"layer{op.param}/W"].transpose(2, 3, 1, 0).reshape(-1, s.out)
-                z = cols @ wm
-                z += v[f"layer{op.param}/b"]
-                _act(self.activation, z)
-                cache = (a.shape, cols, wm, z)
-                a = z.reshape(B, ho, wo, s.out)
+                a, cache = conv_forward(a, v[f"layer{op.param}/W"], v[f"layer{op.param}/b"], s,
+                                        op.out_shape, self.activation)
             elif s.kind == "pool":
                 _, ho, wo = op.out_shape
                 out = maxpool(a, s.kh, s.stride, ho, wo)
@@ -383,18 +245,15 @@ class ConvNet(SoftmaxOutput):
             elif s.kind == "flatten" or (s.kind == "fc" and a.ndim == 4):
                 if keep:
                     caches.append((op, "flat", a.shape))
-                a = np.ascontiguousarray(a.transpose(0, 3, 1, 2)).reshape(B, -1)
+                a = flatten_maps(a)
             if s.kind == "fc":
-                z = a @ v[f"layer{op.param}/W"]
-                z += v[f"layer{op.param}/b"]
+                W = v[f"layer{op.param}/W"]
                 m = None
-                if not op.last:
-                    _act(self.activation, z)
-                    if draw is not None and self.dropout:
-                        m = dropout_scale(self.dropout, self.dropout_key, draw, op.param, B,
-                                          s.out, dtype=z.dtype)
-                cache = (a, z, m)
-                a = z if m is None else z * m
+                if draw is not None and self.dropout and not op.last:
+                    m = dropout_scale(self.dropout, self.dropout_key, draw, op.param, B, s.out,
+                                      dtype=np.result_type(a, W))
+                a, cache = fc_forward(a, W, v[f"layer{op.param}/b"], self.activation, op.last,
+                                      m)
             if keep and cache is not None:
                 caches.append((op, s.kind, cache))
         return a, caches
@@ -426,17 +285,12 @@ class ConvNet(SoftmaxOutput):
         for op, kind, cache in reversed(caches):
             first = op is self.ops[0]   # no gradient needed at the input of the first layer
             if kind == "fc":
-                a, z, m = cache
-                if m is not None:
-                    delta *= m
-                if not op.last:
-                    _act_grad(self.activation, z, delta)
+                out_err, below = fc_backward(cache, delta, self.activation, op.last,
+                                             g[f"layer{op.param}/W"], g[f"layer{op.param}/b"],
+                                             None if first else w[f"layer{op.param}/W"])
                 if parts is not None:
-                    parts[op.param] = (a.copy(), delta.copy())
-                np.matmul(a.T, delta, out=g[f"layer{op.param}/W"])
-                np.sum(delta, axis=0, out=g[f"layer{op.param}/b"])
-                if not first:
-                    delta = delta @ w[f"layer{op.param}/W"].T
+                    parts[op.param] = (cache[0].copy(), out_err.copy())
+                delta = out_err if first else below
             elif kind == "flat":
                 if first:   # the first layer's own flatten: no error below it to compute
                     break
@@ -446,17 +300,11 @@ class ConvNet(SoftmaxOutput):
                 a_in, out = cache
                 delta = maxpool_back(delta, a_in, out, op.spec.kh, op.spec.stride)
             else:  # conv
-                in_shape, cols, wm, z = cache
-                s = op.spec
-                _, ho, wo = op.out_shape
-                dz = np.ascontiguousarray(delta).reshape(-1, s.out)
-                _act_grad(self.activation, z, dz)
-                gw = cols.T @ dz                          # (KH*KW*C, O)
-                g[f"layer{op.param}/W"][...] = gw.reshape(s.kh, s.kw, in_shape[3],
-                                                          s.out).transpose(3, 2, 0, 1)
-                np.sum(dz, axis=0, out=g[f"layer{op.param}/b"])
+                below = conv_backward(cache, delta, op.spec, op.out_shape, self.activation,
+                                      g[f"layer{op.param}/W"], g[f"layer{op.param}/b"],
+                                      not first)
                 if not first:
-                    delta = col2im(dz @ wm.T, in_shape, s.kh, s.kw, s.stride, s.pad, ho, wo)
+                    delta = below
         return loss, grad
 
     def loss_grad_and_parts(self, flat: np.ndarray, x: np.ndarray, y: np.ndarray,
@@ -717,29 +565,21 @@ class PartitionedConvNet(SoftmaxOutput):
                 if keep:
                     caches.append((op, "gather", shape))
             if s.kind == "conv":
-                _, ho, wo = op.out_shape
-                cols = im2col(a, s.kh, s.kw, s.stride, s.pad, ho, wo)
-                wm = v[f"layer{l}/W"].transpose(2, 3, 1, 0).reshape(-1, hi - lo)
-                z = cols @ wm
-                z += v[f"layer{l}/b"]
-                _act(self.activation, z)
+                a, cache = conv_forward(a, v[f"layer{l}/W"], v[f"layer{l}/b"], s, op.out_shape,
+                                        self.activation)
                 if keep:
-                    caches.append((op, "conv", (a.shape, cols, wm, z)))
-                a = z.reshape(B, ho, wo, hi - lo)
+                    caches.append((op, "conv", cache))
             else:  # fc: its input is whole here
                 if a.ndim == 4:
-                    a = np.ascontiguousarray(a.transpose(0, 3, 1, 2)).reshape(B, -1)
-                z = a @ v[f"layer{l}/W"]
-                z += v[f"layer{l}/b"]
+                    a = flatten_maps(a)
+                W = v[f"layer{l}/W"]
                 m = None
-                if not op.last:
-                    _act(self.activation, z)
-                    if draw is not None and self.dropout:
-                        m = dropout_scale(self.dropout, self.full.dropout_key, draw, l, B,
-                                          s.out, lo, hi, dtype=z.dtype)
+                if draw is not None and self.dropout and not op.last:
+                    m = dropout_scale(self.dropout, self.full.dropout_key, draw, l, B, s.out, lo,
+                                      hi, dtype=np.result_type(a, W))
+                a, cache = fc_forward(a, W, v[f"layer{l}/b"], self.activation, op.last, m)
                 if keep:
-                    caches.append((op, "fc", (a, z, m)))
-                a = z if m is None else z * m
+                    caches.append((op, "fc", cache))
             local = True
         logits = self.exchange.gather(np.ascontiguousarray(a.T), self.widths[-1]).T
         return logits, caches
@@ -786,26 +626,11 @@ class PartitionedConvNet(SoftmaxOutput):
             l -= 1
             first = l == 0
             if kind == "fc":
-                a, z, m = cache
-                if m is not None:
-                    delta *= m
-                if not op.last:
-                    _act_grad(self.activation, z, delta)
-                np.matmul(a.T, delta, out=g[f"layer{l}/W"])
-                np.sum(delta, axis=0, out=g[f"layer{l}/b"])
-                if not first:
-                    delta = delta @ w[f"layer{l}/W"].T  # (B, whole input)
+                _, below = fc_backward(cache, delta, self.activation, op.last, g[f"layer{l}/W"],
+                                       g[f"layer{l}/b"], None if first else w[f"layer{l}/W"])
             else:  # conv
-                in_shape, cols, wm, z = cache
-                s = op.spec
-                _, ho, wo = op.out_shape
-                n = wm.shape[1]
-                dz = np.ascontiguousarray(delta).reshape(-1, n)
-                _act_grad(self.activation, z, dz)
-                gw = cols.T @ dz
-                g[f"layer{l}/W"][...] = gw.reshape(s.kh, s.kw, in_shape[3], n).transpose(
-                    3, 2, 0, 1)
-                np.sum(dz, axis=0, out=g[f"layer{l}/b"])
-                if not first:
-                    delta = col2im(dz @ wm.T, in_shape, s.kh, s.kw, s.stride, s.pad, ho, wo)
+                below = conv_backward(cache, delta, op.spec, op.out_shape, self.activation,
+                                      g[f"layer{l}/W"], g[f"layer{l}/b"], not first)
+            if not first:
+                delta = below  # fc: (B, whole input); conv: this partition's share, NHWC
         return loss, grad

@@ -31,6 +31,16 @@ def _act(name: str, z: np.ndarray) -> np.ndarray:
     return z
 
 
+def dense(a: np.ndarray, W: np.ndarray, b: np.ndarray, activation: str | None) -> np.ndarray:
+    """A fully connected layer's ``a @ W + b``, activated in place (``activation`` None: the
+    output layer, whose outputs are the logits)."""
+    z = a @ W
+    z += b
+    if activation is not None:
+        _act(activation, z)
+    return z
+
+
 def _act_grad_inplace(name: str, a: np.ndarray, delta: np.ndarray) -> None:
     """delta *= act'(z), expressed through the activation's output a = act(z)."""
     if name == "relu":
@@ -108,11 +118,8 @@ class MLP:
         """Activations of every layer, input first; the last entry holds the logits."""
         acts = [x]
         for i, (W, b) in enumerate(self.layers(flat)):
-            z = acts[-1] @ W
-            z += b
-            if i < self.n_layers - 1:
-                _act(self.activation, z)
-            acts.append(z)
+            acts.append(dense(acts[-1], W, b,
+                              self.activation if i < self.n_layers - 1 else None))
         return acts
 
     @staticmethod
@@ -381,10 +388,7 @@ class PartitionedMLP:
         full, own = [x], []
         a = x
         for l, (W, b) in enumerate(self.layers(flat)):
-            z = a @ W
-            z += b
-            if l < self.n_layers - 1:
-                _act(self.activation, z)
+            z = dense(a, W, b, self.activation if l < self.n_layers - 1 else None)
             own.append(z)
             whole_t = self.exchange.gather(np.ascontiguousarray(z.T), self.widths[l])
             a = whole_t.T

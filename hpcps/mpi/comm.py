@@ -6,6 +6,11 @@ between polls (ranks are often oversubscribed, and a rank spinning in MPI steals
 rank it waits for needs), and after ``timeout`` seconds raises :class:`PeerTimeout` naming
 what, and which rank, it waited for. Collectives here are the non-blocking ones, waited on
 that way, so a missing rank ends the job with a message instead of a hang.
+
+Point-to-point traffic of the parameter server goes through :class:`Transport`: one method per
+kind of transfer (a probed message taken, a receive posted, an eager send, a tracked send, a
+transfer given up at a deadline), so a shard or a client reads as messages, and every wait on
+a peer that may be dead is bounded here, by :func:`finished_by` or :func:`wait_until`.
 """
 from __future__ import annotations
 
@@ -59,6 +64,120 @@ def wait_all(reqs, timeout: float, what: str) -> None:
         poll.pause()
     if tr is not None:
         tr.span(trace.WAIT, what, t0)
+
+
+def wait_until(ready, timeout: float, what, events=None, since: float | None = None) -> None:
+    """Poll ``ready()`` until it is true; raise PeerTimeout ``timeout`` seconds after
+    ``since`` (``time.monotonic``; default now).
+
+    ``what()`` names the peer and the message waited for (called only on a timeout).
+    ``events()``, if given, is called between polls to take other messages; when it returns
+    True (progress: a peer was replaced) the timeout starts again.
+    """
+    deadline = (time.monotonic() if since is None else since) + timeout
+    poll = Poller()
+    while not ready():
+        if events is not None and events():
+            deadline = time.monotonic() + timeout
+            continue
+        if time.monotonic() > deadline:
+            raise PeerTimeout(f"waited {timeout:.0f} s for {what()} (raise --timeout if it is "
+                              "only slow)")
+        poll.pause()
+
+
+def finished_by(req, deadline: float) -> bool:
+    """Wait for ``req`` until ``deadline`` (``time.monotonic``); False if it did not finish
+    or failed.
+
+    MPICH reports some transfers from a dead rank as errors (a large message copied straight
+    from the sender's memory: ``process_vm_readv`` fails), and leaves others pending forever.
+    Either way the transfer is given up: a request left pending must not have its buffer
+    used again (the caller replaces it), since MPI may still write into or read from it."""
+    poll = Poller()
+    try:
+        while not req.Test():
+            if time.monotonic() > deadline:
+                return False
+            poll.pause()
+    except MPI.Exception:
+        return False
+    return True
+
+
+def test(req) -> bool | None:
+    """Whether a request has completed (a null request has): True, False while pending, None
+    if it failed (MPICH fails some transfers with a dead rank)."""
+    if req == MPI.REQUEST_NULL:
+        return True
+    try:
+        return bool(req.Test())
+    except MPI.Exception:
+        return None
+
+
+def done(req) -> bool:
+    """Whether a request has completed (a null request has); a failure counts as not."""
+    return test(req) is True
+
+
+class Transport:
+    """Point-to-point messages over one communicator, named by what they do.
+
+    Buffers are the caller's (preallocated :class:`~hpcps.mpi.protocol.Message` views); this
+    class owns no state but the communicator, so a shard and its helpers may share one.
+    """
+
+    def __init__(self, comm):
+        self.comm = comm
+
+    def probe(self, status, tag: int = MPI.ANY_TAG, source: int = MPI.ANY_SOURCE) -> bool:
+        """Whether a message with ``tag`` from ``source`` is waiting (``status`` describes it)."""
+        return self.comm.Iprobe(source, tag, status)
+
+    def take(self, buf, src: int, tag: int) -> None:
+        """Receive a message already probed: it has arrived whole in MPI's eager buffer or is
+        being sent, so this blocking receive waits on no decision of the peer."""
+        self.comm.Recv(buf, source=src, tag=tag)
+
+    def take_by(self, buf, src: int, tag: int, deadline: float) -> bool:
+        """Receive a probed message unless its sender dies half-way: False once ``deadline``
+        passes (then ``buf`` may still be written to: the caller replaces it)."""
+        return finished_by(self.comm.Irecv(buf, source=src, tag=tag), deadline)
+
+    def post_recv(self, buf, src: int, tag: int):
+        """Post a receive for a message asked for; returns the request to wait on."""
+        return self.comm.Irecv(buf, source=src, tag=tag)
+
+    def cancel(self, req, deadline: float) -> bool:
+        """Cancel a posted receive; False if MPI has not let it go by ``deadline`` (then its
+        buffer may still be written to: the caller replaces it)."""
+        req.Cancel()
+        return finished_by(req, deadline)
+
+    def send_eager(self, buf, dest: int, tag: int) -> None:
+        """Send a header-only message (it goes eagerly: this never waits for ``dest``, even a
+        dead one), or a reply to a peer that posted its receive before asking."""
+        self.comm.Send(buf, dest=dest, tag=tag)
+
+    def send_nowait(self, buf, dest: int, tag: int):
+        """Start a send; returns the request. ``buf`` must stay untouched until it completes."""
+        return self.comm.Isend(buf, dest=dest, tag=tag)
+
+    def send_by(self, buf, dest: int, tag: int, deadline: float) -> bool:
+        """Send, giving up at ``deadline`` (``dest`` died): False then, and ``buf`` must not be
+        reused."""
+        return finished_by(self.comm.Isend(buf, dest=dest, tag=tag), deadline)
+
+
+def allreduce(comm, buf, op, timeout: float, what: str) -> None:
+    """``buf`` reduced in place over ``comm`` with ``op``; fails after ``timeout`` seconds."""
+    wait_all([comm.Iallreduce(MPI.IN_PLACE, buf, op=op)], timeout, what)
+
+
+def bcast(comm, buf, root: int, timeout: float, what: str) -> None:
+    """``buf`` from ``root`` to every rank of ``comm``; fails after ``timeout`` seconds."""
+    wait_all([comm.Ibcast(buf, root=root)], timeout, what)
 
 
 def barrier(comm, timeout: float, what: str) -> None:

@@ -11,7 +11,7 @@ from mpi4py import MPI
 
 from hpcps import trace
 from hpcps.ps.chunks import ChunkPlan
-from hpcps.mpi.comm import wait_all
+from hpcps.mpi.comm import Transport, wait_all
 from hpcps.mpi.protocol import ByteMessage, H, Message, Tag
 
 
@@ -53,6 +53,7 @@ class Client:
     def __init__(self, comm, server_ranks, ranges, replica: int, timeout: float,
                  packed_bytes: list[int] | None = None):
         self.comm = comm
+        self.net = Transport(comm)
         self.server_ranks = list(server_ranks)
         self.plan = ranges if isinstance(ranges, ChunkPlan) else ChunkPlan.contiguous(ranges)
         self.ranges = self.plan.ranges  # each shard's elements, in shard order
@@ -79,9 +80,9 @@ class Client:
         t0 = tr.now() if tr is not None else 0
         reqs = []
         for s, dest in enumerate(self.server_ranks):
-            reqs.append(self.comm.Irecv(self._params[s].buf, source=dest, tag=Tag.PARAMS))
-        for dest in self.server_ranks:
-            self.comm.Send(self._ask.buf, dest=dest, tag=Tag.FETCH)
+            reqs.append(self.net.post_recv(self._params[s].buf, dest, Tag.PARAMS))
+        for dest in self.server_ranks:  # header only, to a rank that posted its receive first
+            self.net.send_eager(self._ask.buf, dest, Tag.FETCH)
         wait_all(reqs, self.timeout, f"parameters from server ranks {self.server_ranks}")
         for s in range(len(self.server_ranks)):
             msg = self._params[s]
@@ -123,8 +124,8 @@ class Client:
             msg.header[H.STEPS] = steps
             msg.header[H.LOSS_SUM] = loss_sum
             self.plan.take(s, grad, out=msg.payload)
-            self._push_req[s][slot] = self.comm.Isend(msg.buf, dest=self.server_ranks[s],
-                                                      tag=Tag.PUSH)
+            self._push_req[s][slot] = self.net.send_nowait(msg.buf, self.server_ranks[s],
+                                                           Tag.PUSH)
             self.bytes_sent += msg.buf.nbytes
         if tr is not None:
             tr.message("push gradient", sum(m[slot].buf.nbytes for m in self._push), t0,
@@ -142,7 +143,7 @@ class Client:
         for s, body in enumerate(bodies):
             data = fill_packed(self._slot_for(s, slot), body, steps, loss_sum, rows,
                                f"shard {s}")
-            self._push_req[s][slot] = self.comm.Isend(data, dest=self.server_ranks[s], tag=tag)
+            self._push_req[s][slot] = self.net.send_nowait(data, self.server_ranks[s], tag)
             self.bytes_sent += data.nbytes
             sent += data.nbytes
         if tr is not None:
@@ -154,4 +155,4 @@ class Client:
         pending = [r for pair in self._push_req for r in pair if r != MPI.REQUEST_NULL]
         wait_all(pending, self.timeout, f"server ranks {self.server_ranks} to take the last pushes")
         for dest in self.server_ranks:
-            self.comm.Send(self._ask.buf, dest=dest, tag=Tag.DONE)
+            self.net.send_eager(self._ask.buf, dest, Tag.DONE)

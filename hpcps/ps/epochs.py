@@ -39,7 +39,7 @@ import numpy as np
 from mpi4py import MPI
 
 from hpcps.blocks import block_range
-from hpcps.mpi.comm import PeerTimeout, Poller, wait_all
+from hpcps.mpi.comm import Transport, allreduce, done, wait_all, wait_until
 from hpcps.mpi.protocol import H, Message, Tag
 
 LAST = -1  # EPOCH_END's epoch in the keeper's answer to DONE: nothing follows
@@ -145,6 +145,7 @@ class EpochKeeper:
     def __init__(self, comm, plan: list[tuple[int, list[int]]], quorum: float,
                  ranks: list[list[int]]):
         self.comm = comm
+        self.net = Transport(comm)
         self.plan = plan
         self.count = EpochCount([s for _, s in plan], quorum)
         self.ranks = ranks
@@ -156,7 +157,7 @@ class EpochKeeper:
 
     def on_epoch_done(self, src: int, status) -> bool:
         """Handler for EPOCH_DONE (hpcps.ps.serve)."""
-        self.comm.Recv(self._small.buf, source=src, tag=Tag.EPOCH_DONE)
+        self.net.take(self._small.buf, src, Tag.EPOCH_DONE)
         h = self._small.header
         self._announce(self.count.done(int(h[H.SENDER]), int(h[H.STEPS])))
         return False
@@ -184,9 +185,9 @@ class EpochKeeper:
         for rank in self.ranks[replica]:
             msg = Message(0)
             msg.header[H.STEPS] = epoch
-            self.sends.append((replica, self.comm.Isend(msg.buf, dest=rank,
-                                                        tag=Tag.EPOCH_END), msg))
-        self.sends = [s for s in self.sends if not s[1].Test()]
+            self.sends.append((replica, self.net.send_nowait(msg.buf, rank, Tag.EPOCH_END),
+                               msg))
+        self.sends = [s for s in self.sends if not done(s[1])]
 
     def close(self, timeout: float) -> None:
         """Complete the sends to replicas not lost (a lost one's may never complete)."""
@@ -212,6 +213,7 @@ class EpochClock:
     def __init__(self, comm, keeper: int, shares: list[int], replica: int, timeout: float,
                  announce: bool = True, agree=None):
         self.comm = comm
+        self.net = Transport(comm)
         self.keeper = keeper
         self.shares = shares
         self.timeout = timeout
@@ -239,7 +241,7 @@ class EpochClock:
             self.pos += 1
 
     def _post(self):
-        return self.comm.Irecv(self._msg.buf, source=self.keeper, tag=Tag.EPOCH_END)
+        return self.net.post_recv(self._msg.buf, self.keeper, Tag.EPOCH_END)
 
     def _take(self) -> None:
         """The message just received: an epoch's end, or LAST."""
@@ -251,18 +253,13 @@ class EpochClock:
         self._req = self._post()
 
     def _poll(self) -> None:
-        while not self.closed and self._req.Test():
+        while not self.closed and done(self._req):
             self._take()
 
     def _wait_one(self, what: str) -> None:
-        deadline = time.monotonic() + self.timeout
-        poll = Poller()
-        while not self._req.Test():
-            if time.monotonic() > deadline:
-                raise PeerTimeout(f"waited {self.timeout:.0f} s for server shard 0 (rank "
-                                  f"{self.keeper}) to {what}; it, or the replicas it counts, "
-                                  "are stuck or dead (raise --timeout if they are only slow)")
-            poll.pause()
+        wait_until(lambda: done(self._req), self.timeout,
+                   lambda: f"server shard 0 (rank {self.keeper}) to {what}; it, or the "
+                   "replicas it counts, are stuck or dead")
         self._take()
 
     def advance(self, ran: int) -> bool:
@@ -272,8 +269,8 @@ class EpochClock:
         self._poll()
         if self.agree is not None:
             out = np.array([self.ended], dtype=np.int64)
-            wait_all([self.agree.Iallreduce(MPI.IN_PLACE, out, op=MPI.MAX)], self.timeout,
-                     "the other partitions of this replica to agree on the end of an epoch")
+            allreduce(self.agree, out, MPI.MAX, self.timeout,
+                      "the other partitions of this replica to agree on the end of an epoch")
             self.ended = int(out[0])
         while not self.over:
             share = self.shares[self.pos]
@@ -282,7 +279,7 @@ class EpochClock:
             if self.pos > self.ended:  # share done: tell the keeper, wait
                 if self.announce:
                     self._tell.header[H.STEPS] = self.pos
-                    self.comm.Send(self._tell.buf, dest=self.keeper, tag=Tag.EPOCH_DONE)
+                    self.net.send_eager(self._tell.buf, self.keeper, Tag.EPOCH_DONE)
                 t = time.perf_counter()
                 while self.ended < self.pos:
                     self._wait_one(f"end epoch {self.pos}")

@@ -41,10 +41,10 @@ import numpy as np
 from mpi4py import MPI
 
 from hpcps import trace
-from hpcps.mpi.comm import PeerTimeout
+from hpcps.mpi.comm import PeerTimeout, Transport
 from hpcps.errors import NonFiniteError
 from hpcps.mpi.protocol import HEADER_BYTES, ByteMessage, H, Message, Tag
-from hpcps.ps.liveness import Liveness, finished_by
+from hpcps.ps.liveness import Liveness
 from hpcps.ps.serve import serve
 
 
@@ -138,6 +138,7 @@ class GradientShard:
                  replica_of: dict[int, int] | None = None, fatal=(), epochs=None,
                  persist=None):
         self.comm = comm
+        self.net = Transport(comm)
         self.params = params
         self.state = state
         self.apply = apply
@@ -204,10 +205,9 @@ class GradientShard:
         """Receive a message whose arrival was probed; False if its sender died half-way
         (then ``buf`` may still be written to: the caller replaces it)."""
         if self.liveness is None:
-            self.comm.Recv(buf, source=src, tag=tag)
+            self.net.take(buf, src, tag)
             return True
-        req = self.comm.Irecv(buf, source=src, tag=tag)
-        if finished_by(req, time.monotonic() + self.liveness.timeout):
+        if self.net.take_by(buf, src, tag, time.monotonic() + self.liveness.timeout):
             return True
         self.lose(self.replica_of.get(src, -1), f"its message (tag {int(tag)}) broke off")
         return False
@@ -261,7 +261,7 @@ class GradientShard:
         return False
 
     def _recv_heartbeat(self, src: int, status) -> bool:
-        self.comm.Recv(self._small.buf, source=src, tag=Tag.HEARTBEAT)
+        self.net.take(self._small.buf, src, Tag.HEARTBEAT)
         self.liveness.heard(int(self._small.header[H.SENDER]))
         return False
 
@@ -297,7 +297,7 @@ class GradientShard:
         self.policy.on_done(self, replica)  # the caller answers the fetches this released
 
     def _recv_fetch(self, src: int, status) -> bool:
-        self.comm.Recv(self._small.buf, source=src, tag=Tag.FETCH)
+        self.net.take(self._small.buf, src, Tag.FETCH)
         sender = int(self._small.header[H.SENDER])
         if self.policy.may_answer(self, sender):
             self.answer_fetch(src, sender)
@@ -307,7 +307,7 @@ class GradientShard:
         return False
 
     def _recv_done(self, src: int, status) -> bool:
-        self.comm.Recv(self._small.buf, source=src, tag=Tag.DONE)
+        self.net.take(self._small.buf, src, Tag.DONE)
         sender = int(self._small.header[H.SENDER])
         if self.epochs is not None:  # answered, even if it was (wrongly) taken for lost
             self.epochs.on_done(sender)
@@ -428,10 +428,10 @@ class GradientShard:
         self.policy.on_answer(self, sender, h)
         # The replica posted its receive before asking, so this send cannot deadlock.
         if self.liveness is None:
-            self.comm.Send(r.buf, dest=src, tag=Tag.PARAMS)
+            self.net.send_eager(r.buf, src, Tag.PARAMS)
         else:  # ... unless it died since it asked
-            req = self.comm.Isend(r.buf, dest=src, tag=Tag.PARAMS)
-            if not finished_by(req, time.monotonic() + self.liveness.timeout):
+            if not self.net.send_by(r.buf, src, Tag.PARAMS,
+                                    time.monotonic() + self.liveness.timeout):
                 self._reply = Message(len(self.params))
                 self.lose(sender, "it died waiting for parameters")
                 return

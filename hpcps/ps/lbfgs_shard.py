@@ -23,8 +23,8 @@ from typing import Callable
 
 import numpy as np
 
+from hpcps.mpi.comm import Transport
 from hpcps.mpi.protocol import H, Message, Op, Tag
-from hpcps.ps.liveness import finished_by
 from hpcps.ps.serve import serve
 
 CMD_SLOTS = 6  # op, a, b, alpha, step, spare (float64)
@@ -51,6 +51,7 @@ class VectorShard:
                  on_gather: Callable[[int, int], None], tick: Callable[[], None] | None = None,
                  may_lose: float | None = None):
         self.comm = comm
+        self.net = Transport(comm)
         self.n = n
         self.vec = np.zeros((n_vectors, n), dtype=np.float32)
         self.coordinator = coordinator
@@ -79,17 +80,16 @@ class VectorShard:
               self.tick)
 
     def _recv_command(self, src: int, status) -> bool:
-        self.comm.Recv(self._cmd, source=src, tag=Tag.SB_CMD)
+        self.net.take(self._cmd, src, Tag.SB_CMD)
         return self._command(self._cmd)
 
     def _recv_fetch(self, src: int, status) -> bool:
-        self.comm.Recv(self._ask.buf, source=src, tag=Tag.FETCH)
+        self.net.take(self._ask.buf, src, Tag.FETCH)
         r = self._params
         r.payload[:] = self.vec[int(self._ask.header[H.VECTOR])]
         if self.may_lose is None:
-            self.comm.Send(r.buf, dest=src, tag=Tag.PARAMS)
-        elif not finished_by(self.comm.Isend(r.buf, dest=src, tag=Tag.PARAMS),
-                             time.monotonic() + self.may_lose):
+            self.net.send_eager(r.buf, src, Tag.PARAMS)  # the replica posted its receive
+        elif not self.net.send_by(r.buf, src, Tag.PARAMS, time.monotonic() + self.may_lose):
             self._params = Message(self.n)  # MPI may still read the old buffer
             self._drop(src)
         return False
@@ -103,16 +103,16 @@ class VectorShard:
     def _recv_push(self, src: int, status) -> bool:
         """Gradients of accepted portions wait in the replica's pending buffer until COMMIT."""
         if self.may_lose is None:
-            self.comm.Recv(self._push.buf, source=src, tag=Tag.SB_PUSH)
-        elif not finished_by(self.comm.Irecv(self._push.buf, source=src, tag=Tag.SB_PUSH),
-                             time.monotonic() + self.may_lose):
+            self.net.take(self._push.buf, src, Tag.SB_PUSH)
+        elif not self.net.take_by(self._push.buf, src, Tag.SB_PUSH,
+                                  time.monotonic() + self.may_lose):
             self._push = Message(self.n)  # MPI may still write the old buffer
             self._drop(src)
             return False
         if src not in self.banned:
             buf = self.pending.setdefault(src, np.zeros(self.n, dtype=np.float32))
             buf += self._push.payload
-        self.comm.Send(self._ack.buf, dest=src, tag=Tag.SB_PUSH_ACK)
+        self.net.send_eager(self._ack.buf, src, Tag.SB_PUSH_ACK)
         return False
 
     def _recv_state(self, src: int, status) -> bool:
@@ -152,5 +152,5 @@ class VectorShard:
         else:
             raise RuntimeError(f"unknown sandblaster operation {op}")
         self._reply[0] = value
-        self.comm.Send(self._reply, dest=self.coordinator, tag=Tag.SB_REPLY)
+        self.net.send_eager(self._reply, self.coordinator, Tag.SB_REPLY)
         return op == Op.FINISH

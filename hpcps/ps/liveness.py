@@ -11,17 +11,15 @@ seconds. The thread needs ``MPI_THREAD_MULTIPLE``; hpcps refuses ``--heartbeat-t
 without it.
 
 A replica can also die half-way through a message the shard is receiving, or right after
-asking for parameters the shard is sending back; :func:`finished_by` waits for such a
-transfer only until a deadline, so that the shard drops the replica instead of hanging.
+asking for parameters the shard is sending back; :func:`hpcps.mpi.comm.finished_by` waits for
+such a transfer only until a deadline, so that the shard drops the replica instead of hanging.
 """
 from __future__ import annotations
 
 import threading
 import time
 
-from mpi4py import MPI
-
-from hpcps.mpi.comm import Poller
+from hpcps.mpi.comm import Transport
 from hpcps.mpi.protocol import H, Message, Tag
 
 HEARTBEATS_PER_TIMEOUT = 5  # a replica is lost after missing this many heartbeats in a row
@@ -40,6 +38,7 @@ class HeartbeatThread:
 
     def __init__(self, comm, dests, replica: int, every: float):
         self.comm = comm
+        self.net = Transport(comm)
         self.dests = list(dests)
         self.every = every
         self.msg = Message(0)
@@ -57,7 +56,7 @@ class HeartbeatThread:
             for dest in self.dests:
                 # header-only messages go eagerly: this send never waits for the shard, even
                 # a dead one
-                self.comm.Send(self.msg.buf, dest=dest, tag=Tag.HEARTBEAT)
+                self.net.send_eager(self.msg.buf, dest, Tag.HEARTBEAT)
             self.sent += 1
             self._stop.wait(self.every)
 
@@ -95,21 +94,3 @@ class Liveness:
     def drop(self, replica: int) -> None:
         self.lost[replica] = round(self.clock() - self.last[replica], 3)
 
-
-def finished_by(req, deadline: float) -> bool:
-    """Wait for ``req`` until ``deadline`` (``time.monotonic``); False if it did not finish
-    or failed.
-
-    MPICH reports some transfers from a dead rank as errors (a large message copied straight
-    from the sender's memory: ``process_vm_readv`` fails), and leaves others pending forever.
-    Either way the transfer is given up: a request left pending must not have its buffer
-    used again (the caller replaces it), since MPI may still write into or read from it."""
-    poll = Poller()
-    try:
-        while not req.Test():
-            if time.monotonic() > deadline:
-                return False
-            poll.pause()
-    except MPI.Exception:
-        return False
-    return True

@@ -303,12 +303,11 @@ def start(ctx, shard: int, shards: list, params: np.ndarray, state: dict[str, np
     its file, and start the writer. ``shards``: ``(partition, offset of the partition's
     slice in the global vector, its ChunkPlan, the shard's index among the partition's
     shards)`` for every shard in order (:func:`hpcps.strategies.downpour.shard_locals`)."""
-    from hpcps.mpi.comm import barrier, wait_all
+    from hpcps.mpi.comm import barrier, bcast
 
     comm, timeout = ctx.grid.server_comm, ctx.cfg.timeout
     stamp = np.array([time.time_ns() // 1_000_000], dtype=np.int64)  # shard 0's, for all
-    wait_all([comm.Ibcast(stamp, root=0)], timeout, "server shard 0 to name the persistence "
-             "files")
+    bcast(comm, stamp, 0, timeout, "server shard 0 to name the persistence files")
     top = Path(ctx.run_dir) / "persist"
     generation = top / f"from-{step}-{int(stamp[0])}"
     generation.mkdir(parents=True, exist_ok=True)

@@ -21,7 +21,7 @@ from typing import Callable, Mapping
 from mpi4py import MPI
 
 from hpcps import trace
-from hpcps.mpi.comm import PeerTimeout, Poller
+from hpcps.mpi.comm import PeerTimeout, Poller, Transport
 from hpcps.mpi.protocol import Tag
 
 Handler = Callable[[int, MPI.Status], "bool | None"]
@@ -49,12 +49,13 @@ def serve(comm, handlers: Mapping[int, Handler], timeout: float,
     tick : called when idle and every ``TICK_EVERY`` messages (cheap: it must not wait);
         returning True ends the loop.
     """
+    net = Transport(comm)
     status = MPI.Status()
     poll = Poller()
     last = time.monotonic()
     handled = 0
     while True:
-        if not comm.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG, status):
+        if not net.probe(status):
             if tick is not None and tick():
                 return
             if time.monotonic() - last > timeout:

@@ -1,50 +1,6 @@
-"""Replicated server shards (``--ps-copies C``): every chunk on C shard ranks, a primary that
-applies and secondaries that follow, and a secondary that takes over when its primary dies
-(Project Adam, section 3.3).
-
-**Sets and holders.** The chunk plan (:mod:`hpcps.ps.chunks`) gives each of the S shards its
-*home set* of chunks. Set ``h`` is held by shards ``h, h+1, ..., h+C-1`` (mod S), in that
-order; the first of them alive is the set's *primary*, the others its *secondaries*. Every
-shard is the primary of its own home set while it lives and a secondary of the C-1 sets
-before it, so copies add the same load to every shard; when shard ``h`` dies, shard ``h+1``
-serves set ``h`` besides its own. The rule needs no vote: every rank that agrees on which
-shards are dead agrees on every primary (:func:`primary`).
-
-**A push and its commit.** A replica sends its gradient slice for set ``h`` to the set's
-primary with its push count ``SEQ`` (1, 2, ...). The primary applies it, forwards the message
-as received to each live secondary (``REPLICATE``), which applies the same update to its copy
-and answers ``REPL_ACK`` with its copy's version (updates applied). Every copy applies the same
-pushes in the same order (one channel per primary-secondary pair, and MPI does not reorder
-messages between two ranks), so the copies are equal. A push is **committed** once every live
-secondary has acknowledged a version at or past it; only then does the primary send
-``PUSH_ACK`` to the replica. A replica keeps each push until it is acknowledged, with at most
-two in flight per set.
-
-**Failover.** Every shard sends every other shard a heartbeat 5 times per
-``--heartbeat-timeout`` (from a thread of its own, as replicas do); a shard silent for the
-timeout is dead to the shard that noticed. The first live holder of each of its sets becomes
-the primary, tells every replica and shard (``NEW_PRIMARY``: the set, and which shard is dead)
-and sends its copy to the set's other live holders (``SET_STATE``), which replace theirs: a
-secondary may have applied a push the old primary forwarded to it alone, which is not
-committed. A replica that hears ``NEW_PRIMARY`` sends its waiting fetch and every push not
-yet acknowledged to the new primary. Copies remember each replica's last ``SEQ`` applied, so a
-push the new primary already holds is acknowledged without being applied again. So **no
-committed push is lost** (every live copy holds it), **none is applied twice**, and an
-uncommitted one is sent again: at the end, each set has applied exactly the pushes its
-replicas saw committed. A shard that hears it was declared dead leaves the run.
-
-**The end.** A set's primary, once every replica has finished (or been lost) and every push
-is committed, sends the set's final state to the chief (``FINAL_SET``). The chief keeps the
-first copy of each set it receives (a primary that dies as it ends is followed by its
-successor, which sends the set again) and, once it holds all S, tells every shard to leave
-(``FINAL_DONE``). Nothing waits in a collective over the shards, so a dead shard blocks
-nothing. Periodic checkpoints
-(``--checkpoint-every``) go the same way: each set's primary sends its state at a boundary
-to the *collector*, the live shard of lowest index, which writes the checkpoint once it holds
-every set at that step (a boundary crossed while a set's primary died is skipped).
-
-Losing every copy of a set ends the job with an error naming the set.
-"""
+"""A shard of replicated server shards: serve every set it holds, as primary or secondary,
+take over a set whose primary died, and send the sets' final state to the chief (the protocol
+is described in :mod:`hpcps.ps.replicated`)."""
 from __future__ import annotations
 
 import time
@@ -53,51 +9,12 @@ from collections import deque
 import numpy as np
 from mpi4py import MPI
 
-from hpcps.mpi.comm import PeerTimeout, Poller
+from hpcps.mpi.comm import PeerTimeout, Transport, test
 from hpcps.mpi.protocol import HEADER_BYTES, ByteMessage, H, Message, Tag
-from hpcps.ps.client import fill_packed
 from hpcps.ps.gradient_shard import ShardPolicy
-from hpcps.ps.liveness import HEARTBEATS_PER_TIMEOUT, HeartbeatThread, Liveness, finished_by
+from hpcps.ps.liveness import HEARTBEATS_PER_TIMEOUT, HeartbeatThread, Liveness
 from hpcps.ps.serve import serve
-
-
-# -- who holds what: pure ------------------------------------------------------------------------
-def holders(h: int, n_shards: int, copies: int) -> list[int]:
-    """Shards holding set ``h``, in succession order: the primary while all live, first."""
-    return [(h + i) % n_shards for i in range(copies)]
-
-
-def sets_of(s: int, n_shards: int, copies: int) -> list[int]:
-    """Sets shard ``s`` holds: its home set and the C-1 sets before it."""
-    return sorted({(s - i) % n_shards for i in range(copies)})
-
-
-def primary(h: int, n_shards: int, copies: int, dead) -> int | None:
-    """The first live holder of set ``h`` (None: every copy is lost)."""
-    return next((x for x in holders(h, n_shards, copies) if x not in dead), None)
-
-
-def collector(n_shards: int, dead) -> int:
-    """The live shard that assembles periodic checkpoints: the one of lowest index."""
-    return min(x for x in range(n_shards) if x not in dead)
-
-
-def state_size(n: int, n_keys: int, n_replicas: int) -> int:
-    """float32 values of a set's state message: parameters, each optimizer state vector, and
-    each replica's last push applied."""
-    return n * (1 + n_keys) + n_replicas
-
-
-def assemble(plan, parts: dict, keys) -> tuple[np.ndarray, dict]:
-    """The global parameter and optimizer-state vectors from every set's state payload."""
-    params = np.empty(plan.n, dtype=np.float32)
-    state = {k: np.empty(plan.n, dtype=np.float32) for k in keys}
-    for h, payload in parts.items():
-        n = plan.sizes[h]
-        plan.put(h, payload[:n], params)
-        for i, k in enumerate(keys):
-            plan.put(h, payload[(i + 1) * n:(i + 2) * n], state[k])
-    return params, state
+from hpcps.ps.replicated.placement import collector, holders, primary, state_size
 
 
 class SetPolicy(ShardPolicy):
@@ -132,6 +49,7 @@ class ReplicatedServer:
     def __init__(self, comm, me: int, shard_ranks, replica_ranks, copies: int, sets: dict,
                  keys, heartbeat_timeout: float, timeout: float, save=None, chief: int = 0):
         self.comm, self.me = comm, me
+        self.net = Transport(comm)
         self.shard_ranks, self.replica_ranks = list(shard_ranks), list(replica_ranks)
         self.S, self.R, self.C = len(self.shard_ranks), len(self.replica_ranks), copies
         self.sets = sets
@@ -226,10 +144,10 @@ class ReplicatedServer:
         """Forget finished sends, and give up those to a rank now dead."""
         still = []
         for req, buf, dest in self.sends:
-            try:
-                if req.Test():
-                    continue
-            except MPI.Exception:
+            finished = test(req)
+            if finished:
+                continue
+            if finished is None:  # failed: its destination died
                 self.abandoned += 1
                 continue
             if self._dest_dead(dest):
@@ -239,7 +157,7 @@ class ReplicatedServer:
         self.sends = still
 
     def _send(self, buf, dest: int, tag: int):
-        req = self.comm.Isend(buf, dest=dest, tag=tag)
+        req = self.net.send_nowait(buf, dest, tag)
         self.sends.append((req, buf, dest))
         return req
 
@@ -253,8 +171,7 @@ class ReplicatedServer:
     # -- receiving -----------------------------------------------------------------------------
     def _receive(self, buf, src: int, tag: int) -> bool:
         """Receive a probed message; False if its sender died half-way (then it is lost)."""
-        req = self.comm.Irecv(buf, source=src, tag=tag)
-        if finished_by(req, time.monotonic() + self.hb):
+        if self.net.take_by(buf, src, tag, time.monotonic() + self.hb):
             return True
         if src in self.shard_of:
             self._shard_lost(self.shard_of[src], f"its message (tag {int(tag)}) broke off")
@@ -361,7 +278,7 @@ class ReplicatedServer:
         return False
 
     def _recv_repl_ack(self, src: int, status) -> bool:
-        self.comm.Recv(self._small.buf, source=src, tag=Tag.REPL_ACK)
+        self.net.take(self._small.buf, src, Tag.REPL_ACK)
         q, h = self.shard_of[src], int(self._small.header[H.SET])
         if q in self.dead or h not in self.sets:
             return False
@@ -372,7 +289,7 @@ class ReplicatedServer:
         return self._finished()
 
     def _recv_fetch(self, src: int, status) -> bool:
-        self.comm.Recv(self._small.buf, source=src, tag=Tag.FETCH)
+        self.net.take(self._small.buf, src, Tag.FETCH)
         h, sender = int(self._small.header[H.SET]), int(self._small.header[H.SENDER])
         if h not in self.sets or self.role[h] != "primary":
             raise RuntimeError(f"replica {sender} (rank {src}) asked shard {self.me} for set "
@@ -387,13 +304,13 @@ class ReplicatedServer:
         return self._finished()
 
     def _recv_done(self, src: int, status) -> bool:
-        self.comm.Recv(self._small.buf, source=src, tag=Tag.DONE)
+        self.net.take(self._small.buf, src, Tag.DONE)
         self.done.add(int(self._small.header[H.SENDER]))
         self._close_sets()
         return self._finished()
 
     def _recv_heartbeat(self, src: int, status) -> bool:
-        self.comm.Recv(self._small.buf, source=src, tag=Tag.HEARTBEAT)
+        self.net.take(self._small.buf, src, Tag.HEARTBEAT)
         if src in self.shard_of:
             self.peers.heard(self.shard_of[src])
         else:
@@ -401,7 +318,7 @@ class ReplicatedServer:
         return False
 
     def _recv_new_primary(self, src: int, status) -> bool:
-        self.comm.Recv(self._small.buf, source=src, tag=Tag.NEW_PRIMARY)
+        self.net.take(self._small.buf, src, Tag.NEW_PRIMARY)
         hd = self._small.header
         a, h, d = int(hd[H.SENDER]), int(hd[H.SET]), int(hd[H.PEER])
         if a in self.dead:
@@ -436,7 +353,7 @@ class ReplicatedServer:
         return False
 
     def _recv_final_done(self, src: int, status) -> bool:
-        self.comm.Recv(self._small.buf, source=src, tag=Tag.FINAL_DONE)
+        self.net.take(self._small.buf, src, Tag.FINAL_DONE)
         self.ended = True  # sends still pending (a set sent twice, a checkpoint) are dropped
         return True
 
@@ -568,235 +485,3 @@ class ReplicatedServer:
                 "applied": {h: self.applied[h] for h in self.sets},
                 "takeovers": self.takeovers, "lost_shard_ranks": lost,
                 "abandoned_sends": self.abandoned, "discarded_pushes": self.discarded}
-
-
-# -- the replica's side --------------------------------------------------------------------------
-class ReplicatedClient:
-    """A replica's fetches and pushes when every set has a primary and secondaries.
-
-    The same calls as :class:`hpcps.ps.client.Client`; in addition it listens, while it waits,
-    for ``PUSH_ACK`` (a push committed) and ``NEW_PRIMARY`` (send what is still outstanding
-    for that set to its new primary).
-    """
-
-    def __init__(self, comm, shard_ranks, plan, replica: int, timeout: float, copies: int,
-                 packed_bytes: list[int] | None = None):
-        self.comm = comm
-        self.shard_ranks = list(shard_ranks)
-        self.S, self.C = len(self.shard_ranks), copies
-        self.plan = plan
-        self.replica = replica
-        self.timeout = timeout
-        self.dead: set[int] = set()
-        self.route = [self.shard_ranks[primary(h, self.S, copies, ())] for h in range(self.S)]
-        sizes = plan.sizes
-        self._params = [Message(n) for n in sizes]
-        self._fetch_req = [MPI.REQUEST_NULL] * self.S
-        self._ask = []
-        for h in range(self.S):
-            ask = Message(0)
-            ask.header[H.SENDER], ask.header[H.SET] = replica, h
-            self._ask.append(ask)
-        if packed_bytes is None:
-            self._push = [[Message(n), Message(n)] for n in sizes]
-        else:
-            self._push = [[ByteMessage(b), ByteMessage(b)] for b in packed_bytes]
-        self._push_req = [[MPI.REQUEST_NULL, MPI.REQUEST_NULL] for _ in range(self.S)]
-        self._push_seq = [[0, 0] for _ in range(self.S)]
-        self._push_out = [[None, None] for _ in range(self.S)]  # (bytes view, tag) as sent
-        self.seq = 0
-        self.acked = [0] * self.S
-        self._small = Message(0)
-        self._done_msg = Message(0)
-        self._done_msg.header[H.SENDER] = replica
-        self.heartbeat: HeartbeatThread | None = None
-        self.versions = np.zeros(self.S)
-        self.bytes_sent = 0
-        self.bytes_received = 0
-        self.resent = 0
-        self.reroutes = 0
-        self.last_reply: dict[str, float] = {}
-
-    # -- events --------------------------------------------------------------------------------
-    def _events(self) -> bool:
-        """Take acknowledgements and role changes; True if a set was re-routed."""
-        st = MPI.Status()
-        moved = False
-        while self.comm.Iprobe(MPI.ANY_SOURCE, Tag.PUSH_ACK, st):
-            self.comm.Recv(self._small.buf, source=st.Get_source(), tag=Tag.PUSH_ACK)
-            h, seq = int(self._small.header[H.SET]), int(self._small.header[H.SEQ])
-            self.acked[h] = max(self.acked[h], seq)
-        while self.comm.Iprobe(MPI.ANY_SOURCE, Tag.NEW_PRIMARY, st):
-            self.comm.Recv(self._small.buf, source=st.Get_source(), tag=Tag.NEW_PRIMARY)
-            hd = self._small.header
-            moved |= self._reroute(int(hd[H.SET]), int(hd[H.SENDER]), int(hd[H.PEER]))
-        return moved
-
-    def _reroute(self, h: int, a: int, d: int) -> bool:
-        self.dead.add(d)
-        if self.heartbeat is not None:
-            self.heartbeat.dests = [r for j, r in enumerate(self.shard_ranks)
-                                    if j not in self.dead]
-        new = self.shard_ranks[a]
-        if self.route[h] == new:
-            return False
-        self.route[h] = new
-        self.reroutes += 1
-        req = self._fetch_req[h]
-        if req != MPI.REQUEST_NULL and not _test(req):  # a fetch of h in flight
-            req.Cancel()
-            if not finished_by(req, time.monotonic() + 1.0):
-                self._params[h] = Message(len(self._params[h]))  # MPI may still write there
-            self._fetch_req[h] = self.comm.Irecv(self._params[h].buf, source=new,
-                                                 tag=Tag.PARAMS)
-            self.comm.Send(self._ask[h].buf, dest=new, tag=Tag.FETCH)
-        for slot in sorted((0, 1), key=lambda k: self._push_seq[h][k]):
-            if self._push_seq[h][slot] <= self.acked[h] or self._push_out[h][slot] is None:
-                continue
-            data, tag = self._push_out[h][slot]
-            req = self._push_req[h][slot]
-            if req != MPI.REQUEST_NULL and not _test(req):  # to the dead: its buffer stays
-                old = self._push[h][slot]
-                fresh = Message(len(old)) if isinstance(old, Message) else \
-                    ByteMessage(len(old.body))
-                fresh.buf[:len(data)] = data
-                self._push[h][slot] = fresh
-                data = fresh.buf[:len(data)]
-                self._push_out[h][slot] = (data, tag)
-            self._push_req[h][slot] = self.comm.Isend(data, dest=new, tag=tag)
-            self.resent += 1
-        return True
-
-    def _wait(self, ready, what) -> None:
-        deadline = time.monotonic() + self.timeout
-        poll = Poller()
-        while not ready():
-            if self._events():
-                deadline = time.monotonic() + self.timeout
-                continue
-            if time.monotonic() > deadline:
-                raise PeerTimeout(f"waited {self.timeout:.0f} s for {what()}; no shard took "
-                                  "over (raise --timeout if it is only slow)")
-            poll.pause()
-
-    # -- the calls ------------------------------------------------------------------------------
-    def fetch(self, params: np.ndarray) -> dict[str, float]:
-        self._events()
-        for h in range(self.S):
-            self._fetch_req[h] = self.comm.Irecv(self._params[h].buf, source=self.route[h],
-                                                 tag=Tag.PARAMS)
-        for h in range(self.S):
-            self.comm.Send(self._ask[h].buf, dest=self.route[h], tag=Tag.FETCH)
-        self._wait(lambda: all(_test(r) for r in self._fetch_req),
-                   lambda: f"parameters from server ranks {self.route}")
-        for h in range(self.S):
-            msg = self._params[h]
-            if int(msg.header[H.SET]) != h:
-                raise RuntimeError(f"asked rank {self.route[h]} for set {h}, got set "
-                                   f"{int(msg.header[H.SET])}")
-            self.plan.put(h, msg.payload, params)
-            self.versions[h] = msg.header[H.VERSION]
-            self.bytes_received += msg.buf.nbytes
-        self.bytes_sent += self._ask[0].buf.nbytes * self.S
-        hd = self._params[0].header
-        self.last_reply = {"step": int(hd[H.STEPS]), "loss": float(hd[H.LOSS_SUM]),
-                           "staleness": float(hd[H.STALENESS]),
-                           "max_staleness": float(hd[H.MAX_STALENESS]),
-                           "clock": float(hd[H.CLOCK]), "unpersisted": 0}
-        return self.last_reply
-
-    def _slot(self, h: int, slot: int):
-        """Set ``h``'s push buffer in ``slot`` once the push it held is committed."""
-        def free() -> bool:
-            return self._push_seq[h][slot] <= self.acked[h] and _test(self._push_req[h][slot])
-        self._wait(free, lambda: f"server rank {self.route[h]} to commit push "
-                   f"{self._push_seq[h][slot]} of set {h}")
-        msg = self._push[h][slot]
-        hd = msg.header
-        hd[H.VERSION], hd[H.SENDER], hd[H.SET], hd[H.SEQ] = (self.versions[h], self.replica,
-                                                             h, self.seq)
-        return msg
-
-    def _send(self, h: int, slot: int, data, tag: int) -> None:
-        self._push_seq[h][slot] = self.seq
-        self._push_out[h][slot] = (data, tag)
-        self._push_req[h][slot] = self.comm.Isend(data, dest=self.route[h], tag=tag)
-        self.bytes_sent += data.nbytes
-
-    def push(self, grad: np.ndarray, steps: int, loss_sum: float) -> None:
-        self._events()
-        self.seq += 1
-        slot = self.seq & 1
-        for h in range(self.S):
-            msg = self._slot(h, slot)
-            msg.header[H.STEPS], msg.header[H.LOSS_SUM] = steps, loss_sum
-            self.plan.take(h, grad, out=msg.payload)
-            self._send(h, slot, msg.buf, Tag.PUSH)
-
-    def push_packed(self, bodies, steps: int, loss_sum: float, tag: int = Tag.PUSH_COMPRESSED,
-                    rows: int = 0) -> None:
-        self._events()
-        self.seq += 1
-        slot = self.seq & 1
-        for h, body in enumerate(bodies):
-            data = fill_packed(self._slot(h, slot), body, steps, loss_sum, rows, f"set {h}")
-            self._send(h, slot, data, tag)
-
-    def done(self) -> None:
-        """Wait until every push is committed, then tell every live shard."""
-        self._wait(lambda: all(a >= self.seq for a in self.acked) and all(
-            _test(r) for pair in self._push_req for r in pair),
-            lambda: f"server ranks {self.route} to commit the last pushes")
-        for j, rank in enumerate(self.shard_ranks):
-            if j not in self.dead:
-                self.comm.Send(self._done_msg.buf, dest=rank, tag=Tag.DONE)
-
-    def figures(self) -> dict:
-        return {"pushes_committed": self.seq, "resent_pushes": self.resent,
-                "reroutes": self.reroutes}
-
-
-def _test(req) -> bool:
-    """Whether a request has completed (a null request has); an error counts as not."""
-    if req == MPI.REQUEST_NULL:
-        return True
-    try:
-        return req.Test()
-    except MPI.Exception:
-        return False
-
-
-def receive_final(comm, plan, keys, shard_ranks, heartbeat_timeout: float,
-                  timeout: float) -> tuple:
-    """On the chief: every set's final state, from whichever shard is its primary at the end,
-    then FINAL_DONE to every shard. Returns (global params, global state, step, pushes applied
-    to each set). A set sent twice (its primary died as it ended, and a secondary took over)
-    is taken once; a message that breaks off (its sender died) is dropped."""
-    parts: dict[int, np.ndarray] = {}
-    steps, applied = [], {}
-    st = MPI.Status()
-    deadline = time.monotonic() + timeout
-    poll = Poller()
-    while len(parts) < plan.n_shards:
-        if not comm.Iprobe(MPI.ANY_SOURCE, Tag.FINAL_SET, st):
-            if time.monotonic() > deadline:
-                raise PeerTimeout(f"waited {timeout:.0f} s for the final state of chunk sets "
-                                  f"{sorted(set(range(plan.n_shards)) - set(parts))}")
-            poll.pause()
-            continue
-        msg = np.empty(st.Get_count(MPI.BYTE), dtype=np.uint8)
-        req = comm.Irecv(msg, source=st.Get_source(), tag=Tag.FINAL_SET)
-        if not finished_by(req, time.monotonic() + heartbeat_timeout):
-            continue
-        header = msg[:HEADER_BYTES].view(np.float64)
-        h = int(header[H.SET])
-        if h not in parts:
-            parts[h] = msg[HEADER_BYTES:].view(np.float32)
-            steps.append(int(header[H.STEPS]))
-            applied[h] = int(header[H.PEER])
-    done = Message(0)
-    for rank in shard_ranks:  # header only: goes eagerly, even to a dead shard
-        finished_by(comm.Isend(done.buf, dest=rank, tag=Tag.FINAL_DONE),
-                    time.monotonic() + 1.0)
-    params, state = assemble(plan, parts, keys)
-    return params, state, min(steps), [applied[h] for h in range(plan.n_shards)]
