@@ -31,6 +31,7 @@ finite-difference tests).
 from __future__ import annotations
 
 import itertools
+from typing import Any
 from dataclasses import dataclass
 
 import numpy as np
@@ -66,6 +67,9 @@ class SoftmaxOutput:
     """``loss`` and ``evaluate`` of a model whose ``_run(flat, x, keep)`` returns the whole
     logits first (a :class:`ConvNet`, or a :class:`PartitionedConvNet`, whose partitions
     compute them jointly)."""
+
+    input_shape: tuple[int, int, int]  # set by the subclass
+    _run: Any  # the subclass's forward pass
 
     def _images(self, x: np.ndarray) -> np.ndarray:
         """Rows of flattened C x H x W images as an NHWC array (a view)."""
@@ -230,7 +234,7 @@ class ConvNet(SoftmaxOutput):
         v = self.views(flat)
         B = x.shape[0]
         a = self._images(x)
-        caches = [] if keep else None
+        caches: list | None = [] if keep else None
         for op in self.ops:
             s = op.spec
             cache = None
@@ -243,7 +247,7 @@ class ConvNet(SoftmaxOutput):
                 cache = (a, out)
                 a = out
             elif s.kind == "flatten" or (s.kind == "fc" and a.ndim == 4):
-                if keep:
+                if caches is not None:
                     caches.append((op, "flat", a.shape))
                 a = flatten_maps(a)
             if s.kind == "fc":
@@ -254,7 +258,7 @@ class ConvNet(SoftmaxOutput):
                                       dtype=np.result_type(a, W))
                 a, cache = fc_forward(a, W, v[f"layer{op.param}/b"], self.activation, op.last,
                                       m)
-            if keep and cache is not None:
+            if caches is not None and cache is not None:
                 caches.append((op, s.kind, cache))
         return a, caches
 
@@ -303,7 +307,7 @@ class ConvNet(SoftmaxOutput):
                 below = conv_backward(cache, delta, op.spec, op.out_shape, self.activation,
                                       g[f"layer{op.param}/W"], g[f"layer{op.param}/b"],
                                       not first)
-                if not first:
+                if below is not None:  # None for the first layer: nothing below it
                     delta = below
         return loss, grad
 
@@ -543,14 +547,14 @@ class PartitionedConvNet(SoftmaxOutput):
         B = x.shape[0]
         a = self._images(x)  # whole on every partition
         local = False  # whether `a` holds only this partition's maps or units
-        caches = [] if keep else None
+        caches: list | None = [] if keep else None
         l = -1
         for op in self.full.ops:
             s = op.spec
             if s.kind == "pool":
                 _, ho, wo = op.out_shape
                 out = maxpool(a, s.kh, s.stride, ho, wo)
-                if keep:
+                if caches is not None:
                     caches.append((op, "pool", (a, out)))
                 a = out
                 continue
@@ -562,12 +566,12 @@ class PartitionedConvNet(SoftmaxOutput):
                 shape = a.shape
                 a = self._gather_maps(a, self.widths[l - 1]) if a.ndim == 4 else \
                     self.exchange.gather(np.ascontiguousarray(a.T), self.widths[l - 1]).T
-                if keep:
+                if caches is not None:
                     caches.append((op, "gather", shape))
             if s.kind == "conv":
                 a, cache = conv_forward(a, v[f"layer{l}/W"], v[f"layer{l}/b"], s, op.out_shape,
                                         self.activation)
-                if keep:
+                if caches is not None:
                     caches.append((op, "conv", cache))
             else:  # fc: its input is whole here
                 if a.ndim == 4:
@@ -578,7 +582,7 @@ class PartitionedConvNet(SoftmaxOutput):
                     m = dropout_scale(self.dropout, self.full.dropout_key, draw, l, B, s.out, lo,
                                       hi, dtype=np.result_type(a, W))
                 a, cache = fc_forward(a, W, v[f"layer{l}/b"], self.activation, op.last, m)
-                if keep:
+                if caches is not None:
                     caches.append((op, "fc", cache))
             local = True
         logits = self.exchange.gather(np.ascontiguousarray(a.T), self.widths[-1]).T

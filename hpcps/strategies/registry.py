@@ -163,8 +163,9 @@ def message_tags(strategy: str, *names: str) -> type[IntEnum]:
     :data:`STRATEGY_TAGS_START` in the order given (the same on every rank)."""
     if len(set(names)) != len(names) or STRATEGY_TAGS_START + len(names) > TAG_UB:
         raise ValueError(f"strategy {strategy}: tag names must be distinct and few, got {names}")
-    return IntEnum(f"{strategy.capitalize()}Tag",
+    made = IntEnum(f"{strategy.capitalize()}Tag",  # type: ignore[misc]  # functional API
                    [(n, STRATEGY_TAGS_START + i) for i, n in enumerate(names)])
+    return made
 
 
 def load(target):

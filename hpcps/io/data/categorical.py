@@ -530,7 +530,7 @@ def describe(path: str | os.PathLike) -> list[str]:
         for key in ("description", "source", "split"):
             if key in f.attrs:
                 lines.append(f"{key:12s} {_attr_str(f.attrs[key])}")
-        seen = {}
+        seen: dict[int, int] = {}
         for split, n in (("train", info.n_train), ("test", info.n_test)):
             dy = f[f"{split}/y"]
             positives = sum(int(np.count_nonzero(dy[lo:lo + _SUMMARY_ROWS]))

@@ -44,7 +44,7 @@ import sys
 import tempfile
 import zipfile
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 
@@ -374,9 +374,11 @@ def main(argv: list[str] | None = None) -> int:
             elif args.wheel:
                 raise DataError("--wheel only applies to mnist and movielens")
             elif args.name == "synthetic-ctr":
-                options = {o: _number(o, getattr(args, o), kind) for o, (kind, _) in
-                           _SYNTHETIC_OPTIONS.items() if getattr(args, o) is not None}
-                defaults = {o: d for o, (_, d) in _SYNTHETIC_OPTIONS.items() if d is not None}
+                options: dict[str, Any] = {
+                    o: _number(o, getattr(args, o), kind)
+                    for o, (kind, _) in _SYNTHETIC_OPTIONS.items() if getattr(args, o) is not None}
+                defaults: dict[str, Any] = {o: d for o, (_, d) in _SYNTHETIC_OPTIONS.items()
+                                            if d is not None}
                 prepare(args.name, out, **(defaults | options))
             else:
                 prepare(args.name, out)
