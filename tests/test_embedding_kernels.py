@@ -5,7 +5,13 @@ random input: float32 rows, int64 ids up to 2**62 with -1 padding. The compiled 
 imported directly, so the comparison runs whatever ``HPCPS_NO_EXTENSION`` says; the public
 functions (which check input, then run either) are tested as a third implementation.
 """
+import json
+import os
+import subprocess
+import sys
+import textwrap
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -26,6 +32,7 @@ needs_extension = pytest.mark.skipif(
 # -march=native) may move a result by an ulp or so.
 RTOL, ATOL = 2e-6, 1e-7
 HUGE = 1 << 62
+REPO = Path(__file__).resolve().parents[1]
 
 IMPLS = [
     pytest.param(reference, id="reference"),
@@ -482,3 +489,54 @@ def test_racy_updates_of_shared_rows_stay_finite():
     _run_threads(work)
     assert np.isfinite(store.rows).all()
     assert (store.rows < 1.0 / 4 - 0.01).all()      # every row moved down from its start
+
+
+# --------------------------------------------------------------------------- fallback
+
+def test_missing_extension_warns_once_and_the_store_runs_on_the_references():
+    # Hide the compiled module, as on a machine where it was never built: one warning, and
+    # a store trained a few steps holds what it holds with the compiled kernels.
+    code = """
+        import json, sys, warnings
+        import numpy as np
+
+        class HideExtension:
+            def find_spec(self, name, path=None, target=None):
+                if name == "hpcps.kernels._embedding":
+                    raise ImportError("hidden by the test")
+                return None
+
+        sys.meta_path.insert(0, HideExtension())
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            from hpcps.kernels import embedding
+            from hpcps.ps.embedding_store import EmbeddingStore
+        ids = np.array([[5, -1, 2**62 + 3], [5, 9, -1]], dtype=np.int64)
+        uniq, inverse = embedding.unique_ids(ids)
+        store = EmbeddingStore(4, seed=3, capacity=1)
+        for step in range(3):
+            rows = store.pull(uniq)
+            out = embedding.gather(rows, inverse, np.array([0, 1, 3]), "mean")
+            grads = embedding.segment_sum(out, inverse, len(uniq), np.array([0, 1, 3]), "mean")
+            store.push(uniq, grads, 0.1)
+        print(json.dumps({"have": embedding.HAVE_EXTENSION, "rows": store.pull(uniq).tolist(),
+                          "warnings": [str(c.message) for c in caught
+                                       if "embedding" in str(c.message)]}))
+        """
+    results = []
+    for hide in (True, False):
+        env = dict(os.environ, HPCPS_NO_EXTENSION="0")
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+        body = textwrap.dedent(code)
+        if not hide:
+            body = body.replace("sys.meta_path.insert(0, HideExtension())", "")
+        proc = subprocess.run([sys.executable, "-c", body], cwd=REPO, env=env,
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        results.append(json.loads(proc.stdout))
+    hidden, built = results
+    assert hidden["have"] is False
+    assert len(hidden["warnings"]) == 1 and "slower" in hidden["warnings"][0]
+    if compiled is not None:
+        assert built["have"] is True and built["warnings"] == []
+        np.testing.assert_allclose(hidden["rows"], built["rows"], rtol=RTOL, atol=ATOL)
