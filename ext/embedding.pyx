@@ -5,9 +5,9 @@ A replica's step touches a few thousand rows of tables that may hold 10^7-10^10:
 the unique ids of its batch (``unique_inverse``), pulls those rows, pools them into the
 batch (``gather_pooled``), and after backward sums each row's gradient over the positions
 that used it (``segment_sum``); the shard applies the summed gradients to its rows
-(``rowwise_adagrad_rows``, ``adagrad_rows``, ``sgd_rows``). The shard's row store (hash map from id to
-slot, rows created on first touch) uses ``lookup_insert``, ``rebuild_index`` and
-``init_rows``.
+(``rowwise_adagrad_rows``, ``adagrad_rows``, ``sgd_rows``). The shard's row store (hash
+map from id to slot, rows created on first touch) uses ``lookup_insert``,
+``rebuild_index`` and ``init_rows``.
 
 Hogwild-safe: every function works on the arrays it is given and on scratch it allocates
 itself (``malloc``, thread-safe), keeps no global state and releases the GIL for its whole
@@ -30,6 +30,10 @@ cdef uint64_t GOLDEN = 0x9E3779B97F4A7C15ULL
 cdef uint64_t MIX1 = 0xBF58476D1CE4E5B9ULL
 cdef uint64_t MIX2 = 0x94D049BB133111EBULL
 cdef int64_t EMPTY = -1     # an empty hash slot; ids are >= 0, -1 is padding
+# The shard's map hashes ids salted: placing rows on shards by a hash of the id makes all
+# of a shard's ids agree in some bits of that hash, and if the map used the same hash its
+# home positions would crowd into a fraction of the map.
+cdef uint64_t MAP_SALT = 0x2545F4914F6CDD1DULL
 
 
 cdef inline uint64_t _mix(uint64_t z) noexcept nogil:
@@ -293,10 +297,10 @@ def sgd_rows(float[:, ::1] table, const int64_t[::1] slots, const float[:, ::1] 
 def lookup_insert(int64_t[::1] keys, int64_t[::1] vals, const int64_t[::1] ids,
                   int64_t[::1] slots, int64_t[::1] ids_by_slot, int64_t n_rows, bint insert):
     """Look ``ids`` (>= 0) up in the linear-probing map ``keys -> vals`` (capacity a power of
-    two, EMPTY = -1); write each one's slot to ``slots``. A missing id gets -1, or with
-    ``insert`` the next slot ``n_rows`` (then ``ids_by_slot[slot] = id``). Returns the new
-    ``n_rows``. The caller keeps the map at most half full and ``ids_by_slot`` large enough
-    for every id to be new."""
+    two, EMPTY = -1, the home of id x at ``mix(x ^ MAP_SALT)``); write each one's slot to
+    ``slots``. A missing id gets -1, or with ``insert`` the next slot ``n_rows`` (then
+    ``ids_by_slot[slot] = id``). Returns the new ``n_rows``. The caller keeps the map at
+    most half full and ``ids_by_slot`` large enough for every id to be new."""
     cdef Py_ssize_t n = ids.shape[0], i
     cdef uint64_t mask = <uint64_t>(keys.shape[0] - 1), h
     cdef int64_t x, k
@@ -309,7 +313,7 @@ def lookup_insert(int64_t[::1] keys, int64_t[::1] vals, const int64_t[::1] ids,
     with nogil:
         for i in range(n):
             x = ids[i]
-            h = _mix(<uint64_t>x) & mask
+            h = _mix(<uint64_t>x ^ MAP_SALT) & mask
             while True:
                 k = keys[h]
                 if k == x:
@@ -340,7 +344,7 @@ def rebuild_index(int64_t[::1] keys, int64_t[::1] vals, const int64_t[::1] ids_b
     with nogil:
         for s in range(n_rows):
             x = ids_by_slot[s]
-            h = _mix(<uint64_t>x) & mask
+            h = _mix(<uint64_t>x ^ MAP_SALT) & mask
             while keys[h] != EMPTY:
                 h = (h + 1) & mask
             keys[h] = x

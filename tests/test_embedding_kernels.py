@@ -395,6 +395,17 @@ def test_store_rows_do_not_depend_on_the_shard_count():
     assert not np.array_equal(other, expected[:5])
 
 
+def test_store_map_is_not_crowded_by_shard_placement():
+    # Ids placed on one of 8 shards by mix64(id) % 8 agree in mix64's low bits; the map
+    # salts its hash, so their homes still spread over the whole map.
+    ids = np.array([x for x in range(40000) if reference.mix64(x) % 8 == 0], np.int64)
+    store = EmbeddingStore(2)
+    store.slots(ids)
+    used = np.flatnonzero(store._keys >= 0)
+    assert used.size == ids.size
+    assert np.mean(used % 8 == 0) < 0.25       # 1/8 when spread; near 1 when crowded
+
+
 def test_store_refuses_bad_ids():
     store = EmbeddingStore(4)
     with pytest.raises(ValueError, match="ids must be >= 0"):
@@ -403,6 +414,15 @@ def test_store_refuses_bad_ids():
         store.pull(np.array([1.5]))
     with pytest.raises(ValueError, match="optimizer"):
         EmbeddingStore(4, optimizer="adam")
+    keys, vals, by_slot = (np.full(8, -1, np.int64), np.empty(8, np.int64),
+                           np.empty(8, np.int64))
+    with pytest.raises(ValueError, match="n_rows must lie in"):
+        embedding.hash_lookup(keys, vals, np.array([1], np.int64), by_slot, -1, True)
+    with pytest.raises(ValueError, match="too full"):
+        embedding.hash_lookup(keys, vals, np.arange(4, dtype=np.int64), by_slot, 1, True)
+    with pytest.raises(ValueError, match="power of two"):
+        embedding.hash_lookup(keys[:6].copy(), vals[:6].copy(), np.array([1], np.int64),
+                              by_slot, 0, True)
 
 
 # --------------------------------------------------------------------------- threads

@@ -365,6 +365,8 @@ def hash_lookup(keys, vals, ids, ids_by_slot, n_rows, insert):
     if ids.size and ids.min() < 0:
         raise ValueError(f"ids must be >= 0, got {ids.min()}")
     n_rows = operator.index(n_rows)
+    if not 0 <= n_rows <= ids_by_slot.shape[0]:
+        raise ValueError(f"n_rows must lie in [0, {ids_by_slot.shape[0]}], got {n_rows}")
     _check_no_overlap([("keys", keys), ("vals", vals), ("ids_by_slot", ids_by_slot)],
                       [("ids", ids)])
     slots = np.empty(ids.shape[0], dtype=np.int64)

@@ -99,6 +99,7 @@ def sgd_update(w, g, lr):
 
 _M64 = (1 << 64) - 1
 _GOLDEN, _MIX1, _MIX2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
+_MAP_SALT = 0x2545F4914F6CDD1D   # the shard map's salt (see ext/embedding.pyx)
 
 
 def mix64(z):
@@ -118,8 +119,9 @@ def _mix_array(z):
 
 
 def _home(ids, mask):
-    """Each id's first probe position in a map of ``mask + 1`` entries."""
-    return (_mix_array(ids.view(np.uint64)) & np.uint64(mask)).astype(np.int64)
+    """Each id's first probe position in a shard's map of ``mask + 1`` entries."""
+    salted = ids.view(np.uint64) ^ np.uint64(_MAP_SALT)
+    return (_mix_array(salted) & np.uint64(mask)).astype(np.int64)
 
 
 def unique_inverse(ids, uniq, inverse, sort=False):
