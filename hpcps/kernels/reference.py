@@ -196,7 +196,9 @@ def segment_sum(grad_out, inverse, offsets, mean, grad_rows):
     field = np.repeat(np.arange(offsets.shape[0] - 1), np.diff(offsets))   # column -> field
     scale = _mean_scale(valid, offsets) if mean else np.ones(grad_out.shape[:2], np.float32)
     contrib = grad_out[:, field, :] * scale[:, field, None]
-    np.add.at(grad_rows, inverse[valid], contrib[valid])
+    rows, contrib = inverse[valid], contrib[valid]
+    for j in range(grad_rows.shape[1]):     # 1-D np.add.at has a fast path; 2-D is ~3x slower
+        np.add.at(grad_rows[:, j], rows, contrib[:, j])
 
 
 def rowwise_adagrad_rows(table, accum, slots, grads, lr, eps):
