@@ -24,7 +24,7 @@ outside the arrays).
 from libc.math cimport sqrtf
 from libc.stdint cimport int64_t, uint64_t
 from libc.stdlib cimport free, malloc, qsort
-from libc.string cimport memset
+from libc.string cimport memcpy, memset
 
 cdef uint64_t GOLDEN = 0x9E3779B97F4A7C15ULL
 cdef uint64_t MIX1 = 0xBF58476D1CE4E5B9ULL
@@ -161,6 +161,13 @@ def gather_pooled(const float[:, ::1] rows, const int64_t[:, ::1] inverse,
         for b in range(B):
             for f in range(F):
                 o = &out[b, f, 0]
+                if offsets[f + 1] - offsets[f] == 1:     # single-valued: a copy
+                    r = inverse[b, offsets[f]]
+                    if r < 0:
+                        memset(o, 0, d * sizeof(float))
+                    else:
+                        memcpy(o, &rows[r, 0], d * sizeof(float))
+                    continue
                 for j in range(d):
                     o[j] = 0.0
                 cnt = 0
