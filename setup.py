@@ -43,8 +43,10 @@ def kernel(name: str) -> Extension:
 # adagrad: the server's update; compress: Strom's threshold/apply/Golomb-Rice; hogwild: the
 # nogil multi-threaded MLP engine; convnet: the same for conv networks; gemm: fused GEMM
 # kernels (the last three call BLAS through scipy.linalg.cython_blas, so scipy is a build
-# requirement)
-extensions = [kernel(name) for name in ("adagrad", "compress", "hogwild", "convnet", "gemm")]
+# requirement); embedding: sparse embedding tables (unique, gather, segment sum, row updates,
+# the shard's row store)
+extensions = [kernel(name) for name in ("adagrad", "compress", "hogwild", "convnet", "gemm",
+                                        "embedding")]
 
 setup(
     ext_modules=cythonize(
