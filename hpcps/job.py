@@ -32,7 +32,8 @@ from hpcps import config, trace
 from hpcps.io import checkpoint, data
 from hpcps.model import convnet
 from hpcps.runtime import faults, memory, slurm, timeline
-from hpcps.mpi.comm import PeerTimeout, ReplicaExchange, barrier, dup_comm, host
+from hpcps.mpi.comm import (PeerTimeout, ReplicaExchange, allgather_obj, barrier, bcast_obj,
+                             dup_comm, gather_obj, host)
 from hpcps.options import parse_inject_slow
 from hpcps.errors import (PREEMPTED_EXIT, CheckpointError, ConfigError, HpcpsError,
                           NonFiniteError)
@@ -55,7 +56,7 @@ def _agree(world, fn, *args):
         code, text = exc.exit_code, str(exc)
     except Exception:  # a bug, not bad input: show where
         code, text = 1, traceback.format_exc()
-    codes = world.allgather(code)
+    codes = allgather_obj(world, code)
     if any(codes):
         first = next(i for i, c in enumerate(codes) if c)
         if world.Get_rank() == first:
@@ -363,8 +364,8 @@ def main(argv: list[str] | None = None) -> int:
     layout = _agree(world, plan, cfg, size)
     _agree(world, _ensure_dataset, cfg, rank)
     info = _agree(world, _check_dataset, cfg)
-    stamp, token = world.bcast((time.strftime("%Y%m%d-%H%M%S"), f"{host()}-{os.getpid()}-"
-                                f"{time.time():.6f}") if rank == 0 else None)
+    stamp, token = bcast_obj(world, (time.strftime("%Y%m%d-%H%M%S"), f"{host()}-{os.getpid()}-"
+                                     f"{time.time():.6f}") if rank == 0 else None)
     run_dir = _agree(world, config.run_dir_for, cfg, stamp, slurm.job_name(os.environ))
     given = bool(cfg.run_dir)
     _agree(world, check_run_dir, run_dir, given)
@@ -424,14 +425,14 @@ def main(argv: list[str] | None = None) -> int:
             if path is not None:
                 m.message(f"trace: {path} (open it in https://ui.perfetto.dev or "
                           "chrome://tracing)")
-        results = world.gather(result, root=ctx.reporter)
+        results = gather_obj(world, result, root=ctx.reporter)
         code = 0
         if world.Get_rank() == ctx.reporter:
             step = results[ctx.reporter].get("step", ctx.start_step)
             code = PREEMPTED_EXIT if stopped and step < ctx.total_steps else 0
             _summary(ctx, results, time.perf_counter() - t_start, code == PREEMPTED_EXIT)
         m.close()
-        return world.bcast(code, root=ctx.reporter)
+        return bcast_obj(world, code, root=ctx.reporter)
 
     tl = timeline.start(world, cfg.timeout) if cfg.trace else None
     stacks = StackDumper(run_dir, rank, size, ctx.grid.role.kind, token, host()).start()

@@ -116,3 +116,18 @@ def test_cost_models_import_no_mpi():
             assert layer(target) not in mpi_layers, (path, target)
             assert not target.endswith((".replica", ".server", ".coordinator")), (path, target)
     assert "mpi4py" not in (ROOT / "hpcps" / "mpi" / "protocol.py").read_text()
+
+
+def test_mpi_is_spoken_only_in_its_layer():
+    """mpi4py is imported only under hpcps/mpi/: every other layer sends, receives and waits
+    through hpcps.mpi.comm (its Transport, timed waits and collectives)."""
+    outside = []
+    for path in (ROOT / "hpcps").rglob("*.py"):
+        if path.parent.name == "mpi":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            if any(n.split(".")[0] == "mpi4py" for n in names):
+                outside.append(str(path.relative_to(ROOT)))
+    assert not outside, outside

@@ -26,6 +26,12 @@ from hpcps.blocks import displacements
 from hpcps.errors import HpcpsError
 
 
+# Reduction operations and wildcards, so that the layers above name them without mpi4py.
+SUM, MAX, LAND = MPI.SUM, MPI.MAX, MPI.LAND
+ANY_SOURCE, ANY_TAG = MPI.ANY_SOURCE, MPI.ANY_TAG
+REQUEST_NULL = MPI.REQUEST_NULL  # a request with nothing to wait for
+
+
 class PeerTimeout(HpcpsError):
     """Another rank did not answer in time."""
 
@@ -116,6 +122,29 @@ def test(req) -> bool | None:
         return None
 
 
+def all_done(reqs) -> bool:
+    """Whether every request of ``reqs`` has completed (never waits)."""
+    return bool(MPI.Request.Testall(reqs))
+
+
+def status():
+    """A fresh status for :meth:`Transport.probe` to fill."""
+    return MPI.Status()
+
+
+def source_of(st) -> int:
+    return st.Get_source()
+
+
+def tag_of(st) -> int:
+    return st.Get_tag()
+
+
+def size_of(st) -> int:
+    """Bytes of the probed message ``st`` describes."""
+    return st.Get_count(MPI.BYTE)
+
+
 def done(req) -> bool:
     """Whether a request has completed (a null request has); a failure counts as not."""
     return test(req) is True
@@ -164,10 +193,90 @@ class Transport:
         """Start a send; returns the request. ``buf`` must stay untouched until it completes."""
         return self.comm.Isend(buf, dest=dest, tag=tag)
 
+    def send(self, buf, dest: int, tag: int) -> None:
+        """Send and return once ``buf`` may be reused: at once for a small message, once the
+        receiver has matched it for a large one (a peer that serves requests in a loop)."""
+        self.comm.Send(buf, dest=dest, tag=tag)
+
+    def send_obj(self, obj, dest: int, tag: int) -> None:
+        """Send a small Python object (pickled; control messages, not data)."""
+        self.comm.send(obj, dest=dest, tag=tag)
+
+    def send_obj_nowait(self, obj, dest: int, tag: int):
+        """Start sending a small Python object; returns the request (pickled by mpi4py,
+        which keeps the pickle alive until it completes)."""
+        return self.comm.isend(obj, dest=dest, tag=tag)
+
+    def take_obj(self, src: int, tag: int):
+        """Receive a small Python object already probed."""
+        return self.comm.recv(source=src, tag=tag)
+
+    def post_recv_obj(self, src: int, tag: int):
+        """Post the receive of a small Python object; ``test_obj`` of the request tells
+        whether it has come and what it is."""
+        return self.comm.irecv(source=src, tag=tag)
+
     def send_by(self, buf, dest: int, tag: int, deadline: float) -> bool:
         """Send, giving up at ``deadline`` (``dest`` died): False then, and ``buf`` must not be
         reused."""
         return finished_by(self.comm.Isend(buf, dest=dest, tag=tag), deadline)
+
+
+def test_obj(req) -> tuple[bool, object]:
+    """(True, the object) once a :meth:`Transport.post_recv_obj` request has completed,
+    else (False, None)."""
+    return req.test()
+
+
+def start_allreduce(comm, send, recv, op):
+    """Start a non-blocking reduction of ``send`` into ``recv``; returns the request (test it
+    with :func:`test`, wait with :func:`wait_all`)."""
+    return comm.Iallreduce(send, recv, op=op)
+
+
+# Control data (small pickled objects) at points every rank of ``comm`` reaches together: the
+# start-up vote, the final figures after a timed barrier. Blocking, by MPI's own collectives.
+def allgather_obj(comm, obj) -> list:
+    return comm.allgather(obj)
+
+
+def bcast_obj(comm, obj, root: int = 0):
+    return comm.bcast(obj, root=root)
+
+
+def gather_obj(comm, obj, root: int = 0) -> list | None:
+    return comm.gather(obj, root=root)
+
+
+def reduce_obj(comm, obj, op, root: int = 0):
+    return comm.reduce(obj, op=op, root=root)
+
+
+def allreduce_obj(comm, obj, op):
+    return comm.allreduce(obj, op=op)
+
+
+def gather_bytes(comm, data: np.ndarray, timeout: float, what: str,
+                 root: int = 0) -> list[bytes] | None:
+    """Every rank's uint8 buffer (of any length) on ``root``, in rank order (None elsewhere).
+    Collective over ``comm``; each of its two steps fails after ``timeout`` seconds."""
+    size = comm.Get_size()
+    counts = np.zeros(size, dtype=np.int64)
+    wait_all([comm.Igather(np.array([len(data)], np.int64), counts, root=root)], timeout,
+             f"{what} (sizes)")
+    mine = comm.Get_rank() == root
+    counts_l = [int(c) for c in counts]
+    out = np.empty(sum(counts_l), dtype=np.uint8) if mine else None
+    recv = [out, counts_l, displacements(counts_l), MPI.BYTE] if mine else None
+    wait_all([comm.Igatherv(np.ascontiguousarray(data, np.uint8), recv, root=root)], timeout,
+             what)
+    if not mine:
+        return None
+    parts, lo = [], 0
+    for c in counts_l:
+        parts.append(out[lo:lo + c].tobytes())
+        lo += c
+    return parts
 
 
 def allreduce(comm, buf, op, timeout: float, what: str) -> None:

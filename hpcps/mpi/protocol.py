@@ -23,13 +23,6 @@ class Tag(IntEnum):
     PARAMS = 3        # shard -> replica: header + parameter slice
     DONE = 4          # replica -> shard: this replica has pushed its last gradient
     PUSH_COMPRESSED = 7  # replica -> shard: header + compressed gradient message (bytes)
-    SB_CMD = 10       # sandblaster coordinator -> shard: one vector operation (see Op)
-    SB_REPLY = 11     # shard -> coordinator: the operation's scalar result
-    SB_TASK = 12      # coordinator -> replica: compute a portion, flush, evaluate, stop
-    SB_RESULT = 13    # replica -> coordinator: portion done / flushed / evaluation result
-    SB_PUSH = 14      # replica -> shard: accumulated gradient of accepted portions
-    SB_PUSH_ACK = 15  # shard -> replica: push applied
-    SB_STATE = 16     # coordinator -> shard 0: L-BFGS scalars and metrics for a checkpoint
     PUSH_ACTIVATIONS = 17  # replica -> shard: header + k rows of layer inputs and errors
     # --trace: a clock ping between a rank and rank 0 at start (hpcps.runtime.timeline)
     TRACE_CLOCK = 18
@@ -47,29 +40,6 @@ class Tag(IntEnum):
     FINAL_DONE = 29   # world rank 0 -> shards: it holds every set's final state; leave
     FINAL_SET = 30    # a set's primary -> world rank 0: the set's final state
     CKPT_SET = 31     # a set's primary -> the collector shard: the set's state at step STEPS
-
-
-class Op(IntEnum):
-    """Sandblaster's vector operations, executed by every shard on its own slice."""
-
-    COPY = 1          # v[a] = v[b]
-    AXPY = 2          # v[a] += alpha * v[b]
-    SCALE = 3         # v[a] *= alpha
-    DOT = 4           # reply v[a] . v[b] (this shard's part; the coordinator adds them)
-    RESET_ACC = 5     # gradients pushed from now on accumulate into v[a], starting from 0
-    COMMIT = 6        # add replica a's pushed gradients into the accumulator
-    BAN = 7           # replica a stopped answering: drop what it pushed, ignore it from now on
-    CHECKPOINT = 8    # gather x, g and the history on shard 0, which writes a checkpoint
-    FINISH = 9        # like CHECKPOINT, then leave the loop
-
-
-class Task(IntEnum):
-    """What a sandblaster replica is asked to do."""
-
-    PORTION = 1       # compute the gradient of a portion of the batch
-    FLUSH = 2         # push the accumulated gradient of accepted portions to the shards
-    EVALUATE = 3      # fetch x and report test loss and accuracy (replica 0)
-    STOP = 4
 
 
 class H(IntEnum):

@@ -7,11 +7,10 @@ fetch waits only for the shards, never for another replica.
 from __future__ import annotations
 
 import numpy as np
-from mpi4py import MPI
 
 from hpcps import trace
 from hpcps.ps.chunks import ChunkPlan
-from hpcps.mpi.comm import Transport, wait_all
+from hpcps.mpi.comm import REQUEST_NULL, Transport, wait_all
 from hpcps.mpi.protocol import ByteMessage, H, Message, Tag
 
 
@@ -64,7 +63,7 @@ class Client:
             self._push = [[Message(n), Message(n)] for n in sizes]
         else:  # compressed or activation pushes: variable-size messages, bounded per shard
             self._push = [[ByteMessage(bound), ByteMessage(bound)] for bound in packed_bytes]
-        self._push_req = [[MPI.REQUEST_NULL, MPI.REQUEST_NULL] for _ in self.ranges]
+        self._push_req = [[REQUEST_NULL, REQUEST_NULL] for _ in self.ranges]
         self._slot = 0
         self._params = [Message(n) for n in sizes]
         self._ask = Message(0)
@@ -104,7 +103,7 @@ class Client:
     def _slot_for(self, s: int, slot: int):
         """The push buffer of shard ``s`` in ``slot``, once its previous send has finished."""
         req = self._push_req[s][slot]
-        if req != MPI.REQUEST_NULL:
+        if req != REQUEST_NULL:
             wait_all([req], self.timeout,
                      f"server rank {self.server_ranks[s]} to take an earlier push")
         msg = self._push[s][slot]
@@ -152,7 +151,7 @@ class Client:
 
     def done(self) -> None:
         """Wait for outstanding pushes, then tell every shard this replica is finished."""
-        pending = [r for pair in self._push_req for r in pair if r != MPI.REQUEST_NULL]
+        pending = [r for pair in self._push_req for r in pair if r != REQUEST_NULL]
         wait_all(pending, self.timeout, f"server ranks {self.server_ranks} to take the last pushes")
         for dest in self.server_ranks:
             self.net.send_eager(self._ask.buf, dest, Tag.DONE)

@@ -36,10 +36,9 @@ import math
 import time
 
 import numpy as np
-from mpi4py import MPI
 
 from hpcps.blocks import block_range
-from hpcps.mpi.comm import Transport, allreduce, done, wait_all, wait_until
+from hpcps.mpi.comm import MAX, allreduce, done, Transport, wait_all, wait_until
 from hpcps.mpi.protocol import H, Message, Tag
 
 LAST = -1  # EPOCH_END's epoch in the keeper's answer to DONE: nothing follows
@@ -269,7 +268,7 @@ class EpochClock:
         self._poll()
         if self.agree is not None:
             out = np.array([self.ended], dtype=np.int64)
-            allreduce(self.agree, out, MPI.MAX, self.timeout,
+            allreduce(self.agree, out, MAX, self.timeout,
                       "the other partitions of this replica to agree on the end of an epoch")
             self.ended = int(out[0])
         while not self.over:

@@ -38,10 +38,9 @@ from typing import Callable
 import math
 
 import numpy as np
-from mpi4py import MPI
 
 from hpcps import trace
-from hpcps.mpi.comm import PeerTimeout, Transport
+from hpcps.mpi.comm import PeerTimeout, size_of, Transport
 from hpcps.errors import NonFiniteError
 from hpcps.mpi.protocol import HEADER_BYTES, ByteMessage, H, Message, Tag
 from hpcps.ps.liveness import Liveness
@@ -237,7 +236,7 @@ class GradientShard:
         return False
 
     def _recv_packed(self, src: int, status) -> bool:
-        size = status.Get_count(MPI.BYTE)
+        size = size_of(status)
         if size > len(self._packed.buf):
             raise RuntimeError(f"push of {size} bytes from rank {src} is larger than any "
                                "valid message for this shard")

@@ -16,15 +16,14 @@ that returns True ends the loop (the last peer it waited for was lost).
 from __future__ import annotations
 
 import time
-from typing import Callable, Mapping
+from typing import Any, Callable, Mapping
 
-from mpi4py import MPI
 
 from hpcps import trace
-from hpcps.mpi.comm import PeerTimeout, Poller, Transport
+from hpcps.mpi.comm import PeerTimeout, Poller, Transport, size_of, source_of, status, tag_of
 from hpcps.mpi.protocol import Tag
 
-Handler = Callable[[int, MPI.Status], "bool | None"]
+Handler = Callable[[int, Any], "bool | None"]  # (source, the probed status)
 Tick = Callable[[], "bool | None"]
 TICK_EVERY = 64  # messages between two ticks of a busy loop
 
@@ -50,12 +49,12 @@ def serve(comm, handlers: Mapping[int, Handler], timeout: float,
         returning True ends the loop.
     """
     net = Transport(comm)
-    status = MPI.Status()
+    st = status()
     poll = Poller()
     last = time.monotonic()
     handled = 0
     while True:
-        if not net.probe(status):
+        if not net.probe(st):
             if tick is not None and tick():
                 return
             if time.monotonic() - last > timeout:
@@ -65,19 +64,19 @@ def serve(comm, handlers: Mapping[int, Handler], timeout: float,
             continue
         poll.reset()
         last = time.monotonic()
-        source, tag = status.Get_source(), status.Get_tag()
+        source, tag = source_of(st), tag_of(st)
         handler = handlers.get(tag)
         if handler is None:
             raise RuntimeError(f"unexpected message tag {tag} from rank {source}")
         tr = trace.ACTIVE
         if tr is not None:  # the handler's time: receiving the message and acting on it
             t0 = tr.now()
-            nbytes = status.Get_count(MPI.BYTE)
-            finished = handler(source, status)
+            nbytes = size_of(st)
+            finished = handler(source, st)
             tr.message(f"{_tag_name(tag)} from rank {source}", nbytes, t0, source=source)
             if finished:
                 return
-        elif handler(source, status):
+        elif handler(source, st):
             return
         handled += 1
         if tick is not None and handled % TICK_EVERY == 0 and tick():

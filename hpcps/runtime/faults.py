@@ -27,7 +27,7 @@ import sys
 import time
 from pathlib import Path
 
-from hpcps.mpi.comm import PeerTimeout, Poller
+from hpcps.mpi.comm import PeerTimeout, Poller, Transport, source_of, status, test_obj
 from hpcps.errors import ConfigError
 from hpcps.runtime.keeper import KEEPER_ENV
 from hpcps.mpi.protocol import Tag
@@ -147,13 +147,14 @@ def finish(world, reporter: int, result: dict, layout, timeout: float,
         figure replaces ``grace`` and is not passed on to ``summarize``.
     """
     size, rank = world.Get_size(), world.Get_rank()
+    net = Transport(world)
     if rank != reporter:
-        world.send(result, dest=reporter, tag=Tag.RESULT)
-        req = world.irecv(source=reporter, tag=Tag.RESULT)
+        net.send_obj(result, reporter, Tag.RESULT)
+        req = net.post_recv_obj(reporter, Tag.RESULT)
         deadline = time.monotonic() + 2 * timeout + 10  # the reporter may wait `timeout`
         poll = Poller()
         while True:
-            done, lost = req.test()
+            done, lost = test_obj(req)
             if done:
                 return bool(lost)
             if time.monotonic() > deadline:
@@ -176,9 +177,9 @@ def finish(world, reporter: int, result: dict, layout, timeout: float,
         waiting = [r for r in range(size) if results[r] is None and r not in (lost or [])]
         if not waiting:
             break
-        status = _probe(world)
-        if status is not None:
-            results[status] = world.recv(source=status, tag=Tag.RESULT)
+        sender = _probe(net)
+        if sender is not None:
+            results[sender] = net.take_obj(sender, Tag.RESULT)
             continue
         now = time.monotonic()
         if now - start > timeout and any(not layout.role(r).is_replica for r in waiting):
@@ -203,18 +204,15 @@ def finish(world, reporter: int, result: dict, layout, timeout: float,
     summarize(results)
     for r in range(size):
         if r != reporter and r not in lost:
-            world.send(lost, dest=r, tag=Tag.RESULT)
+            net.send_obj(lost, r, Tag.RESULT)
     for r in late:  # never waited for: it may be dead (this rank leaves without finalizing)
-        world.isend(lost, dest=r, tag=Tag.RESULT)
+        net.send_obj_nowait(lost, r, Tag.RESULT)
     return bool(lost)
 
 
-def _probe(world) -> int | None:
-    from mpi4py import MPI
-    status = MPI.Status()
-    if world.Iprobe(MPI.ANY_SOURCE, Tag.RESULT, status):
-        return status.Get_source()
-    return None
+def _probe(net: Transport) -> int | None:
+    st = status()
+    return source_of(st) if net.probe(st, Tag.RESULT) else None
 
 
 def leave(code: int) -> None:

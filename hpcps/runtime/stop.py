@@ -38,9 +38,8 @@ import signal
 import time
 
 import numpy as np
-from mpi4py import MPI
 
-from hpcps.mpi.comm import wait_all
+from hpcps.mpi.comm import SUM, done, start_allreduce, wait_all
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 LOCKSTEP_EVERY = 4  # iterations between two lockstep rounds (a stop lands 4-8 iterations late)
@@ -125,7 +124,7 @@ class StopVote:
     # -- rounds --------------------------------------------------------------------------------
     def _start(self, wish: bool, finished: bool = False) -> None:
         self._send[:] = (int(wish), int(finished))
-        self._req = self.comm.Iallreduce(self._send, self._recv, op=MPI.SUM)
+        self._req = start_allreduce(self.comm, self._send, self._recv, SUM)
 
     def _take(self) -> int:
         """Read the completed round; returns how many ranks said they had finished."""
@@ -143,7 +142,7 @@ class StopVote:
     def poll(self, wish: bool | None = None) -> bool:
         """Asynchronous use, at a safe point: never waits. True once this rank should stop:
         its own flag is set, or a completed round said some rank's was."""
-        if self._req is not None and self._req.Test():
+        if self._req is not None and done(self._req):
             self._take()
         if self._req is None:
             self._start(self.flag.raised if wish is None else wish)

@@ -23,11 +23,9 @@ import threading
 from pathlib import Path
 
 import numpy as np
-from mpi4py import MPI
 
 from hpcps import trace
-from hpcps.blocks import displacements
-from hpcps.mpi.comm import wait_all
+from hpcps.mpi.comm import Transport, bcast, gather_bytes, wait_all
 from hpcps.mpi.protocol import Tag
 
 PINGS = 8
@@ -52,24 +50,25 @@ def start(world, timeout: float) -> Timeline:
     buf = np.zeros(1, dtype=np.int64)
     tracer = trace.Tracer()
     offset = uncertainty = 0.0
+    net = Transport(world)
     if rank == 0:
         for r in range(1, size):
             for _ in range(PINGS):
-                wait_all([world.Irecv(buf, source=r, tag=Tag.TRACE_CLOCK)], timeout,
+                wait_all([net.post_recv(buf, r, Tag.TRACE_CLOCK)], timeout,
                          f"rank {r} to measure its clock against rank 0 (--trace)")
                 buf[0] = time_ns()
-                world.Send(buf, dest=r, tag=Tag.TRACE_CLOCK)
+                net.send_eager(buf, r, Tag.TRACE_CLOCK)
     else:
         samples = []
         for _ in range(PINGS):
             t1 = time_ns()
-            world.Send(buf, dest=0, tag=Tag.TRACE_CLOCK)
-            wait_all([world.Irecv(buf, source=0, tag=Tag.TRACE_CLOCK)], timeout,
+            net.send_eager(buf, 0, Tag.TRACE_CLOCK)
+            wait_all([net.post_recv(buf, 0, Tag.TRACE_CLOCK)], timeout,
                      "rank 0 to answer a clock ping (--trace)")
             samples.append((t1, int(buf[0]), time_ns()))
         offset, uncertainty = trace.clock_offset(samples)
     base = np.array([tracer.t0 if rank == 0 else 0], dtype=np.int64)
-    wait_all([world.Ibcast(base, root=0)], timeout, "rank 0 to send the trace's time zero")
+    bcast(world, base, 0, timeout, "rank 0 to send the trace's time zero")
     return Timeline(tracer, offset, uncertainty, float(base[0]))
 
 
@@ -91,7 +90,7 @@ def finish(world, tl: Timeline, role, run_dir, timeout: float,
            extra: dict | None = None) -> Path | None:
     """Gather every rank's events on rank 0 and write ``run_dir/trace.json`` there
     (collective over ``world``). Returns the path on rank 0, None elsewhere."""
-    rank, size = world.Get_rank(), world.Get_size()
+    rank = world.Get_rank()
     names = {t.ident: t.name for t in threading.enumerate()}
     names[tl.main_ident] = "main"
     events = trace.chrome_events(rank, label(role), tl.tracer.events, tl.offset_ns,
@@ -99,22 +98,11 @@ def finish(world, tl: Timeline, role, run_dir, timeout: float,
     mine = {"rank": rank, "offset_us": round(tl.offset_ns / 1000, 3),
             "uncertainty_us": round(tl.uncertainty_ns / 1000, 3), "events": events}
     data = np.frombuffer(json.dumps(mine).encode(), dtype=np.uint8)
-    counts = np.zeros(size, dtype=np.int64)
-    wait_all([world.Igather(np.array([len(data)], np.int64), counts, root=0)], timeout,
-             "every rank to send the size of its trace (--trace)")
-    recv = None
-    if rank == 0:
-        counts_l = [int(c) for c in counts]
-        out = np.empty(sum(counts_l), dtype=np.uint8)
-        recv = [out, counts_l, displacements(counts_l), MPI.BYTE]
-    wait_all([world.Igatherv(data, recv, root=0)], timeout,
-             "every rank to send its trace events (--trace)")
-    if rank != 0:
+    gathered = gather_bytes(world, data, timeout, "every rank to send its trace events "
+                            "(--trace)")
+    if gathered is None:
         return None
-    parts, lo = [], 0
-    for c in counts_l:
-        parts.append(json.loads(out[lo:lo + c].tobytes()))
-        lo += c
+    parts = [json.loads(b) for b in gathered]
     other = {"clock": "each rank's monotonic clock moved onto rank 0's by the offset "
                       "measured at start (Cristian's method)",
              "offsets_us": {p["rank"]: p["offset_us"] for p in parts},

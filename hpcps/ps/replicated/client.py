@@ -6,9 +6,8 @@ from __future__ import annotations
 import time
 
 import numpy as np
-from mpi4py import MPI
 
-from hpcps.mpi.comm import Transport, done, wait_until
+from hpcps.mpi.comm import REQUEST_NULL, done, size_of, status, Transport, wait_until
 from hpcps.mpi.protocol import HEADER_BYTES, ByteMessage, H, Message, Tag
 from hpcps.ps.client import fill_packed
 from hpcps.ps.liveness import HeartbeatThread
@@ -36,7 +35,7 @@ class ReplicatedClient:
         self.route = [self.shard_ranks[primary(h, self.S, copies, ())] for h in range(self.S)]
         sizes = plan.sizes
         self._params = [Message(n) for n in sizes]
-        self._fetch_req = [MPI.REQUEST_NULL] * self.S
+        self._fetch_req = [REQUEST_NULL] * self.S
         self._ask = []
         for h in range(self.S):
             ask = Message(0)
@@ -46,7 +45,7 @@ class ReplicatedClient:
             self._push = [[Message(n), Message(n)] for n in sizes]
         else:
             self._push = [[ByteMessage(b), ByteMessage(b)] for b in packed_bytes]
-        self._push_req = [[MPI.REQUEST_NULL, MPI.REQUEST_NULL] for _ in range(self.S)]
+        self._push_req = [[REQUEST_NULL, REQUEST_NULL] for _ in range(self.S)]
         self._push_seq = [[0, 0] for _ in range(self.S)]
         self._push_out = [[None, None] for _ in range(self.S)]  # (bytes view, tag) as sent
         self.seq = 0
@@ -65,7 +64,7 @@ class ReplicatedClient:
     # -- events --------------------------------------------------------------------------------
     def _events(self) -> bool:
         """Take acknowledgements and role changes; True if a set was re-routed."""
-        st = MPI.Status()
+        st = status()
         moved = False
         while self.net.probe(st, Tag.PUSH_ACK):
             self.net.take(self._small.buf, st.Get_source(), Tag.PUSH_ACK)
@@ -88,7 +87,7 @@ class ReplicatedClient:
         self.route[h] = new
         self.reroutes += 1
         req = self._fetch_req[h]
-        if req != MPI.REQUEST_NULL and not done(req):  # a fetch of h in flight
+        if req != REQUEST_NULL and not done(req):  # a fetch of h in flight
             if not self.net.cancel(req, time.monotonic() + 1.0):
                 self._params[h] = Message(len(self._params[h]))  # MPI may still write there
             self._fetch_req[h] = self.net.post_recv(self._params[h].buf, new, Tag.PARAMS)
@@ -98,7 +97,7 @@ class ReplicatedClient:
                 continue
             data, tag = self._push_out[h][slot]
             req = self._push_req[h][slot]
-            if req != MPI.REQUEST_NULL and not done(req):  # to the dead: its buffer stays
+            if req != REQUEST_NULL and not done(req):  # to the dead: its buffer stays
                 old = self._push[h][slot]
                 fresh = Message(len(old)) if isinstance(old, Message) else \
                     ByteMessage(len(old.body))
@@ -202,13 +201,13 @@ def receive_final(comm, plan, keys, shard_ranks, heartbeat_timeout: float,
     parts: dict[int, np.ndarray] = {}
     steps, applied = [], {}
     net = Transport(comm)
-    st = MPI.Status()
+    st = status()
     since = time.monotonic()  # one timeout for every set, not one each
     while len(parts) < plan.n_shards:
         wait_until(lambda: net.probe(st, Tag.FINAL_SET), timeout,
                    lambda: "the final state of chunk sets "
                    f"{sorted(set(range(plan.n_shards)) - set(parts))}", since=since)
-        msg = np.empty(st.Get_count(MPI.BYTE), dtype=np.uint8)
+        msg = np.empty(size_of(st), dtype=np.uint8)
         if not net.take_by(msg, st.Get_source(), Tag.FINAL_SET,
                            time.monotonic() + heartbeat_timeout):
             continue

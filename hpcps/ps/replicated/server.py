@@ -7,9 +7,8 @@ import time
 from collections import deque
 
 import numpy as np
-from mpi4py import MPI
 
-from hpcps.mpi.comm import PeerTimeout, Transport, test
+from hpcps.mpi.comm import PeerTimeout, size_of, test, Transport
 from hpcps.mpi.protocol import HEADER_BYTES, ByteMessage, H, Message, Tag
 from hpcps.ps.gradient_shard import ShardPolicy
 from hpcps.ps.liveness import HEARTBEATS_PER_TIMEOUT, HeartbeatThread, Liveness
@@ -191,7 +190,7 @@ class ReplicatedServer:
     def _take(self, src: int, status) -> tuple | None:
         """Receive a push or a forwarded push: (header, dense payload or packed body,
         dense?) or None if it broke off."""
-        tag, size = status.Get_tag(), status.Get_count(MPI.BYTE)
+        tag, size = status.Get_tag(), size_of(status)
         box, dense = self._inbox_for(tag, size, src)
         if not self._receive(box.buf[:size], src, tag):
             if dense:
@@ -331,7 +330,7 @@ class ReplicatedServer:
         return self._finished()
 
     def _recv_set_state(self, src: int, status) -> bool:
-        size = status.Get_count(MPI.BYTE)
+        size = size_of(status)
         msg = np.empty(size, dtype=np.uint8)
         q = self.shard_of[src]
         if not self._receive(msg, src, Tag.SET_STATE):
@@ -358,7 +357,7 @@ class ReplicatedServer:
         return True
 
     def _recv_ckpt(self, src: int, status) -> bool:
-        size = status.Get_count(MPI.BYTE)
+        size = size_of(status)
         msg = np.empty(size, dtype=np.uint8)
         if not self._receive(msg, src, Tag.CKPT_SET):
             return self._finished()

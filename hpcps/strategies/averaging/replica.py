@@ -3,10 +3,9 @@ method: :mod:`hpcps.strategies.averaging`)."""
 from __future__ import annotations
 
 import numpy as np
-from mpi4py import MPI
 
 from hpcps import trace
-from hpcps.mpi.comm import wait_all
+from hpcps.mpi.comm import SUM, allreduce
 from hpcps.strategies.context import Context, finish_on_chief, gather_state
 from hpcps.strategies.loop import ReplicaLoop
 
@@ -50,14 +49,13 @@ class AveragingReplica(ReplicaLoop):
         pack(buf, self.params, self.state, self.keys)
         tr = trace.ACTIVE
         t0 = tr.now() if tr is not None else 0
-        wait_all([self.comm.Iallreduce(MPI.IN_PLACE, buf[:-1], op=MPI.SUM)],
-                 self.cfg.timeout, "the parameter average with the other replicas "
-                 f"(ranks of the partition communicator, size {self.R})")
+        allreduce(self.comm, buf[:-1], SUM, self.cfg.timeout, "the parameter average with "
+                  f"the other replicas (ranks of the partition communicator, size {self.R})")
         if tr is not None:
             tr.message("allreduce parameters", buf[:-1].nbytes, t0)
         buf[-1] = to_mean(buf, self.params, self.R)
-        wait_all([self.comm.Iallreduce(MPI.IN_PLACE, buf[-1:], op=MPI.SUM)],
-                 self.cfg.timeout, "the replicas' spread before averaging")
+        allreduce(self.comm, buf[-1:], SUM, self.cfg.timeout,
+                  "the replicas' spread before averaging")
         self.spread.append(float(np.sqrt(buf[-1] / (self.R * len(self.params)))))
         self.bytes_sent += 2 * 4 * (len(buf) - 1) * (self.R - 1) / self.R
         unpack(buf, self.params, self.state, self.keys)

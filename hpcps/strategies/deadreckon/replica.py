@@ -7,12 +7,13 @@ import zlib
 from collections import deque
 
 import numpy as np
-from mpi4py import MPI
 
 from hpcps import trace
 
 from hpcps.compress import codec as compress
-from hpcps.mpi.comm import barrier, wait_all
+from hpcps.mpi.comm import (LAND, SUM, Transport, all_done, allreduce_obj, barrier, bcast,
+                             gather_obj, reduce_obj, size_of, source_of, status, tag_of,
+                             wait_all)
 from hpcps.options import (
     AUTO,
 )
@@ -68,6 +69,7 @@ class Peers:
 
     def __init__(self, comm, n: int, timeout: float, tick=None):
         self.comm = comm
+        self.net = Transport(comm)
         self.tick = tick  # the job's stop vote, while draining (hpcps.runtime.stop)
         self.n = n
         self.timeout = timeout
@@ -80,7 +82,7 @@ class Peers:
         self.received = 0
         self.bytes_sent = 0
         self.bytes_received = 0
-        self._status = MPI.Status()
+        self._status = status()
 
     def send(self, msg: np.ndarray, step: int, multiple: int) -> None:
         """Send one message to every peer; the buffer is kept alive until the sends finish.
@@ -96,13 +98,13 @@ class Peers:
         buf = np.empty(PREFIX_BYTES + len(msg), dtype=np.uint8)
         buf[:PREFIX_BYTES].view(np.int64)[:] = (step, multiple)
         buf[PREFIX_BYTES:] = msg
-        reqs = [self.comm.Isend(buf, dest=p, tag=Tag.UPDATE) for p in self.peers]
+        reqs = [self.net.send_nowait(buf, p, Tag.UPDATE) for p in self.peers]
         self.pending.append((reqs, buf))
         self.bytes_sent += buf.nbytes * len(self.peers)
         if tr is not None:
             tr.message(f"send update to {len(self.peers)} peers", buf.nbytes * len(self.peers),
                        t0, peers=list(self.peers))
-        while self.pending and MPI.Request.Testall(self.pending[0][0]):
+        while self.pending and all_done(self.pending[0][0]):
             self.pending.popleft()
 
     def poll(self, on_words) -> int:
@@ -118,7 +120,7 @@ class Peers:
         got = misses = 0
         st = self._status
         while misses <= len(self.peers):
-            if self.comm.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG, st):
+            if self.net.probe(st):
                 got += self._receive(st, on_words)
                 misses = 0
             else:
@@ -126,20 +128,20 @@ class Peers:
         return got
 
     def _receive(self, st, on_words) -> int:
-        src, tag = st.Get_source(), st.Get_tag()
+        src, tag = source_of(st), tag_of(st)
         if tag == Tag.DONE:
-            self.comm.Recv(self.rx[:0], source=src, tag=Tag.DONE)
+            self.net.take(self.rx[:0], src, Tag.DONE)
             self.done_from.add(src)
             return 0
         if tag != Tag.UPDATE:
             raise RuntimeError(f"deadreckon got unexpected tag {tag} from replica {src}")
         tr = trace.ACTIVE
         t0 = tr.now() if tr is not None else 0
-        size = st.Get_count(MPI.BYTE)
+        size = size_of(st)
         if not PREFIX_BYTES <= size <= len(self.rx):
             raise compress.CodecError(f"message of {size} bytes from replica {src} is larger "
                                       f"than any valid message for {self.n} weights")
-        self.comm.Recv(self.rx[:size], source=src, tag=Tag.UPDATE)
+        self.net.take(self.rx[:size], src, Tag.UPDATE)
         step, multiple = (int(v) for v in self.rx[:PREFIX_BYTES].view(np.int64))
         if multiple < 1:
             raise compress.CodecError(f"message from replica {src} carries tau = {multiple} "
@@ -156,7 +158,7 @@ class Peers:
 
     def finish(self, on_words) -> None:
         """Tell every peer we are done, then apply messages until every peer said the same."""
-        done_reqs = [self.comm.Isend(self.rx[:0], dest=p, tag=Tag.DONE) for p in self.peers]
+        done_reqs = [self.net.send_nowait(self.rx[:0], p, Tag.DONE) for p in self.peers]
 
         def receive(src: int, status) -> bool:
             self._receive(status, on_words)
@@ -237,7 +239,7 @@ class DeadReckonReplica(ReplicaLoop):
         leader = grid.layout.replica_rank(0, grid.role.partition)
         what = ("the other replicas to take replica 0's warm-start weights" if root else
                 f"replica 0 (rank {leader}) to finish its {self.warmup}-step warm start")
-        wait_all([self.comm.Ibcast(self.params, root=0)], self.cfg.timeout, what)
+        bcast(self.comm, self.params, 0, self.cfg.timeout, what)
         self.reckon.restart()
         self.comp.residual[:] = 0.0
         if self.velocity is not None:
@@ -321,21 +323,21 @@ class DeadReckonReplica(ReplicaLoop):
         """Every replica drained: compare checksums, add up the message figures."""
         ctx, comm, grid = self.ctx, self.comm, self.ctx.grid
         barrier(comm, self.cfg.timeout, "every replica to drain its messages")
-        checksums = comm.gather(zlib.crc32(self.params.tobytes()), root=0)
-        steps_all = comm.reduce(self.done, op=MPI.SUM, root=0)
+        checksums = gather_obj(comm, zlib.crc32(self.params.tobytes()))
+        steps_all = reduce_obj(comm, self.done, SUM)
         # the dense bytes this rank's messages stand for: its slice, 4 bytes a weight, each
         dense = 4 * self.n * self.sent[2]
-        totals = comm.reduce(np.array([*self.sent, dense, self.peers.lag_sum,
-                                       self.peers.received], np.float64), op=MPI.SUM, root=0)
+        totals = reduce_obj(comm, np.array([*self.sent, dense, self.peers.lag_sum,
+                                            self.peers.received], np.float64), SUM)
         if not self.first:
             return {}
         # replica 0's ranks hold the totals of their partition; add up the partitions
         identical = len(set(checksums)) == 1
         if ctx.partitioned:
             rc = grid.replica_comm
-            totals = rc.reduce(totals, op=MPI.SUM, root=0)
-            identical = rc.allreduce(identical, op=MPI.LAND)
-            checksums = rc.gather(checksums, root=0)
+            totals = reduce_obj(rc, totals, SUM)
+            identical = allreduce_obj(rc, identical, LAND)
+            checksums = gather_obj(rc, checksums)
             checksums = [c for part in checksums for c in part] if checksums else checksums
         full = ctx.gather_full(self.params)
         state = {k: ctx.gather_full(v) for k, v in self.checkpoint_state().items()}

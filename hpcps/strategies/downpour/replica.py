@@ -9,7 +9,7 @@ import numpy as np
 from hpcps.compress import codec as compress
 
 from hpcps.ps.chunks import ChunkPlan
-from hpcps.mpi.comm import dup_comm, wait_all
+from hpcps.mpi.comm import Transport, dup_comm, wait_all
 from hpcps.mpi.protocol import H, Message, Tag
 from hpcps.ps import activations, replicated
 from hpcps.ps.client import Client
@@ -198,7 +198,8 @@ class DownpourReplica(ReplicaLoop):
     def _wait_for_release(self) -> None:
         self.ctx.metrics.message(f"replica {self.replica} waits for replica 0's warm start")
         leader = self.layout.replica_rank(0, self.ctx.grid.role.partition)
-        req = self.ctx.grid.world.Irecv(self.flag.buf, source=leader, tag=DownpourTag.WARMUP_DONE)
+        req = Transport(self.ctx.grid.world).post_recv(self.flag.buf, leader,
+                                                      DownpourTag.WARMUP_DONE)
         wait_all([req], self.cfg.timeout, f"replica 0 (rank {leader}) to finish its "
                  f"{self.warmup}-step warm start")
 
@@ -206,8 +207,8 @@ class DownpourReplica(ReplicaLoop):
         part = self.ctx.grid.role.partition
         for other in range(1, self.layout.replicas):
             dest = self.layout.replica_rank(other, part)
-            self.release_reqs.append(self.ctx.grid.world.Isend(self.flag.buf, dest=dest,
-                                                               tag=DownpourTag.WARMUP_DONE))
+            self.release_reqs.append(Transport(self.ctx.grid.world).send_nowait(
+                self.flag.buf, dest, DownpourTag.WARMUP_DONE))
         self.released = True
 
     def _push(self) -> None:
@@ -347,7 +348,7 @@ def _finish_chief(ctx: Context, t0: float) -> dict:
         out = finish_on_chief(ctx, params, state, step, train_s)
         return {**out, "train_s": train_s, "ps_applied": applied}
     msg = final_message(ctx)
-    req = ctx.grid.world.Irecv(msg.buf, source=layout.server_rank(0), tag=DownpourTag.FINAL)
+    req = Transport(ctx.grid.world).post_recv(msg.buf, layout.server_rank(0), DownpourTag.FINAL)
     wait_all([req], ctx.cfg.timeout, f"the final parameters from server shard 0 "
              f"(rank {layout.server_rank(0)})")
     n = ctx.full_model.n_params

@@ -7,7 +7,7 @@ import numpy as np
 
 from hpcps.compress import codec as compress
 
-from hpcps.mpi.comm import gather_to_root, wait_all
+from hpcps.mpi.comm import Transport, gather_to_root, wait_all
 from hpcps.model import optim
 from hpcps.mpi.protocol import H, Tag
 from hpcps.ps import activations, persist, replicated
@@ -155,7 +155,7 @@ def run_server(ctx: Context) -> dict:
         for i, k in enumerate(keys):
             msg.payload[(i + 1) * n:(i + 2) * n] = got[1][k]
         msg.header[H.STEPS] = server.step
-        req = grid.world.Isend(msg.buf, dest=0, tag=DownpourTag.FINAL)
+        req = Transport(grid.world).send_nowait(msg.buf, 0, DownpourTag.FINAL)
         wait_all([req], cfg.timeout, "the chief (rank 0) to take the final parameters")
     return {"shard": s, "pushes": stats.pushes, "fetches": stats.fetches,
             "bytes_in": stats.bytes_in, "bytes_out": stats.bytes_out,

@@ -39,16 +39,47 @@ gradient to rounding.
 """
 from __future__ import annotations
 
+from enum import IntEnum
 from typing import TYPE_CHECKING
 
 from hpcps.errors import CheckpointError, ConfigError
 from hpcps.options import (CHUNK_BYTES, HEARTBEAT_TIMEOUT, INJECT_SLOW, Option,
                            check_fault_options, parse_inject_slow)
 from hpcps.ps.chunks import DEFAULT_CHUNK_BYTES
-from hpcps.strategies.registry import SERVERS, Strategy
+from hpcps.strategies.registry import SERVERS, Strategy, message_tags
 
 if TYPE_CHECKING:
     from hpcps.strategies.context import Context
+
+# CMD: coordinator -> shard, one vector operation (Op); REPLY: shard -> coordinator, its scalar
+# result; TASK: coordinator -> replica (Task); RESULT: replica -> coordinator, a portion done,
+# flushed or an evaluation; PUSH: replica -> shard, the accumulated gradient of accepted
+# portions; PUSH_ACK: shard -> replica, applied; STATE: coordinator -> shard 0, the L-BFGS
+# scalars and metrics for a checkpoint. Fetches of the parameters use the shared FETCH/PARAMS.
+Tag = message_tags("sandblaster", "CMD", "REPLY", "TASK", "RESULT", "PUSH", "PUSH_ACK", "STATE")
+
+
+class Op(IntEnum):
+    """Sandblaster's vector operations, executed by every shard on its own slice."""
+
+    COPY = 1          # v[a] = v[b]
+    AXPY = 2          # v[a] += alpha * v[b]
+    SCALE = 3         # v[a] *= alpha
+    DOT = 4           # reply v[a] . v[b] (this shard's part; the coordinator adds them)
+    RESET_ACC = 5     # gradients pushed from now on accumulate into v[a], starting from 0
+    COMMIT = 6        # add replica a's pushed gradients into the accumulator
+    BAN = 7           # replica a stopped answering: drop what it pushed, ignore it from now on
+    CHECKPOINT = 8    # gather x, g and the history on shard 0, which writes a checkpoint
+    FINISH = 9        # like CHECKPOINT, then leave the loop
+
+
+class Task(IntEnum):
+    """What a sandblaster replica is asked to do."""
+
+    PORTION = 1       # compute the gradient of a portion of the batch
+    FLUSH = 2         # push the accumulated gradient of accepted portions to the shards
+    EVALUATE = 3      # fetch x and report test loss and accuracy (replica 0)
+    STOP = 4
 
 # --------------------------------------------------------------------------------
 def _validate(cfg) -> None:
@@ -130,4 +161,5 @@ STRATEGY = Strategy(
     describe=_describe,
     summary_lines=_summary_lines,
     cost="hpcps.strategies.sandblaster.cost:COST",
+    tags=Tag,
 )

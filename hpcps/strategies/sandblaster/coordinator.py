@@ -6,17 +6,17 @@ import statistics
 import time
 
 import numpy as np
-from mpi4py import MPI
 
 
 from hpcps.runtime import faults
 from hpcps.blocks import block_range
-from hpcps.mpi.comm import PeerTimeout, Poller, wait_all
+from hpcps.mpi.comm import PeerTimeout, Poller, Transport, source_of, status, wait_all
 from hpcps.errors import NonFiniteError
 from hpcps.runtime.metrics import DivergenceWatch
 from hpcps.model.optim import LBFGS
-from hpcps.mpi.protocol import Op, Tag, Task
-from hpcps.ps.lbfgs_shard import CMD_SLOTS
+from hpcps.strategies.sandblaster import Op, Task
+from hpcps.strategies.sandblaster import Tag as SandblasterTag
+from hpcps.strategies.sandblaster.vector_shard import CMD_SLOTS
 from hpcps.strategies.sandblaster.schedule import PortionScheduler
 from hpcps.strategies.context import (Context, check_test_loss, rate, warn_divergence)
 from hpcps.strategies.sandblaster.common import (RESULT_SLOTS, TASK_SLOTS, batch_order,
@@ -28,7 +28,7 @@ class ShardSpace:
     """The named-vector space of :class:`LBFGS`, each operation a command to every shard."""
 
     def __init__(self, ctx: Context, names, runner: "BatchRunner"):
-        self.comm = ctx.grid.world
+        self.net = Transport(ctx.grid.world)
         self.servers = ctx.grid.layout.server_ranks
         self.ids = {name: i for i, name in enumerate(names)}
         self.timeout = ctx.cfg.timeout
@@ -41,11 +41,11 @@ class ShardSpace:
         self.evaluations = 0
 
     def op(self, op: Op, a: int = 0, b: int = 0, alpha: float = 0.0, step: int = 0) -> float:
-        reqs = [self.comm.Irecv(self._replies[i], source=r, tag=Tag.SB_REPLY)
+        reqs = [self.net.post_recv(self._replies[i], r, SandblasterTag.REPLY)
                 for i, r in enumerate(self.servers)]
         self._cmd[:] = (int(op), a, b, alpha, step, 0.0)
         for r in self.servers:
-            self.comm.Send(self._cmd, dest=r, tag=Tag.SB_CMD)
+            self.net.send_eager(self._cmd, r, SandblasterTag.CMD)
         wait_all(reqs, self.timeout, f"server shards {self.servers} to answer {op.name}")
         self.commands += 1
         self.bytes_sent += self._cmd.nbytes * len(self.servers)
@@ -79,7 +79,7 @@ class BatchRunner:
     def __init__(self, ctx: Context):
         cfg = ctx.cfg
         self.ctx = ctx
-        self.comm = ctx.grid.world
+        self.net = Transport(ctx.grid.world)
         self.replicas = [ctx.grid.layout.replica_rank(r) for r in range(ctx.grid.layout.replicas)]
         self.live = list(self.replicas)
         self.portions = cfg.portions
@@ -98,7 +98,7 @@ class BatchRunner:
     def _send(self, r: int, kind: Task, batch=0, portion=0, lo=0, hi=0, vec=0) -> None:
         self._task[:] = (int(kind), batch, portion, lo, hi, self.accept[r], vec, self.data_batch)
         self.accept[r] = 0
-        self.comm.Send(self._task, dest=r, tag=Tag.SB_TASK)
+        self.net.send_eager(self._task, r, SandblasterTag.TASK)
         self.sent_at[r] = time.monotonic()
 
     def run_batch(self, vec: int, space: ShardSpace) -> tuple[float, int]:
@@ -131,18 +131,18 @@ class BatchRunner:
 
         for r in list(self.live):
             dispatch(r)
-        st = MPI.Status()
+        st = status()
         poll = Poller()
         while not sched.finished:
-            if not self.comm.Iprobe(MPI.ANY_SOURCE, Tag.SB_RESULT, st):
+            if not self.net.probe(st, SandblasterTag.RESULT):
                 if self._check_lost(sched, space):
                     for q in list(self.live):  # the lost replica's portions are free again
                         dispatch(q)
                 poll.pause()
                 continue
             poll.reset()
-            r = st.Get_source()
-            self.comm.Recv(self._result, source=r, tag=Tag.SB_RESULT)
+            r = source_of(st)
+            self.net.take(self._result, r, SandblasterTag.RESULT)
             kind, rb, p = int(self._result[0]), int(self._result[1]), int(self._result[2])
             if r not in self.live:
                 continue  # declared lost: whatever it says now is ignored
@@ -198,7 +198,7 @@ class BatchRunner:
         return float(self._result[3]), float(self._result[4])
 
     def _receive_from(self, r: int) -> None:
-        req = self.comm.Irecv(self._result, source=r, tag=Tag.SB_RESULT)
+        req = self.net.post_recv(self._result, r, SandblasterTag.RESULT)
         wait_all([req], self.ctx.cfg.timeout, f"replica rank {r} to answer")
 
     def stop(self) -> None:
@@ -332,6 +332,6 @@ def _next(step: int, every: int) -> int:
 
 def _checkpoint(ctx, space: ShardSpace, opt: LBFGS, op: Op, step: int, metrics: dict) -> None:
     """Shard 0 gathers the vectors and writes the checkpoint with the L-BFGS scalars."""
-    ctx.grid.world.send({"lbfgs": opt.state(), "metrics": metrics},
-                        dest=ctx.grid.layout.server_rank(0), tag=Tag.SB_STATE)
+    Transport(ctx.grid.world).send_obj({"lbfgs": opt.state(), "metrics": metrics},
+                                       ctx.grid.layout.server_rank(0), SandblasterTag.STATE)
     space.op(op, step=step)

@@ -8,9 +8,11 @@ import numpy as np
 
 from hpcps import trace
 
-from hpcps.mpi.comm import PeerTimeout, Poller, wait_all
+from hpcps.mpi.comm import PeerTimeout, Poller, Transport, status, wait_all
 from hpcps.options import parse_inject_slow
-from hpcps.mpi.protocol import H, Message, Tag, Task
+from hpcps.mpi.protocol import H, Message, Tag
+from hpcps.strategies.sandblaster import Tag as SandblasterTag
+from hpcps.strategies.sandblaster import Task
 from hpcps.strategies.context import Context
 from hpcps.strategies.sandblaster.common import (PORTION_CHUNK, RESULT_SLOTS, TASK_SLOTS,
                                                  batch_order, shard_plan)
@@ -18,7 +20,7 @@ from hpcps.strategies.sandblaster.common import (PORTION_CHUNK, RESULT_SLOTS, TA
 # -- replicas -----------------------------------------------------------------------------------
 def run_replica(ctx: Context) -> dict:
     cfg, model, grid = ctx.cfg, ctx.model, ctx.grid
-    world, layout = grid.world, grid.layout
+    net, layout = Transport(grid.world), grid.layout
     coord = layout.n_world - 1
     plan = shard_plan(ctx)
     n = model.n_params
@@ -45,7 +47,7 @@ def run_replica(ctx: Context) -> dict:
     moved = 0  # bytes of parameters fetched and gradients pushed, with their requests
     fetch_bytes = ask.buf.nbytes * plan.n_shards + sum(f.buf.nbytes for f in fetch)
     while True:
-        wait_all([world.Irecv(task, source=coord, tag=Tag.SB_TASK)], cfg.timeout,
+        wait_all([net.post_recv(task, coord, SandblasterTag.TASK)], cfg.timeout,
                  f"the coordinator (rank {coord}) to send work")
         kind, batch, portion, lo, hi, accept, vec, data_batch = (int(v) for v in task)
         ctx.stop_tick()  # the coordinator decides; a replica only passes a signal on
@@ -55,14 +57,14 @@ def run_replica(ctx: Context) -> dict:
         if kind == Task.STOP:
             break
         if kind == Task.EVALUATE:
-            _fetch(world, layout, plan, fetch, ask, vec, x, cfg.timeout)
+            _fetch(net, layout, plan, fetch, ask, vec, x, cfg.timeout)
             moved += fetch_bytes
             loss, accuracy = conv_hogwild.evaluate(model, x, ctx.test_x, ctx.test_y)
             result[:] = (int(Task.EVALUATE), batch, 0, loss, accuracy, 0)
-            world.Send(result, dest=coord, tag=Tag.SB_RESULT)
+            net.send(result, coord, SandblasterTag.RESULT)
             continue
         if batch != current:  # parameters are fetched once per evaluation of a batch
-            _fetch(world, layout, plan, fetch, ask, vec, x, cfg.timeout)
+            _fetch(net, layout, plan, fetch, ask, vec, x, cfg.timeout)
             moved += fetch_bytes
             acc[:] = 0.0
             current = batch
@@ -70,7 +72,7 @@ def run_replica(ctx: Context) -> dict:
             order, order_of = batch_order(ctx, data_batch), data_batch
         if kind == Task.PORTION:
             if math.isinf(slow) and done_portions > 0:
-                _stall(world, coord, task, cfg.timeout)  # stops answering, as a dead machine
+                _stall(net, coord, task, cfg.timeout)  # stops answering, as a dead machine
                 break
             t = time.perf_counter()
             tr = trace.ACTIVE
@@ -89,40 +91,41 @@ def run_replica(ctx: Context) -> dict:
             have_pg = True
             done_portions += 1
             result[:] = (int(Task.PORTION), batch, portion, loss * len(rows), len(rows), 0)
-            world.Send(result, dest=coord, tag=Tag.SB_RESULT)
+            net.send(result, coord, SandblasterTag.RESULT)
         elif kind == Task.FLUSH:
             for s in range(plan.n_shards):
                 msg = push[s]
                 msg.header[H.VECTOR] = vec
                 plan.take(s, acc, out=msg.payload)
-                req = world.Irecv(ack.buf, source=layout.server_rank(s), tag=Tag.SB_PUSH_ACK)
-                world.Send(msg.buf, dest=layout.server_rank(s), tag=Tag.SB_PUSH)
+                req = net.post_recv(ack.buf, layout.server_rank(s), SandblasterTag.PUSH_ACK)
+                net.send(msg.buf, layout.server_rank(s), SandblasterTag.PUSH)
                 wait_all([req], cfg.timeout, f"server shard {s} to take a gradient push")
                 moved += msg.buf.nbytes + ack.buf.nbytes
             acc[:] = 0.0
             result[:] = (int(Task.FLUSH), batch, 0, 0, 0, 0)
-            world.Send(result, dest=coord, tag=Tag.SB_RESULT)
+            net.send(result, coord, SandblasterTag.RESULT)
     return {"replica_portions": done_portions, "compute_s": compute_s, "bytes_moved": moved}
 
 
-def _fetch(world, layout, plan, msgs, ask, vec, out, timeout) -> None:
-    reqs = [world.Irecv(msgs[s].buf, source=layout.server_rank(s), tag=Tag.PARAMS)
+def _fetch(net, layout, plan, msgs, ask, vec, out, timeout) -> None:
+    reqs = [net.post_recv(msgs[s].buf, layout.server_rank(s), Tag.PARAMS)
             for s in range(plan.n_shards)]
     ask.header[H.VECTOR] = vec
     for s in range(plan.n_shards):
-        world.Send(ask.buf, dest=layout.server_rank(s), tag=Tag.FETCH)
+        net.send_eager(ask.buf, layout.server_rank(s), Tag.FETCH)
     wait_all(reqs, timeout, "the server shards to send the parameters")
     for s in range(plan.n_shards):
         plan.put(s, msgs[s].payload, out)
 
 
-def _stall(world, coord, task, timeout) -> None:
+def _stall(net, coord, task, timeout) -> None:
     """--inject-slow RANK:stall: answer nothing more, only wait for the coordinator's STOP."""
     poll = Poller()
     deadline = time.monotonic() + timeout
+    st = status()
     while True:
-        if world.Iprobe(coord, Tag.SB_TASK):
-            world.Recv(task, source=coord, tag=Tag.SB_TASK)
+        if net.probe(st, SandblasterTag.TASK, coord):
+            net.take(task, coord, SandblasterTag.TASK)
             if int(task[0]) == Task.STOP:
                 return
         elif time.monotonic() > deadline:

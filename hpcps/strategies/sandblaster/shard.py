@@ -5,8 +5,8 @@ from __future__ import annotations
 
 
 from hpcps.mpi.comm import gather_to_root
-from hpcps.mpi.protocol import Op
-from hpcps.ps.lbfgs_shard import VectorShard
+from hpcps.strategies.sandblaster import Op
+from hpcps.strategies.sandblaster.vector_shard import VectorShard
 from hpcps.strategies.context import Context, save_checkpoint
 from hpcps.strategies.sandblaster.common import shard_plan, vector_names
 

@@ -3,10 +3,9 @@ method: :mod:`hpcps.strategies.sync`)."""
 from __future__ import annotations
 
 import numpy as np
-from mpi4py import MPI
 
 from hpcps import trace
-from hpcps.mpi.comm import wait_all
+from hpcps.mpi.comm import SUM, allreduce
 from hpcps.strategies.context import Context, finish_on_chief, gather_state
 from hpcps.strategies.loop import ReplicaLoop
 
@@ -26,9 +25,8 @@ def sync_step(comm, gradient, optimizer, params, state, x, y, buf, timeout: floa
     if comm.Get_size() > 1:
         tr = trace.ACTIVE
         t0 = tr.now() if tr is not None else 0
-        req = comm.Iallreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
-        wait_all([req], timeout, "the gradient allreduce with the other replicas "
-                 f"(ranks of the partition communicator, size {comm.Get_size()})")
+        allreduce(comm, buf, SUM, timeout, "the gradient allreduce with the other replicas "
+                  f"(ranks of the partition communicator, size {comm.Get_size()})")
         if tr is not None:
             tr.message("allreduce gradient", buf.nbytes, t0)
         buf *= np.float32(1.0 / comm.Get_size())

@@ -2,9 +2,7 @@
 from __future__ import annotations
 
 import numpy as np
-from mpi4py import MPI
-
-from hpcps.mpi.comm import wait_all
+from hpcps.mpi.comm import SUM, allreduce
 from hpcps.strategies.context import Context, finish_on_chief, gather_state
 from hpcps.strategies.loop import ReplicaLoop
 
@@ -34,12 +32,11 @@ class OneShotReplica(ReplicaLoop):
 
     def after_loop(self) -> None:
         mean = self.params.copy()
-        wait_all([self.comm.Iallreduce(MPI.IN_PLACE, mean, op=MPI.SUM)], self.cfg.timeout,
-                 f"the final average with the other {self.R - 1} replica(s)")
+        allreduce(self.comm, mean, SUM, self.cfg.timeout,
+                  f"the final average with the other {self.R - 1} replica(s)")
         mean *= np.float32(1.0 / self.R)
         dist = np.array([np.sum((self.params - mean) ** 2, dtype=np.float64)])
-        wait_all([self.comm.Iallreduce(MPI.IN_PLACE, dist, op=MPI.SUM)], self.cfg.timeout,
-                 "the replicas' distance to the average")
+        allreduce(self.comm, dist, SUM, self.cfg.timeout, "the replicas' distance to the average")
         self.spread = float(np.sqrt(dist[0] / (self.R * len(mean))))
         self.params[...] = mean
 

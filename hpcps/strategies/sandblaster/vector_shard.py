@@ -24,7 +24,9 @@ from typing import Callable
 import numpy as np
 
 from hpcps.mpi.comm import Transport
-from hpcps.mpi.protocol import H, Message, Op, Tag
+from hpcps.mpi.protocol import H, Message, Tag
+from hpcps.strategies.sandblaster import Op
+from hpcps.strategies.sandblaster import Tag as SandblasterTag
 from hpcps.ps.serve import serve
 
 CMD_SLOTS = 6  # op, a, b, alpha, step, spare (float64)
@@ -74,13 +76,14 @@ class VectorShard:
 
     def serve(self) -> None:
         """Serve commands, fetches and pushes until the coordinator sends FINISH."""
-        serve(self.comm, {Tag.SB_CMD: self._recv_command, Tag.FETCH: self._recv_fetch,
-                          Tag.SB_PUSH: self._recv_push, Tag.SB_STATE: self._recv_state},
+        serve(self.comm, {SandblasterTag.CMD: self._recv_command, Tag.FETCH: self._recv_fetch,
+                          SandblasterTag.PUSH: self._recv_push,
+                          SandblasterTag.STATE: self._recv_state},
               self.timeout, lambda: f"the coordinator (rank {self.coordinator}) and the replicas",
               self.tick)
 
     def _recv_command(self, src: int, status) -> bool:
-        self.net.take(self._cmd, src, Tag.SB_CMD)
+        self.net.take(self._cmd, src, SandblasterTag.CMD)
         return self._command(self._cmd)
 
     def _recv_fetch(self, src: int, status) -> bool:
@@ -103,8 +106,8 @@ class VectorShard:
     def _recv_push(self, src: int, status) -> bool:
         """Gradients of accepted portions wait in the replica's pending buffer until COMMIT."""
         if self.may_lose is None:
-            self.net.take(self._push.buf, src, Tag.SB_PUSH)
-        elif not self.net.take_by(self._push.buf, src, Tag.SB_PUSH,
+            self.net.take(self._push.buf, src, SandblasterTag.PUSH)
+        elif not self.net.take_by(self._push.buf, src, SandblasterTag.PUSH,
                                   time.monotonic() + self.may_lose):
             self._push = Message(self.n)  # MPI may still write the old buffer
             self._drop(src)
@@ -112,12 +115,12 @@ class VectorShard:
         if src not in self.banned:
             buf = self.pending.setdefault(src, np.zeros(self.n, dtype=np.float32))
             buf += self._push.payload
-        self.net.send_eager(self._ack.buf, src, Tag.SB_PUSH_ACK)
+        self.net.send_eager(self._ack.buf, src, SandblasterTag.PUSH_ACK)
         return False
 
     def _recv_state(self, src: int, status) -> bool:
         """What the next checkpoint should record besides vectors (L-BFGS scalars)."""
-        self.note = self.comm.recv(source=src, tag=Tag.SB_STATE)
+        self.note = self.net.take_obj(src, SandblasterTag.STATE)
         return False
 
     def _command(self, cmd: np.ndarray) -> bool:
@@ -152,5 +155,5 @@ class VectorShard:
         else:
             raise RuntimeError(f"unknown sandblaster operation {op}")
         self._reply[0] = value
-        self.net.send_eager(self._reply, self.coordinator, Tag.SB_REPLY)
+        self.net.send_eager(self._reply, self.coordinator, SandblasterTag.REPLY)
         return op == Op.FINISH
