@@ -1,7 +1,7 @@
 """Benchmark the conv engine on Project Adam's MNIST network; print one JSON object to stdout.
 
-Examples/s of :class:`hpcps.engine.conv_hogwild.ConvHogwild` training ``--model adam-mnist`` on MNIST
-(the dataset needs ``image_shape``; ``python -m hpcps.data prepare mnist`` writes it) with
+Examples/s of :class:`hpcps.engine.conv_hogwild.ConvHogwild` training ``--model adam-mnist``
+on MNIST (the dataset needs ``image_shape``; ``python -m hpcps.data prepare mnist`` writes it) with
 T = 1 and 2 Hogwild threads of the compiled engine (``ext/convnet.pyx``), T = 1 of the NumPy
 reference (``engine_numpy_T1``, what runs without the extension), mini-batch 128, plain SGD,
 and PyTorch on the CPU with the same
@@ -41,6 +41,7 @@ from hpcps.io import data
 from hpcps.engine.conv_hogwild import ConvHogwild  # noqa: E402
 from hpcps.model.convnet import ConvNet  # noqa: E402
 from hpcps.kernels import blas  # noqa: E402
+from checks import fail, loss_fell  # noqa: E402  (bench/checks.py)
 from machine import cpu_features, cpu_model  # noqa: E402  (bench/machine.py)
 
 try:
@@ -49,6 +50,12 @@ except ImportError:
     torch = None
 
 BATCH, LR, SPEC = 128, 0.01, "adam-mnist"
+
+
+# What each timed configuration must have learned before any figure prints: the loss on
+# CHECK_ROWS training rows fell below FELL_TO of where it started, and ended within
+# LOSS_SPREAD times engine_T1's (the reference: the same examples, another order or library)
+CHECK_ROWS, FELL_TO, LOSS_SPREAD = 1024, 0.98, 1.5
 
 
 def sgemm_peak(n: int = 1024, repeats: int = 3) -> float:
@@ -73,8 +80,12 @@ def engine_runner(model, threads, x, y, steps, compiled=None):
         _, n = engine.train(params, x, y, order, LR, steps_per_thread=n_steps)
         return n, time.perf_counter() - t
 
+    def loss():
+        return float(model.loss(params, x[:CHECK_ROWS], y[:CHECK_ROWS]))
+
+    first = loss()
     run(1)
-    return lambda: run(steps)
+    return lambda: run(steps), first, loss
 
 
 def torch_runner(model, threads, x, y, steps):
@@ -112,8 +123,13 @@ def torch_runner(model, threads, x, y, steps):
             opt.step()
         return n_batches * BATCH, time.perf_counter() - t
 
+    def loss():
+        with torch.no_grad():
+            return float(loss_fn(net(X[:CHECK_ROWS]), Y[:CHECK_ROWS]))
+
+    first = loss()
     run(1)
-    return lambda: run(steps)
+    return lambda: run(steps), first, loss
 
 
 def main():
@@ -139,10 +155,18 @@ def main():
     peak = sgemm_peak()
     samples = {k: [] for k in runners}
     for r in range(args.repeats):
-        for name, run in runners.items():
+        for name, (run, _, _) in runners.items():
             n, s = run()
             samples[name].append(n / s)
             log(f"  repeat {r} {name}: {n / s:,.0f} ex/s")
+    losses = {name: (first, loss()) for name, (_, first, loss) in runners.items()}
+    for name, (first, last) in losses.items():
+        loss_fell(name, first, last, FELL_TO)
+    ref = losses["engine_T1"][1]
+    for name, (_, last) in losses.items():
+        if not ref / LOSS_SPREAD <= last <= ref * LOSS_SPREAD:
+            fail(f"{name}: final loss {last:.4g}, engine_T1's {ref:.4g} "
+                 f"(allowed: within {LOSS_SPREAD}x)")
     flops, conns = model.flops_per_example(), model.connections()
     res = {}
     for name, v in samples.items():
@@ -173,6 +197,7 @@ def main():
            "flops_per_example": flops, "connections_per_example": conns,
            "sgemm_peak_gflops_1_thread": round(peak, 1), "results": res,
            "paired_ratios_median": paired,
+           "loss_first_last": {k: [round(a, 4), round(b, 4)] for k, (a, b) in losses.items()},
            "targets": {"engine_over_torch_T1": 1.0, "engine_over_torch_T2": 1.3}}
     print(json.dumps(out, indent=1))
 
