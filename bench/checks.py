@@ -32,9 +32,10 @@ def close(what: str, got, want, rtol: float, atol: float) -> None:
 
 
 def loss_fell(what: str, first: float, last: float, at_most: float) -> None:
-    """Exit non-zero unless the loss is finite and fell to at most ``at_most`` of its start
-    (a run that diverged or did not learn has no speed worth printing)."""
+    """Exit non-zero unless the loss is finite and fell below ``at_most`` times its start
+    (a run that diverged or did not learn has no speed worth printing; with ``at_most`` 1, a
+    loss that did not move at all, as with a gradient of zeros, fails)."""
     if not (math.isfinite(first) and math.isfinite(last)):
         fail(f"{what}: loss not finite ({first!r} -> {last!r})")
-    if not last <= at_most * first:
-        fail(f"{what}: loss {first:.4g} -> {last:.4g}, expected at most {at_most:g}x the first")
+    if not last < at_most * first:
+        fail(f"{what}: loss {first:.4g} -> {last:.4g}, expected below {at_most:g}x the first")
