@@ -13,6 +13,11 @@ from pathlib import Path
 import pytest
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+# hpcps.train and hpcps.tools.scaling set these (to 1, unless set) when first imported, which
+# some tests do inside a test: set here, once, so the environment each test starts from
+# already holds them (the environ_left_as_found fixture below checks every test).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("MKL_NUM_THREADS", "1")
 
 REPO = Path(__file__).resolve().parents[1]
 
