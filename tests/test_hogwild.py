@@ -1,5 +1,5 @@
-"""Tests for hpcps.engine.hogwild: the nogil engine against hpcps.model.mlp.MLP, Hogwild convergence,
-the delta a replica pushes, input checks, and the NumPy fallback (in a subprocess).
+"""Tests for hpcps.engine.hogwild: the nogil engine against hpcps.model.mlp.MLP, Hogwild
+convergence, the delta a replica pushes, input checks, and the NumPy fallback (in a subprocess).
 
 BLAS is kept to one thread by conftest.py (OPENBLAS_NUM_THREADS=1 before numpy loads).
 """

@@ -1,5 +1,5 @@
-"""--trace (hpcps.trace, hpcps.runtime.timeline): the recorder and the format alone, then 4-rank runs
-of downpour, sync and deadreckon whose one trace.json holds every rank's compute, waits and
+"""--trace (hpcps.trace, hpcps.runtime.timeline): the recorder and the format alone, then 4-rank
+runs of downpour, sync and deadreckon whose one trace.json holds every rank's compute, waits and
 messages (with bytes) on one clock."""
 from __future__ import annotations
 
