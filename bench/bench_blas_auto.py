@@ -28,10 +28,29 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from hpcps.engine import hogwild  # noqa: E402
 from hpcps.kernels import blas  # noqa: E402
 from hpcps.model.mlp import MLP  # noqa: E402
+from checks import close, loss_fell  # noqa: E402  (bench/checks.py)
 from machine import cpu_features, cpu_model, save  # noqa: E402  (bench/machine.py)
 
 MODELS = [(784, 512, 512, 10), (784, 1024, 1024, 10)]
 BATCH = 128
+# the engine's float32 gradient with either library against NumPy's MLP (float64 inputs):
+# sums of 128 rows of 784-1024 products in float32 round at about 1e-6 relative
+RTOL, ATOL = 1e-3, 1e-5
+
+
+def check_engine(engine, sizes, x, y, params):
+    """With each library, the engine's loss and gradient on one mini-batch equal NumPy's
+    reference model's within RTOL, ATOL (exits non-zero otherwise)."""
+    ref = MLP(sizes)
+    p64 = params.astype(np.float64)
+    want_loss, want = ref.loss_and_grad(p64, x[:BATCH].astype(np.float64), y[:BATCH])
+    for name in ("openblas", "mkl"):
+        blas.use(name)
+        grad = np.empty_like(params)
+        loss = engine.loss_and_grad(params, x[:BATCH], y[:BATCH], grad=grad)
+        loss = loss[0] if isinstance(loss, tuple) else loss
+        close(f"{'-'.join(map(str, sizes))} with {name}: loss", loss, want_loss, RTOL, ATOL)
+        close(f"{'-'.join(map(str, sizes))} with {name}: gradient", grad, want, RTOL, ATOL)
 
 
 def main():
@@ -55,6 +74,8 @@ def main():
         verdicts = [blas.decide(blas.time_sgemm({"openblas": 0, "mkl": mkl}, shapes)["rounds"])
                     for _ in range(args.choices)]
         params = MLP(sizes).init_params(0)
+        check_engine(engine, sizes, x, y, params)
+        first = MLP(sizes).loss_and_grad(params, x[:2048], y[:2048])[0]
         rng = np.random.default_rng(0)
         ratios = []
         for r in range(args.rounds):
@@ -66,6 +87,9 @@ def main():
                 engine.train(params, x, y, order, 0.01, steps_per_thread=args.steps)
                 t[name] = time.perf_counter() - t0
             ratios.append(t["openblas"] / t["mkl"])
+        # what was timed trained: the loss on 2,048 training rows fell and stayed finite
+        loss_fell(f"{'-'.join(map(str, sizes))} training", first,
+                  MLP(sizes).loss_and_grad(params, x[:2048], y[:2048])[0], 0.95)
         engine_speed = statistics.median(ratios)
         faster = "mkl" if engine_speed > 1.0 else "openblas"
         out["models"]["-".join(map(str, sizes))] = {

@@ -45,6 +45,7 @@ import numpy as np  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hpcps.kernels import blas, gemm  # noqa: E402
+from checks import close  # noqa: E402  (bench/checks.py)
 from machine import cpu_features, cpu_model, save  # noqa: E402  (bench/machine.py)
 
 try:
@@ -81,6 +82,12 @@ UPDATE_SHAPES = [(784, 1024, 128), (1024, 1024, 128), (1024, 1024, 32)]
 TILES = [(64, 1024), (256, 256), (512, 512), (1024, 1024)]  # 1024x1024 = whole G: unfused
 
 
+
+
+# Checked before any figure prints (bench/checks.py): float32 products against float64 NumPy.
+# A sum of K products of unit normals is about sqrt(K) in size and its float32 rounding
+# error about 1e-7 * K; RTOL, ATOL_PER_K leave two orders of magnitude above that.
+RTOL, ATOL_PER_K = 1e-4, 1e-5
 
 
 def median_time(fn, repeats):
@@ -125,6 +132,16 @@ def bench_sgemm(repeats, rng):
                 impls["mkl"] = None
             if hasattr(_gemm, "sgemm_blocked"):
                 impls["blocked_cython"] = lambda: _gemm.sgemm_blocked(A, B, out, trans_a)
+        want = opA.astype(np.float64) @ B.astype(np.float64)
+        for name, fn in impls.items():  # what is timed computes A @ B
+            out.fill(np.nan)
+            if fn is None:  # MKL's sgemm through the same call
+                blas.use("mkl")
+                impls["cython_blas"]()
+                blas.use("openblas")
+            else:
+                fn()
+            close(f"sgemm {what} {name}", out, want, RTOL, ATOL_PER_K * K)
         row = {"shape": what, "M": M, "K": K, "N": N, "trans_a": trans_a}
         times = {}
         if "mkl" in impls:
@@ -168,6 +185,11 @@ def bench_bias_act(repeats, rng):
                 impls["fused_compiled_pass"] = lambda: _gemm.gemm_bias_act(X, W, b, act, out)
                 impls["fused_row_blocks_32"] = (
                     lambda: _gemm.gemm_bias_act(X, W, b, act, out, 32))
+            want = numpy_bias_act(X.astype(np.float64), W.astype(np.float64), b, act)
+            for name, fn in impls.items():  # what is timed computes act(X @ W + b)
+                out.fill(np.nan)
+                got = fn() if name == "numpy" else (fn(), out)[1]
+                close(f"bias+act {what} {act} {name}", got, want, RTOL, ATOL_PER_K * K)
             row = {"shape": what, "act": act}
             for name, fn in impls.items():
                 t = median_time(fn, repeats)
@@ -208,6 +230,15 @@ def bench_update(repeats, rng):
             impls["fused_t1_default"] = lambda: gemm.fused_outer_adagrad(W, acc, A, E, LR, EPS)
             impls["fused_t2_default"] = (
                 lambda: gemm.fused_outer_adagrad(W, acc, A, E, LR, EPS, threads=2))
+        G64 = A.T.astype(np.float64) @ E.astype(np.float64)
+        acc64 = acc0 + G64 * G64
+        W64 = W0 - LR * G64 / (np.sqrt(acc64) + EPS)
+        for name, fn in impls.items():  # from the same start, each takes the same step
+            W[...], acc[...] = W0, acc0
+            fn()
+            close(f"update {M}x{N} k={k} {name}: accumulator", acc, acc64, RTOL,
+                  ATOL_PER_K * k * k)
+            close(f"update {M}x{N} k={k} {name}: weights", W, W64, RTOL, ATOL_PER_K)
         flops = 2.0 * M * N * k
         row = {"M": M, "N": N, "k": k}
         for name, fn in impls.items():
@@ -273,6 +304,15 @@ def bench_zero_skip(repeats, rng):
             Z = np.empty((B, N), np.float32)
             G = np.empty((K, N), np.float32)
             flops = 2.0 * B * K * N
+            fwd64 = X.astype(np.float64) @ W.astype(np.float64)
+            step64 = -1e-3 * (X.T.astype(np.float64) @ D.astype(np.float64))
+            for isa in gemm.ZERO_SKIP_ISAS:  # the kernels compute what OpenBLAS does
+                Z.fill(np.nan)
+                gemm.zero_skip_matmul(X, W, Z, isa=isa)
+                close(f"zero_skip_matmul {isa} {name} N={N}", Z, fwd64, RTOL, ATOL_PER_K * K)
+                W1 = W.copy()
+                gemm.zero_skip_update(W1, X, D, -1e-3, isa=isa)
+                close(f"zero_skip_update {isa} {name} N={N}", W1 - W, step64, RTOL, 1e-6)
             for isa in gemm.ZERO_SKIP_ISAS:
                 t_fwd_blas, t_fwd_skip, r_fwd = paired_ratio(
                     lambda: gemm.sgemm(X, W, Z),

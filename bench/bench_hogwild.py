@@ -46,6 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from hpcps.engine import hogwild  # noqa: E402
 from hpcps.kernels import blas  # noqa: E402
 from hpcps.model.mlp import MLP  # noqa: E402
+from checks import fail, loss_fell  # noqa: E402  (bench/checks.py)
 from machine import cpu_features, cpu_model, save  # noqa: E402  (bench/machine.py)
 
 try:
@@ -54,6 +55,12 @@ except ImportError:
     torch = None
 
 BATCH, LR = 128, 0.01
+# What each timed configuration must have learned before any figure prints: the loss on
+# CHECK_ROWS training rows fell (at all: the smallest settings train a few mini-batches, and
+# PyTorch's initialisation learns slowly at this lr: 2.301 -> 2.298 measured in 7 steps) and
+# ended within LOSS_SPREAD times hogwild_T1's (the reference: the same examples, another order or
+# library), finite. A gradient of zeros leaves the loss where it was and fails.
+CHECK_ROWS, FELL_TO, LOSS_SPREAD = 2048, 1.0, 1.5
 MODELS = [(784, 512, 512, 10), (784, 1024, 1024, 10)]
 
 
@@ -118,8 +125,13 @@ def hogwild_runner(sizes, threads, x, y, steps, backend="threads", with_delta=Fa
             _, n = engine.train(params, x, y, order, LR, steps_per_thread=n_steps, delta=delta)
         return n, t
 
+    def loss():
+        return float(MLP(sizes, "relu").loss_and_grad(params, x[:CHECK_ROWS],
+                                                      y[:CHECK_ROWS])[0])
+
+    first = loss()
     run(2)  # warm-up: page in contexts, BLAS buffers
-    return lambda: run(steps)
+    return lambda: run(steps), first, loss
 
 
 def torch_runner(sizes, threads, x, y, steps):
@@ -150,15 +162,20 @@ def torch_runner(sizes, threads, x, y, steps):
                 opt.step()
         return n_batches * BATCH, t
 
+    def loss():
+        with torch.no_grad():
+            return float(loss_fn(net(X[:CHECK_ROWS]), Y[:CHECK_ROWS]))
+
+    first = loss()
     run(2)
-    return lambda: run(steps)
+    return lambda: run(steps), first, loss
 
 
 def measure(runners, repeats, log):
     """Run every configuration once per repeat, interleaved; medians per configuration."""
     samples = {name: [] for name in runners}
     for r in range(repeats):
-        for name, run in runners.items():
+        for name, (run, _, _) in runners.items():
             n, t = run()
             samples[name].append((n / t.wall, n / max(t.cpu, 1e-9)))
             log(f"  repeat {r} {name}: {n / t.wall:,.0f} ex/s")
@@ -218,6 +235,14 @@ def main():
         else:
             auto_info = {"blas": "openblas", "reason": "MKL not loadable", "timing": None}
         res = measure(runners, args.repeats, log)
+        losses = {name: (first, loss()) for name, (_, first, loss) in runners.items()}
+        for name, (first, last) in losses.items():
+            loss_fell(f"{key} {name}", first, last, FELL_TO)
+        ref = losses["hogwild_T1"][1]
+        for name, (_, last) in losses.items():
+            if not ref / LOSS_SPREAD <= last <= ref * LOSS_SPREAD:
+                fail(f"{key} {name}: final loss {last:.4g}, hogwild_T1's {ref:.4g} "
+                     f"(allowed: within {LOSS_SPREAD}x)")
         ratios = {}
         for tag, field in (("", "examples_per_s"), ("_best", "best_examples_per_s"),
                            ("_per_cpu_s", "examples_per_cpu_s")):
@@ -256,6 +281,8 @@ def main():
                 paired[f"hogwild_auto_over_torch_{t}"] = pair(f"hogwild_{t}{suffix}",
                                                               f"torch_{t}")
         out["models"][key] = {"results": res, "ratios": ratios, "blas_auto": auto_info,
+                              "loss_first_last": {k: [round(a, 4), round(b, 4)]
+                                                  for k, (a, b) in losses.items()},
                               "paired_ratios_median": paired}
     out["machine"]["loadavg_end"] = os.getloadavg()
     print(json.dumps(out, indent=1))

@@ -23,6 +23,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from checks import close  # noqa: E402  (bench/checks.py)
 from hpcps.kernels import reference  # noqa: E402
 from machine import cpu_model, save  # noqa: E402  (bench/machine.py)
 
@@ -32,8 +33,25 @@ except ImportError:
     compiled = None
 
 LR, EPS = 0.01, 1e-8
+# float32 kernels against the same update in float64: a few ulps of w after three updates
+RTOL, ATOL = 1e-5, 1e-6
 
 
+def check_update(name, update, n):
+    """Three updates of ``update`` on random inputs must equal Adagrad in float64 within
+    RTOL, ATOL (exits non-zero otherwise): what is timed is what is checked."""
+    rng = np.random.default_rng(1)
+    n = min(n, 1_000_003)  # odd: a tail past any blocking
+    w = rng.standard_normal(n, dtype=np.float32)
+    accum = rng.random(n, dtype=np.float32)
+    w64, a64 = w.astype(np.float64), accum.astype(np.float64)
+    for _ in range(3):
+        g = rng.standard_normal(n, dtype=np.float32)
+        update(w, g, accum)
+        a64 += g.astype(np.float64) ** 2
+        w64 -= LR * g / (np.sqrt(a64) + EPS)
+    close(f"{name}: accumulator", accum, a64, RTOL, ATOL)
+    close(f"{name}: weights", w, w64, RTOL, ATOL)
 
 
 def naive_adagrad(w, g, accum, lr, eps):
@@ -68,19 +86,17 @@ def main(argv=None):
     if args.n < 1 or args.repeats < 1:
         parser.error("--n and --repeats must be >= 1")
 
-    results = {}
+    updates = {}
     if compiled is not None:
         for threads in (1, 2):
-            results[f"compiled_t{threads}"] = time_update(
-                lambda w, g, a, t=threads: compiled.adagrad_update(w, g, a, LR, EPS, t),
-                args.n, args.repeats,
-            )
-    results["numpy_reference"] = time_update(
-        lambda w, g, a: reference.adagrad_update(w, g, a, LR, EPS), args.n, args.repeats
-    )
-    results["numpy_naive"] = time_update(
-        lambda w, g, a: naive_adagrad(w, g, a, LR, EPS), args.n, args.repeats
-    )
+            updates[f"compiled_t{threads}"] = (
+                lambda w, g, a, t=threads: compiled.adagrad_update(w, g, a, LR, EPS, t))
+    updates["numpy_reference"] = lambda w, g, a: reference.adagrad_update(w, g, a, LR, EPS)
+    updates["numpy_naive"] = lambda w, g, a: naive_adagrad(w, g, a, LR, EPS)
+    for name, update in updates.items():  # before any figure: each computes Adagrad
+        check_update(name, update, args.n)
+    results = {name: time_update(update, args.n, args.repeats)
+               for name, update in updates.items()}
 
     # Speed-ups: time of the NumPy version divided by time of the compiled one.
     ratios = {}

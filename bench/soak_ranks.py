@@ -38,7 +38,6 @@ import json
 import os
 import platform
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -49,6 +48,9 @@ from pathlib import Path
 from machine import cpu_model, save  # bench/machine.py
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+from mpirun import end_launch, tagged_env  # noqa: E402  (tests/mpirun.py: one way to kill)
+
 BATCH_STEPS = 10                 # whole-set L-BFGS evaluations for batch methods
 CPU_FLAGS = ("avx2", "fma", "avx512f")
 
@@ -97,37 +99,6 @@ def tail(path: Path, lines: int = 15) -> str:
         return ""
 
 
-def descendants(pid: int) -> list[int]:
-    """Every process below ``pid`` (children first), from /proc; [] where there is no /proc."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    found, todo = [], [pid]
-    while todo:
-        kids = children.get(todo.pop(), [])
-        found += kids
-        todo += kids
-    return found
-
-
-def kill_tree(pid: int) -> None:
-    """SIGKILL the run's process group and every process below it.
-
-    The group alone is not enough: MPICH's hydra proxy starts itself and every rank in a new
-    session, so killing mpiexec's group leaves them to the proxy's goodwill.
-    """
-    below = descendants(pid)  # before the kill: orphans are reparented and lost from view
-    for kill, target in [(os.killpg, pid)] + [(os.kill, p) for p in below]:
-        try:
-            kill(target, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-
-
 def run_one(mpiexec: str, n: int, strategy: str, layout: list[str], traits: dict,
             a: argparse.Namespace, work: Path) -> dict:
     """Run one training job under a hard wall-clock limit; return its record."""
@@ -139,7 +110,7 @@ def run_one(mpiexec: str, n: int, strategy: str, layout: list[str], traits: dict
     cmd = [mpiexec, "-n", str(n), sys.executable, "-m", "hpcps.train", "--strategy", strategy,
            *layout, "--data", str(a.data), "--layers", width, *steps, "--eval-every", "0",
            "--checkpoint-every", "0", "--timeout", "120", "--run-dir", str(run_dir)]
-    env = dict(os.environ, OPENBLAS_NUM_THREADS="1")
+    env, tag = tagged_env(dict(os.environ, OPENBLAS_NUM_THREADS="1"))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     rec = {"strategy": strategy, "ranks": n, "layout": layout, "status": None, "exit_code": None,
            "seconds": None, "replicas": None, "test_accuracy": None}
@@ -153,7 +124,7 @@ def run_one(mpiexec: str, n: int, strategy: str, layout: list[str], traits: dict
             rec["status"] = "hung"
         finally:  # on a hang, and on Ctrl-C: leave no rank behind
             if rec["exit_code"] is None:
-                kill_tree(proc.pid)
+                end_launch(proc.pid, tag)  # mpiexec, Hydra's proxies and every rank
                 proc.wait()
     rec["seconds"] = round(time.monotonic() - t0, 1)
     stderr = (work / "stderr.log").read_text(errors="replace")

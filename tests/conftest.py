@@ -13,6 +13,11 @@ from pathlib import Path
 import pytest
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+# hpcps.train and hpcps.tools.scaling set these (to 1, unless set) when first imported, which
+# some tests do inside a test: set here, once, so the environment each test starts from
+# already holds them (the environ_left_as_found fixture below checks every test).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("MKL_NUM_THREADS", "1")
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -121,6 +126,39 @@ def mnist_h5():
         if os.environ.get("CI", "").lower() == "true":
             pytest.fail(f"{reason} (CI=true: CI must be able to download it)")
         pytest.skip(reason)
+
+
+# What pytest itself sets and unsets around each test.
+ENVIRON_SET_BY_PYTEST = {"PYTEST_CURRENT_TEST"}
+
+# Libraries hpcps imports lazily that set variables when first imported (threadpoolctl and
+# scikit-learn both setdefault KMP_DUPLICATE_LIB_OK): imported here, once, so that the
+# environment every test starts from already holds what they set.
+for _name in ("threadpoolctl", "sklearn"):
+    try:
+        __import__(_name)
+    except ImportError:
+        pass
+
+
+@pytest.fixture(autouse=True)
+def environ_left_as_found():
+    """Fail any test that leaves os.environ changed.
+
+    A variable one test sets (say HPCPS_BLAS) reaches every process the later tests launch,
+    so they would test a different configuration than they claim. ``monkeypatch.setenv`` is
+    undone before this check runs (this fixture is set up first, so torn down last).
+    """
+    before = {k: v for k, v in os.environ.items() if k not in ENVIRON_SET_BY_PYTEST}
+    yield
+    after = {k: v for k, v in os.environ.items() if k not in ENVIRON_SET_BY_PYTEST}
+    changed = {k: (before.get(k), after.get(k)) for k in before.keys() | after.keys()
+               if before.get(k) != after.get(k)}
+    if changed:
+        os.environ.clear()
+        os.environ.update(before)  # so the next tests start from the same environment
+        pytest.fail(f"the test left os.environ changed (name: (before, after)): {changed}",
+                    pytrace=False)
 
 
 def pytest_ignore_collect(collection_path, config):

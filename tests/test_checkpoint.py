@@ -14,6 +14,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 import pytest
+from mpirun import read_line
 
 from hpcps.io import checkpoint
 from hpcps.errors import CheckpointError
@@ -172,7 +173,7 @@ def test_sigkill_mid_write_leaves_the_previous_checkpoint_intact(tmp_path):
                             stdout=subprocess.PIPE, text=True, env=ENV)
     tmp = tmp_path / f"c.h5.tmp-{proc.pid}"
     try:
-        assert proc.stdout.readline().strip() == "ready"
+        assert read_line(proc.stdout.fileno(), 60).strip() == "ready"
         deadline = time.monotonic() + 60
         while not (tmp.exists() and tmp.stat().st_size > 4 << 20):
             assert proc.poll() is None, "the writer finished before it could be killed"
@@ -199,10 +200,12 @@ def test_sigkill_at_random_moments_never_damages_the_checkpoint(tmp_path):
     for delay in (0.0, 0.05, 0.2, 0.45):
         proc = subprocess.Popen([sys.executable, "-c", WRITER, str(path), "2000", "loop"],
                                 stdout=subprocess.PIPE, text=True, env=ENV)
-        assert proc.stdout.readline().strip() == "ready"
-        time.sleep(delay)
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(timeout=30)
+        try:
+            assert read_line(proc.stdout.fileno(), 60).strip() == "ready"
+            time.sleep(delay)
+        finally:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(timeout=30)
         got = checkpoint.load(path)  # whichever save completed last, never a broken file
         if got.step == 1:
             assert same(got, make(step=1, sizes=(2000, 10)))

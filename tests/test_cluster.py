@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+from mpirun import end_launch
 
 ROOT = Path(__file__).resolve().parents[1]
 CLUSTER = ROOT / "bench" / "cluster"
@@ -98,7 +99,7 @@ def test_a_bench_stopped_midway_leaves_no_host_behind(tmp_path):
         proc.wait(timeout=60)
     finally:
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+            end_launch(proc.pid)
             subprocess.run([str(CLUSTER / "netns.sh"), "down"], timeout=60)
     assert proc.returncode != 0
     assert _hosts() == [] and _links() == []

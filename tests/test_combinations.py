@@ -19,10 +19,12 @@ here; its own option values go in ``OWN`` below):
 Each combination is first judged in this process the way every rank judges it at start
 (``config.parse``, then the layout plan). Accepted: ``mpiexec -n N python -m hpcps.train`` on
 the digits set must finish within its time limit, reach the requested step and learn (test
-accuracy at least 60%, against 10% for chance and about 20% for a model stopped early at this
-size; the runs reach 85-97%). Refused: the same command must end with exit code 2 within
-seconds, before any training (no progress record), with exactly one ``hpcps: error`` line
-holding the message the in-process check gave, and no traceback.
+accuracy at least the bar of its kind, 0.7-0.8, set from measured runs: see ``MIN_ACCURACY``;
+10% is chance and about 20% a model stopped early at this size). Refused: the same command
+must end with exit code 2 before any training (no progress record, no checkpoint), with
+exactly one ``hpcps: error`` line holding the message the in-process check gave, and no
+traceback. Beside the matrix, ``MUST_ACCEPT`` and ``MUST_REFUSE`` are written by hand from
+the docs, so that the code under test is not the only judge of what it should accept.
 
 The product has about 765,000 combinations (downpour alone 746,496), too many for every run, so
 the default run takes a fixed sample per strategy (``pairwise.pairwise``, a deterministic
@@ -54,7 +56,15 @@ from hpcps.errors import ConfigError
 from hpcps.strategies.registry import strategies
 
 FULL = os.environ.get("HPCPS_FULL_MATRIX") == "1"
-MIN_ACCURACY = 0.6
+# Test accuracy bars, from the sample's 77 accepted runs measured on 2026-11-26 (2 shared
+# cores, load 5-15; chance is 0.1, a model stopped early about 0.2): SGD strategies at a
+# constant rate 0.833-0.972 (median 0.925, 47 runs); with --lr-schedule cosine, whose rate
+# falls to 0 over the 600 steps, 0.794-0.947 (median 0.889, 19 runs); sandblaster's 10 L-BFGS
+# steps, which give the same result on every layout, 0.842 with the MLP and 0.733 with the
+# conv model. Each bar is 0.03-0.1 under the lowest measured run of its kind.
+MIN_ACCURACY = 0.8
+MIN_ACCURACY_COSINE = 0.7
+MIN_ACCURACY_SANDBLASTER = {"mlp": 0.8, "conv": 0.7}
 LAYERS = "64,32,10"
 CONV = "conv3x3x8p1,pool2,fc32,fc10"  # digits: 8x8 -> 8x8x8 -> 4x4x8 -> 32 -> 10
 MODELS = [["--layers", LAYERS], ["--model", CONV], ["--model", CONV, "--dropout", "0.25"]]
@@ -254,6 +264,13 @@ def accepted(case: dict, spec) -> bool:
     return verdict(case["argv"] + run_options(spec), case["n"]) is None
 
 
+def min_accuracy(argv: list[str]) -> float:
+    """The accuracy bar of an accepted combination (see MIN_ACCURACY)."""
+    if strategies()[argv[1]].whole_batch:
+        return MIN_ACCURACY_SANDBLASTER["conv" if "--model" in argv else "mlp"]
+    return MIN_ACCURACY_COSINE if "cosine" in argv else MIN_ACCURACY
+
+
 def records(run_dir, kind):
     path = run_dir / "metrics.jsonl"
     if not path.exists():
@@ -275,8 +292,10 @@ def test_combination(case, digits_h5, tmp_path):
         assert run.returncode == 2, (refused, run.output[-3000:])
         errors = [line for line in run.stderr.splitlines() if line.startswith("hpcps: error")]
         assert len(errors) == 1 and refused.splitlines()[0] in errors[0], (refused, run.stderr)
+        # at once, ordered by events and not by the clock (13 ranks start slowly on 2 shared
+        # cores): no progress record, no checkpoint, nothing trained
         assert "Traceback" not in run.output and not records(tmp_path, "progress")
-        assert run.seconds < 30, run.seconds
+        assert not (tmp_path / "checkpoint.h5").exists()
         return
     assert run.returncode == 0, run.output[-4000:]
     summary = records(tmp_path, "summary")
@@ -285,13 +304,103 @@ def test_combination(case, digits_h5, tmp_path):
     # an epoch quorum lets an epoch end without a slow replica's last mini-batches
     least = int(steps[1]) // 2 if "--epoch-quorum" in argv else int(steps[1])
     assert s["step"] >= least, s
-    assert s["test_accuracy"] >= MIN_ACCURACY, (s["test_accuracy"], run.stdout[-2000:])
+    bar = min_accuracy(argv)
+    assert s["test_accuracy"] >= bar, (s["test_accuracy"], bar, run.stdout[-2000:])
     if not strategies()[argv[1]].whole_batch:  # a replica's iteration and its pass, timed
         assert 0 < s["pass_cpu_s"] and 0 < s["pass_s"] < s["step_s"], s
     if "--trace" in argv:
         events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
         ranks = {e["pid"] for e in events if e["ph"] == "X"}
         assert ranks == set(range(n)), (sorted(ranks), n)
+
+
+# -- a fixed list, written by hand from docs/options.md and docs/strategies.md ----------------
+# The matrix above judges each row by hpcps's own parse and layout plan; these do not: each
+# entry is what the docs say, so a valid combination wrongly refused (or a documented refusal
+# wrongly accepted) fails here whatever the code computes. (ranks, options, where it is said)
+MUST_ACCEPT = [
+    (16, ["--servers", "4", "--partitions", "1"], "strategies.md: N = 16 example grids"),
+    (16, ["--servers", "4", "--partitions", "2"], "strategies.md: 6 replicas of 2 ranks"),
+    (16, ["--strategy", "sync", "--partitions", "4"], "strategies.md: 4 replicas of 4 ranks"),
+    (3, ["--strategy", "downpour"], "options.md: --servers default P, so S = 1, R = 2"),
+    (4, ["--strategy", "downpour", "--partitions", "2", "--servers", "2"], "S + R * P"),
+    (8, ["--strategy", "downpour", "--servers", "2", "--partitions", "2"],
+     "strategies.md: S + R * P, S a multiple of P"),
+    (4, ["--strategy", "sandblaster"], "strategies.md: S = 1 + R = 2 + 1 coordinator"),
+    (5, ["--strategy", "sandblaster", "--servers", "2"],
+     "strategies.md: N = S + C + R * P, 2 + 1 + 2 * 1"),
+    (2, ["--strategy", "sync"], "options.md: --servers 0 for the others"),
+    (3, ["--strategy", "sync", "--partitions", "3", "--threads", "2"], "--threads any P"),
+    (2, ["--strategy", "averaging", "--average-every", "4", "--average-state", "off"],
+     "options.md: averaging only"),
+    (2, ["--strategy", "sync", "--optimizer", "momentum", "--nesterov", "on"], "options.md"),
+    (2, ["--strategy", "sync", "--weight-decay", "1e-4", "--lr-schedule", "cosine"],
+     "options.md: --weight-decay, --lr-schedule with sync"),
+    (2, ["--strategy", "deadreckon", "--lr-scaling", "sqrt", "--golomb", "off"],
+     "options.md: deadreckon only"),
+    (2, ["--strategy", "deadreckon", "--tau", "auto", "--density", "0.02",
+         "--sparsity-warmup", "100", "--residual-clip", "4", "--grad-clip", "5"],
+     "options.md: --tau auto, --density, clipping"),
+    (3, ["--strategy", "downpour", "--n-fetch", "2", "--n-push", "3"], "downpour only"),
+    (3, ["--strategy", "downpour", "--compress", "threshold", "--tau", "0.01"],
+     "options.md: --tau with --compress threshold"),
+    (3, ["--strategy", "downpour", "--compress", "threshold", "--tau", "auto"],
+     "compression.md: mpiexec -n 3 ... --compress threshold --tau auto"),
+    (3, ["--strategy", "downpour", "--staleness-bound", "1"], "needs --n-fetch 1 (default)"),
+    (3, ["--strategy", "downpour", "--softsync", "2", "--staleness-lr", "on"], "options.md"),
+    (4, ["--strategy", "downpour", "--epoch-quorum", "0.75"], "options.md: Project Adam"),
+    (3, ["--strategy", "downpour", "--push", "activations"], "options.md: --push"),
+    (3, ["--strategy", "downpour", "--persist-every", "1"], "options.md: downpour only"),
+    (4, ["--strategy", "downpour", "--heartbeat-timeout", "10"],
+     "fault-tolerance.md: mpiexec -n 4 ... --heartbeat-timeout 10"),
+    (4, ["--strategy", "downpour", "--servers", "2", "--ps-copies", "2"],
+     "options.md: --servers at least C, --partitions 1"),
+    (4, ["--strategy", "sandblaster", "--heartbeat-timeout", "10", "--flush-every", "1"],
+     "options.md: sandblaster takes --heartbeat-timeout"),
+    (3, ["--strategy", "downpour", "--chunk-bytes", "1024"], "downpour, sandblaster"),
+    (3, ["--strategy", "downpour", "--model", CONV, "--dropout", "0.25"], "--dropout, --model"),
+    (3, ["--strategy", "downpour", "--inject-slow", "0:3"], "a replica's world rank"),
+]
+# (ranks, options, a word the one message must hold: the option or the layout it refuses)
+MUST_REFUSE = [
+    (2, ["--strategy", "sync", "--n-push", "2"], "--n-push"),
+    (3, ["--strategy", "downpour", "--tau", "0.01"], "--tau"),
+    (2, ["--strategy", "deadreckon", "--optimizer", "adagrad"], "optimizer"),
+    (4, ["--strategy", "sandblaster", "--optimizer", "sgd"], "optimizer"),
+    (3, ["--strategy", "downpour", "--staleness-bound", "1", "--n-fetch", "2"], "--n-fetch"),
+    (3, ["--strategy", "downpour", "--push", "activations", "--weight-decay", "1e-4"],
+     "--push activations"),
+    (3, ["--strategy", "downpour", "--push", "activations", "--chunk-bytes", "1024"],
+     "--push activations"),
+    (4, ["--strategy", "downpour", "--servers", "1", "--ps-copies", "2"], "--servers"),
+    (5, ["--strategy", "downpour", "--servers", "2", "--partitions", "2"], "5"),
+    (4, ["--strategy", "downpour", "--servers", "2", "--partitions", "3"], "multiple of P"),
+    (4, ["--strategy", "sandblaster", "--partitions", "2"], "--partitions 1"),
+    (2, ["--strategy", "sync", "--average-every", "2"], "--average-every"),
+    (2, ["--strategy", "sync", "--lr-scaling", "sqrt"], "--lr-scaling"),
+    (3, ["--strategy", "downpour", "--dropout", "0.25"], "--dropout"),
+    (4, ["--strategy", "sandblaster", "--inject-slow", "3:2"], "--inject-slow"),
+]
+
+
+def _doc_id(n: int, argv: list[str]) -> str:
+    return f"N{n} " + " ".join(argv)
+
+
+@pytest.mark.parametrize("n,argv,where", MUST_ACCEPT,
+                         ids=[_doc_id(n, a) for n, a, _ in MUST_ACCEPT])
+def test_what_the_docs_allow_is_accepted(n, argv, where):
+    run = BATCH_RUN if "sandblaster" in argv[:2] else SGD_RUN
+    refused = verdict(argv + run, n)
+    assert refused is None, (where, refused)
+
+
+@pytest.mark.parametrize("n,argv,word", MUST_REFUSE,
+                         ids=[_doc_id(n, a) for n, a, _ in MUST_REFUSE])
+def test_what_the_docs_refuse_is_refused(n, argv, word):
+    run = BATCH_RUN if "sandblaster" in argv[:2] else SGD_RUN
+    refused = verdict(argv + run, n)
+    assert refused is not None and word in refused, refused
 
 
 def test_the_sample_covers_every_pair():

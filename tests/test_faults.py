@@ -3,14 +3,13 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
 
 import pytest
 from faultinject import kill_rank, wait_for_step
-from mpirun import ROOT, mpiexec
+from mpirun import ROOT, end_launch, mpiexec, tagged_env
 
 from hpcps import config
 from hpcps.errors import ConfigError
@@ -83,22 +82,30 @@ LIMIT_S = 150
 
 
 def launch(run_dir, data_h5, n=4, extra=()):
-    env = dict(os.environ, OPENBLAS_NUM_THREADS="1",
-               PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    """The job, started; its launch tag is ``proc.tag`` (for :func:`mpirun.end_launch`)."""
+    path = str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")
+    env, tag = tagged_env(dict(os.environ, OPENBLAS_NUM_THREADS="1", PYTHONPATH=path))
     cmd = [mpiexec(), "-disable-auto-cleanup", "-n", str(n), sys.executable, "-m",
            "hpcps.keeper", *RUN, *extra, "--data", str(data_h5), "--run-dir", str(run_dir)]
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=env, start_new_session=True)
+    proc.tag = tag
+    return proc
 
 
 def finish(proc, what):
     try:
         out, _ = proc.communicate(timeout=LIMIT_S)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        end_launch(proc.pid, proc.tag)
         out, _ = proc.communicate()
         raise AssertionError(f"{what}: no end within {LIMIT_S} s (hang?)\n{out[-3000:]}")
     return out
+
+
+def records_of(run_dir, kind):
+    recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in recs if r["kind"] == kind]
 
 
 def summary(run_dir):
@@ -111,18 +118,21 @@ def test_sigkill_of_a_replica_mid_run(mnist_h5, tmp_path):
     other replicas take over its share, the run completes with exit code 0, the summary
     names rank 2, and the accuracy is within 0.5 points of the same run without the kill."""
     healthy = tmp_path / "healthy"
+    started = time.monotonic()
     out = finish(launch(healthy, mnist_h5), "healthy run")
+    healthy_s = time.monotonic() - started
     base = summary(healthy)
     assert base["lost_ranks"] == [], out[-2000:]
 
     hurt = tmp_path / "hurt"
     proc = launch(hurt, mnist_h5)
     try:
-        wait_for_step(hurt / "metrics.jsonl", 600, LIMIT_S)
+        killed_step = wait_for_step(hurt / "metrics.jsonl", 600, LIMIT_S)
         kill_rank(proc.pid, 2)
         killed_at = time.monotonic()
     except BaseException:
-        os.killpg(proc.pid, signal.SIGKILL)
+        end_launch(proc.pid, proc.tag)
+        proc.communicate()
         raise
     out = finish(proc, "run with rank 2 killed")
     ended_s = time.monotonic() - killed_at
@@ -134,7 +144,14 @@ def test_sigkill_of_a_replica_mid_run(mnist_h5, tmp_path):
     assert "hpcps.keeper: rank 2" in out and "SIGKILL" in out
     assert s["step"] >= 2000 and s["step"] - s["steps_trained"] == 0
     assert abs(s["test_accuracy"] - base["test_accuracy"]) <= 0.005, (s, base)
-    assert ended_s < LIMIT_S
+    # How soon it ended: the loss is noticed within the heartbeat timeout (2 s), so progress
+    # never stalls much longer than that (a wait for --timeout, 30 s, would), and the rest of
+    # the run (at most 70% of its steps) takes no longer than the whole healthy run did, plus
+    # that pause and a margin for a shared machine.
+    times = [r["time_s"] for r in records_of(hurt, "progress") if r["step"] >= killed_step]
+    stall = max(b - a for a, b in zip(times, times[1:]))
+    assert stall < 2 + 8, (stall, times)
+    assert ended_s < healthy_s + 2 + 15, (ended_s, healthy_s)
 
 
 # -- a primary server shard killed mid-run (--ps-copies) -----------------------------------------
@@ -161,7 +178,8 @@ def test_sigkill_of_a_primary_shard_mid_run(mnist_h5, tmp_path, copies, victim, 
         wait_for_step(hurt / "metrics.jsonl", 600, LIMIT_S)
         kill_rank(proc.pid, victim)
     except BaseException:
-        os.killpg(proc.pid, signal.SIGKILL)
+        end_launch(proc.pid, proc.tag)
+        proc.communicate()
         raise
     out = finish(proc, f"replicated run with rank {victim} killed")
     assert proc.returncode == 0, out[-3000:]
@@ -209,7 +227,8 @@ def test_sigkill_of_a_sandblaster_replica_mid_run(mnist_h5, tmp_path):
         wait_for_step(hurt / "metrics.jsonl", 10, LIMIT_S)
         kill_rank(proc.pid, 2)
     except BaseException:
-        os.killpg(proc.pid, signal.SIGKILL)
+        end_launch(proc.pid, proc.tag)
+        proc.communicate()
         raise
     out = finish(proc, "sandblaster run with rank 2 killed")
     assert proc.returncode == 0, out[-3000:]

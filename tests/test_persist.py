@@ -12,7 +12,7 @@ import h5py
 import numpy as np
 import pytest
 from faultinject import wait_for_step
-from mpirun import ROOT, mpiexec, train
+from mpirun import ROOT, end_launch, mpiexec, tagged_env, train
 
 from hpcps.io import checkpoint
 from hpcps.ps.chunks import ChunkPlan
@@ -184,15 +184,15 @@ def test_sigkill_of_the_whole_job_loses_at_most_the_reported_window(digits_h5, t
     cmd = [mpiexec(), "-n", "4", sys.executable, "-m", "hpcps.train", "--data",
            str(digits_h5), "--layers", "64,512,512,10", "--steps", "200000", "--servers", "2",
            "--progress-every", "0.2", *COMMON, "--run-dir", str(run_dir)]
-    env = {**os.environ, "OPENBLAS_NUM_THREADS": "1",
-           "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env, tag = tagged_env({**os.environ, "OPENBLAS_NUM_THREADS": "1",
+                           "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")})
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             env=env, start_new_session=True)
     try:
         wait_for_step(run_dir / "metrics.jsonl", 1500, 120)
         time.sleep(0.37)
     finally:
-        os.killpg(proc.pid, signal.SIGKILL)
+        end_launch(proc.pid, tag)  # the whole job: mpiexec, Hydra's proxies and every rank
         proc.wait(timeout=30)
     reported = records(run_dir / "metrics.jsonl", "progress")
     last = reported[-1]

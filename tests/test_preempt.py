@@ -17,7 +17,7 @@ from pathlib import Path
 
 import h5py
 import pytest
-from mpirun import ROOT, mpiexec, train
+from mpirun import ROOT, end_launch, mpiexec, tagged_env, train
 
 from hpcps import config
 
@@ -80,8 +80,8 @@ def run_and_signal(n: int, args: list[str], run_dir: Path, sig: int, target: str
     as ``pkill -f hpcps.train`` does: each rank gets it twice, directly and forwarded).
     Returns (exit code, output, the step signalled at)."""
     cmd = [mpiexec(), "-n", str(n), sys.executable, "-m", "hpcps.train", *args]
-    env = {**os.environ, "OPENBLAS_NUM_THREADS": "1",
-           "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env, tag = tagged_env({**os.environ, "OPENBLAS_NUM_THREADS": "1",
+                           "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")})
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=env, start_new_session=True)
     deadline = time.monotonic() + timeout
@@ -107,10 +107,7 @@ def run_and_signal(n: int, args: list[str], run_dir: Path, sig: int, target: str
             time.sleep(0.05)
         out, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
     except BaseException:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        end_launch(proc.pid, tag)
         proc.communicate()
         raise
     return proc.returncode, out, sent_at

@@ -10,7 +10,7 @@ import pty
 import subprocess
 import sys
 
-from mpirun import ROOT, mpiexec
+from mpirun import ROOT, end_launch, mpiexec, read_until, tagged_env
 
 from hpcps.runtime import progress
 from hpcps.runtime.metrics import Metrics
@@ -68,7 +68,7 @@ def test_under_mpiexec_on_a_terminal_rank_zero_draws_a_bar(digits_h5, tmp_path):
     """mpiexec forwards the ranks' output through pipes: the bar is drawn because the launcher
     writes to a terminal (a pseudo-terminal here)."""
     leader, follower = pty.openpty()
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OPENBLAS_NUM_THREADS="1")
+    env, tag = tagged_env(dict(os.environ, PYTHONPATH=str(ROOT), OPENBLAS_NUM_THREADS="1"))
     env.pop("HPCPS_PROGRESS", None)
     cmd = [mpiexec(), "-n", "2", sys.executable, "-m", "hpcps.train", "--strategy", "sync",
            "--data", str(digits_h5), "--layers", "64,32,10", "--steps", "200", "--batch-size",
@@ -77,17 +77,13 @@ def test_under_mpiexec_on_a_terminal_rank_zero_draws_a_bar(digits_h5, tmp_path):
     proc = subprocess.Popen(cmd, stdout=follower, stderr=follower, env=env,
                             start_new_session=True)
     os.close(follower)
-    chunks = []
-    while True:
-        try:
-            data = os.read(leader, 65536)
-        except OSError:  # the pty closes when every writer has gone
-            break
-        if not data:
-            break
-        chunks.append(data)
-    assert proc.wait(timeout=120) == 0, b"".join(chunks)[-2000:]
-    os.close(leader)
-    out = b"".join(chunks).decode(errors="replace")
+    try:
+        data = read_until(leader, 120)  # until every writer has gone, or fail at the deadline
+        assert proc.wait(timeout=30) == 0, data[-2000:]
+    finally:
+        end_launch(proc.pid, tag)  # nothing of a hung run outlives the test
+        proc.wait()
+        os.close(leader)
+    out = data.decode(errors="replace")
     assert progress.CLEAR in out and "%  step " in out, out[-2000:]
     assert "progress   step=" not in out  # (without a terminal: plain lines, tests above)

@@ -33,13 +33,17 @@ RUN = ["--layers", "64,32,10", "--steps", "400", "--batch-size", "16", "--eval-e
        "--progress-every", "0.5", "--timeout", "60"]
 
 
-@pytest.mark.parametrize("n,S,C,extra", [
-    (4, 2, 2, []),
-    (5, 3, 3, ["--threads", "2", "--n-push", "2", "--lr-schedule", "cosine"]),
+# Accuracy bars, from runs measured on 2026-11-26 (2 runs each, 2 shared cores, load 5-11):
+# N4 0.922, 0.928; N5-T2 0.836, 0.833 (cosine to 0 and 2 pushes per step learn less in 400
+# steps); N6 0.919, 0.903. Each bar is about 0.07-0.08 below the lowest (chance: 0.1).
+@pytest.mark.parametrize("n,S,C,extra,bar", [
+    (4, 2, 2, [], 0.85),
+    (5, 3, 3, ["--threads", "2", "--n-push", "2", "--lr-schedule", "cosine"], 0.75),
     (6, 3, 2, ["--compress", "threshold", "--tau", "auto", "--density", "0.05",
-               "--warmup-steps", "0"]),
+               "--warmup-steps", "0"], 0.83),
 ], ids=["N4-S2-C2", "N5-S3-C3-T2", "N6-S3-C2-compressed"])
-def test_healthy_runs_commit_every_push_on_every_copy(digits_h5, tmp_path, n, S, C, extra):
+def test_healthy_runs_commit_every_push_on_every_copy(digits_h5, tmp_path, n, S, C, extra,
+                                                      bar):
     """Without failures: every set applied exactly the pushes committed, the collector wrote
     the periodic checkpoints, and the final checkpoint resumes on another layout without
     copies."""
@@ -54,7 +58,7 @@ def test_healthy_runs_commit_every_push_on_every_copy(digits_h5, tmp_path, n, S,
     # every copy beyond the first applied every push as a secondary
     assert s["replicated_pushes"] == (C - 1) * S * s["pushes_committed"], s
     assert "server shard 0 wrote checkpoint" in r.output and "at step 300" in r.output
-    assert s["test_accuracy"] >= 0.6
+    assert s["test_accuracy"] >= bar, s["test_accuracy"]
     with h5py.File(run_dir / "checkpoint.h5") as f:
         assert int(f.attrs["step"]) == s["step"]
     r2 = train(3, "--data", str(digits_h5), *RUN[:2], "--steps", str(s["step"] + 200),

@@ -351,9 +351,18 @@ def test_compute_is_measured_on_the_replicas_code_and_the_users_rows(digits_h5):
 
 
 def test_measure_together_runs_processes_at_once():
+    """``slowdown`` is clamped at 1, so it is not checked alone: the unclamped ratio of the
+    medians, together over alone, must be that of the same pass timed twice (CPU seconds:
+    measured 0.77-0.83 at 2 processes on this 2-core machine, 2026-11-26), not the zero or
+    the huge ratio of a pass not run or of times mixed up; and HPCPS_BLAS, which the
+    processes are started with, is not left in this process (the autouse fixture checks)."""
+    before = os.environ.get("HPCPS_BLAS")
     r = scaling.measure_together([64, 32, 10], 16, 2, repeats=3)
-    assert r["processes"] == 2 and r["slowdown"] >= 1.0
-    assert r["together_s"] > 0 and r["alone_s"] > 0
+    assert os.environ.get("HPCPS_BLAS") == before
+    assert r["processes"] == 2 and r["alone_s"] > 0
+    ratio = r["together_s"] / r["alone_s"]
+    assert 0.5 <= ratio <= 4.0, r
+    assert r["slowdown"] < 4.0, r
 
 
 def test_the_cluster_check_takes_each_runs_own_calibration(tmp_path, monkeypatch):

@@ -17,7 +17,7 @@ import time
 
 import pytest
 from faultinject import wait_for_step
-from mpirun import ROOT, mpiexec, train
+from mpirun import ROOT, end_launch, mpiexec, tagged_env, train
 
 from hpcps.runtime import stacks
 from hpcps.mpi.comm import PeerTimeout
@@ -63,12 +63,22 @@ def test_watchdog_answers_a_request_with_every_thread(tmp_path):
 
 
 def test_a_request_of_another_job_is_ignored(tmp_path):
+    """Ordered by events, not by a sleep: the other job's request is there before the
+    watchdog starts, and an ask of this job comes after; the ask is answered, so the watchdog
+    has looked at least once while the other job's request lay there, and it did not answer
+    that (it answers a request before an ask, and stops after a request)."""
+    (tmp_path / "stacks").mkdir(exist_ok=True)
+    (tmp_path / "stacks" / "request-job-1").write_text("old\n")
     dumper = _dumper(tmp_path, token="job-2").start()
     try:
-        (tmp_path / "stacks").mkdir(exist_ok=True)
-        (tmp_path / "stacks" / "request-job-1").write_text("old\n")
-        time.sleep(3 * stacks.POLL_S)
-        assert not dumper.written.is_set()
+        (tmp_path / "stacks" / f"{stacks.ASK}-job-2").write_text("q1\n")
+        deadline = time.monotonic() + 60
+        while not dumper.path(0).exists():  # an answer to an ask sets no event
+            assert time.monotonic() < deadline, "the watchdog answered no ask within 60 s"
+            time.sleep(0.05)
+        answered = stacks.read_dump(dumper.path(0), "job-2")
+        assert answered.reason == f"{stacks.ASKED}q1", answered
+        assert not dumper.written.is_set()  # no final dump: the other job's request is not ours
     finally:
         dumper.stop()
     old = _dumper(tmp_path, token="job-1")
@@ -156,8 +166,8 @@ def test_python_m_hpcps_stacks_asks_a_running_job_which_goes_on(digits_h5, tmp_p
     downpour job answers (its shard, the last rank, waits for the replicas), twice, and the job
     runs on until it is stopped (SIGTERM: exit 75, checkpoint written)."""
     run_dir = tmp_path / "run"
-    env = dict(os.environ, OPENBLAS_NUM_THREADS="1",
-               PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    path = str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")
+    env, tag = tagged_env(dict(os.environ, OPENBLAS_NUM_THREADS="1", PYTHONPATH=path))
     cmd = [mpiexec(), "-n", "3", sys.executable, "-m", "hpcps.train", "--data", str(digits_h5),
            "--layers", "64,32,10", "--batch-size", "16", "--steps", "1000000",
            "--eval-every", "0", "--checkpoint-every", "0", "--progress-every", "0.2",
@@ -180,7 +190,8 @@ def test_python_m_hpcps_stacks_asks_a_running_job_which_goes_on(digits_h5, tmp_p
         os.killpg(proc.pid, signal.SIGTERM)
         out, _ = proc.communicate(timeout=90)
     except BaseException:
-        os.killpg(proc.pid, signal.SIGKILL)
+        end_launch(proc.pid, tag)
+        proc.wait()
         raise
     assert proc.returncode == 75, out[-3000:]
     gone = subprocess.run([sys.executable, "-m", "hpcps.stacks", str(run_dir), "--wait", "1"],

@@ -81,7 +81,9 @@ def test_shard_applies_every_push_from_every_replica(comm):
         np.testing.assert_allclose(params, expected)
         assert stats.pushes == pushes * (size - 1) and srv.step == 2 * pushes * (size - 1)
         assert stats.done_replicas == list(range(size - 1))
-        assert stats.staleness_max >= 0
+        # each replica fetches once, then pushes: its k-th push finds at least its own k
+        # earlier pushes applied since, and never more than all the others
+        assert pushes - 1 <= stats.staleness_max <= pushes * (size - 1) - 1, stats
     else:
         client = Client(comm, [server], [shard_range(n, 1, 0)], rank, TIMEOUT)
         seen = np.empty(n, np.float32)
@@ -97,42 +99,53 @@ def test_shard_applies_every_push_from_every_replica(comm):
 
 
 class HoldUntilVersion(ShardPolicy):
-    """A toy shard policy: answer a fetch only once the shard has applied ``n`` pushes."""
+    """A toy shard policy: answer a fetch only once the shard has applied ``n`` pushes. The
+    first time it holds one it tells ``wake`` (ranks on ``go``, a communicator of the test's
+    own) that a fetch is held."""
 
-    def __init__(self, n: int):
-        self.n = n
+    def __init__(self, n: int, go=None, wake=()):
+        self.n, self.go, self.wake, self.sent = n, go, list(wake), []
 
     def may_answer(self, shard, sender) -> bool:
-        return shard.version >= self.n
+        if shard.version >= self.n:
+            return True
+        if self.wake:
+            self.sent = [self.go.isend(sender, dest=r) for r in self.wake]
+            self.wake = []
+        return False
 
 
 @pytest.mark.mpi(min_size=2)
 def test_shard_policy_holds_a_fetch_until_it_may_answer(comm):
-    """Replica 0 pushes and fetches at once; the others push 0.3 s later. The policy holds
+    """Replica 0 pushes and fetches at once; the others push only once the shard has held
+    that fetch (ordered by a message, not a sleep: 4 ranks share 2 cores). The policy holds
     replica 0's fetch until every replica has pushed, so what it sees includes every push
     (answered at once, it would see only its own)."""
-    import time
     size, rank = comm.Get_size(), comm.Get_rank()
     n, server, replicas = 64, size - 1, size - 1
     init = np.zeros(n, dtype=np.float32)
+    go = comm.Dup()
     if rank == server:
         params = init.copy()
+        policy = HoldUntilVersion(replicas, go, range(1, replicas))
         srv = GradientShard(comm, params, {}, optim.make("sgd", 1.0).apply,
-                            n_replicas=replicas, timeout=TIMEOUT,
-                            policy=HoldUntilVersion(replicas))
+                            n_replicas=replicas, timeout=TIMEOUT, policy=policy)
         stats = srv.serve()
+        for req in policy.sent:
+            req.wait()
         assert stats.fetches == replicas and not srv.held
-        if replicas > 1:
-            assert stats.held_fetches >= 1
+        if replicas > 1:  # replica 0's fetch, at least, was held
+            assert stats.held_fetches >= 1, stats
     else:
         client = Client(comm, [server], [shard_range(n, 1, 0)], rank, TIMEOUT)
         if rank > 0:
-            time.sleep(0.3)
+            assert go.recv(source=server) == 0  # replica 0's fetch is held
         client.push(np.ones(n, np.float32), steps=1, loss_sum=0.0)
         seen = np.empty(n, np.float32)
         client.fetch(seen)
         np.testing.assert_array_equal(seen, init - replicas)
         client.done()
+    go.Free()
 
 
 @pytest.mark.mpi(min_size=3)

@@ -146,6 +146,27 @@ def _measure_beside(index, core, barrier, results, layers, batch, repeats, data,
         results.put((index, alone, together))
 
 
+def _start_with_this_blas(procs, have_extension: bool) -> None:
+    """Start ``procs`` (spawned: each copies os.environ when it starts) with HPCPS_BLAS set to
+    the library this process chose, so the children measure the same BLAS; this process's
+    environment is put back as it was, so later launches keep their own choice."""
+    if not have_extension:
+        for p in procs:
+            p.start()
+        return
+    from hpcps.kernels import blas
+    before = os.environ.get(blas.ENV)
+    os.environ[blas.ENV] = blas.current()
+    try:
+        for p in procs:
+            p.start()
+    finally:
+        if before is None:
+            del os.environ[blas.ENV]
+        else:
+            os.environ[blas.ENV] = before
+
+
 def measure_together(layers: list[int], batch: int, processes: int, repeats: int = 30,
                      data: str | None = None, rounds: int = 3,
                      timeout: float = 600.0) -> dict:
@@ -165,9 +186,6 @@ def measure_together(layers: list[int], batch: int, processes: int, repeats: int
     if processes < 2:
         alone = measure_compute(layers, batch, repeats, data=data, pass_only=True)["compute_s"]
         return {"processes": processes, "alone_s": alone, "together_s": alone, "slowdown": 1.0}
-    if hogwild.HAVE_EXTENSION:  # the children use the library this process chose
-        from hpcps.kernels import blas
-        os.environ[blas.ENV] = blas.current()
     ctx = mp.get_context("spawn")
     barrier, results = ctx.Barrier(processes), ctx.Queue()
     cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
@@ -175,8 +193,7 @@ def measure_together(layers: list[int], batch: int, processes: int, repeats: int
                          args=(i, cores[i % len(cores)] if cores else None, barrier, results,
                                layers, batch, repeats, data, rounds), daemon=True)
              for i in range(processes)]
-    for p in procs:
-        p.start()
+    _start_with_this_blas(procs, hogwild.HAVE_EXTENSION)
     got, deadline = [], time.monotonic() + timeout
     try:
         while len(got) < rounds * processes:
