@@ -62,7 +62,11 @@ FULL = os.environ.get("HPCPS_FULL_MATRIX") == "1"
 # falls to 0 over the 600 steps, 0.794-0.947 (median 0.889, 19 runs); sandblaster's 10 L-BFGS
 # steps, which give the same result on every layout, 0.842 with the MLP and 0.733 with the
 # conv model. Each bar is 0.03-0.1 under the lowest measured run of its kind.
+# Compressed pushes (--compress threshold) to a conv model learn more slowly: downpour with
+# tau auto, momentum, --n-push 3 and 2 replicas measured 0.667, 0.694, 0.706, 0.75, 0.783 and
+# twice >= 0.8 in seven runs (2026-11-26, loaded machine); its bar is 0.1 under the lowest.
 MIN_ACCURACY = 0.8
+MIN_ACCURACY_COMPRESSED_CONV = 0.55
 MIN_ACCURACY_COSINE = 0.7
 MIN_ACCURACY_SANDBLASTER = {"mlp": 0.8, "conv": 0.7}
 LAYERS = "64,32,10"
@@ -268,7 +272,11 @@ def min_accuracy(argv: list[str]) -> float:
     """The accuracy bar of an accepted combination (see MIN_ACCURACY)."""
     if strategies()[argv[1]].whole_batch:
         return MIN_ACCURACY_SANDBLASTER["conv" if "--model" in argv else "mlp"]
-    return MIN_ACCURACY_COSINE if "cosine" in argv else MIN_ACCURACY
+    if "threshold" in argv and "--model" in argv:
+        return MIN_ACCURACY_COMPRESSED_CONV
+    if "cosine" in argv:
+        return MIN_ACCURACY_COSINE
+    return MIN_ACCURACY
 
 
 def records(run_dir, kind):
