@@ -143,8 +143,10 @@ def parse_spec(spec: str) -> tuple[LayerSpec, ...]:
     text = resolve(spec)
     if is_embedding_spec(text):
         parse_ctr_spec(text)     # a bad embedding spec: its own message
+        name = str(spec).strip()
+        shown = repr(text) if name.lower() == text else f"{name!r} ({text})"
         raise ConfigError(
-            f"--model {text!r} is an embedding (click-through) model: no strategy trains "
+            f"--model {shown} is an embedding (click-through) model: no strategy trains "
             "embedding models yet (the parameter server's embedding tables come next, "
             "docs/ctr.md); hpcps.model.ctr holds the model and a single-process trainer")
     if not text:
