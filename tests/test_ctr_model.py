@@ -75,6 +75,15 @@ def test_conv_grammar_refuses_an_embedding_spec():
     assert [s.kind for s in parse_spec("adam-mnist")][-1] == "fc"
 
 
+def test_preset_shapes():
+    """ctr-dnn on Criteo's 26 categorical and 13 dense features: Paddle's 273-400-400-400."""
+    m = CtrModel("ctr-dnn", [1] * 26, n_dense=13)
+    assert m.sizes == (26 * 10 + 13, 400, 400, 400, 1) and m.pooling == "sum"
+    assert m.n_params == 273 * 400 + 400 + 2 * (400 * 400 + 400) + 400 + 1
+    m = CtrModel("movielens", [1] * 7 + [6])
+    assert m.sizes == (64, 64, 32, 1) and m.pooling == "mean" and m.n_columns == 13
+
+
 def test_model_refuses_bad_fields_and_ids():
     with pytest.raises(ConfigError, match="at least one field"):
         CtrModel("embed4,fc1", [])

@@ -210,8 +210,6 @@ class CtrModel:
                 raise ValueError(f"rows[{t}] must be ({u.shape[0]}, {self.dim}): the rows of "
                                  f"table {t}'s unique ids, got "
                                  f"{getattr(r, 'shape', type(r).__name__)}")
-        if not rows:
-            return np.zeros((0, self.dim), dtype)
         return np.ascontiguousarray(np.concatenate(rows, axis=0), dtype=dtype)
 
     def _input(self, flat: np.ndarray, rows, batch: BatchIds, dense) -> np.ndarray:
@@ -219,21 +217,23 @@ class CtrModel:
         dtype = flat.dtype
         stacked = self._stack(rows, batch, dtype)
         B = batch.size
-        x = np.empty((B, self.input_width), dtype=dtype)
+        if self.n_dense:
+            if dense is None or np.shape(dense) != (B, self.n_dense):
+                raise ValueError(f"dense must be ({B}, {self.n_dense}), got "
+                                 f"{None if dense is None else np.shape(dense)}")
+        elif dense is not None and np.size(dense):
+            raise ValueError(f"the model takes no dense features, got {np.shape(dense)}")
         pooled = np.empty((B, self.n_fields, self.dim), dtype=dtype)
         if dtype == np.float32:
             embedding.gather(stacked, batch.inverse, self.offsets, self.pooling, out=pooled)
         else:
             reference.gather_pooled(stacked, batch.inverse, self.offsets,
                                     self.pooling == "mean", pooled)
+        if not self.n_dense:
+            return pooled.reshape(B, -1)      # (B, F, d) is (B, F*d) already: no copy
+        x = np.empty((B, self.input_width), dtype=dtype)
         x[:, :self.n_fields * self.dim] = pooled.reshape(B, -1)
-        if self.n_dense:
-            if dense is None or np.shape(dense) != (B, self.n_dense):
-                raise ValueError(f"dense must be ({B}, {self.n_dense}), got "
-                                 f"{None if dense is None else np.shape(dense)}")
-            x[:, self.n_fields * self.dim:] = dense
-        elif dense is not None and np.size(dense):
-            raise ValueError(f"the model takes no dense features, got {np.shape(dense)}")
+        x[:, self.n_fields * self.dim:] = dense
         return x
 
     def _forward(self, flat: np.ndarray, x: np.ndarray):
