@@ -5,6 +5,11 @@ model in
 the module layers, can refuse a bad spec and the options a conv model cannot take when the
 command line is read, before any rank loads data. The grammar is described in
 :mod:`hpcps.model.convnet` and ``docs/conv.md``.
+
+Embedding (click-through) models have a grammar of their own, :func:`parse_ctr_spec`
+(``docs/ctr.md``): an ``embedD[:sum|:mean]`` stage first, then fc layers, the last one
+``fc1`` (logistic loss). :func:`parse_spec` refuses such a spec with one message, since the
+conv and MLP code cannot run it and no strategy trains it yet.
 """
 from __future__ import annotations
 
@@ -23,6 +28,20 @@ PRESETS = {
 _CONV = re.compile(r"conv(\d+)x(\d+)x(\d+)(?:s(\d+))?(?:p(\d+))?")
 _POOL = re.compile(r"(?:max)?pool(\d+)(?:s(\d+))?")
 _FC = re.compile(r"fc(\d+)")
+_EMBED = re.compile(r"embed(\d+)(?::([a-z]*))?")
+
+# Embedding models (docs/ctr.md), kept apart from PRESETS, which name conv networks (the
+# --model help lists PRESETS as models that need images).
+CTR_PRESETS = {
+    # Paddle's CTR-DNN (PaddlePaddle/models, fluid/PaddleRec/ctr/network_conf.py and train.py:
+    # --embedding_size 10, one embedding per sparse slot, concatenated with the dense
+    # features, fc 400-400-400 relu, a 2-way softmax; here one logistic unit, the same model)
+    "ctr-dnn": "embed10,fc400,fc400,fc400,fc1",
+    # MovieLens-100k's 8 fields (genres multi-valued, hence mean pooling): small embeddings,
+    # two hidden fc layers, one logistic unit
+    "movielens": "embed8:mean,fc64,fc32,fc1",
+}
+POOLINGS = ("sum", "mean")
 
 
 @dataclass(frozen=True)
@@ -41,7 +60,80 @@ class LayerSpec:
 def resolve(spec: str) -> str:
     """A preset's spec, or ``spec`` itself (normalised: no blanks, lower case)."""
     text = str(spec).strip().lower()
-    return PRESETS.get(text, text.replace(" ", ""))
+    return PRESETS.get(text, CTR_PRESETS.get(text, text.replace(" ", "")))
+
+
+def is_embedding_spec(spec: str | None) -> bool:
+    """True when ``spec`` (``--model``) starts with an embedding stage (``embed...``): a
+    click-through model (:func:`parse_ctr_spec`), not a conv network or an MLP."""
+    return spec is not None and resolve(spec).startswith("embed")
+
+
+@dataclass(frozen=True)
+class CtrSpec:
+    """An embedding model: every categorical field embedded in ``dim`` dimensions (a
+    multi-valued field pooled by ``pooling``), concatenated with the dense features, then
+    fully connected layers of ``fc`` units, the last of 1 unit (logistic loss)."""
+
+    dim: int
+    pooling: str
+    fc: tuple[int, ...]
+
+    @property
+    def text(self) -> str:
+        """The spec in canonical form (``:sum``, the default pooling, left out):
+        ``parse_ctr_spec(s.text) == s``."""
+        pool = "" if self.pooling == "sum" else f":{self.pooling}"
+        return ",".join([f"embed{self.dim}{pool}"] + [f"fc{n}" for n in self.fc])
+
+
+_CTR_GRAMMAR = ("an embedding model is embedD[:sum|:mean] then fc layers ending with fc1, "
+                f"e.g. {CTR_PRESETS['ctr-dnn']!r} or {CTR_PRESETS['movielens']!r}; presets: "
+                f"{', '.join(CTR_PRESETS)}")
+
+
+@functools.lru_cache(maxsize=256)
+def parse_ctr_spec(spec: str) -> CtrSpec:
+    """The embedding model of a spec or preset name (``docs/ctr.md``).
+
+    Raises
+    ------
+    ConfigError
+        One message naming the bad token and the grammar: no embedding stage first, a bad
+        dimension or pooling, a second embedding stage, a conv, pool or flatten layer, no fc
+        layer, or a last layer other than ``fc1``.
+    """
+    text = resolve(spec)
+    toks = text.split(",") if text else []
+    if not toks or not toks[0].startswith("embed"):
+        raise ConfigError(f"--model {text!r}: {_CTR_GRAMMAR}")
+    m = _EMBED.fullmatch(toks[0])
+    if m is None:
+        raise ConfigError(f"--model {text!r}: cannot read {toks[0]!r}; {_CTR_GRAMMAR}")
+    dim, pooling = int(m.group(1)), m.group(2)
+    if pooling is None:
+        pooling = "sum"
+    if dim < 1:
+        raise ConfigError(f"--model {text!r}: {toks[0]} embeds in {dim} dimensions; give "
+                          "embedD with D >= 1")
+    if pooling not in POOLINGS:
+        raise ConfigError(f"--model {text!r}: {toks[0]} pools by {pooling!r}; multi-valued "
+                          f"fields are pooled by {' or '.join(POOLINGS)} (embed{dim}:mean)")
+    fc = []
+    for tok in toks[1:]:
+        f = _FC.fullmatch(tok)
+        if f is None:
+            what = ("a second embedding stage" if tok.startswith("embed") else
+                    "not an fc layer (conv, pool and flatten are for images)")
+            raise ConfigError(f"--model {text!r}: {tok!r} is {what}; {_CTR_GRAMMAR}")
+        if int(f.group(1)) < 1:
+            raise ConfigError(f"--model {text!r}: layer {tok!r}: an fc layer needs >= 1 unit")
+        fc.append(int(f.group(1)))
+    if not fc or fc[-1] != 1:
+        last = f"ends with {toks[-1]!r}" if fc else "has no fc layer"
+        raise ConfigError(f"--model {text!r} {last}: an embedding model ends with fc1, one "
+                          "logistic unit (sigmoid and binary cross-entropy on 0/1 labels)")
+    return CtrSpec(dim, pooling, tuple(fc))
 
 
 @functools.lru_cache(maxsize=256)
@@ -49,6 +141,14 @@ def parse_spec(spec: str) -> tuple[LayerSpec, ...]:
     """The layers of a spec or preset name; ConfigError naming the bad token. Pure, so
     cached: every config check parses ``--model`` again."""
     text = resolve(spec)
+    if is_embedding_spec(text):
+        parse_ctr_spec(text)     # a bad embedding spec: its own message
+        name = str(spec).strip()
+        shown = repr(text) if name.lower() == text else f"{name!r} ({text})"
+        raise ConfigError(
+            f"--model {shown} is an embedding (click-through) model: no strategy trains "
+            "embedding models yet (the parameter server's embedding tables come next, "
+            "docs/ctr.md); hpcps.model.ctr holds the model and a single-process trainer")
     if not text:
         raise ConfigError("--model is empty: give layers such as "
                           f"{PRESETS['adam-mnist']!r} or a preset ({', '.join(PRESETS)})")
