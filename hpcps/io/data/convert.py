@@ -56,8 +56,6 @@ from hpcps.io.data.h5format import SPLITS, VAL, DenseWriter
 
 DEFAULT_TEST_FRACTION = 0.2
 DEFAULT_CHUNK_ROWS = 65536
-IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm",
-                  ".pgm", ".pbm"}
 PARQUET_SUFFIXES = (".parquet", ".pq")
 _MASK64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
@@ -257,7 +255,8 @@ def _csv_block(path: Path, rows: list[list[str]], lines: list[int], features: li
                     raise DataError(f"{path}, line {lines[r]}, column {names[c]!r}: {cell!r} "
                                     "is not a number; every column but the label must be "
                                     "numeric") from None
-        raise
+        raise DataError(f"{path}, lines {lines[0]}..{lines[-1]}: a feature cell is not a "
+                        "number") from None
     with np.errstate(over="ignore", invalid="ignore"):
         bad = ~np.isfinite(x.astype(np.float32))
     if bad.any():
@@ -556,21 +555,25 @@ def convert(input_path: str | os.PathLike, out_path: str | os.PathLike, *,
         source=f"{source.kind} {Path(input_path).resolve()}",
         x_description=source.x_description, image_shape=source.image_shape,
         attrs={"split": json.dumps(how)})
+    runs = RunCounter()
     with writer:
         first = 0
         for x, raw in source.blocks():
             n = len(x)
-            assert raw is not None
+            if raw is None:
+                raise DataError(f"{source.path}: no labels")
             y = labels.number(raw, f"{source.path}, rows {first}..{first + n - 1}")
             codes = split_of_rows(first, n, seed, test_fraction, val_fraction)
             for code, split in enumerate(splits):
                 keep = codes == code
                 writer.append(split, x[keep], y[keep])
+                if code == 0:
+                    runs.add(y[keep])
             first += n
         n_classes, lut, names = labels.finish()
         if class_names is not None:
             names = class_names  # every folder is a class, sorted: the lookup keeps that order
-        grouped = _grouped_by_class(lut[np.asarray(writer.labels("train")[()])], n_classes)
+        grouped = runs.grouped()
         rows = dict(writer.rows)
         out = writer.finish(n_classes, lut, names)
     log(f"wrote {out}: " + " / ".join(f"{rows[s]} {s}" for s in splits) +
@@ -582,12 +585,26 @@ def convert(input_path: str | os.PathLike, out_path: str | os.PathLike, *,
     return out
 
 
-def _grouped_by_class(y: np.ndarray, n_classes: int) -> bool:
-    """Whether labels come in one run per class (a file sorted by class), with > 1 class."""
-    if len(y) < 2 or n_classes < 2:
-        return False
-    runs = 1 + int(np.count_nonzero(y[1:] != y[:-1]))
-    return runs <= len(np.unique(y)) and runs > 1
+class RunCounter:
+    """Counts the runs of equal labels in a stream of blocks: as many runs as classes (and
+    more than one) means the rows come grouped by class. Nothing but counts is kept."""
+
+    def __init__(self) -> None:
+        self.runs = 0
+        self.last: int | None = None
+        self.seen: set[int] = set()
+
+    def add(self, y: np.ndarray) -> None:
+        if len(y) == 0:
+            return
+        self.runs += 1 + int(np.count_nonzero(y[1:] != y[:-1]))
+        if self.last is not None and int(y[0]) == self.last:
+            self.runs -= 1
+        self.last = int(y[-1])
+        self.seen.update(np.unique(y).tolist())
+
+    def grouped(self) -> bool:
+        return 1 < self.runs <= len(self.seen)
 
 
 def read_unlabelled_csv(path: str | os.PathLike,
