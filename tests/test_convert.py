@@ -73,6 +73,17 @@ def test_csv_round_trip_with_class_names_and_validation(tmp_path, table):
         assert [n.decode() for n in f.attrs["class_names"]] == list(names)
     xtr, ytr = load_split(out, "train")  # readers of train and test ignore /val
     assert len(ytr) == len(parts["train"][1])
+    xv, yv = load_split(out, "val")
+    np.testing.assert_array_equal(xv, parts["val"][0])
+    np.testing.assert_array_equal(yv, parts["val"][1])
+
+
+def test_load_split_of_val_in_a_file_without_one(tmp_path, table):
+    x, y = table
+    write_csv(tmp_path / "t.csv", x, y)
+    out = cv.convert(tmp_path / "t.csv", tmp_path / "t.h5", label="class", log=quiet)
+    with pytest.raises(DataError, match="has no validation split /val"):
+        load_split(out, "val")
 
 
 def test_csv_default_label_is_the_last_column_and_integer_labels_stay(tmp_path, table):

@@ -54,6 +54,18 @@ def test_evaluate_reads_the_checkpoint_and_matches_the_run(run, digits_h5, capsy
     assert got.get("model") == (CONV if kind == "conv" else None)
 
 
+def test_evaluate_on_a_validation_split(run, digits_h5, tmp_path, capsys):
+    _, ckpt, summary = run
+    tr, te = data.load_split(digits_h5, "train"), data.load_split(digits_h5, "test")
+    path = data.write_dataset(tmp_path / "d.h5", name="digits", description="d", source="t",
+                              n_classes=10, x_description="8x8", train=tr, test=tr, val=te,
+                              image_shape=(1, 8, 8))
+    assert ev_tool.main([str(ckpt), "--data", str(path), "--split", "val", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["split"] == "val" and got["n"] == 360
+    assert got["accuracy"] == pytest.approx(summary["test_accuracy"], abs=1e-12)
+
+
 def test_unlabelled_rows_are_scored_as_evaluate_scores_them(run, digits_h5, tmp_path, capsys):
     _, ckpt, _ = run
     _, _, _, x, ev = evaluation(ckpt, digits_h5)

@@ -483,8 +483,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--data", metavar="PATH",
                         help="hpcps dataset file (HDF5; default: the one the checkpoint's run "
                         "was trained on, from its config)")
-    parser.add_argument("--split", choices=data.SPLITS, default="test",
-                        help="which split to evaluate on (default: test)")
+    parser.add_argument("--split", choices=(*data.SPLITS, "val"), default="test",
+                        help="which split to evaluate on (default: test; val: the optional "
+                        "validation split /val)")
     parser.add_argument("--predict", metavar="OUT", default=None,
                         help="write per-row predictions to OUT: .csv (row, label, predicted, "
                         "p_0..p_{C-1}), .npy (a structured array of those fields) or .h5/.hdf5 "

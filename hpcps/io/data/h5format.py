@@ -269,10 +269,6 @@ class DenseWriter:
         dy[lo:] = np.asarray(y, dtype=np.int64)
         self.rows[split] = lo + n
 
-    def labels(self, split: str) -> h5py.Dataset:
-        """The labels written so far to ``split`` (to look at before :meth:`finish`)."""
-        return self.f[f"{split}/y"]
-
     def finish(self, n_classes: int, relabel: np.ndarray | None = None,
                class_names: list[str] | None = None) -> Path:
         """Map the labels through ``relabel`` (``y = relabel[y]``) if given, set
@@ -511,6 +507,10 @@ def load_split(
 ) -> tuple[np.ndarray, np.ndarray]:
     """Read shard ``shard`` of ``n_shards`` of a split: rows ``block_range(N, n_shards, shard)``.
 
+    ``split`` is train or test, or ``val`` in a file that has the optional /val (checked as
+    train and test are: 2-D floating x of the same D, one integer label per row, labels in
+    0 .. n_classes-1).
+
     Only those rows are read from disk, so each rank holds 1/n_shards of the data. They are
 checked once for NaN and infinity (:func:`check_finite_rows`), so each rank checks what it
 reads and no rank reads the whole file to check it.
@@ -526,12 +526,14 @@ reads and no rank reads the whole file to check it.
         Unknown split, a bad file (see :func:`open_dataset`), more shards than rows (a
         rank with no data would have nothing to train on), or non-finite features.
     """
-    if split not in SPLITS:
-        raise DataError(f"unknown split {split!r}; known: {', '.join(SPLITS)}")
+    if split not in SPLITS + (VAL,):
+        raise DataError(f"unknown split {split!r}; known: {', '.join(SPLITS + (VAL,))}")
     path = Path(path)
     with _open_h5(path) as f:
         try:
-            splits, _ = _check_layout(f, path)
+            splits, n_classes = _check_layout(f, path)
+            if split == VAL:
+                splits[VAL] = _check_val(f, path, splits["train"][0][1], n_classes)
             x_shape, y = splits[split]
             n = x_shape[0]
             lo, hi = block_range(n, n_shards, shard)
@@ -546,6 +548,26 @@ reads and no rank reads the whole file to check it.
             raise DataError(f"cannot read dataset {path}: {exc} (truncated or corrupt?)") from exc
     check_finite_rows(x, path, split, lo, stored)
     return x, np.ascontiguousarray(y[lo:hi])
+
+
+def _check_val(f: h5py.File, path: Path, n_features: int, n_classes: int) -> tuple:
+    """(x shape, labels) of the optional /val, held to the rules of train and test."""
+    if VAL not in f:
+        raise DataError(f"{path} has no validation split /val (write one with python -m "
+                        "hpcps.data convert --validation-fraction F)")
+    dx, dy = _dataset(f, path, f"{VAL}/x"), _dataset(f, path, f"{VAL}/y")
+    if dx.ndim != 2 or dx.shape[1] != n_features or dx.shape[0] == 0 or \
+            not np.issubdtype(dx.dtype, np.floating):
+        raise DataError(f"{path}: /{VAL}/x has shape {dx.shape} and dtype {dx.dtype}; expected "
+                        f"floating (V, {n_features}) with V >= 1, the D of /train/x")
+    if dy.shape != (dx.shape[0],) or not np.issubdtype(dy.dtype, np.integer):
+        raise DataError(f"{path}: /{VAL}/y has shape {dy.shape} and dtype {dy.dtype}; expected "
+                        f"integer labels ({dx.shape[0]},), one per row of /{VAL}/x")
+    y = dy[()].astype(np.int64, copy=False)
+    if y.min() < 0 or y.max() >= n_classes:
+        raise DataError(f"{path}: /{VAL}/y has labels {y.min()}..{y.max()}; expected "
+                        f"0 .. {n_classes - 1}")
+    return dx.shape, y
 
 
 def check_finite_rows(x: np.ndarray, path, split: str, lo: int = 0, stored=np.float32,
