@@ -13,8 +13,10 @@ from hpcps import __version__
 # command -> (module whose main(argv) runs it, what it does)
 COMMANDS = {
     "train": ("hpcps.train", "train under MPI: mpiexec -n N hpcps train [options]"),
-    "data": ("hpcps.io.data.sources", "prepare a built-in dataset, or show a dataset file"),
+    "data": ("hpcps.io.data.sources", "prepare a built-in dataset, convert your own, or show "
+             "a dataset file"),
     "evaluate": ("hpcps.tools.evaluate", "test a checkpoint on a dataset, or predict"),
+    "export": ("hpcps.tools.export", "write a checkpoint as ONNX or as .npz arrays + JSON"),
     "inspect": ("hpcps.tools.inspect", "print what a checkpoint holds"),
     "report": ("hpcps.tools.report", "tables and figures of runs from their metrics"),
     "scaling": ("hpcps.tools.scaling", "predict examples/s of each strategy on a cluster"),

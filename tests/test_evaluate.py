@@ -157,7 +157,7 @@ def refusal_cases(ckpt, digits_h5, tmp):
         ("other features", [str(ckpt), "--data", str(wide)], 3, ["n_features = 10", "64 inputs"]),
         ("other classes", [str(ckpt), "--data", str(few)], 3, ["n_classes = 5", "10 outputs"]),
         ("predict suffix", [str(ckpt), *d, "--predict", str(tmp / "p.txt")], 2,
-         [".csv, .h5, .hdf5"]),
+         [".csv, .npy, .h5, .hdf5"]),
         ("predict directory", [str(ckpt), *d, "--predict", str(tmp / "no" / "p.csv")], 2,
          ["does not exist"]),
     ]
@@ -173,8 +173,20 @@ def test_refusals(trained, digits_h5, tmp_path, capsys):
         for w in words:
             assert w in captured.err, (label, w, captured.err)
     assert not (tmp_path / "p.txt").exists()
-    with pytest.raises(SystemExit) as exc:  # argparse: --data is required
-        main([str(ckpt)])
-    assert exc.value.code == 2
-    assert "--data" in capsys.readouterr().err
+
+
+def test_without_data_the_checkpoints_dataset_is_used(trained, digits_h5, tmp_path, capsys):
+    ckpt, summary = trained
+    assert main([str(ckpt), "--json"]) == 0  # the run named digits_h5 by its absolute path
+    got = json.loads(capsys.readouterr().out)
+    assert got["dataset"] == str(digits_h5)
+    assert got["accuracy"] == pytest.approx(summary["test_accuracy"], abs=1e-12)
+    moved = tmp_path / "ckpt.h5"
+    c = checkpoint.load(ckpt)
+    c.config["data"] = "no-such-folder/digits.h5"  # as a run elsewhere named it
+    checkpoint.save(moved, c)
+    assert main([str(moved)]) == 3
+    err = capsys.readouterr().err
+    assert "no --data given" in err and "no-such-folder/digits.h5" in err
+    assert "give --data PATH" in err
 

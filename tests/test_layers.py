@@ -17,8 +17,8 @@ LAYERS = [
     ["hpcps.ps"],
     ["hpcps.strategies"],
     ["hpcps.tools", "hpcps.config", "hpcps.job"],
-    ["hpcps.train", "hpcps.__main__", "hpcps.data", "hpcps.evaluate", "hpcps.inspect",
-     "hpcps.report", "hpcps.scaling", "hpcps.keeper", "hpcps.stacks"],
+    ["hpcps.train", "hpcps.__main__", "hpcps.data", "hpcps.evaluate", "hpcps.export",
+     "hpcps.inspect", "hpcps.report", "hpcps.scaling", "hpcps.keeper", "hpcps.stacks"],
 ]
 
 

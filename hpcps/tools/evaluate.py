@@ -3,25 +3,39 @@
 Usage::
 
     python -m hpcps.evaluate runs/mnist/checkpoint.h5 --data data/mnist.h5
+    python -m hpcps.evaluate runs/mnist/checkpoint.h5      # the data the run was trained on
     python -m hpcps.evaluate CKPT --data data/mnist.h5 --predict predictions.csv
+    python -m hpcps.evaluate CKPT --input new.csv --predict scores.npy   # unlabelled rows
     python -m hpcps.evaluate CKPT --data data/mnist.h5 --json        # the figures as JSON
 
 One process, no MPI launcher (mpi4py is not even imported): every checkpoint holds the whole
 model, whatever layout of servers, replicas and partitions wrote it, so the network is rebuilt
-as one :class:`hpcps.model.mlp.MLP` and run over the split in batches. The test split's accuracy
-and loss are what training reports for the same checkpoint (the same rows, the same forward
-pass).
+on one process (an :class:`hpcps.model.mlp.MLP`, or for a run with ``--model`` the
+:class:`hpcps.model.convnet.ConvNet` its saved config names, on the image shape of its
+dataset) and run over the split in batches. The test split's accuracy and loss are what
+training reports for the same checkpoint (the same rows, the same forward pass). Without
+``--data``, the dataset is the one in the checkpoint's config (``data``), as the run named it.
 
-Predictions (``--predict OUT``), one row per example of the split, in the split's order:
+Predictions (``--predict OUT``), one row per example of the split (or of ``--input``), in its
+order:
 
 ``OUT.csv``
     A header line ``row,label,predicted,p_0,...,p_{C-1}``, then one line per example: its row
     number in the split, its true class, the predicted class (the largest output) and the
-    softmax probability of each class (``%.6g``).
+    softmax probability of each class (``%.6g``). Unlabelled rows (``--input``) have no
+    ``label`` column.
+``OUT.npy``
+    A structured array, one element per row, fields ``row``, ``label`` (labelled rows only),
+    ``predicted`` (int64) and ``probabilities`` (float32, (C,)): ``np.load(OUT)["predicted"]``.
 ``OUT.h5`` or ``OUT.hdf5``
-    Datasets ``/label`` and ``/predicted`` (int64, (N,)) and ``/probabilities`` (float32,
-    (N, C)), each with a ``description``; root attributes name the checkpoint, its step, the
-    dataset and split, and the accuracy and loss.
+    Datasets ``/label`` (labelled rows only) and ``/predicted`` (int64, (N,)) and
+    ``/probabilities`` (float32, (N, C)), each with a ``description``; root attributes name the
+    checkpoint, its step, the dataset and split, and the accuracy and loss.
+
+Unlabelled rows (``--input FILE``, with ``--predict``): a CSV with a header row whose every
+column is a feature (read in row batches by :mod:`hpcps.io.data.convert`'s reader), an HDF5
+file with a 2-D ``/x`` (or ``/<split>/x``: a dataset file's rows, labels or not), or a
+``.npy`` (rows, or images flattened C, H, W). Its width must be the model's input width.
 
 Either file is written atomically (a temporary file renamed onto OUT).
 
@@ -29,7 +43,8 @@ Refusals end with ``hpcps.evaluate: error: <reason>`` on stderr and the exit cod
 error's class (:mod:`hpcps.errors`): 4 for a checkpoint that is missing, corrupt, not an hpcps
 checkpoint or holds NaN/infinity; 3 for a dataset that is missing or unreadable, or whose
 features or classes do not fit the checkpoint's model; 2 for options (``--predict`` with an
-unknown suffix or in a directory that does not exist; argparse's own usage errors are 2 too).
+unknown suffix or in a directory that does not exist, ``--input`` without ``--predict``;
+argparse's own usage errors are 2 too).
 
 Reading and checking the checkpoint is :mod:`hpcps.io.checkpoint`'s job and reading the dataset
 :mod:`hpcps.io.data`'s; this module rebuilds the model, runs it and presents the figures.
@@ -49,10 +64,14 @@ import h5py
 import numpy as np
 
 from hpcps.io import checkpoint, data
+from hpcps.io.data.convert import read_unlabelled_csv
+from hpcps.io.data.h5format import check_finite_rows
 from hpcps.errors import CheckpointError, ConfigError, DataError, HpcpsError
+from hpcps.model.convnet import ConvNet
 from hpcps.model.mlp import ACTIVATIONS, MLP
 
-PREDICTION_SUFFIXES = (".csv", ".h5", ".hdf5")
+PREDICTION_SUFFIXES = (".csv", ".npy", ".h5", ".hdf5")
+INPUT_SUFFIXES = (".csv", ".npy", ".h5", ".hdf5")
 
 
 @dataclass
@@ -85,13 +104,16 @@ class Evaluation:
         return int(len(self.labels))
 
 
-def model_of(ckpt: checkpoint.Checkpoint) -> tuple[MLP, np.ndarray]:
-    """The network a checkpoint holds, as an :class:`MLP` and its flat parameter vector.
+def model_of(ckpt: checkpoint.Checkpoint) -> tuple[MLP | ConvNet, np.ndarray]:
+    """The network a checkpoint holds and its flat parameter vector: a :class:`ConvNet` when
+    the run's config names a ``model`` spec (built by :func:`checkpoint.conv_model` on the
+    image shape saved with the dataset identity), else an :class:`MLP` of the saved layers.
 
     Raises
     ------
     CheckpointError
-        If the parameters hold NaN or infinity, or the config names an unknown activation.
+        If the parameters hold NaN or infinity, or the config names an unknown activation or
+        a model its parameters do not fit.
     """
     where = f"checkpoint {ckpt.path}" if ckpt.path is not None else "the checkpoint"
     activation = ckpt.config.get("activation", "relu")
@@ -104,6 +126,10 @@ def model_of(ckpt: checkpoint.Checkpoint) -> tuple[MLP, np.ndarray]:
             raise CheckpointError(f"{where} holds {bad} NaN or infinite value(s) in params/"
                                   f"{name}: the run that wrote it had diverged; evaluate an "
                                   "earlier checkpoint")
+    conv = checkpoint.conv_model(ckpt.config, ckpt.dataset)
+    if conv is not None:
+        checkpoint.architecture_sizes(ckpt.params, ckpt.config, ckpt.dataset)
+        return conv, conv.flatten(ckpt.params)
     model = MLP(checkpoint.layer_sizes(ckpt.params), activation)
     return model, model.flatten(ckpt.params)
 
@@ -135,7 +161,30 @@ def check_fits(ckpt: checkpoint.Checkpoint, sizes: list[int], info: data.Dataset
     return notes
 
 
-def evaluate(model: MLP, flat: np.ndarray, x: np.ndarray, y: np.ndarray,
+def probabilities(model: MLP | ConvNet, flat: np.ndarray, x: np.ndarray
+                  ) -> tuple[np.ndarray, np.ndarray]:
+    """(logits, softmax probabilities) of rows ``x``, as :func:`evaluate` computes them."""
+    logits = model.forward(flat, x)[-1]
+    p = logits - logits.max(axis=1, keepdims=True)
+    np.exp(p, out=p)
+    p /= p.sum(axis=1, keepdims=True)
+    return logits, p
+
+
+def predict(model: MLP | ConvNet, flat: np.ndarray, blocks) -> tuple[np.ndarray, np.ndarray]:
+    """(predicted class int64 (N,), probabilities float32 (N, C)) of the unlabelled rows in
+    ``blocks`` (an iterable of (n, D) arrays)."""
+    predicted, probs = [], []
+    for x in blocks:
+        logits, p = probabilities(model, flat, x)
+        predicted.append(np.argmax(logits, axis=1))
+        probs.append(p.astype(np.float32, copy=False))
+    if not predicted:
+        raise DataError("the input holds no rows to score")
+    return np.concatenate(predicted).astype(np.int64), np.concatenate(probs)
+
+
+def evaluate(model: MLP | ConvNet, flat: np.ndarray, x: np.ndarray, y: np.ndarray,
              batch: int = 2000) -> Evaluation:
     """Run ``model`` over ``x`` in batches of ``batch`` rows and score it against ``y``.
 
@@ -148,12 +197,9 @@ def evaluate(model: MLP, flat: np.ndarray, x: np.ndarray, y: np.ndarray,
     predicted = np.empty(len(y), dtype=np.int64)
     total = 0.0
     for lo in range(0, len(y), batch):
-        logits = model.forward(flat, x[lo:lo + batch])[-1]
+        logits, p = probabilities(model, flat, x[lo:lo + batch])
         hi = lo + len(logits)
         predicted[lo:hi] = np.argmax(logits, axis=1)
-        p = logits - logits.max(axis=1, keepdims=True)
-        np.exp(p, out=p)
-        p /= p.sum(axis=1, keepdims=True)
         probs[lo:hi] = p
         total += float(-np.sum(np.log(np.maximum(p[np.arange(hi - lo), y[lo:hi]], 1e-30)),
                                dtype=np.float64))
@@ -175,7 +221,7 @@ def check_predict_path(path: str | os.PathLike) -> Path:
     path = Path(path)
     if path.suffix.lower() not in PREDICTION_SUFFIXES:
         raise ConfigError(f"--predict {path}: the name must end in "
-                          f"{', '.join(PREDICTION_SUFFIXES)} (CSV or HDF5)")
+                          f"{', '.join(PREDICTION_SUFFIXES)} (CSV, NumPy or HDF5)")
     if not path.parent.is_dir():
         raise ConfigError(f"--predict {path}: directory {path.parent} does not exist")
     if path.is_dir():
@@ -184,18 +230,28 @@ def check_predict_path(path: str | os.PathLike) -> Path:
 
 
 def write_predictions(path: str | os.PathLike, ev: Evaluation, about: dict[str, Any]) -> Path:
-    """Write ``ev``'s predictions as CSV or HDF5 (by ``path``'s suffix), atomically.
+    """Write ``ev``'s predictions as CSV, NumPy or HDF5 (by ``path``'s suffix), atomically.
 
     ``about`` (checkpoint, step, dataset, split, ...) goes into the HDF5 file's root
-    attributes; the CSV file holds the rows only.
+    attributes; the CSV and NumPy files hold the rows only.
     """
+    return write_rows(path, ev.predicted, ev.probabilities, ev.labels, about)
+
+
+def write_rows(path: str | os.PathLike, predicted: np.ndarray, probs: np.ndarray,
+               labels: np.ndarray | None, about: dict[str, Any]) -> Path:
+    """Write per-row predictions (with ``labels`` when known) by ``path``'s suffix, atomically
+    (the formats are in the module docstring)."""
     path = check_predict_path(path)
     tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    suffix = path.suffix.lower()
     try:
-        if path.suffix.lower() == ".csv":
-            _write_csv(tmp, ev)
+        if suffix == ".csv":
+            _write_csv(tmp, predicted, probs, labels)
+        elif suffix == ".npy":
+            _write_npy(tmp, predicted, probs, labels)
         else:
-            _write_h5(tmp, ev, about)
+            _write_h5(tmp, predicted, probs, labels, about)
         os.replace(tmp, path)
     except OSError as exc:
         tmp.unlink(missing_ok=True)
@@ -206,30 +262,53 @@ def write_predictions(path: str | os.PathLike, ev: Evaluation, about: dict[str, 
     return path
 
 
-def _write_csv(path: Path, ev: Evaluation) -> None:
-    n_classes = ev.probabilities.shape[1]
-    header = "row,label,predicted," + ",".join(f"p_{c}" for c in range(n_classes))
+def _write_csv(path: Path, predicted: np.ndarray, probs: np.ndarray,
+               labels: np.ndarray | None) -> None:
+    n_classes = probs.shape[1]
+    header = "row," + ("label," if labels is not None else "") + "predicted," + \
+        ",".join(f"p_{c}" for c in range(n_classes))
     with open(path, "w", newline="") as f:
         f.write(header + "\n")
-        for i in range(ev.n):
-            probs = ",".join(f"{p:.6g}" for p in ev.probabilities[i])
-            f.write(f"{i},{ev.labels[i]},{ev.predicted[i]},{probs}\n")
+        for i in range(len(predicted)):
+            ps = ",".join(f"{p:.6g}" for p in probs[i])
+            label = f"{labels[i]}," if labels is not None else ""
+            f.write(f"{i},{label}{predicted[i]},{ps}\n")
         f.flush()
         os.fsync(f.fileno())
 
 
-def _write_h5(path: Path, ev: Evaluation, about: dict[str, Any]) -> None:
+def _write_npy(path: Path, predicted: np.ndarray, probs: np.ndarray,
+               labels: np.ndarray | None) -> None:
+    fields: list[tuple] = [("row", np.int64)]
+    if labels is not None:
+        fields.append(("label", np.int64))
+    fields += [("predicted", np.int64), ("probabilities", np.float32, (probs.shape[1],))]
+    rows = np.zeros(len(predicted), dtype=fields)
+    rows["row"] = np.arange(len(predicted))
+    if labels is not None:
+        rows["label"] = labels
+    rows["predicted"] = predicted
+    rows["probabilities"] = probs
+    with open(path, "wb") as f:
+        np.save(f, rows)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _write_h5(path: Path, predicted: np.ndarray, probs: np.ndarray, labels: np.ndarray | None,
+              about: dict[str, Any]) -> None:
     with h5py.File(path, "w") as f:
         f.attrs["description"] = ("hpcps predictions: one row per example of the split, in its "
                                   "order; written by python -m hpcps.evaluate")
         for key, value in about.items():
             f.attrs[key] = value
         for name, values, text in (
-                ("label", ev.labels, "true class of each row"),
-                ("predicted", ev.predicted, "predicted class (largest output) of each row"),
-                ("probabilities", ev.probabilities,
+                ("label", labels, "true class of each row"),
+                ("predicted", predicted, "predicted class (largest output) of each row"),
+                ("probabilities", probs,
                  "softmax probability of each class (columns) for each row")):
-            f.create_dataset(name, data=values).attrs["description"] = text
+            if values is not None:
+                f.create_dataset(name, data=values).attrs["description"] = text
     with open(path, "rb") as fh:
         os.fsync(fh.fileno())
 
@@ -256,9 +335,8 @@ def describe(ev: Evaluation, facts: dict[str, Any]) -> str:
     """The human-readable report of :func:`main`."""
     correct = int(np.trace(ev.confusion))
     lines = [
-        f"checkpoint  {facts['checkpoint']} (step {facts['step']}, layers "
-        f"{' -> '.join(map(str, facts['layer_sizes']))}, {facts['activation']}; trained on "
-        f"{facts['trained_on']})",
+        f"checkpoint  {facts['checkpoint']} (step {facts['step']}, {model_words(facts)}, "
+        f"{facts['activation']}; trained on {facts['trained_on']})",
         f"dataset     {facts['dataset']} ({facts['dataset_name']}), {facts['split']} split: "
         f"{ev.n} examples",
         f"accuracy    {100 * ev.accuracy:.2f}% ({correct} of {ev.n})",
@@ -267,6 +345,99 @@ def describe(ev: Evaluation, facts: dict[str, Any]) -> str:
         *("  " + line for line in format_confusion(ev.confusion)),
     ]
     return "\n".join(lines)
+
+
+def model_words(facts: dict[str, Any]) -> str:
+    """"layers 64 -> 32 -> 10", or a conv model's spec and image shape."""
+    if facts.get("model"):
+        return f"model {facts['model']} on {'x'.join(map(str, facts['image_shape']))} images"
+    return f"layers {' -> '.join(map(str, facts['layer_sizes']))}"
+
+
+def data_path(args: argparse.Namespace, ckpt: checkpoint.Checkpoint) -> str:
+    """``--data``, else the dataset the run was trained on (its config's ``data``)."""
+    if args.data is not None:
+        return args.data
+    saved = ckpt.config.get("data") if isinstance(ckpt.config, dict) else None
+    if not isinstance(saved, str) or not saved:
+        raise ConfigError(f"checkpoint {args.checkpoint} does not say which dataset it was "
+                          "trained on: give --data PATH")
+    if not Path(saved).is_file():
+        raise DataError(f"no --data given, and the dataset checkpoint {args.checkpoint} was "
+                        f"trained on, {saved} (its config's data), is not found from "
+                        f"{os.getcwd()}: give --data PATH")
+    return saved
+
+
+def input_blocks(path: str | os.PathLike, split: str, n_features: int, batch: int):
+    """The rows of an unlabelled file (``--input``) in blocks of ``batch``, checked: the
+    model's input width, finite. Formats in the module docstring."""
+    path = Path(path)
+    suffix = path.suffix.lower()
+    if suffix not in INPUT_SUFFIXES:
+        raise DataError(f"--input {path}: the name must end in {', '.join(INPUT_SUFFIXES)}")
+    if not path.is_file():
+        raise DataError(f"--input {path} not found")
+    if suffix == ".csv":
+        for x in read_unlabelled_csv(path, chunk_rows=batch):
+            if x.shape[1] != n_features:
+                raise DataError(f"--input {path} has {x.shape[1]} columns; the model takes "
+                                f"{n_features} features (every column is one; no label)")
+            yield x
+        return
+    if suffix == ".npy":
+        try:
+            arr = np.load(path, mmap_mode="r", allow_pickle=False)
+        except (OSError, ValueError) as exc:
+            raise DataError(f"cannot read --input {path} as a NumPy array: {exc}") from exc
+        rows, name = arr.reshape(len(arr), -1) if arr.ndim > 1 else arr, "x"
+        yield from _checked_blocks(rows, path, name, n_features, batch)
+        return
+    try:
+        with h5py.File(path, "r") as f:
+            name = "x" if "x" in f else f"{split}/x"
+            if not isinstance(f.get(name), h5py.Dataset):
+                raise DataError(f"--input {path} has neither /x nor /{split}/x: an unlabelled "
+                                "file holds its rows in /x (N, D)")
+            yield from _checked_blocks(f[name], path, name, n_features, batch)
+    except OSError as exc:
+        raise DataError(f"cannot read --input {path}: {exc}") from exc
+
+
+def _checked_blocks(rows, path: Path, name: str, n_features: int, batch: int):
+    if rows.ndim != 2 or rows.shape[1] != n_features or rows.dtype.kind not in "biuf":
+        raise DataError(f"--input {path}: {name} has shape {rows.shape} and dtype {rows.dtype}; "
+                        f"the model takes rows of {n_features} numbers")
+    for lo in range(0, rows.shape[0], batch):
+        with np.errstate(over="ignore"):
+            x = np.ascontiguousarray(rows[lo:lo + batch], dtype=np.float32)
+        check_finite_rows(x, path, "input", lo, rows.dtype, name)
+        yield x
+
+
+def model_facts(args: argparse.Namespace, ckpt: checkpoint.Checkpoint, model) -> dict[str, Any]:
+    facts = {
+        "checkpoint": str(args.checkpoint), "step": ckpt.step, "layer_sizes": list(model.sizes),
+        "activation": model.activation,
+        "trained_on": ckpt.dataset.get("name", "an unnamed dataset"),
+    }
+    if isinstance(model, ConvNet):
+        facts.update(model=model.spec_text, image_shape=list(model.input_shape))
+    return facts
+
+
+def score_input(args: argparse.Namespace) -> tuple[dict[str, Any], list[str]]:
+    """``--input FILE --predict OUT``: predictions of unlabelled rows; (facts, notes)."""
+    ckpt = checkpoint.load(args.checkpoint)
+    model, flat = model_of(ckpt)
+    predicted, probs = predict(model, flat, input_blocks(args.input, args.split,
+                                                         model.sizes[0], args.batch))
+    facts = model_facts(args, ckpt, model)
+    facts.update(input=str(args.input), n=int(len(predicted)),
+                 predicted_counts=np.bincount(predicted, minlength=probs.shape[1]).tolist())
+    about = {"checkpoint": facts["checkpoint"], "step": ckpt.step, "input": str(args.input)}
+    write_rows(args.predict, predicted, probs, None, about)
+    return facts, [f"wrote predictions for {len(predicted)} rows to {args.predict}"]
 
 
 def run(args: argparse.Namespace) -> tuple[Evaluation, dict[str, Any], list[str]]:
@@ -278,16 +449,13 @@ def run(args: argparse.Namespace) -> tuple[Evaluation, dict[str, Any], list[str]
         raise ConfigError(f"--batch must be >= 1, got {args.batch}")
     ckpt = checkpoint.load(args.checkpoint)
     model, flat = model_of(ckpt)
-    info = data.open_dataset(args.data)
+    path = data_path(args, ckpt)
+    info = data.open_dataset(path)
     notes = check_fits(ckpt, list(model.sizes), info)
-    x, y = data.load_split(args.data, args.split)
+    x, y = data.load_split(path, args.split)
     ev = evaluate(model, flat, x, y, args.batch)
-    facts = {
-        "checkpoint": str(args.checkpoint), "step": ckpt.step, "layer_sizes": list(model.sizes),
-        "activation": model.activation,
-        "trained_on": ckpt.dataset.get("name", "an unnamed dataset"),
-        "dataset": str(args.data), "dataset_name": info.name, "split": args.split,
-    }
+    facts = model_facts(args, ckpt, model)
+    facts.update(dataset=str(path), dataset_name=info.name, split=args.split)
     if args.predict is not None:
         about = {k: facts[k] for k in ("checkpoint", "step", "dataset", "split")}
         about.update(accuracy=ev.accuracy, loss=ev.loss)
@@ -312,18 +480,28 @@ def main(argv: list[str] | None = None) -> int:
         "bad options.",
     )
     parser.add_argument("checkpoint", metavar="CHECKPOINT", help="checkpoint file written by hpcps")
-    parser.add_argument("--data", required=True, metavar="PATH", help="hpcps dataset file (HDF5)")
-    parser.add_argument("--split", choices=data.SPLITS, default="test",
-                        help="which split to evaluate on (default: test)")
+    parser.add_argument("--data", metavar="PATH",
+                        help="hpcps dataset file (HDF5; default: the one the checkpoint's run "
+                        "was trained on, from its config)")
+    parser.add_argument("--split", choices=(*data.SPLITS, "val"), default="test",
+                        help="which split to evaluate on (default: test; val: the optional "
+                        "validation split /val)")
     parser.add_argument("--predict", metavar="OUT", default=None,
                         help="write per-row predictions to OUT: .csv (row, label, predicted, "
-                        "p_0..p_{C-1}) or .h5/.hdf5 (datasets label, predicted, probabilities)")
+                        "p_0..p_{C-1}), .npy (a structured array of those fields) or .h5/.hdf5 "
+                        "(datasets label, predicted, probabilities)")
+    parser.add_argument("--input", metavar="FILE", default=None,
+                        help="score the unlabelled rows of FILE instead of a split (needs "
+                        "--predict): a CSV with a header whose every column is a feature, an "
+                        "HDF5 file with /x (or /SPLIT/x), or a .npy")
     parser.add_argument("--batch", type=int, default=2000,
                         help="rows per forward pass (bounds memory; default 2000)")
     parser.add_argument("--json", action="store_true",
                         help="print the figures (accuracy, loss, confusion matrix, ...) as one "
                         "JSON object instead of text")
     args = parser.parse_args(argv)
+    if args.input is not None:
+        return _main_input(parser, args)
     try:
         ev, facts, notes = run(args)
     except HpcpsError as exc:
@@ -340,6 +518,35 @@ def main(argv: list[str] | None = None) -> int:
         print(text, flush=True)
     except BrokenPipeError:  # `... | head`: the reader left; the evaluation itself succeeded
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 0
+
+
+def _main_input(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """``--input FILE --predict OUT``: score unlabelled rows; print what was written."""
+    prog = parser.prog.split()[-1]
+    try:
+        if args.predict is None:
+            raise ConfigError("--input FILE needs --predict OUT: where to write the "
+                              "predictions of its rows")
+        if args.data is not None:
+            raise ConfigError("--input and --data exclude each other: --input scores "
+                              "unlabelled rows, --data a labelled dataset's split")
+        check_predict_path(args.predict)
+        if args.batch < 1:
+            raise ConfigError(f"--batch must be >= 1, got {args.batch}")
+        facts, notes = score_input(args)
+    except HpcpsError as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    for note in notes:
+        print(f"{prog}: {note}", file=sys.stderr)
+    if args.json:
+        print(json.dumps(facts, indent=2), flush=True)
+    else:
+        print(f"checkpoint  {facts['checkpoint']} (step {facts['step']}, {model_words(facts)})\n"
+              f"input       {facts['input']}: {facts['n']} rows scored\n"
+              f"predicted   " + " ".join(f"{c}:{n}" for c, n in
+                                         enumerate(facts["predicted_counts"])), flush=True)
     return 0
 
 

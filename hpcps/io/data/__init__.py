@@ -9,6 +9,9 @@
 :mod:`hpcps.io.data.h5format`
     The HDF5 dataset layout: its constants, writing it, checking a file against it
     (:func:`open_dataset`, :class:`DatasetInfo`) and reading a rank's shard (:func:`load_split`).
+:mod:`hpcps.io.data.convert`
+    Your own data into the dense layout, in row batches: CSV, NumPy, image folders, Parquet
+    (``python -m hpcps.data convert``); :class:`DenseWriter` (h5format) writes the blocks.
 :mod:`hpcps.io.data.categorical`
     Categorical (click-through) files, layout 2: :class:`CategoricalWriter` (in row blocks),
     :func:`open_categorical`, :func:`load_block` (a rank's rows, ids and labels checked).

@@ -26,9 +26,23 @@ Datasets, each with a ``description`` attribute saying what it holds::
     /train/y   int64   (N,)     class label of each row of /train/x
     /test/x    float32 (M, D)
     /test/y    int64   (M,)
+    /val/x     float32 (V, D)   optional: a validation split, written by ``python -m hpcps.data
+    /val/y     int64   (V,)     convert --validation-fraction F`` or ``write_dataset(val=...)``;
+                                the same checks as train and test when present. Readers that
+                                do not know /val (:func:`open_dataset`, :func:`load_split`,
+                                older hpcps) ignore it, so a file with /val is still layout 1
 
-Datasets are stored uncompressed and contiguous, so that reading rows ``lo:hi`` is one read
-and any HDF5 reader can open the file without filter plugins.
+Optional root attributes written by the converter (:mod:`hpcps.io.data.convert`)::
+
+    class_names     fixed-length UTF-8 [n_classes]: the name of each class, when the input's
+                    labels were names (CSV text, image folder names) rather than 0..K-1
+    split           how rows were assigned to train, test and val (seed and fractions)
+
+Datasets are stored uncompressed, so any HDF5 reader can open the file without filter plugins.
+:func:`write_dataset` stores them contiguous (reading rows ``lo:hi`` is one read);
+:class:`DenseWriter`, which writes in row blocks without knowing the row count in advance,
+stores them chunked in blocks of about 1 MiB of rows (reading ``lo:hi`` is still one call,
+touching only the chunks that hold those rows).
 
 Bring your own data: any HDF5 file with ``train/x``, ``train/y``, ``test/x``, ``test/y`` is
 accepted when x is 2-D floating point, y is 1-D integer, x and y have the same number of
@@ -94,6 +108,7 @@ FORMAT = "hpcps-dataset"
 LAYOUT_VERSION = 2  # the newest layout this module knows
 DENSE_LAYOUT_VERSION = 1  # what a dense file is written as: layout 2 left dense files unchanged
 SPLITS = ("train", "test")
+VAL = "val"  # the optional validation split, ignored by the readers of train and test
 
 _FINGERPRINT_ROWS = 8
 _PREPARE_HINT = "prepare it with: python -m hpcps.data prepare mnist"
@@ -114,12 +129,24 @@ def write_dataset(
     train: tuple[np.ndarray, np.ndarray],
     test: tuple[np.ndarray, np.ndarray],
     image_shape: tuple[int, int, int] | None = None,
+    val: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> Path:
-    """Write one dense dataset file (``layout_version`` 1), atomically.
+    """Write one dense dataset file (``layout_version`` 1), atomically: the Python way to
+    bring your own data that is in memory (``python -m hpcps.data convert`` for files).
 
     The file is written to ``out_path.tmp-<pid>`` and renamed over ``out_path`` only when
     complete, so a crash or a full disk never leaves a half-written file where training
     would find it, and a file being read by a running job is never modified in place.
+
+    Parameters
+    ----------
+    out_path : where to write.
+    name, description, source : the root attributes of the same names.
+    n_classes : labels are 0 .. n_classes-1.
+    x_description : what one row of x is (goes into each x's ``description``).
+    train, test : (x (N, D) floating, y (N,) integer) of each split.
+    image_shape : (C, H, W) when each row is an image flattened C, H, W (conv models).
+    val : optional validation split (x, y), written as /val.
     """
     out_path = Path(out_path)
     tmp_path = out_path.with_name(f"{out_path.name}.tmp-{os.getpid()}")
@@ -134,7 +161,10 @@ def write_dataset(
             f.attrs["source"] = source
             if image_shape is not None:
                 f.attrs["image_shape"] = np.asarray(image_shape, dtype=np.int64)
-            for split, (x, y) in zip(SPLITS, (train, test)):
+            parts = [(SPLITS[0], train), (SPLITS[1], test)]
+            if val is not None:
+                parts.append((VAL, val))
+            for split, (x, y) in parts:
                 group = f.create_group(split)
                 group.attrs["description"] = f"{split} split of {name}"
                 dx = group.create_dataset("x", data=np.ascontiguousarray(x, dtype=np.float32))
@@ -156,6 +186,140 @@ def write_dataset(
                             "path in a directory you can write to") from exc
         raise
     return out_path
+
+
+class DenseWriter:
+    """Write a dense dataset file (layout 1) in row blocks, atomically, without knowing how many
+    rows each split will get: what :mod:`hpcps.io.data.convert` uses for inputs larger than
+    memory.
+
+    Datasets are chunked and grown as blocks arrive (``append``); labels may be provisional
+    ids that :meth:`finish` maps through a lookup table, so a converter can number class names
+    in one pass and sort them at the end. Nothing appears at ``out_path`` until
+    :meth:`finish` renames the complete file onto it; :meth:`abort` (or leaving a ``with``
+    block by an exception) removes the temporary file.
+
+    Parameters
+    ----------
+    out_path : where the file goes.
+    n_features : D, the width of every row.
+    splits : the splits to write (train and test always; ``val`` when asked for).
+    name, description, source, x_description : as for :func:`write_dataset`.
+    image_shape : (C, H, W) or None.
+    attrs : further root attributes (``split``: how rows were assigned).
+    """
+
+    def __init__(self, out_path: str | os.PathLike, *, n_features: int,
+                 splits: tuple[str, ...] = SPLITS, name: str, description: str, source: str,
+                 x_description: str, image_shape: tuple[int, int, int] | None = None,
+                 attrs: dict | None = None):
+        self.out_path = Path(out_path)
+        self.tmp_path = self.out_path.with_name(f"{self.out_path.name}.tmp-{os.getpid()}")
+        self.n_features = int(n_features)
+        self.splits = tuple(splits)
+        self.name = name
+        self.rows = dict.fromkeys(self.splits, 0)
+        if image_shape is not None and int(np.prod(image_shape)) != self.n_features:
+            raise DataError(f"image shape {list(image_shape)} holds {int(np.prod(image_shape))} "
+                            f"values but each row has {self.n_features}")
+        chunk_rows = max(1, (1 << 20) // (4 * max(1, self.n_features)))
+        try:
+            self.out_path.parent.mkdir(parents=True, exist_ok=True)
+            self.f = h5py.File(self.tmp_path, "w")
+        except OSError as exc:
+            raise DataError(f"cannot write dataset {self.out_path}: {exc.strerror or exc}; "
+                            "give a path in a directory you can write to") from exc
+        f = self.f
+        f.attrs["format"] = FORMAT
+        f.attrs["layout_version"] = DENSE_LAYOUT_VERSION
+        f.attrs["name"] = name
+        f.attrs["description"] = description
+        f.attrs["source"] = source
+        if image_shape is not None:
+            f.attrs["image_shape"] = np.asarray(image_shape, dtype=np.int64)
+        for key, value in (attrs or {}).items():
+            f.attrs[key] = value
+        for split in self.splits:
+            group = f.create_group(split)
+            group.attrs["description"] = f"{split} split of {name}"
+            dx = group.create_dataset("x", shape=(0, self.n_features), dtype=np.float32,
+                                      maxshape=(None, self.n_features),
+                                      chunks=(chunk_rows, self.n_features))
+            dx.attrs["description"] = f"{split} examples, one per row: {x_description}"
+            group.create_dataset("y", shape=(0,), dtype=np.int64, maxshape=(None,),
+                                 chunks=(max(chunk_rows, 1 << 14),))
+
+    def __enter__(self) -> "DenseWriter":
+        return self
+
+    def __exit__(self, kind, exc, tb) -> None:
+        if kind is not None:
+            self.abort()
+
+    def append(self, split: str, x: np.ndarray, y: np.ndarray) -> None:
+        """Add rows ``x`` (n, D) with labels ``y`` (n,) at the end of ``split``."""
+        n = len(y)
+        if n == 0:
+            return
+        lo = self.rows[split]
+        dx, dy = self.f[f"{split}/x"], self.f[f"{split}/y"]
+        dx.resize(lo + n, axis=0)
+        dy.resize(lo + n, axis=0)
+        dx[lo:] = np.asarray(x, dtype=np.float32)
+        dy[lo:] = np.asarray(y, dtype=np.int64)
+        self.rows[split] = lo + n
+
+    def finish(self, n_classes: int, relabel: np.ndarray | None = None,
+               class_names: list[str] | None = None) -> Path:
+        """Map the labels through ``relabel`` (``y = relabel[y]``) if given, set
+        ``n_classes`` (and ``class_names``), check every split has rows, and rename the file
+        onto ``out_path``.
+
+        Raises
+        ------
+        DataError
+            A split holds no row (too few rows for its fraction), or the file cannot be written.
+        """
+        try:
+            empty = [s for s in self.splits if self.rows[s] == 0]
+            if empty:
+                raise DataError(
+                    f"{self.out_path}: the {' and '.join(empty)} split would be empty "
+                    f"({', '.join(f'{s} {n}' for s, n in self.rows.items())} rows): too few "
+                    "rows for the fractions asked; give more rows or larger fractions")
+            for split in self.splits:
+                dy = self.f[f"{split}/y"]
+                if relabel is not None:
+                    for lo in range(0, len(dy), 1 << 20):
+                        dy[lo:lo + (1 << 20)] = relabel[dy[lo:lo + (1 << 20)]]
+                dy.attrs["description"] = (f"class label (0..{n_classes - 1}) of each row of "
+                                           f"/{split}/x")
+            self.f.attrs["n_classes"] = int(n_classes)
+            if class_names is not None:
+                self.f.attrs["class_names"] = np.array(
+                    [n.encode() for n in class_names],
+                    dtype=h5py.string_dtype("utf-8", max(1, *(len(n.encode())
+                                                              for n in class_names))))
+            self.f.close()
+            with open(self.tmp_path, "rb") as fh:
+                os.fsync(fh.fileno())
+            os.replace(self.tmp_path, self.out_path)
+        except OSError as exc:
+            self.abort()
+            raise DataError(f"cannot write dataset {self.out_path}: {exc.strerror or exc}") \
+                from exc
+        except BaseException:
+            self.abort()
+            raise
+        return self.out_path
+
+    def abort(self) -> None:
+        """Close and remove the temporary file; ``out_path`` is left as it was."""
+        try:
+            self.f.close()
+        except Exception:  # already closed, or the disk failed: the file goes anyway
+            pass
+        self.tmp_path.unlink(missing_ok=True)
 
 
 # --------------------------------------------------------------------------------------------
@@ -343,6 +507,10 @@ def load_split(
 ) -> tuple[np.ndarray, np.ndarray]:
     """Read shard ``shard`` of ``n_shards`` of a split: rows ``block_range(N, n_shards, shard)``.
 
+    ``split`` is train or test, or ``val`` in a file that has the optional /val (checked as
+    train and test are: 2-D floating x of the same D, one integer label per row, labels in
+    0 .. n_classes-1).
+
     Only those rows are read from disk, so each rank holds 1/n_shards of the data. They are
 checked once for NaN and infinity (:func:`check_finite_rows`), so each rank checks what it
 reads and no rank reads the whole file to check it.
@@ -358,12 +526,14 @@ reads and no rank reads the whole file to check it.
         Unknown split, a bad file (see :func:`open_dataset`), more shards than rows (a
         rank with no data would have nothing to train on), or non-finite features.
     """
-    if split not in SPLITS:
-        raise DataError(f"unknown split {split!r}; known: {', '.join(SPLITS)}")
+    if split not in SPLITS + (VAL,):
+        raise DataError(f"unknown split {split!r}; known: {', '.join(SPLITS + (VAL,))}")
     path = Path(path)
     with _open_h5(path) as f:
         try:
-            splits, _ = _check_layout(f, path)
+            splits, n_classes = _check_layout(f, path)
+            if split == VAL:
+                splits[VAL] = _check_val(f, path, splits["train"][0][1], n_classes)
             x_shape, y = splits[split]
             n = x_shape[0]
             lo, hi = block_range(n, n_shards, shard)
@@ -378,6 +548,26 @@ reads and no rank reads the whole file to check it.
             raise DataError(f"cannot read dataset {path}: {exc} (truncated or corrupt?)") from exc
     check_finite_rows(x, path, split, lo, stored)
     return x, np.ascontiguousarray(y[lo:hi])
+
+
+def _check_val(f: h5py.File, path: Path, n_features: int, n_classes: int) -> tuple:
+    """(x shape, labels) of the optional /val, held to the rules of train and test."""
+    if VAL not in f:
+        raise DataError(f"{path} has no validation split /val (write one with python -m "
+                        "hpcps.data convert --validation-fraction F)")
+    dx, dy = _dataset(f, path, f"{VAL}/x"), _dataset(f, path, f"{VAL}/y")
+    if dx.ndim != 2 or dx.shape[1] != n_features or dx.shape[0] == 0 or \
+            not np.issubdtype(dx.dtype, np.floating):
+        raise DataError(f"{path}: /{VAL}/x has shape {dx.shape} and dtype {dx.dtype}; expected "
+                        f"floating (V, {n_features}) with V >= 1, the D of /train/x")
+    if dy.shape != (dx.shape[0],) or not np.issubdtype(dy.dtype, np.integer):
+        raise DataError(f"{path}: /{VAL}/y has shape {dy.shape} and dtype {dy.dtype}; expected "
+                        f"integer labels ({dx.shape[0]},), one per row of /{VAL}/x")
+    y = dy[()].astype(np.int64, copy=False)
+    if y.min() < 0 or y.max() >= n_classes:
+        raise DataError(f"{path}: /{VAL}/y has labels {y.min()}..{y.max()}; expected "
+                        f"0 .. {n_classes - 1}")
+    return dx.shape, y
 
 
 def check_finite_rows(x: np.ndarray, path, split: str, lo: int = 0, stored=np.float32,

