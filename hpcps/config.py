@@ -412,8 +412,8 @@ RESUME_AUTO = "auto"  # --resume auto: the run directory's newest valid checkpoi
 
 
 def default_run_dir(cfg, stamp: str, slurm_job: str | None = None) -> Path:
-    """``runs/slurm-<job>`` in a Slurm job (the same when it is requeued), else
-    ``runs/<strategy>-<stamp>``."""
+    """``runs/slurm-<job>`` in a Slurm job (the same when it is requeued, whatever the job
+    step), else ``runs/<strategy>-<stamp>``."""
     if slurm_job:
         return Path("runs") / f"slurm-{slurm_job}"
     return Path("runs") / f"{cfg.strategy}-{stamp}"
@@ -422,7 +422,12 @@ def default_run_dir(cfg, stamp: str, slurm_job: str | None = None) -> Path:
 def run_dir_for(cfg, stamp: str, slurm_job: str | None = None) -> Path:
     """The run directory: ``--run-dir``, else the directory of the ``--resume`` checkpoint,
     else :func:`default_run_dir`. ``--resume auto`` needs a directory that is the same when
-    the job runs again: ``--run-dir`` or a Slurm job's; a time stamp is refused."""
+    the job runs again: ``--run-dir`` or a Slurm job's; a time stamp is refused.
+
+    A Slurm job's default directory is shared by every run of the job: one that holds
+    another run (another configuration, or a run this one would start over) is refused,
+    naming ``--run-dir`` (:func:`hpcps.runtime.slurm.check_owner`); reads that directory's
+    ``metrics.jsonl``."""
     if cfg.run_dir:
         return Path(cfg.run_dir)
     if cfg.resume and cfg.resume != RESUME_AUTO:
@@ -431,4 +436,8 @@ def run_dir_for(cfg, stamp: str, slurm_job: str | None = None) -> Path:
         raise ConfigError("--resume auto looks for a checkpoint in the run directory, but "
                           "outside a Slurm job the default run directory is new each time: "
                           "give --run-dir DIR")
-    return default_run_dir(cfg, stamp, slurm_job)
+    path = default_run_dir(cfg, stamp, slurm_job)
+    if slurm_job:
+        from hpcps.runtime import slurm
+        slurm.check_owner(path, slurm_job, cfg.to_dict(), cfg.resume == RESUME_AUTO)
+    return path

@@ -1,3 +1,5 @@
+from pathlib import Path
+
 import pytest
 
 from hpcps import config
@@ -165,3 +167,67 @@ def test_the_typed_config_names_every_common_option():
             assert type(None) in args, (o.name, "may be unset: its type must admit None")
     cfg = config.parse(["--strategy", "sync"])
     assert isinstance(cfg.lr, float) and cfg.layers == (784, 512, 512, 10)
+
+
+# -- the run directory ---------------------------------------------------------------------------
+def _leave_run(run_dir, argv, checkpoint=True):
+    """What a run leaves in its directory: a start record with its config (resume resolved,
+    as hpcps.job writes it) and, optionally, a checkpoint file."""
+    import json
+    run_dir.mkdir(parents=True, exist_ok=True)
+    saved = {**config.parse(argv).to_dict(), "resume": None}
+    with open(run_dir / "metrics.jsonl", "a") as f:
+        f.write(json.dumps({"kind": "start", "time_s": 0.0, "config": saved}) + "\n")
+        f.write('{"kind": "progress", "step": 10}\n')
+    if checkpoint:
+        (run_dir / "checkpoint.h5").write_bytes(b"")
+
+
+def test_slurm_default_run_dir_is_the_jobs_and_continues_the_same_run(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    argv = ["--strategy", "sync", "--lr", "0.05", "--resume", "auto"]
+    assert config.run_dir_for(config.parse(argv), "x", "12") == Path("runs/slurm-12")
+    _leave_run(tmp_path / "runs" / "slurm-12", argv)
+    # a requeue or a retry: the same run, even with a longer run or other timeouts
+    again = argv + ["--steps", "5000", "--timeout", "30", "--eval-every", "7"]
+    assert config.run_dir_for(config.parse(again), "x", "12") == Path("runs/slurm-12")
+    # an array task or another job: a directory of its own
+    other = config.parse(["--strategy", "averaging", "--resume", "auto"])
+    assert config.run_dir_for(other, "x", "12_1") == Path("runs/slurm-12_1")
+
+
+def test_slurm_default_run_dir_refuses_another_run(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    _leave_run(tmp_path / "runs" / "slurm-12", ["--strategy", "sync", "--lr", "0.05"])
+    other = config.parse(["--strategy", "averaging", "--lr", "0.05", "--resume", "auto"])
+    with pytest.raises(ConfigError, match=r"holds a sync run with another configuration "
+                       r"\(strategy: 'sync' there, 'averaging' here.*would resume: .*"
+                       r"--run-dir runs/slurm-12-2"):
+        config.run_dir_for(other, "x", "12")
+    lr = config.parse(["--strategy", "sync", "--lr", "0.1"])
+    with pytest.raises(ConfigError, match=r"lr: 0.05 there, 0.1 here\), which this run "
+                       "would overwrite"):
+        config.run_dir_for(lr, "x", "12")
+    same = config.parse(["--strategy", "sync", "--lr", "0.05"])   # no --resume auto
+    with pytest.raises(ConfigError, match="would overwrite: continue it with --resume auto"):
+        config.run_dir_for(same, "x", "12")
+    # the way out: --run-dir (not checked: the user chose it)
+    named = config.parse(["--strategy", "averaging", "--run-dir", "runs/slurm-12-2"])
+    assert config.run_dir_for(named, "x", "12") == Path("runs/slurm-12-2")
+
+
+def test_slurm_default_run_dir_with_checkpoints_but_no_metrics(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    run_dir = tmp_path / "runs" / "slurm-12"
+    run_dir.mkdir(parents=True)
+    (run_dir / "checkpoint-100.h5").write_bytes(b"")
+    with pytest.raises(ConfigError, match="holds checkpoint-100.h5, which this run would "
+                       "overwrite"):
+        config.run_dir_for(config.parse([]), "x", "12")
+    # --resume auto checks the files themselves (hpcps.io.checkpoint.latest)
+    auto = config.parse(["--resume", "auto"])
+    assert config.run_dir_for(auto, "x", "12") == Path("runs/slurm-12")
+    # an empty directory, or one of metrics without a start record, is nobody's
+    (run_dir / "checkpoint-100.h5").unlink()
+    (run_dir / "metrics.jsonl").write_text('{"kind": "progress"}\nnot json\n')
+    assert config.run_dir_for(config.parse([]), "x", "12") == Path("runs/slurm-12")

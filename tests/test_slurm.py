@@ -127,30 +127,73 @@ def records(run_dir: Path, kind: str) -> list[dict]:
 
 
 def test_train_job(cluster, digits_h5, tmp_path):
-    job = submit(tmp_path, "train.sbatch", ["--nodes=1", "--ntasks-per-node=3"],
+    """train.sbatch as submitted: srun without --mpi (the site's MpiDefault), --threads from
+    -c with one BLAS thread per rank, the run in runs/slurm-<job id>."""
+    job = submit(tmp_path, "train.sbatch", ["--ntasks-per-node=3", "--cpus-per-task=2"],
                  ["--data", digits_h5, "--steps", "300", *SMALL])
     (state,) = wait_for(job, finished, 90, tmp_path, "finish")
     out = (tmp_path / f"hpcps-{job}.out").read_text()
     assert state["JobState"] == "COMPLETED" and state["ExitCode"] == "0:0", out
+    assert state["NumNodes"] == "1", state   # the script's default: one node
+    assert "3 tasks x 2 CPUs, srun without --mpi (MpiDefault) --threads 2" in out, out
     run_dir = tmp_path / "runs" / f"slurm-{job}"   # hpcps.train read SLURM_JOB_ID
     assert checkpoint.load(run_dir / "checkpoint.h5").step == 300
     assert "final test accuracy" in out and "no checkpoint in" in out
     start = records(run_dir, "start")[0]
     assert start["ranks"] == 3 and start["slurm"]["job_id"] == job, start
+    assert start["config"]["threads"] == 2 and start["slurm"]["cpus_per_task"] == "2", start
     assert records(run_dir, "summary")[0]["test_accuracy"] > 0.8
+
+
+def test_blas_threads_are_one_per_rank(cluster, tmp_path):
+    """What the scripts export reaches every task of the step, whatever -c is (a probe
+    script in train.sbatch's place: the same environment lines, srun as it runs)."""
+    lines = (JOBS / "train.sbatch").read_text().splitlines()
+    head = lines[:next(i for i, line in enumerate(lines) if line.startswith("PREEMPTED="))]
+    probe = tmp_path / "probe.sbatch"
+    probe.write_text("\n".join(head) + "\nsrun $mpi --cpus-per-task=\"$cpus\" bash -c "
+                     "'echo task $SLURM_PROCID: $OPENBLAS_NUM_THREADS $OMP_NUM_THREADS "
+                     "$MKL_NUM_THREADS cpus $SLURM_CPUS_PER_TASK'\necho threads: $threads\n")
+    run = _sh("sbatch", "--parsable", f"--chdir={tmp_path}", "--ntasks-per-node=2", "-c3",
+              f"--output={tmp_path}/hpcps-probe.out", probe, env=job_env(
+                  OPENBLAS_NUM_THREADS="8", OMP_NUM_THREADS="8", MKL_NUM_THREADS="8"))
+    assert run.returncode == 0, run.stderr
+    job = run.stdout.strip()
+    (state,) = wait_for(job, finished, 60, tmp_path, "finish")
+    out = (tmp_path / "hpcps-probe.out").read_text()
+    assert state["ExitCode"] == "0:0", out
+    assert sorted(x for x in out.splitlines() if x.startswith("task")) == \
+        ["task 0: 1 1 1 cpus 3", "task 1: 1 1 1 cpus 3"], out
+    assert "threads: --threads 3" in out, out
 
 
 def test_preemptible_job_is_requeued_and_continues(cluster, digits_h5, tmp_path):
     """SIGUSR1 to the batch shell only, as ``--signal=B:USR1@120`` sends it: the script
     forwards it to the job step, every rank stops with a checkpoint (exit code 75), the
-    script requeues the job, and the second start continues from the checkpoint.
+    script requeues the job, and the second start continues from the checkpoint."""
+    stop_requeue_continue(tmp_path, digits_h5, "preemptible.sbatch", "hpcps-long",
+                          ["--signal=USR1", "--batch"])
+
+
+def test_train_job_is_requeued_on_a_stop(cluster, digits_h5, tmp_path):
+    """SIGTERM to the batch shell: train.sbatch passes it to the job step as USR1 (a SIGTERM
+    to srun would cancel the step), requeues on exit code 75 as preemptible.sbatch does, and
+    the run continues in the same directory."""
+    stop_requeue_continue(tmp_path, digits_h5, "train.sbatch", "hpcps",
+                          ["--signal=TERM", "--batch"])
+
+
+def stop_requeue_continue(tmp_path: Path, digits_h5, script: str, tag: str,
+                          signal: list[str]) -> None:
+    """Submit ``script``, signal it with ``scancel SIGNAL`` past step 300, wait for its
+    requeue, let it start again and check that the run continued to its end.
 
     The run's length comes from a config file, far longer than the test waits at first and
     shortened while the job waits to start again (the command line is the same at every
     start), so the test does not depend on how fast this machine is today."""
     conf = tmp_path / "run.toml"
     conf.write_text("steps = 1000000\n")
-    job = submit(tmp_path, "preemptible.sbatch", ["--nodes=1", "--ntasks-per-node=3"],
+    job = submit(tmp_path, script, ["--nodes=1", "--ntasks-per-node=3"],
                  ["--data", digits_h5, "--config", conf, *SMALL])
     run_dir = tmp_path / "runs" / f"slurm-{job}"
     deadline = time.monotonic() + 90
@@ -159,7 +202,7 @@ def test_preemptible_job_is_requeued_and_continues(cluster, digits_h5, tmp_path)
             pytest.fail(f"job {job} made no progress past step 300 before it ended or 90 s "
                         f"passed\n{outputs(tmp_path)}")
         time.sleep(0.1)
-    assert _sh("scancel", "--signal=USR1", "--batch", job).returncode == 0
+    assert _sh("scancel", *signal, job).returncode == 0
     wait_for(job, lambda s: s[0].get("Restarts") == "1" and s[0]["JobState"] == "PENDING",
              60, tmp_path, "requeue itself")
     (first,) = records(run_dir, "summary")
@@ -174,7 +217,7 @@ def test_preemptible_job_is_requeued_and_continues(cluster, digits_h5, tmp_path)
     out = (tmp_path / f"hpcps-{job}.out").read_text()
     assert state["JobState"] == "COMPLETED" and state["ExitCode"] == "0:0", out
     assert f"exit code {PREEMPTED_EXIT}" in out and "requeueing job" in out, out
-    assert out.count("hpcps-long: job") == 2, out   # two starts, one output file (appended)
+    assert out.count(f"{tag}: job {job} start") == 2, out   # two starts, one output file
     starts = records(run_dir, "start")
     assert starts[1]["start_step"] == first["step"] and starts[1]["resume_auto"] is True
     assert starts[1]["slurm"]["restart_count"] == "1"
@@ -185,18 +228,64 @@ def test_preemptible_job_is_requeued_and_continues(cluster, digits_h5, tmp_path)
     assert checkpoint.load(run_dir / "checkpoint.h5").step == total
 
 
-def test_sweep_array(cluster, digits_h5, tmp_path):
+def test_sweep_array_and_its_report(cluster, digits_h5, tmp_path):
+    """Two array tasks with the PMI named by HPCPS_SRUN_MPI, then the report as the script's
+    header submits it: a job that waits for the whole array (afterany) and compares both."""
     job = submit(tmp_path, "sweep.sbatch", ["--array=0-1", "--nodes=1", "--ntasks-per-node=2"],
                  ["--data", digits_h5, "--steps", "200", *SMALL],
-                 HPCPS_SWEEP_STRATEGIES="sync averaging", HPCPS_SWEEP_LRS="0.05")
+                 HPCPS_SWEEP_STRATEGIES="sync averaging", HPCPS_SWEEP_LRS="0.05",
+                 HPCPS_SRUN_MPI="pmi2")
+    report = _sh("sbatch", "--parsable", f"--chdir={tmp_path}", f"--dependency=afterany:{job}",
+                 "--output=hpcps-report-%j.out", "--wrap",
+                 f"python -m hpcps.report runs/slurm-{job}_* --out runs/sweep-{job} "
+                 "--no-figures", env=job_env())
+    assert report.returncode == 0, report.stderr
+    report_job = report.stdout.strip()
     states = wait_for(job, lambda s: len(s) == 2 and finished(s), 120, tmp_path, "finish")
     assert all(s["JobState"] == "COMPLETED" and s["ExitCode"] == "0:0" for s in states), \
         outputs(tmp_path)
+    assert "srun --mpi=pmi2" in outputs(tmp_path)
     for task, strategy in enumerate(["sync", "averaging"]):
         run_dir = tmp_path / "runs" / f"slurm-{job}_{task}"
         config = records(run_dir, "start")[0]["config"]
         assert config["strategy"] == strategy and config["lr"] == 0.05, config
         assert records(run_dir, "summary")[0]["step"] >= 200
+    (state,) = wait_for(report_job, finished, 60, tmp_path, "report")
+    assert state["JobState"] == "COMPLETED", outputs(tmp_path)
+    table = (tmp_path / "runs" / f"sweep-{job}" / "summary.md").read_text()
+    assert f"slurm-{job}_0" in table and f"slurm-{job}_1" in table, table
+
+
+def test_a_second_run_in_one_job_is_refused_not_mixed(cluster, digits_h5, tmp_path):
+    """Two runs in one allocation share its default run directory: the first trains there,
+    a retry of it continues it, a different run is refused (exit code 2, naming --run-dir)
+    and runs where --run-dir says."""
+    args = f"--data {digits_h5} --steps 100 {' '.join(SMALL)}"
+    script = tmp_path / "two.sbatch"
+    script.write_text(f"""#!/bin/bash
+#SBATCH --output=hpcps-two-%j.out
+train() {{ srun python -m hpcps.train {args} --resume auto "$@"; echo "exit code $?"; }}
+train --strategy sync
+train --strategy sync
+train --strategy averaging
+train --strategy averaging --run-dir runs/slurm-$SLURM_JOB_ID-2
+""")
+    run = _sh("sbatch", "--parsable", f"--chdir={tmp_path}", "--ntasks=2", script,
+              env=job_env())
+    assert run.returncode == 0, run.stderr
+    job = run.stdout.strip()
+    wait_for(job, finished, 120, tmp_path, "finish")
+    out = (tmp_path / f"hpcps-two-{job}.out").read_text()
+    assert [x for x in out.splitlines() if x.startswith("exit code")] == \
+        ["exit code 0", "exit code 0", "exit code 2", "exit code 0"], out
+    assert f"runs/slurm-{job} (this Slurm job's default) holds a sync run with another " \
+        "configuration (strategy: 'sync' there, 'averaging' here" in out, out
+    assert f"--run-dir runs/slurm-{job}-2" in out, out
+    first = tmp_path / "runs" / f"slurm-{job}"
+    assert [r["config"]["strategy"] for r in records(first, "start")] == ["sync", "sync"]
+    assert records(first, "start")[1]["start_step"] == 100   # the retry continued it
+    (other,) = records(tmp_path / "runs" / f"slurm-{job}-2", "start")
+    assert other["config"]["strategy"] == "averaging"
 
 
 def test_prepare_data_job(cluster, tmp_path):
@@ -211,12 +300,14 @@ def test_prepare_data_job(cluster, tmp_path):
 
 
 def test_srun_without_pmi_is_refused(cluster, digits_h5, tmp_path):
-    """Without --mpi=pmi2 every task is rank 0 of 1: refused, not trained N times."""
+    """With a PMI the MPI library does not speak (--mpi=none) every task is rank 0 of 1:
+    refused, not trained N times, with advice that names the site's types."""
     run = _sh("srun", "--mpi=none", "-n", "2", sys.executable, "-m", "hpcps.train",
               "--data", digits_h5, "--steps", "10", *SMALL, timeout=90, env=job_env(),
               cwd=tmp_path)
     assert run.returncode == 2, run.stdout + run.stderr
     assert "srun started 2 tasks but MPI sees 1 rank(s)" in run.stderr
+    assert "srun --mpi=list" in run.stderr and "HPCPS_SRUN_MPI" in run.stderr, run.stderr
     assert not (tmp_path / "runs").exists()
 
 
