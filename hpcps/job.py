@@ -14,8 +14,8 @@ at the next safe point (:mod:`hpcps.runtime.stop`); the final checkpoint then ho
 reached and the job exits with code 75, "checkpointed, resubmit me": ``--resume auto``
 continues from the run directory's newest valid checkpoint, or starts fresh when there is none.
 
-Under Slurm (``jobs/*.sbatch``), ``srun --mpi=pmi2`` and ``mpiexec`` start the same job; the
-default run directory is ``runs/slurm-<job id>`` (:mod:`hpcps.runtime.slurm`).
+Under Slurm (``jobs/*.sbatch``), ``srun`` (with the site's PMI) and ``mpiexec`` start the same
+job; the default run directory is ``runs/slurm-<job id>`` (:mod:`hpcps.runtime.slurm`).
 """
 from __future__ import annotations
 
