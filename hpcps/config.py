@@ -91,8 +91,14 @@ COMMON = (
            "runs/<strategy>-<time>)"),
     Option("checkpoint_every", int, "write a checkpoint every this many global steps (0: only "
            "at the end)", default=5000, check="nonneg"),
-    Option("eval_every", int, "evaluate test accuracy every this many global steps (0: only at "
-           "the end)", default=2000, check="nonneg"),
+    Option("eval_every", int, "evaluate accuracy every this many global steps, on the "
+           "validation split when there is one, else the test set (0: only at the end)",
+           default=2000, check="nonneg"),
+    Option("validation_fraction", float, "hold out this fraction of /train as the validation "
+           "split (a seeded choice of rows, the same on every rank, not trained on) for the "
+           "periodic evaluations; a dataset file with /val uses that instead; the test set is "
+           "then scored once, at the end (default 0: none, evaluations on the test set)",
+           default=0.0, check="fraction"),
     Option("resume", str, "continue from this checkpoint (any number of ranks or shards may "
            "have written it); 'auto': from the newest valid checkpoint in the run directory "
            "if there is one, else start fresh (for jobs that are requeued: needs --run-dir, "

@@ -42,8 +42,9 @@ from hpcps.model.mlp import InitialWeights, SingleExchange
 from hpcps.runtime.stacks import StackDumper
 from hpcps.runtime.stop import SignalFlag, StopVote
 from hpcps.strategies.registry import strategies
-from hpcps.strategies.context import (Context, explain_nonfinite, make_optimizer,
-                                      state_from_checkpoint)
+from hpcps.blocks import block_range
+from hpcps.strategies.context import (VAL_FILE, VAL_HELD_OUT, Context, explain_nonfinite,
+                                      make_optimizer, state_from_checkpoint)
 from hpcps.mpi.topology import Layout, abort, build_grid, check_thread_support, world_comm
 
 
@@ -194,18 +195,29 @@ def _setup(cfg: config.Config, world, layout: Layout, info, ckpt, run_dir: Path)
     # the coordinator, where there is one, sees the whole run: it logs; otherwise rank 0
     reporter = layout.n_world - 1 if layout.coordinator else 0
     metrics = Metrics(run_dir if grid.rank == reporter else None, cfg.progress_every)
+    # the validation split: the file's /val, else the rows --validation-fraction holds out of
+    # /train (the same on every rank), else none (evaluations on the test set)
+    held = np.empty(0, dtype=np.int64)
+    val_source, val_rows = None, data.val_rows(cfg.data)
+    if val_rows:
+        val_source = VAL_FILE
+    elif cfg.validation_fraction > 0:
+        held = data.holdout_rows(info.n_train, cfg.validation_fraction, cfg.seed)
+        val_source, val_rows = VAL_HELD_OUT, len(held)
     ctx = Context(cfg=cfg, grid=grid, model=model, full_model=full, optimizer=opt,
                   dataset=info, params=params, opt_state=state, start_step=start,
-                  total_steps=cfg.total_steps(info.n_train), run_dir=run_dir, metrics=metrics,
-                  reporter=reporter,
-                  resumed=ckpt.metrics if ckpt is not None else None)
+                  total_steps=cfg.total_steps(info.n_train - len(held)), run_dir=run_dir,
+                  metrics=metrics, reporter=reporter,
+                  resumed=ckpt.metrics if ckpt is not None else None,
+                  val_source=val_source, val_rows=val_rows, held_out=len(held))
     if grid.role.is_replica and cfg.spec.replica_data == "whole":
         # any replica may be handed any portion: each holds the whole training set
-        ctx.train_x, ctx.train_y = data.load_split(cfg.data, "train")
+        ctx.train_x, ctx.train_y = _without(data.load_split(cfg.data, "train"), 0, held)
     elif grid.role.is_replica:
         # every partition of a replica reads the same shard and draws the same batches
-        ctx.train_x, ctx.train_y = data.load_split(cfg.data, "train", grid.role.replica,
-                                                   layout.replicas)
+        lo = block_range(info.n_train, layout.replicas, grid.role.replica)[0]
+        ctx.train_x, ctx.train_y = _without(
+            data.load_split(cfg.data, "train", grid.role.replica, layout.replicas), lo, held)
         need = cfg.batch_size * cfg.threads  # a step draws one mini-batch per thread
         if len(ctx.train_x) < need:
             what = (f"one step's {need} (--batch-size {cfg.batch_size} x --threads "
@@ -214,7 +226,39 @@ def _setup(cfg: config.Config, world, layout: Layout, info, ckpt, run_dir: Path)
                               f"examples, fewer than {what}")
     if grid.is_chief:
         ctx.test_x, ctx.test_y = data.load_split(cfg.data, "test")
+        if ctx.val_source == VAL_FILE:
+            ctx.val_x, ctx.val_y = data.load_split(cfg.data, "val")
+        elif ctx.val_source == VAL_HELD_OUT:
+            ctx.val_x, ctx.val_y = data.load_rows(cfg.data, "train", held)
     return ctx
+
+
+def _without(xy: tuple[np.ndarray, np.ndarray], lo: int,
+             held: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Rows ``lo ..`` of /train as loaded, less those ``held`` out for validation."""
+    x, y = xy
+    mine = held[(held >= lo) & (held < lo + len(x))] - lo
+    if not len(mine):
+        return x, y
+    keep = np.ones(len(x), dtype=bool)
+    keep[mine] = False
+    return np.ascontiguousarray(x[keep]), np.ascontiguousarray(y[keep])
+
+
+def _validation_note(ctx: Context) -> str:
+    """What the periodic evaluations score, for the start line."""
+    cfg = ctx.cfg
+    if ctx.val_source == VAL_FILE:
+        ignored = (f" (--validation-fraction {cfg.validation_fraction:g} not used: the file "
+                   "has /val)" if cfg.validation_fraction > 0 else "")
+        where = f"the validation split /val of {cfg.data} ({ctx.val_rows} rows){ignored}"
+    elif ctx.val_source == VAL_HELD_OUT:
+        where = (f"the validation split: {ctx.val_rows} rows (--validation-fraction "
+                 f"{cfg.validation_fraction:g}) held out of /train, not trained on")
+    else:
+        return ("evaluations on the test set (no validation split: the file has no /val and "
+                "--validation-fraction is 0)")
+    return f"evaluations on {where}, the test set scored once at the end"
 
 
 def plan(cfg: config.Config, n_world: int) -> Layout:
@@ -259,6 +303,7 @@ def _summary(ctx: Context, results: list[dict], wall_s: float, stopped: bool = F
                    examples_per_s=round(mine.get("examples_per_s", float("nan")), 1),
                    bytes_per_step=round(bytes_per_step), mean_staleness=round(staleness, 3),
                    test_accuracy=mine.get("test_accuracy"), test_loss=mine.get("test_loss"),
+                   **_split_figures(ctx, mine, results),
                    stopped_early=stopped, total_steps=ctx.total_steps,
                    checkpoint=mine.get("checkpoint"), **memory.by_role(results),
                    **_blas_in_use(results), **_step_times(results), **figures)
@@ -270,6 +315,10 @@ def _summary(ctx: Context, results: list[dict], wall_s: float, stopped: bool = F
         m.message("  " + line)
     m.message(f"  final test accuracy: {100 * rec['test_accuracy']:.2f}% "
               f"(test loss {rec['test_loss']:.4f})")
+    if rec.get("val_accuracy") is not None:
+        m.message(f"  final validation accuracy: {100 * rec['val_accuracy']:.2f}% "
+                  f"(validation loss {rec['val_loss']:.4f}, {rec['val_rows']} rows; the "
+                  "periodic evaluations scored this split)")
     m.message(f"  checkpoint: {rec['checkpoint']}   metrics: {m.path}")
     if stopped:
         m.message(f"  stopped early at step {step} of {ctx.total_steps} on a signal: exit code "
@@ -288,6 +337,31 @@ def _summary(ctx: Context, results: list[dict], wall_s: float, stopped: bool = F
                      else "(busy throughout: computing, or MPI polling)"))
     m.message(f"  BLAS: {rec['blas']} ({rec['blas_reason']})")
     m.message("  " + memory.describe(rec))
+
+
+def _train_rows(ctx: Context) -> int | None:
+    """The training rows this rank trains on: a replica's (partition 0 of it, so that a
+    replica counts once), None on the other ranks."""
+    role = ctx.grid.role
+    if not role.is_replica or ctx.train_x is None or (ctx.partitioned and role.partition):
+        return None
+    return len(ctx.train_x)
+
+
+def _split_figures(ctx: Context, mine: dict, results: list[dict]) -> dict:
+    """Which split each figure is on: ``eval_split`` (what the periodic evaluations scored),
+    ``val_source`` (``file``, ``held-out`` or None), ``val_accuracy`` and ``val_loss`` (the
+    final model on the validation split, when there is one), ``val_rows``, and
+    ``train_rows``: the training rows the replicas held (each replica's shard once; with
+    replicas that each hold the whole set, that set)."""
+    rows = [r["train_rows"] for r in results if r.get("train_rows") is not None]
+    whole = ctx.cfg.spec.replica_data == "whole"
+    out = {"eval_split": ctx.eval_split, "val_source": ctx.val_source,
+           "train_rows": (max(rows) if whole else sum(rows)) if rows else None}
+    if ctx.val_source is not None:
+        out.update(val_accuracy=mine.get("val_accuracy"), val_loss=mine.get("val_loss"),
+                   val_rows=ctx.val_rows)
+    return out
 
 
 def _step_times(results: list[dict]) -> dict:
@@ -389,10 +463,11 @@ def main(argv: list[str] | None = None) -> int:
     else:
         ctx.stop = StopVote(vote_comm, flag, cfg.timeout)
     m = ctx.metrics
-    how = cfg.spec.describe(cfg, info.n_train) if cfg.spec.describe else cfg.optimizer
+    how = cfg.spec.describe(cfg, ctx.n_train) if cfg.spec.describe else cfg.optimizer
     m.message(_describe(cfg, layout) + f"; model {convnet.describe_model(ctx.full_model)} "
               f"({ctx.full_model.n_params} parameters), {how}, {ctx.total_steps} steps "
-              f"({ctx.epochs(ctx.total_steps):.2f} epochs) of {info.name}")
+              f"({ctx.epochs(ctx.total_steps):.2f} epochs) of {info.name}; "
+              f"{_validation_note(ctx)}")
     if ckpt is not None:
         m.message(f"resumed from {cfg.resume}{' (--resume auto)' if auto else ''} at step "
                   f"{ckpt.step}")
@@ -406,7 +481,7 @@ def main(argv: list[str] | None = None) -> int:
         except NonFiniteError as exc:  # say where, what is left, and the usual causes
             raise explain_nonfinite(ctx, exc) from None
         result = {**result, "role": ctx.grid.role.kind, "peak_rss_bytes": memory.peak_rss_bytes(),
-                  "blas_used": _blas_chosen()}
+                  "blas_used": _blas_chosen(), "train_rows": _train_rows(ctx)}
         if may_lose:
             lost = faults.finish(world, ctx.reporter, result, ctx.grid.layout, cfg.timeout,
                                  lambda results: _summary(ctx, results,

@@ -34,6 +34,8 @@ from hpcps.runtime.metrics import Metrics
 from hpcps.runtime.stop import StopVote
 
 CHECKPOINT_NAME = "checkpoint.h5"
+TEST, VAL = "test", "val"  # the splits an evaluation scores (the ``split`` of eval records)
+VAL_FILE, VAL_HELD_OUT = "file", "held-out"  # where the validation split comes from
 
 
 @dataclass
@@ -49,7 +51,9 @@ class Context:
     slice one after the other, of which the shard keeps its own chunk. ``train_x/train_y``
     hold this replica's shard of the training set (every partition of a replica reads the same
     shard with the same seed, so they see the same batches without sending them);
-    ``test_x/test_y`` are loaded on the chief only.
+    ``test_x/test_y`` are loaded on the chief only, and so are ``val_x/val_y``, the validation
+    split (the file's /val, or the rows ``--validation-fraction`` holds out of /train), when
+    ``val_source`` says there is one (every rank knows that).
     """
 
     cfg: RunConfig
@@ -68,6 +72,11 @@ class Context:
     train_y: np.ndarray | None = None
     test_x: np.ndarray | None = None
     test_y: np.ndarray | None = None
+    val_x: np.ndarray | None = None    # the validation split, on the chief only
+    val_y: np.ndarray | None = None
+    val_source: str | None = None      # where it comes from (VAL_FILE, VAL_HELD_OUT), None: none
+    val_rows: int = 0                  # its rows (known on every rank)
+    held_out: int = 0                  # of them, rows of /train (--validation-fraction)
     reporter: int = 0                  # the rank that logs and prints the summary
     resumed: dict | None = None        # the metrics saved in the --resume checkpoint
     stop: StopVote | None = None       # SIGTERM/SIGUSR1 agreed among the ranks (hpcps.runtime.stop)
@@ -84,11 +93,23 @@ class Context:
             self.stop.poll()
 
     @property
+    def eval_split(self) -> str:
+        """The split the periodic evaluations score: ``val`` when there is a validation
+        split, else ``test`` (the final evaluation always scores the test set)."""
+        return VAL if self.val_source is not None else TEST
+
+    @property
     def remaining_steps(self) -> int:
         return max(0, self.total_steps - self.start_step)
 
+    @property
+    def n_train(self) -> int:
+        """The training rows the replicas train on: /train less the rows held out for
+        validation (epochs count passes over these)."""
+        return self.dataset.n_train - self.held_out
+
     def epochs(self, step: int) -> float:
-        return step * self.cfg.batch(self.dataset.n_train) / self.dataset.n_train
+        return step * self.cfg.batch(self.n_train) / self.n_train
 
     def batch_seed(self, replica: int) -> int:
         """Data order differs per replica and per resume point, reproducibly from --seed."""
@@ -181,33 +202,57 @@ def state_from_checkpoint(model: MLP, ckpt: checkpoint.Checkpoint,
     return params, state
 
 
-def evaluate(ctx: Context, params: np.ndarray, step: int) -> tuple[float, float]:
-    """(test loss, test accuracy) of whole-model ``params`` on the chief's test set.
+def evaluate(ctx: Context, params: np.ndarray, step: int,
+             split: str = TEST) -> tuple[float, float]:
+    """(loss, accuracy) of whole-model ``params`` on the chief's ``split`` (``test`` or
+    ``val``).
 
-    Raises NonFiniteError when the test loss is NaN or infinite: the data are finite
+    Raises NonFiniteError when the loss is NaN or infinite: the data are finite
     (checked at load), so the parameters overflow the forward pass, finite or not.
     """
     from hpcps.engine import conv_hogwild  # the compiled forward pass for conv models
-    loss, acc = conv_hogwild.evaluate(ctx.full_model, params, ctx.test_x, ctx.test_y)
-    check_test_loss(loss, step)
+    x, y = (ctx.val_x, ctx.val_y) if split == VAL else (ctx.test_x, ctx.test_y)
+    if x is None:
+        raise ValueError(f"no {split} split loaded on this rank")
+    loss, acc = conv_hogwild.evaluate(ctx.full_model, params, x, y)
+    check_test_loss(loss, step, split)
     return loss, acc
 
 
-def check_test_loss(loss: float, step: int) -> None:
+def check_test_loss(loss: float, step: int, split: str = TEST) -> None:
     if not math.isfinite(loss):
-        raise NonFiniteError(step, f"found a test loss of {loss}: the parameters overflow "
+        what = "validation" if split == VAL else "test"
+        raise NonFiniteError(step, f"found a {what} loss of {loss}: the parameters overflow "
                              "the forward pass")
+
+
+def split_figures(split: str, loss: float, acc: float) -> dict:
+    """An evaluation's fields in a record: ``split`` and ``<split>_accuracy``,
+    ``<split>_loss`` (``test_accuracy`` on the test set, ``val_accuracy`` on the validation
+    split), so every figure says which split it is on."""
+    return {"split": split, f"{split}_accuracy": acc, f"{split}_loss": loss}
+
+
+def periodic_evaluation(ctx: Context, params: np.ndarray, step: int) -> dict:
+    """The chief's periodic evaluation, on :attr:`Context.eval_split`: the eval record's
+    fields (:func:`split_figures`)."""
+    split = ctx.eval_split
+    loss, acc = evaluate(ctx, params, step, split)
+    return split_figures(split, loss, acc)
 
 
 def finish_on_chief(ctx: Context, params: np.ndarray, state: dict, step: int,
                     train_s: float, saved: dict | None = None) -> dict:
-    """The chief's end of a run: evaluate the final whole model, write the final checkpoint
-    (with the scalars ``saved`` among its metrics), and return the summary's common figures."""
+    """The chief's end of a run: evaluate the final whole model on the test set (and on the
+    validation split when there is one), write the final checkpoint (with the scalars
+    ``saved`` among its metrics), and return the summary's common figures."""
     test_loss, test_acc = evaluate(ctx, params, step)
-    path = save_checkpoint(ctx, params, state, step,
-                           {"test_accuracy": test_acc, "test_loss": test_loss, **(saved or {})})
-    return {"step": step, "test_accuracy": test_acc, "test_loss": test_loss,
-            "checkpoint": str(path),
+    final = {"test_accuracy": test_acc, "test_loss": test_loss}
+    if ctx.val_source is not None:
+        val_loss, val_acc = evaluate(ctx, params, step, VAL)
+        final.update(val_accuracy=val_acc, val_loss=val_loss)
+    path = save_checkpoint(ctx, params, state, step, {**final, **(saved or {})})
+    return {"step": step, **final, "checkpoint": str(path),
             "examples_per_s": rate((step - ctx.start_step) * ctx.cfg.batch_size, train_s)}
 
 

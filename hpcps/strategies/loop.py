@@ -27,7 +27,8 @@ holds the step reached, and ``train.py`` exits with code 75.
 Schedules are counted in this replica's own mini-batches, so that every partition of a
 replica (they run the same steps) evaluates and checkpoints at the same iteration and can
 gather the model together: replica 0 evaluates every ``ceil(eval_every / R)`` of its
-mini-batches, about every ``eval_every`` global steps.
+mini-batches, about every ``eval_every`` global steps, on the validation split when the run has
+one (``Context.eval_split``), else on the test set.
 """
 from __future__ import annotations
 
@@ -49,8 +50,8 @@ from hpcps.options import (parse_inject_slow)
 from hpcps.runtime.stacks import collect_wait
 from hpcps.runtime.stop import StopVote
 from hpcps.mpi.comm import PeerTimeout, dup_comm
-from hpcps.strategies.context import (Context, crossed, evaluate, gather_state,
-                                      model_parallel_figures, rate, save_checkpoint,
+from hpcps.strategies.context import (Context, crossed, gather_state, model_parallel_figures,
+                                      periodic_evaluation, rate, save_checkpoint,
                                       warn_divergence)
 from hpcps.strategies.gradients import GradientSource
 
@@ -88,8 +89,9 @@ class ReplicaLoop(ABC):
         ``ctx.resumed`` on ``--resume``).
     after_loop() : after the last iteration (last push, drain messages, ...).
     finish(train_s) -> dict : the final figures (collective parts included); the chief's
-        dict goes into the summary: ``step``, ``test_accuracy``, ``test_loss``,
-        ``checkpoint``, ``examples_per_s`` and ``figures`` (the strategy's own).
+        dict goes into the summary: ``step``, ``test_accuracy``, ``test_loss`` (and
+        ``val_accuracy``, ``val_loss`` with a validation split), ``checkpoint``,
+        ``examples_per_s`` and ``figures`` (the strategy's own).
     loss_source() -> str : whose loss :meth:`step` returns, for the message when it is not
         finite (default: this replica's own mini-batches).
     run_complete() -> bool : after an iteration: whether the run as a whole is done, so this
@@ -295,10 +297,9 @@ class ReplicaLoop(ABC):
             return
         step = self.global_step()
         self.check_params(full, step, "the model gathered for evaluation or a checkpoint")
-        if evaluating:
-            test_loss, test_acc = evaluate(ctx, full, step)
+        if evaluating:  # on the validation split when there is one, else the test set
             ctx.metrics.record("eval", step=step, epoch=round(ctx.epochs(step), 3),
-                               test_accuracy=test_acc, test_loss=test_loss)
+                               **periodic_evaluation(ctx, full, step))
         if saving:
             path = save_checkpoint(ctx, full, state, step, {"train_loss": self.last_loss,
                                                             **self.checkpoint_metrics()})

@@ -404,7 +404,12 @@ class Figure:
 
 _TRAIN_LOSS = Curve("loss", name="training")
 _TEST_LOSS = Curve("test_loss", ("eval", "summary"), name="test", style="--", marker="o")
-_TEST_ACC = Curve("test_accuracy", ("eval", "summary"), marker="o")
+_TEST_ACC = Curve("test_accuracy", ("eval", "summary"), name="test", marker="o")
+# a run with a validation split evaluates on it (eval records with split "val") and scores
+# the test set once, in its summary
+_VAL_LOSS = Curve("val_loss", ("eval", "summary"), name="validation", style=":", marker="s")
+_VAL_ACC = Curve("val_accuracy", ("eval", "summary"), name="validation", style=":",
+                 marker="s")
 
 
 def _over_step_and_time(what: str, ylabel: str, *items: Curve, log: bool = False):
@@ -419,10 +424,12 @@ def _progress_and_final(what: str, ylabel: str, progress: str, final: str):
 
 # Every figure the report can write; one is written when any of its panels has data.
 FIGURES: tuple[Figure, ...] = (
-    Figure("loss", "Loss (training: from progress records; test: from evaluations)",
-           _over_step_and_time("loss", "mean cross-entropy (nats)", _TRAIN_LOSS, _TEST_LOSS)),
-    Figure("accuracy", "Test accuracy",
-           _over_step_and_time("test accuracy", "fraction correct", _TEST_ACC)),
+    Figure("loss", "Loss (training: from progress records; test and validation: from "
+           "evaluations)",
+           _over_step_and_time("loss", "mean cross-entropy (nats)", _TRAIN_LOSS, _TEST_LOSS,
+                               _VAL_LOSS)),
+    Figure("accuracy", "Accuracy (test; validation when the run has a validation split)",
+           _over_step_and_time("accuracy", "fraction correct", _TEST_ACC, _VAL_ACC)),
     Figure("examples_per_s", "Throughput",
            _progress_and_final("examples/s", "examples per second", "examples_per_s",
                                "examples_per_s")),

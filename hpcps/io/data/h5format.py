@@ -603,3 +603,61 @@ def check_finite_rows(x: np.ndarray, path, split: str, lo: int = 0, stored=np.fl
                     f"infinity) in rows {lo}..{lo + len(x) - 1}; the first is row {lo + row}, "
                     f"column {col} ({value}){why}. Training on it would make every loss NaN: "
                     "replace or drop those values before training")
+
+
+# --------------------------------------------------------------------------------------------
+# The validation split
+
+
+def val_rows(path: str | os.PathLike) -> int:
+    """Rows of the optional validation split /val in the dataset file, 0 when it has none
+    (its contents are checked only when read: :func:`load_split` with ``split="val"``)."""
+    with _open_h5(path) as f:
+        if VAL not in f:
+            return 0
+        dx = f.get(f"{VAL}/x")
+        return int(dx.shape[0]) if isinstance(dx, h5py.Dataset) and dx.ndim >= 1 else 0
+
+
+def holdout_rows(n: int, fraction: float, seed: int) -> np.ndarray:
+    """The rows of a training set of ``n`` rows that ``--validation-fraction fraction`` holds
+    out, sorted: the last ``round(fraction * n)`` (at least 1, at most ``n - 1``) of a
+    permutation drawn from ``seed``, so every rank computes the same rows. Empty when
+    ``fraction`` is 0."""
+    if fraction <= 0 or n < 2:
+        return np.empty(0, dtype=np.int64)
+    k = min(n - 1, max(1, int(round(fraction * n))))
+    perm = np.random.default_rng([int(seed), 0x7A1]).permutation(n)
+    return np.sort(perm[n - k:]).astype(np.int64)
+
+
+def load_rows(path: str | os.PathLike, split: str, rows: np.ndarray,
+              block: int = 8192) -> tuple[np.ndarray, np.ndarray]:
+    """Rows ``rows`` (sorted, unique) of ``split``, read in windows of ``block`` rows of the
+    file (never the whole split at once) and checked for NaN and infinity as
+    :func:`load_split` checks its rows."""
+    path = Path(path)
+    rows = np.asarray(rows, dtype=np.int64)
+    xs, ys = [], []
+    with _open_h5(path) as f:
+        dx, dy = _dataset(f, path, f"{split}/x"), _dataset(f, path, f"{split}/y")
+        n = dx.shape[0]
+        if len(rows) and (rows[0] < 0 or rows[-1] >= n):
+            raise DataError(f"{path}: rows {rows[0]}..{rows[-1]} are outside /{split} "
+                            f"({n} rows)")
+        starts = range(int(rows[0]), int(rows[-1]) + 1, block) if len(rows) else range(0)
+        for lo in starts:  # windows of ``block`` rows of the file, each read once
+            hi = min(lo + block, n)
+            want = rows[np.searchsorted(rows, lo):np.searchsorted(rows, hi)]
+            if not len(want):
+                continue
+            with np.errstate(over="ignore"):  # float64 beyond float32: inf, refused below
+                raw = np.asarray(dx[lo:hi], dtype=np.float32)
+            check_finite_rows(raw, path, split, lo, dx.dtype)
+            xs.append(raw[want - lo])
+            ys.append(np.asarray(dy[lo:hi])[want - lo])
+        width = dx.shape[1]
+    x = np.ascontiguousarray(np.concatenate(xs) if xs else np.empty((0, width), np.float32))
+    y = np.ascontiguousarray(np.concatenate(ys) if ys else np.empty(0, np.int64),
+                             dtype=np.int64)
+    return x, y

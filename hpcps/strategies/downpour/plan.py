@@ -33,7 +33,7 @@ def warmup_steps(ctx: Context) -> int:
 def epochs_of(ctx: Context) -> list[tuple[int, list[int]]]:
     """--epoch-quorum: the run's epochs and each replica's share of them
     (:func:`hpcps.ps.epochs.epoch_plan`; every rank computes the same)."""
-    n = ctx.dataset.n_train
+    n = ctx.n_train
     return epoch_plan(ctx.start_step, ctx.total_steps, n / ctx.cfg.batch(n),
                       ctx.grid.layout.replicas, warmup_steps(ctx))
 

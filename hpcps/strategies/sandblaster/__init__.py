@@ -78,7 +78,8 @@ class Task(IntEnum):
 
     PORTION = 1       # compute the gradient of a portion of the batch
     FLUSH = 2         # push the accumulated gradient of accepted portions to the shards
-    EVALUATE = 3      # fetch x and report test loss and accuracy (replica 0)
+    EVALUATE = 3      # fetch x and report the loss and accuracy on a split (replica 0; the
+                      # task's portion slot: 0 the test set, 1 the validation split)
     STOP = 4
 
 # --------------------------------------------------------------------------------
@@ -88,6 +89,12 @@ def _validate(cfg) -> None:
                           "step's length by its line search")
     if cfg.inject_slow is not None:
         parse_inject_slow(cfg.inject_slow)
+    if cfg.validation_fraction:
+        raise ConfigError(f"--validation-fraction {cfg.validation_fraction:g} does not apply "
+                          "to --strategy sandblaster (each replica holds the whole training "
+                          "set, and its batches index it): give a dataset file with a /val "
+                          "split instead (python -m hpcps.data convert --validation-fraction "
+                          "F, or write_dataset(..., val=...)), which sandblaster evaluates on")
     check_fault_options(cfg)
 
 

@@ -18,7 +18,8 @@ from hpcps.strategies.sandblaster import Op, Task
 from hpcps.strategies.sandblaster import Tag as SandblasterTag
 from hpcps.strategies.sandblaster.vector_shard import CMD_SLOTS
 from hpcps.strategies.sandblaster.schedule import PortionScheduler
-from hpcps.strategies.context import (Context, check_test_loss, rate, warn_divergence)
+from hpcps.strategies.context import (TEST, VAL, Context, check_test_loss, rate,
+                                      split_figures, warn_divergence)
 from hpcps.strategies.sandblaster.common import (RESULT_SLOTS, TASK_SLOTS, batch_order,
                                                  vector_names)
 from hpcps.strategies.loop import run_position
@@ -184,8 +185,9 @@ class BatchRunner:
                 lost = True
         return lost
 
-    def evaluate_test(self) -> tuple[float, float]:
-        """Ask replica 0 for the test loss and accuracy at the current x."""
+    def evaluate_test(self, split: str = TEST) -> tuple[float, float]:
+        """Ask replica 0 for the loss and accuracy at the current x on ``split`` (the test
+        set, or the validation split)."""
         r0 = self.replicas[0]
         if r0 not in self.live:
             return math.nan, math.nan
@@ -193,7 +195,7 @@ class BatchRunner:
             self._receive_from(r0)
             self.state[r0] = "idle"
             self.accept[r0] = 0
-        self._send(r0, Task.EVALUATE, vec=0)
+        self._send(r0, Task.EVALUATE, portion=int(split == VAL), vec=0)
         self._receive_from(r0)
         return float(self._result[3]), float(self._result[4])
 
@@ -260,10 +262,11 @@ def run_coordinator(ctx: Context) -> dict:
             warn_divergence(ctx, watch, fired, step)
         if not info["accepted"]:
             m.message("line search found no acceptable step: history reset")
-        if next_eval and step >= next_eval:
-            test_loss, test_acc = _tested(runner, step)
+        if next_eval and step >= next_eval:  # the validation split when there is one
+            split = ctx.eval_split
+            loss, acc = _tested(runner, step, split)
             m.record("eval", step=step, epoch=round(ctx.epochs(step), 3),
-                     test_accuracy=test_acc, test_loss=test_loss)
+                     **split_figures(split, loss, acc))
             next_eval = _next(step, cfg.eval_every)
         if next_ckpt and step >= next_ckpt:
             _checkpoint(ctx, space, opt, Op.CHECKPOINT, step, {"train_loss": info["f"]})
@@ -271,8 +274,11 @@ def run_coordinator(ctx: Context) -> dict:
     train_s = time.perf_counter() - t0
     step = ctx.start_step + space.evaluations
     test_loss, test_acc = _tested(runner, step)
-    _checkpoint(ctx, space, opt, Op.FINISH, step,
-                {"train_loss": opt.f, "test_accuracy": test_acc, "test_loss": test_loss})
+    final = {"test_accuracy": test_acc, "test_loss": test_loss}
+    if ctx.val_source is not None:
+        val_loss, val_acc = _tested(runner, step, VAL)
+        final.update(val_accuracy=val_acc, val_loss=val_loss)
+    _checkpoint(ctx, space, opt, Op.FINISH, step, {"train_loss": opt.f, **final})
     runner.stop()
     monotone = all(b <= a for a, b in zip(losses, losses[1:])) if whole else None
     figures = {
@@ -294,8 +300,8 @@ def run_coordinator(ctx: Context) -> dict:
             "ending_grace_s": max(faults.ending_grace(cfg.heartbeat_timeout),
                                   runner.replica_timeout)} \
         if cfg.heartbeat_timeout is not None else {}
-    return {"step": step, "train_s": train_s, "test_accuracy": test_acc, "test_loss": test_loss,
-            **lost, "checkpoint": str(ctx.run_dir / "checkpoint.h5"),
+    return {"step": step, "train_s": train_s, **final, **lost,
+            "checkpoint": str(ctx.run_dir / "checkpoint.h5"),
             "examples_per_s": rate(batch_n * space.evaluations, train_s), "figures": figures}
 
 
@@ -317,13 +323,13 @@ def _check_health(space: ShardSpace, f: float, step: int) -> None:
                              f"(g . g = {gg})")
 
 
-def _tested(runner: BatchRunner, step: int) -> tuple[float, float]:
-    """Test loss and accuracy at x; a non-finite loss stops the job (NaN from a lost
+def _tested(runner: BatchRunner, step: int, split: str = TEST) -> tuple[float, float]:
+    """Loss and accuracy at x on ``split``; a non-finite loss stops the job (NaN from a lost
     replica 0 only means nobody could evaluate)."""
-    test_loss, test_acc = runner.evaluate_test()
+    loss, acc = runner.evaluate_test(split)
     if runner.replicas[0] in runner.live:
-        check_test_loss(test_loss, step)
-    return test_loss, test_acc
+        check_test_loss(loss, step, split)
+    return loss, acc
 
 
 def _next(step: int, every: int) -> int:

@@ -59,7 +59,8 @@ def run_replica(ctx: Context) -> dict:
         if kind == Task.EVALUATE:
             _fetch(net, layout, plan, fetch, ask, vec, x, cfg.timeout)
             moved += fetch_bytes
-            loss, accuracy = conv_hogwild.evaluate(model, x, ctx.test_x, ctx.test_y)
+            ex, ey = (ctx.val_x, ctx.val_y) if portion == 1 else (ctx.test_x, ctx.test_y)
+            loss, accuracy = conv_hogwild.evaluate(model, x, ex, ey)
             result[:] = (int(Task.EVALUATE), batch, 0, loss, accuracy, 0)
             net.send(result, coord, SandblasterTag.RESULT)
             continue
