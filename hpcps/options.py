@@ -46,6 +46,7 @@ class RunConfig(Protocol):
     timeout: float
     trace: bool
     config: str | None
+    validation_fraction: float
 
     def __getattr__(self, name: str) -> Any: ...
 
