@@ -60,4 +60,5 @@ def describe_rate(cfg, replicas: int | None) -> str:
     if replicas is None:
         return f"lr={cfg.lr} x R*{T} (linear rule{ramp})"
     k = replicas * T
-    return f"lr={cfg.lr * k:g} (linear rule: {cfg.lr} x {replicas} replicas x {T} threads{ramp})"
+    return (f"lr={cfg.lr * k:g} (linear rule: {cfg.lr} x {replicas} replica{'s' * (replicas != 1)}"
+            f" x {T} thread{'s' * (T != 1)}{ramp})")

@@ -43,7 +43,8 @@ STRATEGY = Strategy(
         *LR_RULE_OPTIONS, *LOOP_OPTIONS),
     validate=check_loop_options,
     defaults={"lr": 0.01, "batch_size": 32, "prefetch": 2, "average_every": 4,
-              "average_state": "on", "lr_rule": "none", "lr_warmup_steps": DEFAULT_WARMUP_STEPS},
+              "average_state": "on", "lr_rule": "linear",
+              "lr_warmup_steps": DEFAULT_WARMUP_STEPS},
     describe=_describe,
     summary_lines=lambda f: [f"{f['averaging_rounds']} averages, replicas' mean RMS distance "
                              f"to the average before each: {f['mean_spread']:.3g}"],

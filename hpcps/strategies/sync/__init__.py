@@ -28,7 +28,7 @@ STRATEGY = Strategy(
     roles={"replica": "hpcps.strategies.sync.replica:run"},
     options=(*LR_RULE_OPTIONS, *LOOP_OPTIONS),
     validate=check_loop_options,
-    defaults={"lr": 0.01, "batch_size": 32, "prefetch": 2, "lr_rule": "none",
+    defaults={"lr": 0.01, "batch_size": 32, "prefetch": 2, "lr_rule": "linear",
               "lr_warmup_steps": DEFAULT_WARMUP_STEPS},
     describe=_describe,
     cost="hpcps.strategies.sync.cost:COST",
