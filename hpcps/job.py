@@ -463,7 +463,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         ctx.stop = StopVote(vote_comm, flag, cfg.timeout)
     m = ctx.metrics
-    how = cfg.spec.describe(cfg, ctx.n_train) if cfg.spec.describe else cfg.optimizer
+    how = cfg.spec.how(cfg, ctx.n_train, layout.replicas)
     m.message(_describe(cfg, layout) + f"; model {convnet.describe_model(ctx.full_model)} "
               f"({ctx.full_model.n_params} parameters), {how}, {ctx.total_steps} steps "
               f"({ctx.epochs(ctx.total_steps):.2f} epochs) of {info.name}; "

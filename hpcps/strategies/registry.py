@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import inspect
 import os
 import pkgutil
 from enum import IntEnum
@@ -74,7 +75,9 @@ class Strategy:
         ones and before defaults are filled.
     check_resume : ``check_resume(cfg, checkpoint)``, raising CheckpointError when the
         checkpoint cannot continue this strategy.
-    describe : ``describe(cfg, n_train) -> str``, how it trains, for the start line.
+    describe : ``describe(cfg, n_train) -> str``, how it trains, for the start line; one
+        that also takes a keyword ``replicas`` is handed the number of replicas of the run
+        (a rate scaled with them, :mod:`hpcps.strategies.lr_rule`).
     summarize : ``summarize(ctx, results) -> dict``, or its import path: the strategy's own
         summary figures from every rank's result (default: the reporter's ``figures``).
         ``bytes_per_step`` and
@@ -103,7 +106,7 @@ class Strategy:
     replica_data: str = "shard"
     validate: Callable[[RunConfig], None] = _no_checks
     check_resume: Callable[[RunConfig, Any], None] | None = None
-    describe: Callable[[RunConfig, int], str] | None = None
+    describe: Callable[..., str] | None = None
     summarize: str | Callable[["Context", list], dict] | None = None
     summary_lines: Callable[[dict], list[str]] | None = None
     tags: type[IntEnum] | None = None
@@ -141,6 +144,15 @@ class Strategy:
     def default_values(self, cfg: RunConfig) -> dict[str, Any]:
         d = self.defaults(cfg) if callable(self.defaults) else self.defaults
         return {"optimizer": self.optimizers[0], **d}
+
+    def how(self, cfg: RunConfig, n_train: int, replicas: int) -> str:
+        """How it trains, for the start line: its ``describe`` (with ``replicas`` when it
+        takes them), or the optimizer's name."""
+        if self.describe is None:
+            return str(cfg.optimizer)
+        if "replicas" in inspect.signature(self.describe).parameters:
+            return self.describe(cfg, n_train, replicas=replicas)
+        return self.describe(cfg, n_train)
 
     def role(self, kind: str) -> Callable[["Context"], dict]:
         """The function of role ``kind``, imported now if it is named by path."""

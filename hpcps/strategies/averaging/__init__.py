@@ -19,7 +19,15 @@ Periodic evaluations and checkpoints take replica 0's copy; the last iteration i
 followed by an average, so every replica ends with the same weights.
 """
 from hpcps.options import LOOP_OPTIONS, Option, check_loop_options
+from hpcps.strategies.lr_rule import DEFAULT_WARMUP_STEPS, LR_RULE_OPTIONS, describe_rate
 from hpcps.strategies.registry import Strategy
+
+
+def _describe(cfg, n_train: int, replicas: int | None = None) -> str:
+    return (f"{cfg.optimizer} {describe_rate(cfg, replicas)}, batch {cfg.batch_size}/replica, "
+            f"average every {cfg.average_every} iteration(s), state averaged: "
+            f"{cfg.average_state}")
+
 
 STRATEGY = Strategy(
     name="averaging",
@@ -32,13 +40,12 @@ STRATEGY = Strategy(
         Option("average_state", str, "on: average the optimizer state (Adagrad's sums) with "
                "the parameters (default: the replicas then take the same step sizes); off: "
                "each replica keeps its own", choices=("on", "off")),
-        *LOOP_OPTIONS),
+        *LR_RULE_OPTIONS, *LOOP_OPTIONS),
     validate=check_loop_options,
     defaults={"lr": 0.01, "batch_size": 32, "prefetch": 2, "average_every": 4,
-              "average_state": "on"},
-    describe=lambda cfg, n_train: (f"{cfg.optimizer} lr={cfg.lr}, batch {cfg.batch_size}/"
-                                   f"replica, average every {cfg.average_every} iteration(s)"
-                                   f", state averaged: {cfg.average_state}"),
+              "average_state": "on", "lr_rule": "linear",
+              "lr_warmup_steps": DEFAULT_WARMUP_STEPS},
+    describe=_describe,
     summary_lines=lambda f: [f"{f['averaging_rounds']} averages, replicas' mean RMS distance "
                              f"to the average before each: {f['mean_spread']:.3g}"],
     cost="hpcps.strategies.averaging.cost:COST",

@@ -13,17 +13,23 @@ With P partitions per replica, the allreduce runs over the partition communicato
 partition sums its own slice of the gradient with the same partition of the other replicas.
 """
 from hpcps.options import LOOP_OPTIONS, check_loop_options
+from hpcps.strategies.lr_rule import DEFAULT_WARMUP_STEPS, LR_RULE_OPTIONS, describe_rate
 from hpcps.strategies.registry import Strategy
+
+
+def _describe(cfg, n_train: int, replicas: int | None = None) -> str:
+    return f"{cfg.optimizer} {describe_rate(cfg, replicas)}, batch {cfg.batch_size}/replica"
+
 
 STRATEGY = Strategy(
     name="sync",
     help="replicas allreduce their gradients every step and apply the same update: one "
          "large-batch SGD, no servers, no staleness",
     roles={"replica": "hpcps.strategies.sync.replica:run"},
-    options=LOOP_OPTIONS,
+    options=(*LR_RULE_OPTIONS, *LOOP_OPTIONS),
     validate=check_loop_options,
-    defaults={"lr": 0.01, "batch_size": 32, "prefetch": 2},
-    describe=lambda cfg, n_train: f"{cfg.optimizer} lr={cfg.lr}, batch "
-                                  f"{cfg.batch_size}/replica",
+    defaults={"lr": 0.01, "batch_size": 32, "prefetch": 2, "lr_rule": "linear",
+              "lr_warmup_steps": DEFAULT_WARMUP_STEPS},
+    describe=_describe,
     cost="hpcps.strategies.sync.cost:COST",
 )
