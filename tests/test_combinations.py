@@ -363,6 +363,8 @@ MUST_ACCEPT = [
      "fault-tolerance.md: mpiexec -n 4 ... --heartbeat-timeout 10"),
     (4, ["--strategy", "downpour", "--servers", "2", "--ps-copies", "2"],
      "options.md: --servers at least C, --partitions 1"),
+    (5, ["--strategy", "downpour", "--servers", "3", "--ps-copies", "2", "--softsync", "2",
+         "--staleness-lr", "on"], "fault-tolerance.md: copies run the policy in order"),
     (4, ["--strategy", "sandblaster", "--heartbeat-timeout", "10", "--flush-every", "1"],
      "options.md: sandblaster takes --heartbeat-timeout"),
     (3, ["--strategy", "downpour", "--chunk-bytes", "1024"], "downpour, sandblaster"),
