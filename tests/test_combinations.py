@@ -365,6 +365,8 @@ MUST_ACCEPT = [
      "options.md: --servers at least C, --partitions 1"),
     (5, ["--strategy", "downpour", "--servers", "3", "--ps-copies", "2", "--softsync", "2",
          "--staleness-lr", "on"], "fault-tolerance.md: copies run the policy in order"),
+    (5, ["--strategy", "downpour", "--servers", "3", "--ps-copies", "2", "--staleness-bound",
+         "1"], "fault-tolerance.md: copies keep SSP's clocks"),
     (4, ["--strategy", "sandblaster", "--heartbeat-timeout", "10", "--flush-every", "1"],
      "options.md: sandblaster takes --heartbeat-timeout"),
     (3, ["--strategy", "downpour", "--chunk-bytes", "1024"], "downpour, sandblaster"),

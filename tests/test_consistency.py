@@ -247,3 +247,23 @@ def test_copies_that_run_softsync_on_the_same_pushes_stay_equal(group, rates):
     header = np.zeros(HEADER_SLOTS)
     a.policy.on_answer(a, 0, header)
     assert header[H.SET] == 5
+
+
+def test_copies_that_run_ssp_on_the_same_pushes_hold_the_same_clocks():
+    """SSP under copies: the clocks advance in on_push, which every copy runs in the
+    primary's order, so a copy that took another's snapshot half-way (SET_STATE), after
+    running ahead, holds and releases the same fetches as the copy it replaced."""
+    pushes = _pushes(count=9)
+    a, c = _copy(StaleSynchronous(1, 3)), _copy(StaleSynchronous(1, 3))
+    _feed(a, pushes[:5])
+    _feed(c, pushes[:6])                 # ran ahead ...
+    c.policy.restore(a.policy.snapshot())  # ... and takes the new primary's clocks
+    for x in (a, c):
+        _feed(x, pushes[5:])
+        x.policy.on_done(x, 2)
+    assert a.policy.inner.clock == c.policy.inner.clock == {0: 3, 1: 3, 2: 3}
+    for r in range(3):
+        assert a.policy.may_answer(a, r) == c.policy.may_answer(c, r)
+    header = np.zeros(HEADER_SLOTS)
+    a.policy.on_answer(a, 0, header)
+    assert header[H.SET] == 5 and header[H.CLOCK] == 3

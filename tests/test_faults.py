@@ -62,8 +62,6 @@ def test_liveness_loses_only_the_silent():
      "shard 0 alone"),
     (["--servers", "3", "--ps-copies", "2", "--persist-every", "1"],
      "--ps-copies > 1 with --persist-every: each shard writes its own chunks' file"),
-    (["--servers", "3", "--ps-copies", "2", "--staleness-bound", "1"],
-     "--ps-copies > 1 with --staleness-bound: a primary answers fetches without holding"),
     (["--servers", "3", "--ps-copies", "2", "--push", "activations"],
      "--ps-copies > 1 with --push activations: a shard computes each update from pushed"),
 ])
@@ -161,8 +159,10 @@ def test_sigkill_of_a_replica_mid_run(mnist_h5, tmp_path):
     # softsync on every copy: the new primary sends the other secondary its buffer (SET_STATE)
     (2, 3, ["--softsync", "2"]),
     (3, 4, ["--softsync", "2", "--staleness-lr", "on"]),
+    # SSP: the new primary holds the fetches by clocks it kept as a secondary
+    (2, 3, ["--staleness-bound", "1"]),
 ], ids=["copies2-shard0", "copies3-shard1-compressed", "copies2-shard0-softsync",
-        "copies3-shard1-softsync"])
+        "copies3-shard1-softsync", "copies2-shard0-ssp"])
 def test_sigkill_of_a_primary_shard_mid_run(mnist_h5, tmp_path, copies, victim, extra):
     """N = 6 (3 replicas, 3 shards, each chunk set on ``copies`` of them): the rank of one
     shard is SIGKILLed a third of the way in. Its successor takes over its set, the replicas

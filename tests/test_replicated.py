@@ -90,3 +90,18 @@ def test_copies_with_softsync_learn_and_commit_every_push(digits_h5, tmp_path, e
     assert s["softsync"] == int(dict(zip(extra, extra[1:])).get("--softsync", 1))
     assert abs(s["pushes_per_update"] - per_update) < 0.05, s["pushes_per_update"]
     assert s["test_accuracy"] >= 0.85, s["test_accuracy"]
+
+
+def test_copies_with_a_staleness_bound_hold_fetches_on_the_primary(digits_h5, tmp_path):
+    """--staleness-bound with copies: each set's primary holds a fetch while its replica
+    leads the slowest by more than the bound (clocks the same on every copy)."""
+    run_dir = tmp_path / "run"
+    r = train(5, "--data", str(digits_h5), *RUN, "--servers", "2", "--ps-copies", "2",
+              "--staleness-bound", "0", "--warmup-steps", "50", "--run-dir", str(run_dir),
+              timeout=120)
+    assert r.returncode == 0, r.output[-3000:]
+    s = _summary(run_dir)
+    assert s["ps_applied"] == [s["pushes_committed"]] * 2, s
+    assert s["staleness_bound"] == 0 and 0 <= s["clock_lead_max"] <= 0, s
+    assert s["ssp_held_fetches"] > 0, s
+    assert s["test_accuracy"] >= 0.85, s["test_accuracy"]

@@ -15,8 +15,8 @@ primary with its push count ``SEQ`` (1, 2, ...). The primary applies it, forward
 as received to each live secondary (``REPLICATE``), which applies the same update to its copy
 and answers ``REPL_ACK`` with the pushes its copy has applied. Every copy applies the same
 pushes in the same order (one channel per primary-secondary pair, and MPI does not reorder
-messages between two ranks) through the same deterministic policy (Downpour's or softsync:
-:class:`.server.SetPolicy`), so the copies are equal. A push is **committed** once every
+messages between two ranks) through the same deterministic policy (Downpour's, softsync or
+SSP: :class:`.server.SetPolicy`), so the copies are equal. A push is **committed** once every
 live secondary has acknowledged a count at or past it (counted in pushes, not updates: a
 softsync group is one update); only then does the primary send ``PUSH_ACK`` to the replica.
 A replica keeps each push until it is acknowledged, with at most two in flight per set.

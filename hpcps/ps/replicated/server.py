@@ -103,7 +103,8 @@ class ReplicatedServer:
         self.applied = {h: 0 for h in sets}      # pushes applied to the set (all copies agree)
         self.committed = {h: 0 for h in sets}    # pushes acknowledged by this shard as primary
         self.acked = {h: {x: 0 for x in holders(h, self.S, copies) if x != me} for h in sets}
-        self.pending = {h: deque() for h in sets}  # (version, replica rank, seq) to acknowledge
+        self.pending = {h: deque() for h in sets}  # (pushes applied, replica rank, seq) to ack
+        self.held: list[tuple[int, int, int, float]] = []  # fetches (set, rank, replica, since)
         self.final_sent: set[int] = set()  # sets whose final state went to the chief
         self.ended = False                 # the chief holds every set: leave
         self.sends: list[tuple[object, object, int]] = []  # (request, buffer, dest rank)
@@ -277,6 +278,7 @@ class ReplicatedServer:
                 self._send(copy, self.shard_ranks[x], tag)
         self.pending[h].append((self.applied[h], src, int(header[H.SEQ])))
         self._commit(h)
+        self._release()
         return False
 
     def _commit(self, h: int) -> None:
@@ -329,15 +331,47 @@ class ReplicatedServer:
         if sender not in self.lost_replicas:
             self.replicas.heard(sender)
         self._served(h)
-        cs = self.sets[h]
-        cs.answer_fetch(src, sender)
-        if sender in cs.stats.lost_replicas and sender not in self.lost_replicas:
-            self._lose_replica(sender, cs.stats.lost_replicas[sender])
+        self.held.append((h, src, sender, time.perf_counter()))
+        self._release()  # answered now, unless --staleness-bound holds it
+        if self.held and self.held[-1][:3] == (h, src, sender):
+            self.sets[h].stats.held_fetches += 1
         return self._finished()
+
+    def _losses_of(self, cs) -> None:
+        """A set's copy lost a replica (its fetch reply broke off): the shard loses it."""
+        for r, why in list(cs.stats.lost_replicas.items()):
+            if r not in self.lost_replicas:
+                self._lose_replica(r, why)
+
+    def _release(self) -> None:
+        """Answer the fetches the policy lets through (a push, a DONE or a loss may release
+        held ones), in the order they came: a replica matches replies from one shard to its
+        receives in the order it posted them, so a shard that serves several sets (after a
+        takeover) never answers a replica's later fetch before an earlier one it holds."""
+        still, blocked, touched = [], set(), []
+        for h, src, sender, since in self.held:
+            cs = self.sets[h]
+            if sender in self.lost_replicas or sender in cs.stats.lost_replicas:
+                continue
+            if sender in blocked or not cs.policy.may_answer(cs, sender):
+                blocked.add(sender)
+                still.append((h, src, sender, since))
+                continue
+            cs.stats.held_s += time.perf_counter() - since
+            cs.answer_fetch(src, sender)
+            touched.append(cs)
+        self.held = still
+        for cs in touched:
+            self._losses_of(cs)
 
     def _recv_done(self, src: int, status) -> bool:
         self.net.take(self._small.buf, src, Tag.DONE)
-        self.done.add(int(self._small.header[H.SENDER]))
+        sender = int(self._small.header[H.SENDER])
+        if sender not in self.done:
+            self.done.add(sender)
+            for cs in self.sets.values():  # SSP: no longer waited for (every copy hears it)
+                cs.policy.on_done(cs, sender)
+            self._release()
         self._close_sets()
         return self._finished()
 
@@ -460,7 +494,8 @@ class ReplicatedServer:
             raise PeerTimeout(f"replica 0 (world rank 0, the chief: it evaluates, writes the "
                               f"final checkpoint and reports) is lost: {why}; the run cannot "
                               "finish without it")
-        if r not in self.done:
+        ended = r not in self.done
+        if ended:
             self.replicas.drop(r)
             self.lost_after_s[r] = self.replicas.lost[r]
             self.lost_replicas[r] = why
@@ -468,6 +503,9 @@ class ReplicatedServer:
         for cs in self.sets.values():
             if r not in cs.stats.lost_replicas:
                 cs.stats.lost_replicas[r] = why
+            if ended:
+                cs.policy.on_done(cs, r)
+        self._release()
         self._close_sets()
 
     def _shard_lost(self, d: int, why: str) -> None:

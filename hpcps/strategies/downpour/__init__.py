@@ -115,9 +115,9 @@ def _validate(cfg) -> None:
 def _validate_copies(cfg) -> None:
     """What replicated shards (--ps-copies > 1) go with. Every copy of a set applies the
     set's pushes in its primary's order through the same deterministic policy, so what a
-    policy decides from the pushes alone (softsync's groups, --staleness-lr's rates) is
-    replicated with them; what lives elsewhere is refused, saying what would have to be
-    replicated."""
+    policy decides from the pushes alone (softsync's groups, --staleness-lr's rates, SSP's
+    clocks, which the primary holds fetches by) is replicated with them; what lives elsewhere
+    is refused, saying what would have to be replicated."""
     copies, servers = cfg.ps_copies, cfg.servers or cfg.partitions
     if cfg.partitions > 1:
         raise ConfigError("--ps-copies > 1 with --partitions > 1: replicated shards let the "
@@ -132,16 +132,12 @@ def _validate_copies(cfg) -> None:
         "--push activations": "a shard computes each update from pushed layer inputs and "
         "errors over whole rows, not hashed chunk sets; copies would need the rows' plan "
         "replicated and the activation messages forwarded and decoded on every copy",
-        "--staleness-bound": "a primary answers fetches without holding them, so the bound "
-        "would not be enforced; the replicas' clocks and held fetches would have to move to "
-        "a new primary",
         "--epoch-quorum": "the keeper of the epochs' ends lives on server shard 0 alone; its "
         "counts of finished replicas would have to be replicated and taken over with shard 0",
         "--persist-every": "each shard writes its own chunks' file and shard 0 the manifest "
         "over them; a set's file would have to be written by whichever copy is its primary, "
         "and the manifest re-pointed when a primary changes"}
     for name, given in (("--push activations", cfg.push == "activations"),
-                        ("--staleness-bound", cfg.staleness_bound is not None),
                         ("--epoch-quorum", cfg.epoch_quorum is not None),
                         ("--persist-every", cfg.persist_every is not None)):
         if given:
