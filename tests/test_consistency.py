@@ -176,3 +176,94 @@ def test_staleness_histogram_bins():
     from hpcps.ps.gradient_shard import STALENESS_BINS, staleness_bin
     assert [staleness_bin(s) for s in (0, 1, 2, 3, 4, 7, 8, 255, 256, 10**6)] == \
         [0, 1, 2, 2, 3, 3, 4, 8, 9, STALENESS_BINS - 1]
+
+
+# -- copies of a replicated set (--ps-copies): the same policy on the same pushes -------------
+def _copy(policy, n=8):
+    """A gradient shard (no MPI: its serving loop is not used) running Adagrad under
+    ``policy`` wrapped as a replicated set's policy."""
+    from hpcps.model import optim
+    from hpcps.ps.gradient_shard import GradientShard
+    from hpcps.ps.replicated import SetPolicy
+    opt = optim.make("adagrad", 0.1)
+    state = {k: np.zeros(n, dtype=np.float32) for k in opt.state_keys}
+    params = np.linspace(-1, 1, n).astype(np.float32)
+    return GradientShard(None, params, state, opt.apply, n_replicas=3,
+                         policy=SetPolicy(5, policy))
+
+
+def _pushes(n=8, count=11, seed=0):
+    """(sender, header, gradient) of pushes with staleness 0-3."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(count):
+        h = np.zeros(HEADER_SLOTS)
+        h[H.SENDER], h[H.STEPS], h[H.LOSS_SUM] = i % 3, 1, 0.5
+        h[H.VERSION] = max(0, i // 2 - int(rng.integers(0, 4)))
+        out.append((i % 3, h, rng.standard_normal(n).astype(np.float32)))
+    return out
+
+
+def _feed(shard, pushes):
+    for sender, h, g in pushes:
+        shard.policy.on_push(shard, sender, h.copy(), g.copy())
+
+
+@pytest.mark.parametrize("group,rates", [(2, False), (3, True), (1, True)],
+                         ids=["softsync2", "softsync3-staleness-lr", "staleness-lr"])
+def test_copies_that_run_softsync_on_the_same_pushes_stay_equal(group, rates):
+    """State-machine replication: two copies fed the same pushes in the same order hold the
+    same parameters, optimizer state, version and buffer, bit for bit; a third copy that
+    takes the first's state (parameters and the policy's snapshot, as SET_STATE carries it)
+    half-way, mid-group, ends equal too; the end-of-run flush (on the primary as the set
+    closes) leaves equal copies; and DONEs reaching a copy do not flush it (they reach copies
+    at different points of the push order)."""
+    from hpcps.ps.consistency import SoftSync
+    pushes = _pushes()
+    a, b, c = (_copy(SoftSync(8, group, rates)) for _ in range(3))
+    _feed(a, pushes)
+    _feed(b, pushes[:5])
+    for r in range(3):  # every replica done, as this copy hears it: nothing is applied
+        b.policy.on_done(b, r)
+    _feed(b, pushes[5:])
+    _feed(c, pushes[:8])  # c ran ahead (a push the old primary forwarded to it alone) ...
+    ref = _copy(SoftSync(8, group, rates))
+    _feed(ref, pushes[:7])
+    c.params[:] = ref.params  # ... and takes the new primary's state after 7 pushes
+    for k in c.state:
+        c.state[k][:] = ref.state[k]
+    c.version, c.step = ref.version, ref.step
+    c.policy.restore(ref.policy.snapshot())
+    _feed(c, pushes[7:])
+    for x in (a, b, c):
+        x.policy.on_end(x)
+    for x in (b, c):
+        assert x.version == a.version and x.step == a.step
+        assert np.array_equal(x.params, a.params)
+        for k in a.state:
+            assert np.array_equal(x.state[k], a.state[k])
+        assert np.array_equal(x.policy.snapshot(), a.policy.snapshot())
+    assert a.policy.inner.count == 0 and a.policy.inner.combined == len(pushes)
+    header = np.zeros(HEADER_SLOTS)
+    a.policy.on_answer(a, 0, header)
+    assert header[H.SET] == 5
+
+
+def test_copies_that_run_ssp_on_the_same_pushes_hold_the_same_clocks():
+    """SSP under copies: the clocks advance in on_push, which every copy runs in the
+    primary's order, so a copy that took another's snapshot half-way (SET_STATE), after
+    running ahead, holds and releases the same fetches as the copy it replaced."""
+    pushes = _pushes(count=9)
+    a, c = _copy(StaleSynchronous(1, 3)), _copy(StaleSynchronous(1, 3))
+    _feed(a, pushes[:5])
+    _feed(c, pushes[:6])                 # ran ahead ...
+    c.policy.restore(a.policy.snapshot())  # ... and takes the new primary's clocks
+    for x in (a, c):
+        _feed(x, pushes[5:])
+        x.policy.on_done(x, 2)
+    assert a.policy.inner.clock == c.policy.inner.clock == {0: 3, 1: 3, 2: 3}
+    for r in range(3):
+        assert a.policy.may_answer(a, r) == c.policy.may_answer(c, r)
+    header = np.zeros(HEADER_SLOTS)
+    a.policy.on_answer(a, 0, header)
+    assert header[H.SET] == 5 and header[H.CLOCK] == 3

@@ -58,14 +58,12 @@ def test_liveness_loses_only_the_silent():
      "--partitions > 1"),
     (["--ps-copies", "2"], "use --servers 2 or more"),
     (["--servers", "3", "--ps-copies", "2", "--epoch-quorum", "0.75"],
-     "--epoch-quorum is not replicated"),
+     "--ps-copies > 1 with --epoch-quorum: the keeper of the epochs' ends lives on server "
+     "shard 0 alone"),
     (["--servers", "3", "--ps-copies", "2", "--persist-every", "1"],
-     "--persist-every is not replicated"),
-    (["--servers", "3", "--ps-copies", "2", "--softsync", "2"], "--softsync is not replicated"),
-    (["--servers", "3", "--ps-copies", "2", "--staleness-bound", "1"],
-     "--staleness-bound is not replicated"),
+     "--ps-copies > 1 with --persist-every: each shard writes its own chunks' file"),
     (["--servers", "3", "--ps-copies", "2", "--push", "activations"],
-     "--push activations is not replicated"),
+     "--ps-copies > 1 with --push activations: a shard computes each update from pushed"),
 ])
 def test_refused_where_a_death_cannot_be_survived(argv, match):
     with pytest.raises(ConfigError, match=match):
@@ -158,7 +156,13 @@ def test_sigkill_of_a_replica_mid_run(mnist_h5, tmp_path):
 @pytest.mark.parametrize("copies,victim,extra", [
     (2, 3, []),  # shard 0: the primary of set 0, and the collector of checkpoints
     (3, 4, ["--compress", "threshold"]),  # shard 1, compressed pushes forwarded as they came
-], ids=["copies2-shard0", "copies3-shard1-compressed"])
+    # softsync on every copy: the new primary sends the other secondary its buffer (SET_STATE)
+    (2, 3, ["--softsync", "2"]),
+    (3, 4, ["--softsync", "2", "--staleness-lr", "on"]),
+    # SSP: the new primary holds the fetches by clocks it kept as a secondary
+    (2, 3, ["--staleness-bound", "1"]),
+], ids=["copies2-shard0", "copies3-shard1-compressed", "copies2-shard0-softsync",
+        "copies3-shard1-softsync", "copies2-shard0-ssp"])
 def test_sigkill_of_a_primary_shard_mid_run(mnist_h5, tmp_path, copies, victim, extra):
     """N = 6 (3 replicas, 3 shards, each chunk set on ``copies`` of them): the rank of one
     shard is SIGKILLed a third of the way in. Its successor takes over its set, the replicas

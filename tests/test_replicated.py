@@ -67,3 +67,41 @@ def test_healthy_runs_commit_every_push_on_every_copy(digits_h5, tmp_path, n, S,
                timeout=120)
     assert r2.returncode == 0, r2.output[-3000:]
     assert _summary(tmp_path / "again")["test_accuracy"] >= s["test_accuracy"] - 0.05
+
+
+# Copies compose with softsync and staleness-dependent rates: every copy runs the policy on the
+# primary's order of pushes (state-machine replication, hpcps.ps.replicated.server.SetPolicy).
+@pytest.mark.parametrize("extra,per_update", [
+    (["--softsync", "2"], 2.0),
+    (["--softsync", "2", "--staleness-lr", "on"], 2.0),
+    (["--staleness-lr", "on"], 1.0),
+], ids=["softsync2", "softsync2-staleness-lr", "staleness-lr"])
+def test_copies_with_softsync_learn_and_commit_every_push(digits_h5, tmp_path, extra,
+                                                         per_update):
+    run_dir = tmp_path / "run"
+    r = train(4, "--data", str(digits_h5), *RUN, "--servers", "2", "--ps-copies", "2",
+              "--run-dir", str(run_dir), *extra, timeout=120)
+    assert r.returncode == 0, r.output[-3000:]
+    s = _summary(run_dir)
+    assert s["ps_copies"] == 2 and s["takeovers"] == [] and s["lost_ranks"] == []
+    assert s["ps_applied"] == [s["pushes_committed"]] * 2, s
+    assert s["replicated_pushes"] == 2 * s["pushes_committed"], s
+    # each shard reports the sets it is primary of: every push of both sets was combined
+    assert s["softsync"] == int(dict(zip(extra, extra[1:])).get("--softsync", 1))
+    assert abs(s["pushes_per_update"] - per_update) < 0.05, s["pushes_per_update"]
+    assert s["test_accuracy"] >= 0.85, s["test_accuracy"]
+
+
+def test_copies_with_a_staleness_bound_hold_fetches_on_the_primary(digits_h5, tmp_path):
+    """--staleness-bound with copies: each set's primary holds a fetch while its replica
+    leads the slowest by more than the bound (clocks the same on every copy)."""
+    run_dir = tmp_path / "run"
+    r = train(5, "--data", str(digits_h5), *RUN, "--servers", "2", "--ps-copies", "2",
+              "--staleness-bound", "0", "--warmup-steps", "50", "--run-dir", str(run_dir),
+              timeout=120)
+    assert r.returncode == 0, r.output[-3000:]
+    s = _summary(run_dir)
+    assert s["ps_applied"] == [s["pushes_committed"]] * 2, s
+    assert s["staleness_bound"] == 0 and 0 <= s["clock_lead_max"] <= 0, s
+    assert s["ssp_held_fetches"] > 0, s
+    assert s["test_accuracy"] >= 0.85, s["test_accuracy"]

@@ -33,7 +33,7 @@ class Tag(IntEnum):
     # --ps-copies > 1 (hpcps.ps.replicated): a set's primary and its secondaries
     REPLICATE = 23    # primary -> secondary: a dense push it applied, as the replica sent it
     REPLICATE_PACKED = 24  # primary -> secondary: a compressed push it applied, as sent
-    REPL_ACK = 25     # secondary -> primary: set SET applied up to its VERSION
+    REPL_ACK = 25     # secondary -> primary: set SET holds its first PEER pushes
     PUSH_ACK = 26     # primary -> replica: push SEQ of set SET is committed
     NEW_PRIMARY = 27  # new primary -> replicas and shards: it serves set SET, shard PEER is dead
     SET_STATE = 28    # new primary -> secondary: set SET's whole state, replacing its copy
@@ -57,7 +57,7 @@ class H(IntEnum):
     UNPERSISTED = 9   # PARAMS with --persist-every: global steps applied since the last flush
     SET = 10          # --ps-copies > 1: which chunk set (a home shard's chunks) a message is of
     SEQ = 11          # --ps-copies > 1, PUSH: the replica's push count, 1, 2, ... (dedup, acks)
-    PEER = 12         # NEW_PRIMARY: the shard found dead; SET_STATE: pushes applied to the set
+    PEER = 12         # NEW_PRIMARY: the shard found dead; SET_STATE, REPL_ACK: pushes applied
 
 
 HEADER_SLOTS = len(H)

@@ -61,6 +61,14 @@ class StaleSynchronous(ShardPolicy):
         self.max_lead = max(self.max_lead, self.clock[sender] - slowest)
         header[H.CLOCK] = slowest
 
+    def snapshot(self) -> np.ndarray:
+        """Each replica's clock (the live set is not here: every copy hears each DONE)."""
+        return np.array([self.clock[r] for r in sorted(self.clock)], dtype=np.float64)
+
+    def restore(self, values: np.ndarray) -> None:
+        for r in sorted(self.clock):
+            self.clock[r] = int(values[r])
+
 
 class SoftSync(ShardPolicy):
     """Soft synchronization and staleness-dependent rates (Zhang, Gupta et al. 2016).
@@ -119,6 +127,23 @@ class SoftSync(ShardPolicy):
         self.stale_sum = 0.0
 
     def on_done(self, shard, sender: int) -> None:
-        if len(shard.done) >= shard.n_replicas and self.count:
+        if len(shard.done) >= shard.n_replicas:
+            self.on_end(shard)
+
+    def on_end(self, shard) -> None:
+        if self.count:
             self.buf *= np.float32(self.group / self.count)  # the mean of what is left
             self._flush(shard)
+
+    def snapshot(self) -> np.ndarray:
+        """The buffer (float32 values, exact in float64), then count, staleness sum,
+        updates and pushes combined."""
+        return np.concatenate([self.buf.astype(np.float64),
+                               [self.count, self.stale_sum, self.updates, self.combined]])
+
+    def restore(self, values: np.ndarray) -> None:
+        n = len(self.buf)
+        self.buf[:] = values[:n]
+        self.count, self.updates, self.combined = (int(values[n]), int(values[n + 2]),
+                                                   int(values[n + 3]))
+        self.stale_sum = float(values[n + 1])

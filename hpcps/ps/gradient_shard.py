@@ -95,6 +95,20 @@ class ShardPolicy:
         """Called as a fetch is answered, to add the policy's figures to the reply header."""
         return None
 
+    def on_end(self, shard: "GradientShard") -> None:
+        """Every replica is done: apply whatever is still buffered. A replicated set
+        (``--ps-copies``) calls it on its primary as the set closes, after every push."""
+        return None
+
+    def snapshot(self) -> np.ndarray:
+        """The policy's state that pushes change (float64), which a copy of a replicated set
+        must hold to go on as the copy it replaces would have: sent in ``SET_STATE``."""
+        return np.zeros(0)
+
+    def restore(self, values: np.ndarray) -> None:
+        """Take the state :meth:`snapshot` returned on another copy."""
+        return None
+
 
 class GradientShard:
     """Serve one shard's slice until all ``n_replicas`` replicas have sent DONE.

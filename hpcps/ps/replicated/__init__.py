@@ -13,25 +13,26 @@ shards are dead agrees on every primary (:func:`primary`).
 **A push and its commit.** A replica sends its gradient slice for set ``h`` to the set's
 primary with its push count ``SEQ`` (1, 2, ...). The primary applies it, forwards the message
 as received to each live secondary (``REPLICATE``), which applies the same update to its copy
-and answers ``REPL_ACK`` with its copy's version (updates applied). Every copy applies the same
+and answers ``REPL_ACK`` with the pushes its copy has applied. Every copy applies the same
 pushes in the same order (one channel per primary-secondary pair, and MPI does not reorder
-messages between two ranks), so the copies are equal. A push is **committed** once every live
-secondary has acknowledged a version at or past it; only then does the primary send
-``PUSH_ACK`` to the replica. A replica keeps each push until it is acknowledged, with at most
-two in flight per set.
+messages between two ranks) through the same deterministic policy (Downpour's, softsync or
+SSP: :class:`.server.SetPolicy`), so the copies are equal. A push is **committed** once every
+live secondary has acknowledged a count at or past it (counted in pushes, not updates: a
+softsync group is one update); only then does the primary send ``PUSH_ACK`` to the replica.
+A replica keeps each push until it is acknowledged, with at most two in flight per set.
 
 **Failover.** Every shard sends every other shard a heartbeat 5 times per
 ``--heartbeat-timeout`` (from a thread of its own, as replicas do); a shard silent for the
 timeout is dead to the shard that noticed. The first live holder of each of its sets becomes
 the primary, tells every replica and shard (``NEW_PRIMARY``: the set, and which shard is dead)
-and sends its copy to the set's other live holders (``SET_STATE``), which replace theirs: a
-secondary may have applied a push the old primary forwarded to it alone, which is not
-committed. A replica that hears ``NEW_PRIMARY`` sends its waiting fetch and every push not
-yet acknowledged to the new primary. Copies remember each replica's last ``SEQ`` applied, so a
-push the new primary already holds is acknowledged without being applied again. So **no
-committed push is lost** (every live copy holds it), **none is applied twice**, and an
-uncommitted one is sent again: at the end, each set has applied exactly the pushes its
-replicas saw committed. A shard that hears it was declared dead leaves the run.
+and sends its copy, the policy's state included, to the set's other live holders
+(``SET_STATE``), which replace theirs: a secondary may have applied a push the old primary
+forwarded to it alone, which is not committed. A replica that hears ``NEW_PRIMARY`` sends its
+waiting fetch and every push not yet acknowledged to the new primary. Copies remember each
+replica's last ``SEQ`` applied, so a push the new primary already holds is acknowledged without
+being applied again. So **no committed push is lost** (every live copy holds it), **none is
+applied twice**, and an uncommitted one is sent again: at the end, each set has applied exactly
+the pushes its replicas saw committed. A shard that hears it was declared dead leaves the run.
 
 **The end.** A set's primary, once every replica has finished (or been lost) and every push
 is committed, sends the set's final state to the chief (``FINAL_SET``). The chief keeps the

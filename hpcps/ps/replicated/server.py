@@ -17,13 +17,44 @@ from hpcps.ps.replicated.placement import collector, holders, primary, state_siz
 
 
 class SetPolicy(ShardPolicy):
-    """Downpour's policy for one set's copy; a fetch reply names the set."""
+    """The policy of one set's copy: ``inner`` (Downpour's by default, or a consistency
+    model of :mod:`hpcps.ps.consistency`), whose every call it passes on, and a fetch reply
+    that names the set.
 
-    def __init__(self, h: int):
+    Every copy runs the same deterministic ``inner`` on the same pushes in the primary's order
+    (state-machine replication), so the copies stay equal, the policy's own state included
+    (a softsync buffer, SSP clocks); ``snapshot``/``restore`` carry that state in
+    ``SET_STATE``. What does not come in that order is kept out of it: the end-of-run flush
+    (``on_end``) runs on the primary alone as the set closes, not on a DONE, which reaches
+    each copy at its own point of the push order (the replicated server keeps the set's
+    ``done`` apart, so ``inner.on_done`` never sees every replica done).
+    """
+
+    def __init__(self, h: int, inner: ShardPolicy | None = None):
         self.h = h
+        self.inner = inner if inner is not None else ShardPolicy()
+
+    def on_push(self, shard, sender, header, grad) -> None:
+        self.inner.on_push(shard, sender, header, grad)
+
+    def may_answer(self, shard, sender) -> bool:
+        return self.inner.may_answer(shard, sender)
+
+    def on_done(self, shard, sender) -> None:
+        self.inner.on_done(shard, sender)
 
     def on_answer(self, shard, sender, header) -> None:
+        self.inner.on_answer(shard, sender, header)
         header[H.SET] = self.h
+
+    def on_end(self, shard) -> None:
+        self.inner.on_end(shard)
+
+    def snapshot(self) -> np.ndarray:
+        return self.inner.snapshot()
+
+    def restore(self, values: np.ndarray) -> None:
+        self.inner.restore(values)
 
 
 # -- the shard ----------------------------------------------------------------------------------
@@ -72,7 +103,8 @@ class ReplicatedServer:
         self.applied = {h: 0 for h in sets}      # pushes applied to the set (all copies agree)
         self.committed = {h: 0 for h in sets}    # pushes acknowledged by this shard as primary
         self.acked = {h: {x: 0 for x in holders(h, self.S, copies) if x != me} for h in sets}
-        self.pending = {h: deque() for h in sets}  # (version, replica rank, seq) to acknowledge
+        self.pending = {h: deque() for h in sets}  # (pushes applied, replica rank, seq) to ack
+        self.held: list[tuple[int, int, int, float]] = []  # fetches (set, rank, replica, since)
         self.final_sent: set[int] = set()  # sets whose final state went to the chief
         self.ended = False                 # the chief holds every set: leave
         self.sends: list[tuple[object, object, int]] = []  # (request, buffer, dest rank)
@@ -244,12 +276,15 @@ class ReplicatedServer:
             tag = Tag.REPLICATE if dense else Tag.REPLICATE_PACKED
             for x in self.secondaries(h):
                 self._send(copy, self.shard_ranks[x], tag)
-        self.pending[h].append((self.sets[h].version, src, int(header[H.SEQ])))
+        self.pending[h].append((self.applied[h], src, int(header[H.SEQ])))
         self._commit(h)
+        self._release()
         return False
 
     def _commit(self, h: int) -> None:
-        """Acknowledge every push of set ``h`` that every live secondary holds."""
+        """Acknowledge every push of set ``h`` that every live secondary holds. Counted in
+        pushes applied, not in versions (updates): a softsync group of pushes is one update,
+        so a version says nothing of the pushes buffered."""
         acked = [self.acked[h].get(x, -1) for x in self.secondaries(h)]
         upto = min(acked) if acked else float("inf")
         queue = self.pending[h]
@@ -273,7 +308,7 @@ class ReplicatedServer:
                                f"whose primary for it is {self.primary_of(h)}")
         if self._apply(h, header, body, dense):
             self.replicated += 1
-        self._send_small(src, Tag.REPL_ACK, SET=h, VERSION=self.sets[h].version)
+        self._send_small(src, Tag.REPL_ACK, SET=h, PEER=self.applied[h])
         return False
 
     def _recv_repl_ack(self, src: int, status) -> bool:
@@ -282,7 +317,7 @@ class ReplicatedServer:
         if q in self.dead or h not in self.sets:
             return False
         self.peers.heard(q)
-        self.acked[h][q] = int(self._small.header[H.VERSION])
+        self.acked[h][q] = int(self._small.header[H.PEER])
         self._commit(h)
         self._close_sets()
         return self._finished()
@@ -296,15 +331,47 @@ class ReplicatedServer:
         if sender not in self.lost_replicas:
             self.replicas.heard(sender)
         self._served(h)
-        cs = self.sets[h]
-        cs.answer_fetch(src, sender)
-        if sender in cs.stats.lost_replicas and sender not in self.lost_replicas:
-            self._lose_replica(sender, cs.stats.lost_replicas[sender])
+        self.held.append((h, src, sender, time.perf_counter()))
+        self._release()  # answered now, unless --staleness-bound holds it
+        if self.held and self.held[-1][:3] == (h, src, sender):
+            self.sets[h].stats.held_fetches += 1
         return self._finished()
+
+    def _losses_of(self, cs) -> None:
+        """A set's copy lost a replica (its fetch reply broke off): the shard loses it."""
+        for r, why in list(cs.stats.lost_replicas.items()):
+            if r not in self.lost_replicas:
+                self._lose_replica(r, why)
+
+    def _release(self) -> None:
+        """Answer the fetches the policy lets through (a push, a DONE or a loss may release
+        held ones), in the order they came: a replica matches replies from one shard to its
+        receives in the order it posted them, so a shard that serves several sets (after a
+        takeover) never answers a replica's later fetch before an earlier one it holds."""
+        still, blocked, touched = [], set(), []
+        for h, src, sender, since in self.held:
+            cs = self.sets[h]
+            if sender in self.lost_replicas or sender in cs.stats.lost_replicas:
+                continue
+            if sender in blocked or not cs.policy.may_answer(cs, sender):
+                blocked.add(sender)
+                still.append((h, src, sender, since))
+                continue
+            cs.stats.held_s += time.perf_counter() - since
+            cs.answer_fetch(src, sender)
+            touched.append(cs)
+        self.held = still
+        for cs in touched:
+            self._losses_of(cs)
 
     def _recv_done(self, src: int, status) -> bool:
         self.net.take(self._small.buf, src, Tag.DONE)
-        self.done.add(int(self._small.header[H.SENDER]))
+        sender = int(self._small.header[H.SENDER])
+        if sender not in self.done:
+            self.done.add(sender)
+            for cs in self.sets.values():  # SSP: no longer waited for (every copy hears it)
+                cs.policy.on_done(cs, sender)
+            self._release()
         self._close_sets()
         return self._finished()
 
@@ -344,11 +411,13 @@ class ReplicatedServer:
         cs.params[:] = payload[:n]
         for i, k in enumerate(self.keys):
             cs.state[k][:] = payload[(i + 1) * n:(i + 2) * n]
-        tail = payload[n * (1 + len(self.keys)):]
+        end = state_size(n, len(self.keys), self.R)
+        tail = payload[n * (1 + len(self.keys)):end]
         self.last_seq[h] = {r: int(v) for r, v in enumerate(tail) if v > 0}
+        cs.policy.restore(payload[end:].view(np.float64))
         cs.step, cs.version = int(header[H.STEPS]), int(header[H.VERSION])
         self.applied[h] = int(header[H.PEER])
-        self._send_small(src, Tag.REPL_ACK, SET=h, VERSION=cs.version)
+        self._send_small(src, Tag.REPL_ACK, SET=h, PEER=self.applied[h])
         return False
 
     def _recv_final_done(self, src: int, status) -> bool:
@@ -369,14 +438,17 @@ class ReplicatedServer:
     def state_message(self, h: int, step: int | None = None) -> Message:
         cs = self.sets[h]
         n = len(cs.params)
-        msg = Message(state_size(n, len(self.keys), self.R))
+        end = state_size(n, len(self.keys), self.R)
+        policy = cs.policy.snapshot()  # float64 values, after the float32 state
+        msg = Message(end + 2 * len(policy))
         msg.payload[:n] = cs.params
         for i, k in enumerate(self.keys):
             msg.payload[(i + 1) * n:(i + 2) * n] = cs.state[k]
-        tail = msg.payload[n * (1 + len(self.keys)):]
+        tail = msg.payload[n * (1 + len(self.keys)):end]
         tail[:] = 0.0
         for r, seq in self.last_seq[h].items():
             tail[r] = seq
+        msg.payload[end:].view(np.float64)[:] = policy
         hd = msg.header
         hd[H.SET], hd[H.SENDER] = h, self.me
         hd[H.STEPS] = cs.step if step is None else step
@@ -409,6 +481,8 @@ class ReplicatedServer:
             return
         for h in self.sets:
             if h not in self.final_sent and self.role[h] == "primary" and not self.pending[h]:
+                cs = self.sets[h]
+                cs.policy.on_end(cs)  # after every push: the same point on any primary
                 self._send(self.state_message(h).buf, self.chief, Tag.FINAL_SET)
                 self.final_sent.add(h)
 
@@ -420,7 +494,8 @@ class ReplicatedServer:
             raise PeerTimeout(f"replica 0 (world rank 0, the chief: it evaluates, writes the "
                               f"final checkpoint and reports) is lost: {why}; the run cannot "
                               "finish without it")
-        if r not in self.done:
+        ended = r not in self.done
+        if ended:
             self.replicas.drop(r)
             self.lost_after_s[r] = self.replicas.lost[r]
             self.lost_replicas[r] = why
@@ -428,6 +503,9 @@ class ReplicatedServer:
         for cs in self.sets.values():
             if r not in cs.stats.lost_replicas:
                 cs.stats.lost_replicas[r] = why
+            if ended:
+                cs.policy.on_done(cs, r)
+        self._release()
         self._close_sets()
 
     def _shard_lost(self, d: int, why: str) -> None:

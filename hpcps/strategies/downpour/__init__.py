@@ -113,25 +113,35 @@ def _validate(cfg) -> None:
 
 
 def _validate_copies(cfg) -> None:
-    """What replicated shards (--ps-copies > 1) go with."""
+    """What replicated shards (--ps-copies > 1) go with. Every copy of a set applies the
+    set's pushes in its primary's order through the same deterministic policy, so what a
+    policy decides from the pushes alone (softsync's groups, --staleness-lr's rates, SSP's
+    clocks, which the primary holds fetches by) is replicated with them; what lives elsewhere
+    is refused, saying what would have to be replicated."""
     copies, servers = cfg.ps_copies, cfg.servers or cfg.partitions
     if cfg.partitions > 1:
         raise ConfigError("--ps-copies > 1 with --partitions > 1: replicated shards let the "
                           "run go on without a dead rank, and the partitions of a replica "
-                          "cannot go on without one of theirs; use --partitions 1")
+                          "cannot go on without one of theirs (they exchange activations "
+                          "every step, and no copy of a replica's partition exists to take "
+                          "over); use --partitions 1")
     if copies > servers:
         raise ConfigError(f"--ps-copies {copies} puts each chunk set on {copies} distinct "
                           f"server shards: use --servers {copies} or more (got {servers})")
+    why = {
+        "--push activations": "a shard computes each update from pushed layer inputs and "
+        "errors over whole rows, not hashed chunk sets; copies would need the rows' plan "
+        "replicated and the activation messages forwarded and decoded on every copy",
+        "--epoch-quorum": "the keeper of the epochs' ends lives on server shard 0 alone; its "
+        "counts of finished replicas would have to be replicated and taken over with shard 0",
+        "--persist-every": "each shard writes its own chunks' file and shard 0 the manifest "
+        "over them; a set's file would have to be written by whichever copy is its primary, "
+        "and the manifest re-pointed when a primary changes"}
     for name, given in (("--push activations", cfg.push == "activations"),
-                        ("--softsync", cfg.softsync is not None),
-                        ("--staleness-lr on", cfg.staleness_lr == "on"),
-                        ("--staleness-bound", cfg.staleness_bound is not None),
                         ("--epoch-quorum", cfg.epoch_quorum is not None),
                         ("--persist-every", cfg.persist_every is not None)):
         if given:
-            raise ConfigError(f"--ps-copies > 1 replicates each push as the primary applied "
-                              f"it, one at a time; {name} is not replicated: drop one of the "
-                              "two")
+            raise ConfigError(f"--ps-copies > 1 with {name}: {why[name]}; drop one of the two")
 
 
 def _describe(cfg, n_train: int) -> str:

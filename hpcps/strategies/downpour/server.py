@@ -195,7 +195,7 @@ def run_replicated_server(ctx: Context) -> dict:
                                 step=ctx.start_step, timeout=cfg.timeout,
                                 on_boundary=lambda b, h=h: server.boundary(h, b),
                                 boundary_every=cfg.checkpoint_every,
-                                policy=replicated.SetPolicy(h),
+                                policy=replicated.SetPolicy(h, shard_policy(ctx, len(params))),
                                 packed=shard_expander(len(params))
                                 if cfg.compress == "threshold" else None,
                                 liveness=liveness, replica_of=replica_of, fatal=(0,))
@@ -211,6 +211,11 @@ def run_replicated_server(ctx: Context) -> dict:
                                          cfg.timeout, save=save)
     server.serve()
     stats = [cs.stats for cs in sets.values()]
+    # softsync's figures from the sets this shard ended as primary of (a secondary's repeat them)
+    combining = [sets[h].policy.inner for h in sets if server.role[h] == "primary"
+                 and isinstance(sets[h].policy.inner, SoftSync)]
+    bounded = [sets[h].policy.inner for h in sets if server.role[h] == "primary"
+               and isinstance(sets[h].policy.inner, StaleSynchronous)]
     pushes = max(1, sum(s.pushes for s in stats))
     return {"shard": me, "pushes": sum(s.pushes for s in stats),
             "fetches": sum(s.fetches for s in stats),
@@ -219,8 +224,14 @@ def run_replicated_server(ctx: Context) -> dict:
             "mean_staleness": sum(s.staleness_sum for s in stats) / pushes,
             "max_staleness": max(s.staleness_max for s in stats),
             "staleness_hist": [sum(col) for col in zip(*(s.staleness_hist for s in stats))],
-            "held_fetches": 0, "held_s": 0.0, "combined_updates": None,
-            "combined_pushes": None, "clock_lead_max": None,
+            "held_fetches": sum(s.held_fetches for s in stats),
+            "held_s": sum(s.held_s for s in stats),
+            "combined_updates": sum(p.updates for p in combining)
+            if cfg.softsync is not None or cfg.staleness_lr == "on" else None,
+            "combined_pushes": sum(p.combined for p in combining)
+            if cfg.softsync is not None or cfg.staleness_lr == "on" else None,
+            "clock_lead_max": max((p.max_lead for p in bounded), default=0)
+            if cfg.staleness_bound is not None else None,
             "step": max(cs.step for cs in sets.values()),
             "lost_replicas": server.lost_replicas, "lost_after_s": server.lost_after_s,
             "epochs": None, "persist": None, **server.figures()}
