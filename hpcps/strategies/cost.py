@@ -17,6 +17,7 @@ function loaded only when the tool measures.
 """
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -127,7 +128,7 @@ def allreduce_s(nbytes: float, R: int, alpha: float, beta: float, gamma: float,
     return allreduce(nbytes, R)
 
 
-class CostModel:
+class CostModel(ABC):
     """One strategy's costs. A strategy's ``cost.py`` subclasses it and sets ``COST`` to an
     instance; every method is pure.
 
@@ -146,16 +147,16 @@ class CostModel:
     ring_like: bool = True
     calibrate: str | None = None
 
+    @abstractmethod
     def bytes_per_step(self, w: Workload, R: int) -> float:
         """Bytes moved per step with R replicas, as the strategy's summary counts them."""
-        raise NotImplementedError
 
+    @abstractmethod
     def examples_per_s(self, w: Workload, nodes: int, alpha: float, beta: float,
                        allreduce: Callable[[float, int], float] | None = None) -> float:
         """Examples per second on ``nodes`` nodes (0.0 where it cannot run).
         ``allreduce(nbytes, R)``: seconds of MPI's allreduce as measured on the network, for
         a model whose exchange is one (else ignored)."""
-        raise NotImplementedError
 
     def computing_beside(self, w: Workload, nodes: int,
                          link: Callable[[float], tuple[float, float]]) -> float:
