@@ -88,14 +88,15 @@ _impl, HAVE_EXTENSION = load_extension("_adagrad", reference, "hpcps.kernels")
 __all__ = ["HAVE_EXTENSION", "adagrad_update", "sgd_update"]
 
 
-def _check_array(name, a, writable, ndim=1):
-    """A float32 C-contiguous ndarray of ``ndim`` dimensions (writable if it is written)."""
+def _check_array(name, a, writable, ndim=1, dtype=np.float32):
+    """A C-contiguous ndarray of ``dtype`` (float32 unless given) and ``ndim`` dimensions
+    (any when None), writable if it is written."""
     if not isinstance(a, np.ndarray):
         raise ValueError(f"{name} must be a numpy.ndarray, got {type(a).__name__}")
-    if a.ndim != ndim:
+    if ndim is not None and a.ndim != ndim:
         raise ValueError(f"{name} must be {ndim}-D, got shape {a.shape}")
-    if a.dtype != np.float32:
-        raise ValueError(f"{name} must be float32, got {a.dtype}")
+    if a.dtype != dtype:
+        raise ValueError(f"{name} must be {np.dtype(dtype).name}, got {a.dtype}")
     if not a.flags.c_contiguous:
         raise ValueError(f"{name} must be C-contiguous (strided views are refused; pass a copy)")
     if writable and not a.flags.writeable:

@@ -52,16 +52,7 @@ __all__ = [
 # --------------------------------------------------------------------------- checks
 
 def _check_int64(name, a, ndim=None, writable=False):
-    if not isinstance(a, np.ndarray):
-        raise ValueError(f"{name} must be a numpy.ndarray, got {type(a).__name__}")
-    if ndim is not None and a.ndim != ndim:
-        raise ValueError(f"{name} must be {ndim}-D, got shape {a.shape}")
-    if a.dtype != np.int64:
-        raise ValueError(f"{name} must be int64, got {a.dtype}")
-    if not a.flags.c_contiguous:
-        raise ValueError(f"{name} must be C-contiguous (strided views are refused; pass a copy)")
-    if writable and not a.flags.writeable:
-        raise ValueError(f"{name} is updated in place but is read-only")
+    _check_array(name, a, writable, ndim, dtype=np.int64)
 
 
 def _check_range(name, a, low, high):
