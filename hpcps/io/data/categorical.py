@@ -28,7 +28,7 @@ import numpy as np
 
 from hpcps.blocks import block_range
 from hpcps.errors import DataError
-from hpcps.io.data.h5format import FORMAT, _attr_str, _open_h5, check_finite_rows
+from hpcps.io.data.h5format import FORMAT, _attr_str, _open_h5, check_finite_rows, publish
 
 CATEGORICAL_LAYOUT_VERSION = 2
 KIND = "categorical"
@@ -288,9 +288,7 @@ class CategoricalWriter:
             self._f[split]["y"].attrs["positives"] = self._positives[split]
         self._f.close()
         try:
-            with open(self._tmp, "rb") as fh:
-                os.fsync(fh.fileno())
-            os.replace(self._tmp, self.out_path)
+            publish(self._tmp, self.out_path)
         except OSError as exc:
             self._cleanup()
             raise DataError(f"cannot write dataset {self.out_path}: {exc.strerror or exc}") \

@@ -118,6 +118,14 @@ _PREPARE_HINT = "prepare it with: python -m hpcps.data prepare mnist"
 # Writing
 
 
+def publish(tmp_path, out_path) -> None:
+    """Make a fully written temporary file the dataset: fsync it, then rename it over
+    ``out_path`` (a reader sees the old file or the new one, never a part). Raises OSError."""
+    with open(tmp_path, "rb") as fh:
+        os.fsync(fh.fileno())
+    os.replace(tmp_path, out_path)
+
+
 def write_dataset(
     out_path: str | os.PathLike,
     *,
@@ -173,9 +181,7 @@ def write_dataset(
                 dy.attrs["description"] = (
                     f"class label (0..{n_classes - 1}) of each row of /{split}/x"
                 )
-        with open(tmp_path, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp_path, out_path)
+        publish(tmp_path, out_path)
     except BaseException as exc:
         try:
             tmp_path.unlink(missing_ok=True)
@@ -301,9 +307,7 @@ class DenseWriter:
                     dtype=h5py.string_dtype("utf-8", max(1, *(len(n.encode())
                                                               for n in class_names))))
             self.f.close()
-            with open(self.tmp_path, "rb") as fh:
-                os.fsync(fh.fileno())
-            os.replace(self.tmp_path, self.out_path)
+            publish(self.tmp_path, self.out_path)
         except OSError as exc:
             self.abort()
             raise DataError(f"cannot write dataset {self.out_path}: {exc.strerror or exc}") \
