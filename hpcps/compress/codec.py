@@ -64,6 +64,7 @@ import struct
 import numpy as np
 
 from hpcps.errors import HpcpsError
+from hpcps import kernels
 from hpcps.kernels import load_extension
 
 MAX_WEIGHTS = 2**31
@@ -306,16 +307,7 @@ def _check_tau(tau):
 
 
 def _check_array(name, a, dtype, writable=False):
-    if not isinstance(a, np.ndarray):
-        raise ValueError(f"{name} must be a numpy.ndarray, got {type(a).__name__}")
-    if a.ndim != 1:
-        raise ValueError(f"{name} must be 1-D, got shape {a.shape}")
-    if a.dtype != dtype:
-        raise ValueError(f"{name} must be {np.dtype(dtype).name}, got {a.dtype}")
-    if not a.flags.c_contiguous:
-        raise ValueError(f"{name} must be C-contiguous (strided views are refused; pass a copy)")
-    if writable and not a.flags.writeable:
-        raise ValueError(f"{name} is updated in place but is read-only")
+    kernels._check_array(name, a, writable, ndim=1, dtype=dtype)
 
 
 def _check_words(words):
