@@ -54,6 +54,7 @@ from hpcps.strategies.context import (Context, crossed, gather_state, model_para
                                       periodic_evaluation, rate, save_checkpoint,
                                       warn_divergence)
 from hpcps.strategies.gradients import GradientSource
+from hpcps.strategies.lr_rule import lr_multiplier
 
 
 def stall(timeout: float) -> None:
@@ -314,3 +315,21 @@ def run_position(ctx, step: int, elapsed: float) -> dict:
     ran = step - start
     eta = round(elapsed * max(0, total - step) / ran, 1) if ran > 0 else None
     return {"done_pct": round(100.0 * done, 1), "eta_s": eta}
+
+
+class AllReplicasLoop(ReplicaLoop):
+    """A replica loop whose update takes one mini-batch (T with threads) from each of the R
+    replicas of the partition communicator (sync, averaging): the global step advances by R
+    per iteration, and the rate follows ``--lr-rule`` (:mod:`hpcps.strategies.lr_rule`: R
+    replicas x T threads, after the warm-up). A subclass sets ``self.R`` before calling
+    ``__init__``."""
+
+    R: int
+
+    def lr_factor(self) -> float:
+        """The schedule's multiplier times the linear rule's."""
+        return super().lr_factor() * lr_multiplier(self.cfg.lr_rule, self.R, self.T,
+                                                   self.global_step(), self.cfg.lr_warmup_steps)
+
+    def global_step(self) -> int:
+        return self.ctx.start_step + self.done * self.R

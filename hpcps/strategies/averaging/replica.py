@@ -7,11 +7,10 @@ import numpy as np
 from hpcps import trace
 from hpcps.mpi.comm import SUM, allreduce
 from hpcps.strategies.context import Context, finish_on_chief, gather_state
-from hpcps.strategies.loop import ReplicaLoop
-from hpcps.strategies.lr_rule import lr_multiplier
+from hpcps.strategies.loop import AllReplicasLoop
 
 
-class AveragingReplica(ReplicaLoop):
+class AveragingReplica(AllReplicasLoop):
     """Local optimizer steps; every k iterations, the average of all replicas."""
 
     lockstep = True  # every replica runs the same iterations; after_loop averages once more
@@ -60,15 +59,6 @@ class AveragingReplica(ReplicaLoop):
         self.spread.append(float(np.sqrt(buf[-1] / (self.R * len(self.params)))))
         self.bytes_sent += 2 * 4 * (len(buf) - 1) * (self.R - 1) / self.R
         unpack(buf, self.params, self.state, self.keys)
-
-    def lr_factor(self) -> float:
-        """The schedule's multiplier times the linear rule's (:mod:`hpcps.strategies.lr_rule`:
-        R replicas x T threads, after the warm-up)."""
-        return super().lr_factor() * lr_multiplier(self.cfg.lr_rule, self.R, self.T,
-                                                   self.global_step(), self.cfg.lr_warmup_steps)
-
-    def global_step(self) -> int:
-        return self.ctx.start_step + self.done * self.R
 
     def progress_fields(self) -> dict:
         return {"averaging_rounds": self.rounds,

@@ -7,8 +7,7 @@ import numpy as np
 from hpcps import trace
 from hpcps.mpi.comm import SUM, allreduce
 from hpcps.strategies.context import Context, finish_on_chief, gather_state
-from hpcps.strategies.loop import ReplicaLoop
-from hpcps.strategies.lr_rule import lr_multiplier
+from hpcps.strategies.loop import AllReplicasLoop
 
 
 def sync_step(comm, gradient, optimizer, params, state, x, y, buf, timeout: float,
@@ -35,7 +34,7 @@ def sync_step(comm, gradient, optimizer, params, state, x, y, buf, timeout: floa
     return float(buf[n])
 
 
-class SyncReplica(ReplicaLoop):
+class SyncReplica(AllReplicasLoop):
     """Every iteration: this replica's gradient, one allreduce, the same update everywhere.
 
     One update consumes the R replicas' mini-batches (T each with threads): the global step
@@ -58,15 +57,6 @@ class SyncReplica(ReplicaLoop):
     def step(self, x, y) -> float:
         return sync_step(self.comm, self.source, self.ctx.optimizer, self.params, self.state,
                          x, y, self.buf, self.cfg.timeout, self.lr_factor())
-
-    def lr_factor(self) -> float:
-        """The schedule's multiplier times the linear rule's (:mod:`hpcps.strategies.lr_rule`:
-        R replicas x T threads, after the warm-up)."""
-        return super().lr_factor() * lr_multiplier(self.cfg.lr_rule, self.R, self.T,
-                                                   self.global_step(), self.cfg.lr_warmup_steps)
-
-    def global_step(self) -> int:
-        return self.ctx.start_step + self.done * self.R
 
     def loss_source(self) -> str:
         # the loss rides in the allreduce: every replica holds the same mean, and rank 0
