@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
 from hpcps.errors import ConfigError
-from hpcps.model.spec import PRESETS, parse_spec
+from hpcps.model.spec import CTR_PRESETS, PRESETS, is_embedding_spec, parse_ctr_spec, parse_spec
 from hpcps.options import TAU_TYPE, Option, RunConfig, flag, parse_tau
 from hpcps.strategies.registry import DEFAULT, Strategy, strategies
 
@@ -57,7 +57,8 @@ COMMON = (
     Option("model", str, "the network as a spec of conv, pool and fc layers instead of an MLP "
            "(docs/conv.md), e.g. conv5x5x10,pool2,conv5x5x20,pool2,fc400,fc400,fc10, or a "
            f"preset: {', '.join(PRESETS)}; needs a dataset with an image_shape; not with "
-           "--layers"),
+           "--layers. An embedding model on a categorical dataset (docs/ctr.md): "
+           f"embedD[:sum|:mean],fcN,...,fc1 or {', '.join(CTR_PRESETS)}"),
     Option("activation", str, "hidden-layer activation: relu, tanh or sigmoid", default="relu",
            choices=ACTIVATIONS),
     Option("optimizer", str, "update rule applied where the parameters live: adagrad "
@@ -361,7 +362,14 @@ def _check_generic(cfg, spec: Strategy) -> None:
         raise ConfigError(f"--layers widths must be positive, got {cfg.layers}")
     if cfg.epochs is not None and cfg.steps is not None:
         raise ConfigError("give --epochs or --steps, not both")
-    if cfg.model is not None:
+    if is_embedding_spec(cfg.model):
+        if not spec.embeddings:
+            takers = [name for name, s in strategies().items() if s.embeddings]
+            raise ConfigError(f"--model {cfg.model} is an embedding model (docs/ctr.md), which "
+                              f"--strategy {cfg.strategy} does not train: use --strategy "
+                              f"{' or '.join(takers)}")
+        parse_ctr_spec(cfg.model)
+    elif cfg.model is not None:
         parse_spec(cfg.model)
 
 

@@ -31,6 +31,7 @@ import numpy as np
 from hpcps import config, trace
 from hpcps.io import checkpoint, data
 from hpcps.model import convnet
+from hpcps.model.spec import is_embedding_spec
 from hpcps.runtime import faults, memory, slurm, timeline
 from hpcps.mpi.comm import (PeerTimeout, ReplicaExchange, allgather_obj, barrier, bcast_obj,
                              dup_comm, gather_obj, host)
@@ -80,6 +81,10 @@ def _ensure_dataset(cfg: config.Config, rank: int) -> None:
 
 
 def _check_dataset(cfg: config.Config) -> data.DatasetInfo:
+    if is_embedding_spec(cfg.model):  # categorical ids, not dense features
+        info = data.open_categorical(cfg.data)
+        convnet.build(cfg, info)  # refuses non-binary labels
+        return info
     info = data.open_dataset(cfg.data)
     if cfg.model is not None:
         convnet.build(cfg, info)  # refuses a flat dataset, a spec that does not fit
@@ -198,7 +203,8 @@ def _setup(cfg: config.Config, world, layout: Layout, info, ckpt, run_dir: Path)
     # the validation split: the file's /val, else the rows --validation-fraction holds out of
     # /train (the same on every rank), else none (evaluations on the test set)
     held = np.empty(0, dtype=np.int64)
-    val_source, val_rows = None, data.val_rows(cfg.data)
+    categorical = is_embedding_spec(cfg.model)
+    val_source, val_rows = None, 0 if categorical else data.val_rows(cfg.data)
     if val_rows:
         val_source = VAL_FILE
     elif cfg.validation_fraction > 0:
@@ -210,7 +216,17 @@ def _setup(cfg: config.Config, world, layout: Layout, info, ckpt, run_dir: Path)
                   metrics=metrics, reporter=reporter,
                   resumed=ckpt.metrics if ckpt is not None else None,
                   val_source=val_source, val_rows=val_rows, held_out=len(held))
-    if grid.role.is_replica and cfg.spec.replica_data == "whole":
+    if categorical:  # ids (and dense features) per row, checked as they are read
+        if grid.role.is_replica:
+            block = data.load_block(cfg.data, "train", grid.role.replica, layout.replicas)
+            ctx.train_x, ctx.train_y = block.features, block.y
+            if len(block.y) < cfg.batch_size:
+                raise ConfigError(f"replica {grid.role.replica} holds {len(block.y)} training "
+                                  f"rows, fewer than --batch-size {cfg.batch_size}")
+        if grid.is_chief:
+            block = data.load_block(cfg.data, "test")
+            ctx.test_x, ctx.test_y = block.features, block.y
+    elif grid.role.is_replica and cfg.spec.replica_data == "whole":
         # any replica may be handed any portion: each holds the whole training set
         ctx.train_x, ctx.train_y = _without(data.load_split(cfg.data, "train"), 0, held)
     elif grid.role.is_replica:
@@ -224,7 +240,7 @@ def _setup(cfg: config.Config, world, layout: Layout, info, ckpt, run_dir: Path)
                     f"{cfg.threads})" if cfg.threads > 1 else f"--batch-size {cfg.batch_size}")
             raise ConfigError(f"replica {grid.role.replica} holds {len(ctx.train_x)} training "
                               f"examples, fewer than {what}")
-    if grid.is_chief:
+    if grid.is_chief and not categorical:
         ctx.test_x, ctx.test_y = data.load_split(cfg.data, "test")
         if ctx.val_source == VAL_FILE:
             ctx.val_x, ctx.val_y = data.load_split(cfg.data, "val")
@@ -303,6 +319,7 @@ def _summary(ctx: Context, results: list[dict], wall_s: float, stopped: bool = F
                    examples_per_s=round(mine.get("examples_per_s", float("nan")), 1),
                    bytes_per_step=round(bytes_per_step), mean_staleness=round(staleness, 3),
                    test_accuracy=mine.get("test_accuracy"), test_loss=mine.get("test_loss"),
+                   **({"test_auc": mine["test_auc"]} if "test_auc" in mine else {}),
                    **_split_figures(ctx, mine, results),
                    stopped_early=stopped, total_steps=ctx.total_steps,
                    checkpoint=mine.get("checkpoint"), **memory.by_role(results),
@@ -313,8 +330,12 @@ def _summary(ctx: Context, results: list[dict], wall_s: float, stopped: bool = F
               f"{rec['bytes_per_step']:.0f} bytes moved per step")
     for line in (spec.summary_lines(rec) if spec.summary_lines else []):
         m.message("  " + line)
-    m.message(f"  final test accuracy: {100 * rec['test_accuracy']:.2f}% "
-              f"(test loss {rec['test_loss']:.4f})")
+    if rec.get("test_auc") is not None:  # a binary model: AUC and log loss
+        m.message(f"  final test AUC: {rec['test_auc']:.4f} (test log loss "
+                  f"{rec['test_loss']:.4f})")
+    else:
+        m.message(f"  final test accuracy: {100 * rec['test_accuracy']:.2f}% "
+                  f"(test loss {rec['test_loss']:.4f})")
     if rec.get("val_accuracy") is not None:
         m.message(f"  final validation accuracy: {100 * rec['val_accuracy']:.2f}% "
                   f"(validation loss {rec['val_loss']:.4f}, {rec['val_rows']} rows; the "

@@ -209,6 +209,34 @@ CHUNK_BYTES = Option("chunk_bytes", int, "bytes per chunk of the parameter vecto
                      "model smaller than one chunk per shard is cut into one chunk per shard",
                      check="positive")
 
+# Embedding models (--model embed..., docs/ctr.md): the rows' own optimizer and rate, applied
+# where the rows live; a strategy that trains embedding models lists them.
+ROW_LR = Option("row_lr", float, "embedding models: the rate of the embedding rows' optimizer "
+                "(default: the strategy's, below)", check="positive")
+ROW_OPTIMIZER = Option("row_optimizer", str, "embedding models: the rows' update rule: "
+                       "rowwise_adagrad (one accumulator per row, the default), adagrad (one per "
+                       "element) or sgd", choices=("rowwise_adagrad", "adagrad", "sgd"))
+EMBEDDING_OPTIONS = (ROW_LR, ROW_OPTIMIZER)
+
+
+def check_embedding_options(cfg, refused: dict[str, bool]) -> None:
+    """Embedding options only with an embedding model; with one, none of ``refused``
+    (``{"--flag": given}``: what the strategy cannot do with embedding rows)."""
+    from hpcps.model.spec import is_embedding_spec
+    if not is_embedding_spec(cfg.model):
+        for o in EMBEDDING_OPTIONS:
+            if getattr(cfg, o.name) is not None:
+                raise ConfigError(f"{flag(o.name)} applies to embedding models (--model "
+                                  "embed..., ctr-dnn, movielens) only")
+        return
+    given = [name for name, on in refused.items() if on]
+    if given:
+        raise ConfigError(f"--model {cfg.model} is an embedding model; its rows are pulled "
+                          f"and pushed by id, which {', '.join(given)} "
+                          f"{'does' if len(given) == 1 else 'do'} not handle here: drop "
+                          f"{'it' if len(given) == 1 else 'them'} (docs/ctr.md lists what "
+                          "embedding models run with)")
+
 
 # The options every strategy built on this loop takes (each lists ``*LOOP_OPTIONS``): batch
 # prefetch, a slowed replica for tests, weight decay, added to every gradient (in

@@ -116,9 +116,13 @@ def layer_sizes(params: dict[str, np.ndarray]) -> list[int]:
 
 def conv_model(config: dict, dataset: dict):
     """The :class:`~hpcps.model.convnet.ConvNet` a checkpoint's config names (``model``), on its
-    dataset's image shape; None for an MLP checkpoint."""
+    dataset's image shape; None for an MLP checkpoint and for an embedding model's, whose
+    dense parameters are its fc layers in the MLP's layout (its rows: ``tables/``)."""
     spec = config.get("model") if isinstance(config, dict) else None
     if not isinstance(spec, str) or not spec:   # an MLP's run (config files of others: any)
+        return None
+    from hpcps.model.spec import is_embedding_spec
+    if is_embedding_spec(spec):
         return None
     from hpcps.model.convnet import ConvNet
     shape = dataset.get("image_shape") or (dataset.get("n_features", 0), 1, 1)

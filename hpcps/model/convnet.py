@@ -42,7 +42,9 @@ from hpcps.model.layers import (  # noqa: F401 (im2col, col2im, drop_threshold: 
     col2im, conv_backward, conv_forward, drop_threshold, dropout_key, dropout_scale, fc_backward,
     fc_forward, flatten_maps, im2col, maxpool, maxpool_back)
 from hpcps.model.mlp import ACTIVATIONS, MLP, flatten_named, local_views
-from hpcps.model.spec import LayerSpec, is_conv_spec, parse_spec, resolve  # noqa: F401
+from hpcps.model.ctr import CtrModel
+from hpcps.model.spec import (LayerSpec, is_conv_spec, is_embedding_spec,  # noqa: F401
+                              parse_spec, resolve)
 
 @dataclass(frozen=True)
 class Op:
@@ -337,15 +339,26 @@ class ConvNet(SoftmaxOutput):
         return sum(_macs(op) for op in self.ops if op.param >= 0)
 
 
-def build(cfg, info) -> "ConvNet | MLP":
+def build(cfg, info) -> "ConvNet | MLP | CtrModel":
     """The whole model a run's config asks for on its dataset: a :class:`ConvNet` for
-    ``--model``, else the :class:`MLP` of ``--layers``.
+    ``--model``, a :class:`hpcps.model.ctr.CtrModel` for an embedding ``--model`` (on a
+    categorical dataset), else the :class:`MLP` of ``--layers``.
 
     Raises ConfigError when a conv model meets a dataset without an ``image_shape``, or the
     spec does not fit the images or the classes.
     """
     if cfg.model is None:
         return MLP(cfg.layers, cfg.activation)
+    if is_embedding_spec(cfg.model):
+        if not hasattr(info, "fields"):
+            raise ConfigError(f"--model {cfg.model} is an embedding model: it reads categorical "
+                              f"ids (layout 2, docs/formats.md), and {info.path} holds dense "
+                              "features; prepare one with python -m hpcps.data prepare "
+                              "movielens|synthetic-ctr")
+        if info.label_kind != "binary":
+            raise ConfigError(f"--model {cfg.model} ends in one logistic unit, but {info.path} "
+                              f"has {info.label_kind} labels, not 0/1")
+        return CtrModel.for_fields(cfg.model, info.fields, info.n_dense, cfg.activation)
     shape = info.image_shape
     if shape is None:
         if is_conv_spec(cfg.model):
@@ -389,6 +402,8 @@ def describe_model(model) -> str:
     if isinstance(model, ConvNet):
         drop = f", dropout {model.dropout:g}" if model.dropout else ""
         return f"{model.spec_text} on {'x'.join(map(str, model.input_shape))} images{drop}"
+    if isinstance(model, CtrModel):
+        return f"{model.spec_text} on {model.n_fields} fields + {model.n_dense} dense"
     return ",".join(map(str, model.sizes))
 
 

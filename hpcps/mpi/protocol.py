@@ -40,6 +40,11 @@ class Tag(IntEnum):
     FINAL_DONE = 29   # world rank 0 -> shards: it holds every set's final state; leave
     FINAL_SET = 30    # a set's primary -> world rank 0: the set's final state
     CKPT_SET = 31     # a set's primary -> the collector shard: the set's state at step STEPS
+    # embedding tables (hpcps.ps.rows): a replica and the shards that hold its batch's rows
+    PULL_ROWS = 32    # replica -> shard: header + (table, id) pairs, int64; EXAMPLES 1: create
+    ROWS = 33         # shard -> replica: header + the rows of those pairs, float32, in order
+    PUSH_ROWS = 34    # replica -> shard: header + (table, id) pairs + their row gradients
+    ROWS_DONE = 35    # world rank 0 -> shards: the final evaluation has read its rows; leave
 
 
 class H(IntEnum):

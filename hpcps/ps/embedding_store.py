@@ -18,6 +18,8 @@ changes the map and may reallocate, so one thread at a time; :meth:`apply` on sl
 looked up may run in several threads at once (Hogwild: the kernels release the GIL, rows
 that two threads touch at once may lose an update).
 
+:meth:`peek` reads rows without storing any (an evaluation's ids).
+
 Not here yet, and where it goes: a capacity with eviction (``--table-capacity``) and
 admission after c sightings (``--admit-after``). Both decide in :meth:`_reserve` and
 :meth:`slots` whether a new id gets a slot; eviction also needs deletion in the map
@@ -166,6 +168,28 @@ class EmbeddingStore:
         """(len(ids), dim) rows of ``ids``, created on first touch."""
         slots = self.slots(ids)
         return np.take(self._rows, slots, axis=0, out=out)
+
+    def peek(self, ids, out=None):
+        """(len(ids), dim) rows of ``ids`` without storing any: an id not held reads as the
+        row it would be created with (its initialiser depends on (table, id, seed) only)."""
+        slots = self.slots(ids, create=False)
+        if out is None:
+            out = np.empty((len(ids), self.dim), dtype=np.float32)
+        held = slots >= 0
+        if held.all():
+            return np.take(self._rows, slots, axis=0, out=out)
+        out[held] = self._rows[slots[held]]
+        missing = np.ascontiguousarray(ids[~held], dtype=np.int64)
+        fresh = np.empty((len(missing), self.dim), dtype=np.float32)
+        embedding.init_rows(fresh, missing, 0, len(missing), self.table, self.seed,
+                            self.init_scale)
+        out[~held] = fresh
+        return out
+
+    def resident_bytes(self):
+        """Bytes of the arrays' rows in use and of the id map (what grows with rows)."""
+        per_row = 8 + 4 * self.dim + (0 if self._accum is None else self._accum[:1].nbytes)
+        return self.n_rows * per_row + self._keys.nbytes + self._vals.nbytes
 
     def apply(self, slots, grads, lr, eps=1e-8):
         """Apply ``grads`` (len(slots), dim) to the rows ``slots`` (distinct) with the

@@ -187,9 +187,11 @@ class GradientShard:
         self._win_pushes = 0
         self._last_loss = float("nan")
 
-    def serve(self) -> ShardStats:
+    def serve(self, more: dict | None = None) -> ShardStats:
+        """Serve until every replica is done; ``more``: handlers of other messages the same
+        ranks send this shard (an embedding table's rows, :mod:`hpcps.ps.rows`)."""
         handlers = {Tag.PUSH: self._recv_push, Tag.FETCH: self._recv_fetch,
-                    Tag.DONE: self._recv_done}
+                    Tag.DONE: self._recv_done, **(more or {})}
         if self._packed_tag is not None:
             handlers[self._packed_tag] = self._recv_packed
         if self.liveness is not None:

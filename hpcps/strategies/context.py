@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -80,6 +81,10 @@ class Context:
     reporter: int = 0                  # the rank that logs and prints the summary
     resumed: dict | None = None        # the metrics saved in the --resume checkpoint
     stop: StopVote | None = None       # SIGTERM/SIGUSR1 agreed among the ranks (hpcps.runtime.stop)
+    # (whole params, split) -> figures without prefix, {"loss": .., "auc": ..}: how the chief
+    # scores a model whose evaluation needs more than its parameters (an embedding model's
+    # rows live on the server shards); None: loss and accuracy of the forward pass
+    evaluator: Callable[[np.ndarray, str], dict] | None = None
 
     def stop_requested(self) -> bool:
         """At a safe point of a rank that runs at its own pace: poll the stop vote (never
@@ -219,6 +224,18 @@ def evaluate(ctx: Context, params: np.ndarray, step: int,
     return loss, acc
 
 
+def evaluation(ctx: Context, params: np.ndarray, step: int, split: str = TEST) -> dict:
+    """The figures of whole-model ``params`` on ``split``, without the split's prefix:
+    ``{"loss", "accuracy"}``, or what :attr:`Context.evaluator` gives (``{"loss", "auc"}``
+    for an embedding model). Raises NonFiniteError on a loss that is not finite."""
+    if ctx.evaluator is None:
+        loss, acc = evaluate(ctx, params, step, split)
+        return {"loss": loss, "accuracy": acc}
+    figures = ctx.evaluator(params, split)
+    check_test_loss(figures["loss"], step, split)
+    return figures
+
+
 def check_test_loss(loss: float, step: int, split: str = TEST) -> None:
     if not math.isfinite(loss):
         what = "validation" if split == VAL else "test"
@@ -237,8 +254,8 @@ def periodic_evaluation(ctx: Context, params: np.ndarray, step: int) -> dict:
     """The chief's periodic evaluation, on :attr:`Context.eval_split`: the eval record's
     fields (:func:`split_figures`)."""
     split = ctx.eval_split
-    loss, acc = evaluate(ctx, params, step, split)
-    return split_figures(split, loss, acc)
+    return {"split": split, **{f"{split}_{k}": v
+                               for k, v in evaluation(ctx, params, step, split).items()}}
 
 
 def finish_on_chief(ctx: Context, params: np.ndarray, state: dict, step: int,
@@ -246,11 +263,9 @@ def finish_on_chief(ctx: Context, params: np.ndarray, state: dict, step: int,
     """The chief's end of a run: evaluate the final whole model on the test set (and on the
     validation split when there is one), write the final checkpoint (with the scalars
     ``saved`` among its metrics), and return the summary's common figures."""
-    test_loss, test_acc = evaluate(ctx, params, step)
-    final = {"test_accuracy": test_acc, "test_loss": test_loss}
+    final = {f"{TEST}_{k}": v for k, v in evaluation(ctx, params, step).items()}
     if ctx.val_source is not None:
-        val_loss, val_acc = evaluate(ctx, params, step, VAL)
-        final.update(val_accuracy=val_acc, val_loss=val_loss)
+        final.update({f"{VAL}_{k}": v for k, v in evaluation(ctx, params, step, VAL).items()})
     path = save_checkpoint(ctx, params, state, step, {**final, **(saved or {})})
     return {"step": step, **final, "checkpoint": str(path),
             "examples_per_s": rate((step - ctx.start_step) * ctx.cfg.batch_size, train_s)}

@@ -11,7 +11,30 @@ from hpcps.mpi.comm import ReplicaExchange, dup_comm
 from hpcps.strategies.context import Context
 
 
-class GradientSource:
+class PassTimer:
+    """The seconds and CPU time of a replica's gradient passes (``pass_s``, ``pass_cpu_s``),
+    and their spans in the trace."""
+
+    pass_s = pass_cpu_s = 0.0
+
+    @contextmanager
+    def timed(self, examples: int):
+        """Count the block as the replica's pass (``pass_s``, ``pass_cpu_s``, the trace's
+        compute span): every pass goes through here, also one a strategy computes itself
+        (downpour's ``--push activations`` keeps layer inputs and errors instead)."""
+        tr = trace.ACTIVE
+        t0 = tr.now() if tr is not None else 0
+        start, cpu = time.perf_counter(), time.process_time()
+        try:
+            yield
+        finally:
+            self.pass_s += time.perf_counter() - start
+            self.pass_cpu_s += time.process_time() - cpu
+            if tr is not None:
+                tr.span(trace.COMPUTE, "gradient", t0, {"examples": examples})
+
+
+class GradientSource(PassTimer):
     """Where a replica's gradient comes from: one mini-batch, or with ``--threads T``
     (T > 1) T mini-batches trained by T Hogwild threads.
 
@@ -76,7 +99,6 @@ class GradientSource:
                                      batch=cfg.batch_size)
             self.order = np.arange(self.batch)
         self.weight_decay = np.float32(cfg.weight_decay or 0.0)
-        self.pass_s = self.pass_cpu_s = 0.0
         self.compiled_one = None
         if self.threads == 1 and not ctx.partitioned:
             from hpcps.engine import conv_hogwild, hogwild
@@ -100,22 +122,6 @@ class GradientSource:
             if self.weight_decay:  # + the gradient of weight_decay/2 * |w|^2
                 grad += self.weight_decay * params
         return loss
-
-    @contextmanager
-    def timed(self, examples: int):
-        """Count the block as the replica's pass (``pass_s``, ``pass_cpu_s``, the trace's
-        compute span): every pass goes through here, also one a strategy computes itself
-        (downpour's ``--push activations`` keeps layer inputs and errors instead)."""
-        tr = trace.ACTIVE
-        t0 = tr.now() if tr is not None else 0
-        start, cpu = time.perf_counter(), time.process_time()
-        try:
-            yield
-        finally:
-            self.pass_s += time.perf_counter() - start
-            self.pass_cpu_s += time.process_time() - cpu
-            if tr is not None:
-                tr.span(trace.COMPUTE, "gradient", t0, {"examples": examples})
 
     def _threads(self, params, x, y, grad) -> float:
         """T Hogwild threads, one mini-batch each (see the class docstring)."""
@@ -141,3 +147,54 @@ class GradientSource:
             ex.bytes_sent += sent - self._seen[0]
             ex.wait_s += waited - self._seen[1]
         self._seen = (sent, waited)
+
+
+class EmbeddingSource(PassTimer):
+    """The gradient of an embedding model's mini-batch (:class:`hpcps.model.ctr.CtrModel`):
+    look the batch's ids up, pull each unique row once from the shards that hold it
+    (:class:`hpcps.ps.rows.RowClient`), compute, push the rows' gradients back without
+    waiting, and hand the dense layers' gradient to the strategy as a dense model's.
+
+    A mini-batch ``x`` is ``(ids, dense)`` (:class:`hpcps.io.data.categorical.Features`).
+    One thread: ``--threads`` > 1 is refused with embedding models.
+    """
+
+    threads = 1
+
+    def __init__(self, ctx: Context, rows):
+        self.model = ctx.model
+        self.rows = rows
+        self.batch = ctx.cfg.batch_size
+        self.eval_batch = max(1024, self.batch)
+        self.ctx = ctx
+
+    def __call__(self, params: np.ndarray, x, y: np.ndarray, grad: np.ndarray) -> float:
+        ids, dense = x
+        batch = self.model.lookup(ids)
+        rows = self.rows.pull(batch.uniq)
+        with self.timed(len(y)):
+            loss, _, row_grads = self.model.loss_and_grad(params, rows, batch, y, dense,
+                                                          grad=grad)
+        self.rows.push(row_grads, loss)
+        return loss
+
+    def logits(self, params: np.ndarray, features) -> np.ndarray:
+        """(N,) logits of every row of ``features``, in batches, reading rows without
+        creating any (an id never trained reads as its initial row)."""
+        n = len(features)
+        out = np.empty(n, dtype=np.float64)
+        for lo in range(0, n, self.eval_batch):
+            ids, dense = features[lo:lo + self.eval_batch]
+            batch = self.model.lookup(ids)
+            rows = self.rows.pull(batch.uniq, create=False)
+            out[lo:lo + len(ids)] = self.model.logits(params, rows, batch, dense)
+        return out
+
+    def evaluate(self, params: np.ndarray, split: str) -> dict:
+        """``{"loss", "auc"}`` of the chief's ``split`` (for :attr:`Context.evaluator`)."""
+        from hpcps.model.metrics import binary_metrics
+        from hpcps.strategies.context import VAL
+        x, y = (self.ctx.val_x, self.ctx.val_y) if split == VAL else \
+            (self.ctx.test_x, self.ctx.test_y)
+        figures = binary_metrics(y, self.logits(params, x))
+        return {"loss": figures["log_loss"], "auc": figures["auc"]}

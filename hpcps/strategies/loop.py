@@ -111,7 +111,7 @@ class ReplicaLoop(ABC):
         cfg, grid = ctx.cfg, ctx.grid
         self.ctx = ctx
         self.cfg = cfg
-        self.source = GradientSource(ctx)
+        self.source = self.make_source(ctx)
         self.T = self.source.threads
         self.iterations = -(-steps // self.T)
         self.replica = grid.role.replica
@@ -145,6 +145,11 @@ class ReplicaLoop(ABC):
     @abstractmethod
     def step(self, x: np.ndarray, y: np.ndarray) -> float:
         """One iteration on mini-batch ``(x, y)``; returns its training loss."""
+
+    def make_source(self, ctx: Context):
+        """Where the gradient of a mini-batch comes from (a :class:`GradientSource`, or a
+        source with its ``threads``, ``batch``, ``pass_s``, ``pass_cpu_s`` and ``timed``)."""
+        return GradientSource(ctx)
 
     def lr_factor(self) -> float:
         """--lr-schedule's multiplier of the learning rate at this replica's global step."""

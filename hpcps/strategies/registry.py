@@ -69,6 +69,8 @@ class Strategy:
     model_parallel : accepts ``--partitions P > 1``.
     whole_batch : accepts ``--batch-size 0`` (the whole training set per step).
     epochs : default ``--epochs`` when neither ``--epochs`` nor ``--steps`` is given.
+    embeddings : trains embedding models (``--model embed...``, ``ctr-dnn``, ``movielens``:
+        :mod:`hpcps.model.ctr`) on categorical datasets; the others refuse them at start.
     replica_data : ``"shard"`` (each replica reads its block of the training set) or
         ``"whole"`` (each replica holds all of it).
     validate : strategy-specific checks of a config (raise ConfigError), after the generic
@@ -103,6 +105,7 @@ class Strategy:
     model_parallel: bool = True
     whole_batch: bool = False
     epochs: float = 4.0
+    embeddings: bool = False
     replica_data: str = "shard"
     validate: Callable[[RunConfig], None] = _no_checks
     check_resume: Callable[[RunConfig, Any], None] | None = None

@@ -460,6 +460,21 @@ def open_categorical(path: str | os.PathLike) -> CategoricalInfo:
                            label_kind=label_kind, fingerprint=digest.hexdigest()[:16])
 
 
+class Features:
+    """A block's inputs as rows: ``len()`` and ``[rows]`` -> ``(ids, dense)`` (dense None
+    without dense features), so mini-batches are drawn from them as from a dense x
+    (:class:`hpcps.io.data.batches.Batches`)."""
+
+    def __init__(self, ids: np.ndarray, dense: np.ndarray | None):
+        self.ids, self.dense = ids, dense
+
+    def __len__(self) -> int:
+        return int(self.ids.shape[0])
+
+    def __getitem__(self, rows) -> tuple[np.ndarray, np.ndarray | None]:
+        return self.ids[rows], None if self.dense is None else self.dense[rows]
+
+
 @dataclass
 class CategoricalBlock:
     """A rank's rows of one split: ``ids`` int64 (rows, columns), ``y`` int64 (rows,),
@@ -469,6 +484,10 @@ class CategoricalBlock:
     y: np.ndarray
     dense: np.ndarray | None
     lo: int
+
+    @property
+    def features(self) -> Features:
+        return Features(self.ids, self.dense)
 
 
 def load_block(path: str | os.PathLike, split: str, shard: int = 0,

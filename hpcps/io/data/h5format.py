@@ -398,8 +398,9 @@ def _check_layout(f: h5py.File, path: Path) -> tuple[dict[str, tuple], int]:
     if (kind is not None and _attr_str(kind) == "categorical") or \
             (kind is None and "train/ids" in f and "train/x" not in f):
         raise DataError(f"{path} is a categorical dataset (ids per field, layout 2), not dense "
-                        "features: models with dense inputs cannot read it "
-                        "(`python -m hpcps.data info` shows its fields)")
+                        "features: models with dense inputs cannot read it; train an embedding "
+                        "model on it (--model movielens, ctr-dnn or embed...: docs/ctr.md; "
+                        "`python -m hpcps.data info` shows its fields)")
     if kind is not None and _attr_str(kind) != "dense":
         raise DataError(f"{path}: kind attribute is {_attr_str(kind)!r}; known: dense, "
                         "categorical")

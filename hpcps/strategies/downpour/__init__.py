@@ -22,8 +22,10 @@ from __future__ import annotations
 from hpcps.compress.threshold import check_config, describe_tau
 from hpcps.errors import ConfigError
 from hpcps.model import optim
-from hpcps.options import (CHUNK_BYTES, COMPRESSION, GOLOMB, HEARTBEAT_TIMEOUT, LOOP_OPTIONS,
-                           TAU, WARMUP_STEPS, Option, check_fault_options, check_loop_options)
+from hpcps.model.spec import is_embedding_spec
+from hpcps.options import (CHUNK_BYTES, COMPRESSION, EMBEDDING_OPTIONS, GOLOMB,
+                           HEARTBEAT_TIMEOUT, LOOP_OPTIONS, TAU, WARMUP_STEPS, Option,
+                           check_embedding_options, check_fault_options, check_loop_options)
 from hpcps.ps.chunks import DEFAULT_CHUNK_BYTES
 from hpcps.strategies.downpour.summary import summary_lines
 from hpcps.strategies.registry import SERVERS, Strategy, message_tags
@@ -51,10 +53,31 @@ def _defaults(cfg) -> dict:
         d["chunk_bytes"] = DEFAULT_CHUNK_BYTES
     if cfg.compress == "threshold":
         d.update(tau=DOWNPOUR_TAU, golomb="on")
+    if is_embedding_spec(cfg.model):  # measured on MovieLens-100k (docs/ctr.md)
+        d.update(lr=0.05, row_lr=0.1, row_optimizer="rowwise_adagrad", batch_size=256)
     return d
 
 
+def _validate_embeddings(cfg) -> None:
+    """An embedding model's rows go through their own messages (:mod:`hpcps.ps.rows`): what
+    acts on the dense vector's messages or on whole replicas does not reach them."""
+    check_embedding_options(cfg, {
+        "--compress threshold": cfg.compress == "threshold",
+        "--push activations": cfg.push == "activations",
+        "--partitions > 1": cfg.partitions > 1, "--threads > 1": cfg.threads > 1,
+        "--ps-copies > 1": (cfg.ps_copies or 1) > 1,
+        "--persist-every": cfg.persist_every is not None,
+        "--epoch-quorum": cfg.epoch_quorum is not None,
+        "--heartbeat-timeout": cfg.heartbeat_timeout is not None,
+        "--softsync": cfg.softsync is not None, "--staleness-lr": cfg.staleness_lr == "on",
+        "--weight-decay": bool(cfg.weight_decay), "--dropout": bool(cfg.dropout),
+        "--lr-schedule cosine": optim.varies(cfg.lr_schedule),
+        "--validation-fraction": bool(cfg.validation_fraction),
+        "--resume": cfg.resume is not None})
+
+
 def _validate(cfg) -> None:
+    _validate_embeddings(cfg)
     check_loop_options(cfg)
     check_fault_options(cfg)
     if cfg.ps_copies is not None and cfg.ps_copies > 1:
@@ -152,6 +175,9 @@ def _describe(cfg, n_train: int) -> str:
             how += " (momentum on the replicas, corrected; SGD on the shards)"
     if cfg.push == "activations":
         how += ", pushes of layer inputs and errors"
+    if is_embedding_spec(cfg.model):
+        how += (f"; embedding rows pulled and pushed by id, {cfg.row_optimizer} "
+                f"row_lr={cfg.row_lr} on the shards")
     return how
 
 
@@ -185,7 +211,7 @@ STRATEGY = Strategy(
         Option("staleness_lr", str, "on: take each update at the rate lr/max(1, tau), tau "
                "its staleness (a softsync group's mean staleness) (default off)",
                choices=("on", "off")),
-        TAU, *COMPRESSION, GOLOMB, *LOOP_OPTIONS, CHUNK_BYTES,
+        TAU, *COMPRESSION, GOLOMB, *LOOP_OPTIONS, CHUNK_BYTES, *EMBEDDING_OPTIONS,
         Option("persist_every", float, "delayed persistence: every this many seconds each "
                "server shard writes the chunks updated since its last flush to its own HDF5 "
                "file from a background thread, and checkpoint-persisted.h5 reads them as "
@@ -205,6 +231,7 @@ STRATEGY = Strategy(
                "re-route to it (default 1: one copy, a dead shard ends the job)",
                check="positive")),
     defaults=_defaults,
+    embeddings=True,
     validate=_validate,
     describe=_describe,
     summarize="hpcps.strategies.downpour.summary:summarize",

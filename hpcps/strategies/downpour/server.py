@@ -2,6 +2,8 @@
 of each chunk or (``--ps-copies``) a copy of several chunk sets."""
 from __future__ import annotations
 
+from pathlib import Path
+
 
 import numpy as np
 
@@ -15,6 +17,9 @@ from hpcps.ps.consistency import SoftSync, StaleSynchronous
 from hpcps.ps.epochs import EpochKeeper
 from hpcps.ps.gradient_shard import GradientShard
 from hpcps.ps.liveness import Liveness
+from hpcps.ps.rows import RowShard
+from hpcps.ps.serve import serve
+from hpcps.model.spec import is_embedding_spec
 from hpcps.strategies.downpour import Tag as DownpourTag
 from hpcps.strategies.downpour import momentum_corrected
 from hpcps.strategies.downpour.plan import (TAU_BYTES, clock_offsets, epochs_of, final_message,
@@ -112,7 +117,11 @@ def run_server(ctx: Context) -> dict:
         full = [ctx.global_to_full(unshuffle(v)) for v in gathered]
         return full[0], dict(zip(keys, full[1:]))
 
+    rows = embedding_rows(ctx)  # an embedding model's rows held on this shard, else None
+
     def on_boundary(step: int) -> None:
+        if rows is not None:
+            rows.write(tables_path(ctx, s), s, grid.layout.servers, step)
         got = gather()
         if got is not None:
             path = save_checkpoint(ctx, got[0], got[1], step)
@@ -146,7 +155,9 @@ def run_server(ctx: Context) -> dict:
                          if cfg.push == "activations" else None,
                          tick=ctx.stop_tick, liveness=liveness, replica_of=replica_of,
                          fatal=(0,), epochs=keeper, persist=persister)
-    stats = server.serve()
+    stats = server.serve(rows.handlers() if rows is not None else None)
+    if rows is not None:
+        rows.write(tables_path(ctx, s), s, grid.layout.servers, server.step)
     got = gather()
     if got is not None:
         msg = final_message(ctx)
@@ -157,7 +168,11 @@ def run_server(ctx: Context) -> dict:
         msg.header[H.STEPS] = server.step
         req = Transport(grid.world).send_nowait(msg.buf, 0, DownpourTag.FINAL)
         wait_all([req], cfg.timeout, "the chief (rank 0) to take the final parameters")
-    return {"shard": s, "pushes": stats.pushes, "fetches": stats.fetches,
+    if rows is not None:  # the chief's final evaluation reads rows, then releases the shards
+        serve(grid.world, {**rows.handlers(), Tag.ROWS_DONE: rows.on_release}, cfg.timeout,
+              lambda: "world rank 0 to finish its final evaluation (ROWS_DONE)",
+              ctx.stop_tick)
+    return {**(rows.figures() if rows is not None else {}), "shard": s, "pushes": stats.pushes, "fetches": stats.fetches,
             "bytes_in": stats.bytes_in, "bytes_out": stats.bytes_out,
             "mean_staleness": stats.staleness_sum / max(1, stats.pushes),
             "staleness_hist": stats.staleness_hist,
@@ -171,6 +186,23 @@ def run_server(ctx: Context) -> dict:
             "discarded_pushes": stats.discarded_pushes,
             "epochs": keeper.figures() if keeper is not None else None,
             "persist": persister.figures() if persister is not None else None}
+
+
+TABLES_DIR = "tables"  # in the run directory: each shard's rows of every embedding table
+
+
+def tables_path(ctx: Context, shard: int) -> Path:
+    """Where server shard ``shard`` writes its rows: ``tables/shard-<s>-of-<S>.h5``."""
+    return ctx.run_dir / TABLES_DIR / f"shard-{shard}-of-{ctx.grid.layout.servers}.h5"
+
+
+def embedding_rows(ctx: Context) -> RowShard | None:
+    """This shard's rows of an embedding model's tables (None for other models)."""
+    if not is_embedding_spec(ctx.cfg.model):
+        return None
+    cfg, model = ctx.cfg, ctx.full_model
+    return RowShard(ctx.grid.world, model.n_tables, model.dim, cfg.seed, cfg.row_optimizer,
+                    cfg.row_lr, cfg.adagrad_eps)
 
 
 def run_replicated_server(ctx: Context) -> dict:

@@ -1,0 +1,314 @@
+"""Embedding rows on the parameter server: where a row lives, the shard that holds it, the
+replica that pulls and pushes it.
+
+**Placement.** Row ``id`` of table ``t`` lives on shard ``place(t, id) mod S``, a 64-bit mix
+(splitmix64's finaliser) of the pair: consecutive or hot ids of one table spread over every
+shard, and the same id of two tables lands independently. Every rank computes the same
+placement; nothing is stored.
+
+**Messages** (:class:`hpcps.mpi.protocol.Tag`), each one buffer: the float64 header, then
+
+- ``PULL_ROWS`` (replica -> shard): n tables (int64), then n ids (int64), sorted by table;
+  ``H.EXAMPLES`` is 1 when missing rows are to be created (training), 0 when they are read
+  without being stored (evaluation: a row never trained reads as its initial values, which
+  depend only on (table, id, seed), so evaluating creates nothing);
+- ``ROWS`` (shard -> replica): the n rows, float32, in the order asked;
+- ``PUSH_ROWS`` (replica -> shard): n tables, n ids, then the n row gradients (float32): the
+  gradient of the batch's mean loss, summed over the positions that used the row, applied by
+  the shard's row optimizer at ``--row-lr``;
+- ``ROWS_DONE`` (world rank 0 -> shard): the final evaluation has read what it needs.
+
+A step pulls each unique id of its batch once and pushes each once
+(:meth:`hpcps.model.ctr.CtrModel.lookup`). The pull is the step's only wait; the push is sent
+without waiting, and a shard handles one replica's messages in the order sent, so the next
+pull of the same rows sees this push applied.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from hpcps.errors import NonFiniteError
+from hpcps.mpi.comm import REQUEST_NULL, Transport, size_of, wait_all
+from hpcps.mpi.protocol import HEADER_BYTES, ByteMessage, H, Tag
+from hpcps.ps.embedding_store import EmbeddingStore
+
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
+
+
+def place(tables: np.ndarray, ids: np.ndarray, n_shards: int) -> np.ndarray:
+    """The shard of each (table, id) pair: splitmix64's finaliser of ``id + (table + 1) *
+    golden``, modulo ``n_shards`` (int64 array)."""
+    with np.errstate(over="ignore"):
+        z = ids.astype(np.uint64) + (tables.astype(np.uint64) + np.uint64(1)) * _GOLDEN
+        z = (z ^ (z >> np.uint64(30))) * _M1
+        z = (z ^ (z >> np.uint64(27))) * _M2
+        z ^= z >> np.uint64(31)
+    return (z % np.uint64(n_shards)).astype(np.int64)
+
+
+def _pairs_bytes(n: int) -> int:
+    return 16 * n
+
+
+class RowShard:
+    """One shard's rows of every table, served to replicas.
+
+    Parameters
+    ----------
+    comm : the communicator replicas send on (the world).
+    n_tables, dim : the model's tables and their row width.
+    seed : the run's seed (every row's initialiser).
+    optimizer : the row optimizer (:data:`hpcps.ps.embedding_store.OPTIMIZERS`).
+    lr : its rate (``--row-lr``).
+    eps : Adagrad's epsilon.
+    """
+
+    def __init__(self, comm, n_tables: int, dim: int, seed: int, optimizer: str, lr: float,
+                 eps: float = 1e-8):
+        self.net = Transport(comm)
+        self.dim = int(dim)
+        self.lr, self.eps = float(lr), float(eps)
+        self.tables = [EmbeddingStore(dim, table=t, seed=seed, optimizer=optimizer)
+                       for t in range(n_tables)]
+        self._in = np.empty(0, dtype=np.uint8)
+        self._out = ByteMessage(0)
+        self.pulls = self.pushes = self.rows_out = self.rows_in = 0
+        self.bytes_in = self.bytes_out = 0
+        self.released = False
+
+    def handlers(self) -> dict:
+        """``{tag: handler(source, status)}`` for :func:`hpcps.ps.serve.serve`."""
+        return {Tag.PULL_ROWS: self._on_pull, Tag.PUSH_ROWS: self._on_push}
+
+    def _take(self, src: int, status, tag: int) -> tuple[np.ndarray, np.ndarray]:
+        size = size_of(status)
+        if size > len(self._in):
+            self._in = np.empty(max(size, 2 * len(self._in)), dtype=np.uint8)
+        buf = self._in[:size]
+        self.net.take(buf, src, tag)
+        self.bytes_in += size
+        if size < HEADER_BYTES or (size - HEADER_BYTES) % 8:
+            raise RuntimeError(f"a {Tag(tag).name} message of {size} bytes from rank {src} "
+                               "is not a header followed by 8-byte words")
+        return buf[:HEADER_BYTES].view(np.float64), buf[HEADER_BYTES:]
+
+    def _split(self, tables: np.ndarray, src: int):
+        """(table, start, stop) of each run of one table in a message sorted by table."""
+        if len(tables) and (tables[0] < 0 or tables[-1] >= len(self.tables)
+                            or np.any(np.diff(tables) < 0)):
+            raise RuntimeError(f"rank {src} sent rows of tables outside 0..{len(self.tables) - 1}"
+                               " or not sorted by table")
+        cuts = np.flatnonzero(np.diff(tables)) + 1
+        starts = np.concatenate([[0], cuts]).astype(np.int64)
+        stops = np.concatenate([cuts, [len(tables)]]).astype(np.int64)
+        return [(int(tables[a]), int(a), int(b)) for a, b in zip(starts, stops) if b > a]
+
+    def _on_pull(self, src: int, status) -> bool:
+        header, body = self._take(src, status, Tag.PULL_ROWS)
+        words = body.view(np.int64)
+        n = len(words) // 2
+        tables, ids = words[:n], words[n:]
+        create = bool(header[H.EXAMPLES])
+        need = 4 * n * self.dim
+        if need > len(self._out.body):
+            self._out = ByteMessage(max(need, 2 * len(self._out.body)))
+        rows = self._out.body[:need].view(np.float32).reshape(n, self.dim)
+        for t, a, b in self._split(tables, src):
+            store = self.tables[t]
+            if create:
+                store.pull(ids[a:b], out=rows[a:b])
+            else:
+                store.peek(ids[a:b], out=rows[a:b])
+        self._out.header[:] = 0.0
+        self._out.header[H.EXAMPLES] = n
+        # the replica posted its receive before asking: this send waits on nothing of it
+        self.net.send_eager(self._out.spec(need), src, Tag.ROWS)
+        self.pulls += 1
+        self.rows_out += n
+        self.bytes_out += HEADER_BYTES + need
+        return False
+
+    def _on_push(self, src: int, status) -> bool:
+        header, body = self._take(src, status, Tag.PUSH_ROWS)
+        n = len(body) // (16 + 4 * self.dim)
+        if n * (16 + 4 * self.dim) != len(body):
+            raise RuntimeError(f"a PUSH_ROWS message of {len(body)} bytes from rank {src} does "
+                               f"not hold whole (table, id, row of {self.dim}) entries")
+        words = body[:16 * n].view(np.int64)
+        tables, ids = words[:n], words[n:]
+        grads = body[16 * n:].view(np.float32).reshape(n, self.dim)
+        if not np.isfinite(header[H.LOSS_SUM]):
+            raise NonFiniteError(0, f"received from replica {int(header[H.SENDER])} row "
+                                 f"gradients whose training loss is {header[H.LOSS_SUM]} "
+                                 "(not applied)")
+        for t, a, b in self._split(tables, src):
+            self.tables[t].push(ids[a:b], grads[a:b], self.lr, self.eps)
+        self.pushes += 1
+        self.rows_in += n
+        return False
+
+    def on_release(self, src: int, status) -> bool:
+        """ROWS_DONE: the chief has evaluated; the shard may leave."""
+        self.net.take(np.empty(HEADER_BYTES, dtype=np.uint8), src, Tag.ROWS_DONE)
+        self.released = True
+        return True
+
+    def figures(self) -> dict:
+        return {"rows_held": [len(t) for t in self.tables], "row_pulls": self.pulls,
+                "row_pushes": self.pushes, "rows_pulled": self.rows_out,
+                "rows_pushed": self.rows_in, "row_bytes_in": self.bytes_in,
+                "row_bytes_out": self.bytes_out,
+                "row_bytes_resident": sum(t.resident_bytes() for t in self.tables)}
+
+    def write(self, path: Path, shard: int, n_shards: int, step: int) -> Path:
+        """This shard's rows of every table as HDF5 (``/table<t>/ids`` sorted, ``rows``,
+        ``accum``), written to a temporary file and renamed into place."""
+        import h5py
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + f".tmp-{shard}")
+        with h5py.File(tmp, "w") as f:
+            f.attrs.update(format="hpcps-embedding-rows", shard=shard, n_shards=n_shards,
+                           step=int(step), dim=self.dim, n_tables=len(self.tables),
+                           placement="splitmix64(id + (table + 1) * 0x9E3779B97F4A7C15) mod "
+                                     "n_shards")
+            for t, store in enumerate(self.tables):
+                order = np.argsort(store.ids, kind="stable")
+                g = f.create_group(f"table{t}")
+                g.attrs.update(optimizer=store.optimizer, rows=len(store))
+                g.create_dataset("ids", data=store.ids[order])
+                g.create_dataset("rows", data=store.rows[order])
+                if store.accum is not None:
+                    g.create_dataset("accum", data=store.accum[order])
+        tmp.replace(path)
+        return path
+
+
+class RowClient:
+    """A replica's pulls and pushes of its batches' rows, to every shard that holds some.
+
+    Parameters
+    ----------
+    comm : the communicator the shards listen on.
+    server_ranks : each shard's rank in ``comm``.
+    n_tables, dim : the model's tables and row width.
+    replica : this replica's index (in every header).
+    timeout : seconds to wait for a shard's rows before failing with its rank.
+    """
+
+    def __init__(self, comm, server_ranks: Sequence[int], n_tables: int, dim: int,
+                 replica: int, timeout: float):
+        self.net = Transport(comm)
+        self.ranks = list(server_ranks)
+        self.S = len(self.ranks)
+        self.n_tables, self.dim = int(n_tables), int(dim)
+        self.replica, self.timeout = int(replica), float(timeout)
+        self._ask = [ByteMessage(0) for _ in self.ranks]
+        self._reply = [ByteMessage(0) for _ in self.ranks]
+        # two push buffers per shard alternate, so a push is on the wire while the next
+        # step computes
+        self._push = [[ByteMessage(0), ByteMessage(0)] for _ in self.ranks]
+        self._push_req = [[REQUEST_NULL, REQUEST_NULL] for _ in self.ranks]
+        self._slot = 0
+        self._order = np.empty(0, dtype=np.int64)
+        self._cuts = np.zeros(self.S + 1, dtype=np.int64)
+        self._tables = self._ids = np.empty(0, dtype=np.int64)
+        self.bytes_sent = self.bytes_received = 0
+        self.rows_pulled = 0
+
+    @staticmethod
+    def _fit(msg: ByteMessage, nbytes: int) -> ByteMessage:
+        return msg if len(msg.body) >= nbytes else ByteMessage(max(nbytes, 2 * len(msg.body)))
+
+    def pull(self, uniq: Sequence[np.ndarray], create: bool = True) -> list[np.ndarray]:
+        """The rows of each table's unique ids (``uniq[t]``), from the shards that hold
+        them: a list of (len(uniq[t]), dim) float32 arrays, views of one stacked array.
+        ``create`` False: rows not held read as their initial values and are not stored."""
+        counts = [len(u) for u in uniq]
+        tables = np.repeat(np.arange(self.n_tables, dtype=np.int64), counts)
+        ids = np.concatenate(uniq) if uniq else np.empty(0, dtype=np.int64)
+        shard = place(tables, ids, self.S)
+        order = np.argsort(shard, kind="stable")  # by shard, then (stable) by table
+        cuts = np.searchsorted(shard[order], np.arange(self.S + 1))
+        self._order, self._cuts, self._tables, self._ids = order, cuts, tables, ids
+        reqs, asked = [], []
+        for s, dest in enumerate(self.ranks):
+            a, b = int(cuts[s]), int(cuts[s + 1])
+            if b == a:
+                continue
+            n = b - a
+            self._reply[s] = self._fit(self._reply[s], 4 * n * self.dim)
+            reqs.append(self.net.post_recv(self._reply[s].buf[:HEADER_BYTES + 4 * n * self.dim],
+                                           dest, Tag.ROWS))
+            ask = self._ask[s] = self._fit(self._ask[s], _pairs_bytes(n))
+            words = ask.body[:_pairs_bytes(n)].view(np.int64)
+            sel = order[a:b]
+            words[:n], words[n:] = tables[sel], ids[sel]
+            ask.header[:] = 0.0
+            ask.header[H.SENDER] = self.replica
+            ask.header[H.EXAMPLES] = 1.0 if create else 0.0
+            asked.append((s, dest, ask.spec(_pairs_bytes(n))))
+        for s, dest, data in asked:  # each shard's receive for the reply is posted already
+            self.net.send_eager(data, dest, Tag.PULL_ROWS)
+            self.bytes_sent += data.nbytes
+        wait_all(reqs, self.timeout, f"embedding rows from server ranks "
+                 f"{[self.ranks[s] for s, _, _ in asked]}")
+        stacked = np.empty((len(ids), self.dim), dtype=np.float32)
+        for s, _, _ in asked:
+            a, b = int(cuts[s]), int(cuts[s + 1])
+            n = b - a
+            stacked[order[a:b]] = self._reply[s].body[:4 * n * self.dim].view(
+                np.float32).reshape(n, self.dim)
+            self.bytes_received += HEADER_BYTES + 4 * n * self.dim
+        self.rows_pulled += len(ids)
+        starts = np.concatenate([[0], np.cumsum(counts)])
+        return [stacked[starts[t]:starts[t + 1]] for t in range(self.n_tables)]
+
+    def push(self, grads: Sequence[np.ndarray], loss: float) -> None:
+        """Send each shard the gradients of the rows it gave in the last :meth:`pull`
+        (``grads[t]`` for table t's unique ids, in the same order), without waiting."""
+        stacked = np.concatenate(grads) if len(grads) > 1 else grads[0]
+        if stacked.shape != (len(self._ids), self.dim):
+            raise ValueError(f"row gradients of shape {stacked.shape} for the "
+                             f"{len(self._ids)} rows pulled")
+        slot = self._slot
+        self._slot ^= 1
+        order, cuts = self._order, self._cuts
+        for s, dest in enumerate(self.ranks):
+            a, b = int(cuts[s]), int(cuts[s + 1])
+            if b == a:
+                continue
+            n = b - a
+            req = self._push_req[s][slot]
+            if req != REQUEST_NULL:
+                wait_all([req], self.timeout, f"server rank {dest} to take an earlier row push")
+            nbytes = _pairs_bytes(n) + 4 * n * self.dim
+            msg = self._push[s][slot] = self._fit(self._push[s][slot], nbytes)
+            sel = order[a:b]
+            words = msg.body[:_pairs_bytes(n)].view(np.int64)
+            words[:n], words[n:] = self._tables[sel], self._ids[sel]
+            msg.body[_pairs_bytes(n):nbytes].view(np.float32).reshape(n, self.dim)[:] = \
+                stacked[sel]
+            msg.header[:] = 0.0
+            msg.header[H.SENDER] = self.replica
+            msg.header[H.LOSS_SUM] = loss
+            data = msg.spec(nbytes)
+            self._push_req[s][slot] = self.net.send_nowait(data, dest, Tag.PUSH_ROWS)
+            self.bytes_sent += data.nbytes
+
+    def drain(self) -> None:
+        """Wait for the row pushes still on the wire."""
+        pending = [r for pair in self._push_req for r in pair if r != REQUEST_NULL]
+        wait_all(pending, self.timeout, f"server ranks {self.ranks} to take the last row pushes")
+        self._push_req = [[REQUEST_NULL, REQUEST_NULL] for _ in self.ranks]
+
+    def release(self) -> None:
+        """ROWS_DONE to every shard (world rank 0, after the final evaluation)."""
+        msg = ByteMessage(0)
+        msg.header[H.SENDER] = self.replica
+        for dest in self.ranks:
+            self.net.send_eager(msg.buf, dest, Tag.ROWS_DONE)
