@@ -442,8 +442,10 @@ def open_categorical(path: str | os.PathLike) -> CategoricalInfo:
     with _open_h5(path) as f:
         try:
             if "train/x" in f and not is_categorical(f):
-                raise DataError(f"{path} holds dense features (/train/x), not categorical ids; "
-                                "read it with hpcps.io.data.load_split")
+                raise DataError(f"{path} holds dense features (/train/x), not the categorical "
+                                "ids an embedding model reads: train an MLP (--layers) or a "
+                                "conv model on it, or an embedding model on a categorical "
+                                "dataset (python -m hpcps.data prepare movielens|synthetic-ctr)")
             fields, splits, n_dense, label_kind = _check_categorical(f, path)
             digest = hashlib.sha256(repr([(x.name, x.width, x.vocab) for x in fields]).encode())
             for split in SPLITS:

@@ -172,7 +172,8 @@ def run_server(ctx: Context) -> dict:
         serve(grid.world, {**rows.handlers(), Tag.ROWS_DONE: rows.on_release}, cfg.timeout,
               lambda: "world rank 0 to finish its final evaluation (ROWS_DONE)",
               ctx.stop_tick)
-    return {**(rows.figures() if rows is not None else {}), "shard": s, "pushes": stats.pushes, "fetches": stats.fetches,
+    return {**(rows.figures() if rows is not None else {}), "shard": s,
+            "pushes": stats.pushes, "fetches": stats.fetches,
             "bytes_in": stats.bytes_in, "bytes_out": stats.bytes_out,
             "mean_staleness": stats.staleness_sum / max(1, stats.pushes),
             "staleness_hist": stats.staleness_hist,

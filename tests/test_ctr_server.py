@@ -1,0 +1,161 @@
+"""Embedding models on the parameter server (hpcps.ps.rows, downpour's embedding replica):
+placement, one replica and one shard against the single-process reference, several shards,
+the table files and what is refused. Every launch has a hard timeout (tests/mpirun.py)."""
+from __future__ import annotations
+
+import json
+
+import h5py
+import numpy as np
+import pytest
+
+from hpcps.io.data import Batches
+from hpcps.io.data.categorical import load_block, open_categorical
+from hpcps.io.data.synthetic_ctr import prepare_synthetic_ctr
+from hpcps.model.ctr import CtrModel, LocalTrainer
+from hpcps.model.optim import Adagrad
+from hpcps.ps.embedding_store import EmbeddingStore
+from hpcps.ps.rows import place
+
+import mpirun
+
+SPEC = "embed8,fc16,fc1"
+
+
+def quiet(*_a, **_k):
+    return None
+
+
+@pytest.fixture(scope="module")
+def ctr_h5(tmp_path_factory):
+    path = tmp_path_factory.mktemp("ctr") / "ctr.h5"
+    prepare_synthetic_ctr(path, rows=6000, fields=5, vocab=300, zipf=1.1, seed=3,
+                          test_rows=1000, log=quiet)
+    return path
+
+
+def summary(run_dir):
+    recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return next(r for r in recs if r["kind"] == "summary")
+
+
+def read_tables(run_dir, n_tables):
+    """Every shard's rows, merged: per table {id: (row, accum)}."""
+    tables = [{} for _ in range(n_tables)]
+    for path in sorted((run_dir / "tables").glob("shard-*.h5")):
+        with h5py.File(path, "r") as f:
+            for t in range(n_tables):
+                g = f[f"table{t}"]
+                ids = g["ids"][()]
+                assert np.all(np.diff(ids) > 0), "ids are stored sorted"
+                for i, row, acc in zip(ids, g["rows"][()], g["accum"][()]):
+                    assert i not in tables[t], f"id {i} of table {t} on two shards"
+                    tables[t][int(i)] = (row, acc)
+    return tables
+
+
+def test_placement_spreads_and_is_stable():
+    ids = np.arange(100_000, dtype=np.int64)
+    for S in (1, 2, 3, 7):
+        shard = place(np.zeros_like(ids), ids, S)
+        counts = np.bincount(shard, minlength=S)
+        assert counts.min() > 0.95 * len(ids) / S, counts
+        assert np.array_equal(shard, place(np.zeros_like(ids), ids, S))
+    # the same id of two tables lands independently
+    a, b = place(np.zeros_like(ids), ids, 4), place(np.ones_like(ids), ids, 4)
+    assert 0.2 < np.mean(a == b) < 0.3
+    big = np.array([2**62, 2**63 - 1], dtype=np.int64)
+    assert set(place(np.zeros(2, np.int64), big, 5)) <= set(range(5))
+
+
+def test_store_peek_reads_initial_rows_without_storing():
+    s, fresh = EmbeddingStore(4, table=1, seed=9), EmbeddingStore(4, table=1, seed=9)
+    ids = np.array([3, 11, 2**40], dtype=np.int64)
+    s.push(ids[:1], np.ones((1, 4), np.float32), 0.5)
+    got = s.peek(ids)
+    assert len(s) == 1
+    np.testing.assert_array_equal(got[1:], fresh.pull(ids[1:]))
+    assert not np.allclose(got[0], fresh.pull(ids[:1])[0])
+
+
+def test_one_replica_one_shard_equals_the_reference(ctr_h5, tmp_path):
+    """50 steps of downpour with one replica and one shard = LocalTrainer, to 1e-5."""
+    steps, batch, seed, lr, row_lr = 50, 32, 4, 0.05, 0.1
+    run = mpirun.train(2, "--model", SPEC, "--data", str(ctr_h5), "--servers", "1",
+                       "--steps", str(steps), "--batch-size", str(batch), "--seed", str(seed),
+                       "--lr", str(lr), "--row-lr", str(row_lr), "--warmup-steps", "0",
+                       "--run-dir", str(tmp_path / "run"), "--timeout", "60", timeout=180)
+    assert run.returncode == 0, run.output
+    assert "final test AUC: 0." in run.stdout
+    info = open_categorical(ctr_h5)
+    model = CtrModel.for_fields(SPEC, info.fields, info.n_dense)
+    tables = [EmbeddingStore(model.dim, table=t, seed=seed) for t in range(model.n_tables)]
+    ref = LocalTrainer(model, tables, seed=seed, lr=lr, row_lr=row_lr,
+                       optimizer=Adagrad(lr, 1e-8))
+    block = load_block(ctr_h5, "train")
+    batches = Batches(block.features, block.y, batch, seed * 1_000_003)
+    for _ in range(steps):
+        (ids, dense), y = next(batches)
+        ref.step(ids, y, dense)
+    with h5py.File(tmp_path / "run" / "checkpoint.h5", "r") as f:
+        assert int(f.attrs["step"]) == steps
+        got = model.flatten({name: f["params"][name][()] for name, _, _ in model.layout})
+    np.testing.assert_allclose(got, ref.flat, atol=1e-5, rtol=0)
+    held = read_tables(tmp_path / "run", model.n_tables)
+    for t, store in enumerate(tables):
+        assert set(held[t]) == set(int(i) for i in store.ids)
+        for slot, i in enumerate(store.ids):
+            row, acc = held[t][int(i)]
+            np.testing.assert_allclose(row, store.rows[slot], atol=1e-5, rtol=0)
+            np.testing.assert_allclose(acc, store.accum[slot], atol=1e-5, rtol=1e-5)
+    rec = summary(tmp_path / "run")
+    assert rec["test_auc"] > 0.6
+    assert rec["rows_held"] == sum(len(t) for t in tables)
+
+
+@pytest.mark.parametrize("n,servers", [(4, 2), (5, 3)])
+def test_several_shards_hold_each_row_once_and_learn(ctr_h5, tmp_path, n, servers):
+    run = mpirun.train(n, "--model", SPEC, "--data", str(ctr_h5), "--servers", str(servers),
+                       "--epochs", "2", "--warmup-steps", "20", "--eval-every", "20",
+                       "--run-dir", str(tmp_path / "run"), "--timeout", "60", timeout=240)
+    assert run.returncode == 0, run.output
+    rec = summary(tmp_path / "run")
+    assert rec["test_auc"] > 0.7, rec["test_auc"]
+    held = read_tables(tmp_path / "run", 5)  # asserts that no id is on two shards
+    for t, rows in enumerate(held):
+        ids = np.array(sorted(rows), dtype=np.int64)
+        shard_files = sorted((tmp_path / "run" / "tables").glob("shard-*.h5"))
+        assert len(shard_files) == servers
+        for s, path in enumerate(shard_files):
+            with h5py.File(path, "r") as f:
+                mine = f[f"table{t}/ids"][()]
+            assert np.all(place(np.full(len(mine), t), mine, servers) == s)
+        assert len(ids) == rec["rows_held_by_table"][t]
+    recs = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text()
+            .splitlines()]
+    evals = [r for r in recs if r["kind"] == "eval"]
+    assert evals and all(0.0 < r["test_auc"] <= 1.0 for r in evals)
+
+
+@pytest.mark.parametrize("extra,words", [
+    (["--strategy", "sync"], "does not train"),
+    (["--threads", "2"], "--threads > 1"),
+    (["--compress", "threshold"], "--compress threshold"),
+    (["--ps-copies", "2", "--servers", "2"], "--ps-copies > 1"),
+])
+def test_refused_at_start(ctr_h5, tmp_path, extra, words):
+    run = mpirun.train(3, "--model", SPEC, "--data", str(ctr_h5), *extra,
+                       "--run-dir", str(tmp_path / "run"), timeout=60)
+    assert run.returncode == 2, run.output
+    assert words in run.stderr
+    assert not (tmp_path / "run" / "checkpoint.h5").exists()
+
+
+def test_dense_model_on_categorical_data_and_back(ctr_h5, digits_h5, tmp_path):
+    run = mpirun.train(2, "--data", str(ctr_h5), "--servers", "1",
+                       "--run-dir", str(tmp_path / "a"), timeout=60)
+    assert run.returncode == 3 and "--model movielens" in run.stderr, run.output
+    run = mpirun.train(2, "--model", SPEC, "--data", str(digits_h5), "--servers", "1",
+                       "--run-dir", str(tmp_path / "b"), timeout=60)
+    assert run.returncode == 3, run.output
+    assert "holds dense features" in run.stderr and "--layers" in run.stderr
