@@ -216,14 +216,20 @@ ROW_LR = Option("row_lr", float, "embedding models: the rate of the embedding ro
 ROW_OPTIMIZER = Option("row_optimizer", str, "embedding models: the rows' update rule: "
                        "rowwise_adagrad (one accumulator per row, the default), adagrad (one per "
                        "element) or sgd", choices=("rowwise_adagrad", "adagrad", "sgd"))
-EMBEDDING_OPTIONS = (ROW_LR, ROW_OPTIMIZER)
+ROW_L2 = Option("row_l2", float, "embedding models: L2 weight decay of the rows, lambda * row "
+                "added to a row's gradient each time a batch uses it (default: the strategy's, "
+                "below; 0: none)", check="nonneg")
+ROW_INIT_SCALE = Option("row_init_scale", float, "embedding models: a row is created on first "
+                        "use uniform in [-s, s), from its (table, id) and --seed (default: the "
+                        "strategy's, below)", check="positive")
+EMBEDDING_OPTIONS = (ROW_LR, ROW_OPTIMIZER, ROW_L2, ROW_INIT_SCALE)
 
 
-def check_embedding_options(cfg, refused: dict[str, bool]) -> None:
-    """Embedding options only with an embedding model; with one, none of ``refused``
-    (``{"--flag": given}``: what the strategy cannot do with embedding rows)."""
-    from hpcps.model.spec import is_embedding_spec
-    if not is_embedding_spec(cfg.model):
+def check_embedding_options(cfg, embedding: bool, refused: dict[str, bool]) -> None:
+    """Embedding options only with an embedding model (``embedding``: ``--model`` is one);
+    with one, none of ``refused`` (``{"--flag": given}``: what the strategy cannot do with
+    embedding rows)."""
+    if not embedding:
         for o in EMBEDDING_OPTIONS:
             if getattr(cfg, o.name) is not None:
                 raise ConfigError(f"{flag(o.name)} applies to embedding models (--model "

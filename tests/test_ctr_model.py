@@ -29,7 +29,8 @@ def quiet(*_args, **_kwargs):
 
 @pytest.mark.parametrize("text", ["embed16,fc400,fc400,fc400,fc1", "embed4:mean,fc1",
                                   "embed1:sum,fc3,fc1", " EMBED8:Mean , fc64,fc1 ",
-                                  "ctr-dnn", "movielens"])
+                                  "ctr-dnn", "movielens", "embed4:mean,dot,fc8,fc1",
+                                  "embed2, DOT ,fc1"])
 def test_spec_round_trips(text):
     spec = parse_ctr_spec(text)
     assert parse_ctr_spec(spec.text) == spec
@@ -39,7 +40,7 @@ def test_spec_round_trips(text):
 
 def test_spec_presets():
     assert parse_ctr_spec("ctr-dnn") == CtrSpec(10, "sum", (400, 400, 400, 1))
-    assert parse_ctr_spec("movielens") == CtrSpec(8, "mean", (64, 32, 1))
+    assert parse_ctr_spec("movielens") == CtrSpec(16, "mean", (64, 1), dot=True)
     assert parse_ctr_spec("embed16:sum,fc1").text == "embed16,fc1"
     assert not set(CTR_PRESETS) & set(PRESETS)
     assert not is_embedding_spec("adam-mnist") and not is_embedding_spec(None)
@@ -57,6 +58,9 @@ def test_spec_presets():
     ("embed8,fc16", "ends with 'fc16'"),
     ("embed8,fc0,fc1", ">= 1 unit"),
     ("embed8,embed4,fc1", "a second embedding stage"),
+    ("embed8,fc4,dot,fc1", "dot comes right after embed"),
+    ("embed8,dot,dot,fc1", "dot comes right after embed"),
+    ("embed8,dot", "has no fc layer"),
     ("embed8,conv3x3x4,fc1", "not an fc layer"),
     ("embed8,fc16,flatten,fc1", "not an fc layer"),
 ])
@@ -80,7 +84,8 @@ def test_preset_shapes():
     assert m.sizes == (26 * 10 + 13, 400, 400, 400, 1) and m.pooling == "sum"
     assert m.n_params == 273 * 400 + 400 + 2 * (400 * 400 + 400) + 400 + 1
     m = CtrModel("movielens", [1] * 7 + [6])
-    assert m.sizes == (64, 64, 32, 1) and m.pooling == "mean" and m.n_columns == 13
+    # 8 fields of 16 dimensions, then the 28 pairs' dot products
+    assert m.sizes == (8 * 16 + 28, 64, 1) and m.pooling == "mean" and m.n_columns == 13
 
 
 def test_model_refuses_bad_fields_and_ids():
@@ -124,7 +129,8 @@ def _problem(spec, activation="tanh", n_dense=3, seed=0, B=7):
     return model, flat, rows, batch, y, dense
 
 
-@pytest.mark.parametrize("spec", ["embed3,fc5,fc4,fc1", "embed3:mean,fc5,fc1", "embed2,fc1"])
+@pytest.mark.parametrize("spec", ["embed3,fc5,fc4,fc1", "embed3:mean,fc5,fc1", "embed2,fc1",
+                                  "embed3:mean,dot,fc4,fc1", "embed2,dot,fc1"])
 @pytest.mark.parametrize("activation", ["tanh", "sigmoid"])
 def test_gradients_match_finite_differences(spec, activation):
     model, flat, rows, batch, y, dense = _problem(spec, activation)
@@ -170,7 +176,7 @@ def test_pooling_of_padding_and_repeats():
 
 
 def test_float32_kernels_agree_with_float64():
-    for spec in ("embed3,fc5,fc1", "embed3:mean,fc5,fc1"):
+    for spec in ("embed3,fc5,fc1", "embed3:mean,fc5,fc1", "embed3:mean,dot,fc5,fc1"):
         model, flat, rows, batch, y, dense = _problem(spec, "relu", seed=3, B=33)
         l64, g64, r64 = model.loss_and_grad(flat, rows, batch, y, dense)
         l32, g32, r32 = model.loss_and_grad(flat.astype(np.float32),

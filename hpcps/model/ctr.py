@@ -128,7 +128,11 @@ class CtrModel:
                                   f"fields, got {list(self.vocab)}")
             self._col_vocab = np.repeat(np.array(self.vocab, dtype=np.int64), widths)
         self.activation = activation
-        self.input_width = self.n_fields * self.dim + self.n_dense
+        self.dot = self.spec.dot
+        # DLRM's dot interaction: the dot product of every pair of fields' pooled embeddings
+        self._pairs = np.triu_indices(self.n_fields, 1)
+        self.n_pairs = len(self._pairs[0]) if self.dot else 0
+        self.input_width = self.n_fields * self.dim + self.n_dense + self.n_pairs
         self.mlp = MLP((self.input_width,) + self.spec.fc, activation)
         self.sizes = self.mlp.sizes
         self.layout = self.mlp.layout
@@ -229,12 +233,20 @@ class CtrModel:
         else:
             reference.gather_pooled(stacked, batch.inverse, self.offsets,
                                     self.pooling == "mean", pooled)
-        if not self.n_dense:
+        if not self.n_dense and not self.dot:
             return pooled.reshape(B, -1)      # (B, F, d) is (B, F*d) already: no copy
         x = np.empty((B, self.input_width), dtype=dtype)
-        x[:, :self.n_fields * self.dim] = pooled.reshape(B, -1)
-        x[:, self.n_fields * self.dim:] = dense
+        emb = self.n_fields * self.dim
+        x[:, :emb] = pooled.reshape(B, -1)
+        x[:, emb:emb + self.n_dense] = dense if self.n_dense else 0.0
+        if self.dot:
+            x[:, emb + self.n_dense:] = self._dots(pooled)
         return x
+
+    def _dots(self, pooled: np.ndarray) -> np.ndarray:
+        """(B, F(F-1)/2): e_i . e_j of every pair i < j of the fields' pooled embeddings."""
+        gram = np.matmul(pooled, pooled.transpose(0, 2, 1))
+        return gram[:, self._pairs[0], self._pairs[1]]
 
     def _forward(self, flat: np.ndarray, x: np.ndarray):
         caches, a = [], x
@@ -305,6 +317,12 @@ class CtrModel:
         # delta: (B, F*d + D), the error at the input; its embedding part goes to the rows
         d_emb = np.ascontiguousarray(delta[:, :self.n_fields * self.dim]).reshape(
             B, self.n_fields, self.dim)
+        if self.dot:  # d(e_i . e_j) = g_ij e_j for e_i, g_ij e_i for e_j
+            F = self.n_fields
+            pooled = x[:, :F * self.dim].reshape(B, F, self.dim)
+            g = np.zeros((B, F, F), dtype=flat.dtype)
+            g[:, self._pairs[0], self._pairs[1]] = delta[:, F * self.dim + self.n_dense:]
+            d_emb += np.matmul(g + g.transpose(0, 2, 1), pooled)
         stacked = np.empty((batch.n_rows, self.dim), dtype=flat.dtype)
         if flat.dtype == np.float32:
             embedding.segment_sum(d_emb, batch.inverse, batch.n_rows, self.offsets,
@@ -360,7 +378,8 @@ class LocalTrainer:
     """
 
     def __init__(self, model: CtrModel, tables: Sequence[Any], *, seed: int = 0,
-                 lr: float = 0.05, row_lr: float | None = None, optimizer: Any = None):
+                 lr: float = 0.05, row_lr: float | None = None, optimizer: Any = None,
+                 row_l2: float = 0.0):
         if len(tables) != model.n_tables:
             raise ValueError(f"the model has {model.n_tables} tables, {len(tables)} given")
         for t, table in enumerate(tables):
@@ -372,6 +391,7 @@ class LocalTrainer:
         self.optimizer = optimizer if optimizer is not None else Adagrad(lr)
         self.state = self.optimizer.init_state(model.n_params)
         self.row_lr = float(lr if row_lr is None else row_lr)
+        self.row_l2 = float(row_l2)
         self._grad = np.empty(model.n_params, dtype=np.float32)
         self.steps = 0
 
@@ -386,7 +406,8 @@ class LocalTrainer:
                                                          y, dense, grad=self._grad)
         self.optimizer.apply(self.flat, grad, self.state)
         for table, u, g in zip(self.tables, batch.uniq, row_grads):
-            table.push(u, g, self.row_lr)
+            table.push(u, g, self.row_lr, l2=self.row_l2) if self.row_l2 else \
+                table.push(u, g, self.row_lr)
         self.steps += 1
         return loss
 

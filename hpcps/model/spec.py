@@ -38,8 +38,10 @@ CTR_PRESETS = {
     # features, fc 400-400-400 relu, a 2-way softmax; here one logistic unit, the same model)
     "ctr-dnn": "embed10,fc400,fc400,fc400,fc1",
     # MovieLens-100k's 8 fields (genres multi-valued, hence mean pooling): small embeddings,
-    # two hidden fc layers, one logistic unit
-    "movielens": "embed8:mean,fc64,fc32,fc1",
+    # one hidden fc layer, one logistic unit
+    # and the pairwise dot products of the fields' embeddings (DLRM's interaction), which
+    # carry the user-item affinity
+    "movielens": "embed16:mean,dot,fc64,fc1",
 }
 POOLINGS = ("sum", "mean")
 
@@ -78,16 +80,19 @@ class CtrSpec:
     dim: int
     pooling: str
     fc: tuple[int, ...]
+    dot: bool = False  # DLRM's interaction: every pair of fields' dot product joins the input
 
     @property
     def text(self) -> str:
         """The spec in canonical form (``:sum``, the default pooling, left out):
         ``parse_ctr_spec(s.text) == s``."""
         pool = "" if self.pooling == "sum" else f":{self.pooling}"
-        return ",".join([f"embed{self.dim}{pool}"] + [f"fc{n}" for n in self.fc])
+        return ",".join([f"embed{self.dim}{pool}"] + (["dot"] if self.dot else [])
+                        + [f"fc{n}" for n in self.fc])
 
 
-_CTR_GRAMMAR = ("an embedding model is embedD[:sum|:mean] then fc layers ending with fc1, "
+_CTR_GRAMMAR = ("an embedding model is embedD[:sum|:mean], optionally dot (the pairwise dot "
+                "products of the fields' embeddings), then fc layers ending with fc1, "
                 f"e.g. {CTR_PRESETS['ctr-dnn']!r} or {CTR_PRESETS['movielens']!r}; presets: "
                 f"{', '.join(CTR_PRESETS)}")
 
@@ -120,10 +125,13 @@ def parse_ctr_spec(spec: str) -> CtrSpec:
         raise ConfigError(f"--model {text!r}: {toks[0]} pools by {pooling!r}; multi-valued "
                           f"fields are pooled by {' or '.join(POOLINGS)} (embed{dim}:mean)")
     fc = []
-    for tok in toks[1:]:
+    dot = len(toks) > 1 and toks[1] == "dot"
+    for tok in toks[1 + dot:]:
         f = _FC.fullmatch(tok)
         if f is None:
             what = ("a second embedding stage" if tok.startswith("embed") else
+                    "an interaction after the first layer (dot comes right after embed)"
+                    if tok == "dot" else
                     "not an fc layer (conv, pool and flatten are for images)")
             raise ConfigError(f"--model {text!r}: {tok!r} is {what}; {_CTR_GRAMMAR}")
         if int(f.group(1)) < 1:
@@ -133,7 +141,7 @@ def parse_ctr_spec(spec: str) -> CtrSpec:
         last = f"ends with {toks[-1]!r}" if fc else "has no fc layer"
         raise ConfigError(f"--model {text!r} {last}: an embedding model ends with fc1, one "
                           "logistic unit (sigmoid and binary cross-entropy on 0/1 labels)")
-    return CtrSpec(dim, pooling, tuple(fc))
+    return CtrSpec(dim, pooling, tuple(fc), dot)
 
 
 @functools.lru_cache(maxsize=256)

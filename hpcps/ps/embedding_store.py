@@ -186,9 +186,18 @@ class EmbeddingStore:
         out[~held] = fresh
         return out
 
+    @property
+    def row_bytes(self):
+        """Nominal bytes a row costs: its id (8), its values (4 x dim), its optimizer state
+        (4 per row, 4 x dim per element, or none) and two 16-byte entries of the id map
+        (half full; right after the map doubles it is a quarter full: 32 bytes more)."""
+        state = {"rowwise_adagrad": 4, "adagrad": 4 * self.dim, "sgd": 0}[self.optimizer]
+        return 8 + 4 * self.dim + state + 32
+
     def resident_bytes(self):
-        """Bytes of the arrays' rows in use and of the id map (what grows with rows)."""
-        per_row = 8 + 4 * self.dim + (0 if self._accum is None else self._accum[:1].nbytes)
+        """Bytes of the rows in use (ids, values, state) and of the whole id map: what is
+        resident of this store (the arrays' unused tail is never touched)."""
+        per_row = self.row_bytes - 32
         return self.n_rows * per_row + self._keys.nbytes + self._vals.nbytes
 
     def apply(self, slots, grads, lr, eps=1e-8):
@@ -202,6 +211,12 @@ class EmbeddingStore:
         else:
             embedding.sgd_rows(self._rows[:n], slots, grads, lr)
 
-    def push(self, ids, grads, lr, eps=1e-8):
-        """Apply ``grads`` to the rows of ``ids`` (distinct), created on first touch."""
-        self.apply(self.slots(ids), grads, lr, eps)
+    def push(self, ids, grads, lr, eps=1e-8, l2=0.0):
+        """Apply ``grads`` to the rows of ``ids`` (distinct), created on first touch. ``l2``:
+        weight decay of the rows pushed, ``l2 * row`` added to each one's gradient (lazy:
+        a row decays when it is used, as the rows a batch touches are the only ones it
+        moves)."""
+        slots = self.slots(ids)
+        if l2:
+            grads = grads + np.float32(l2) * self._rows[slots]
+        self.apply(slots, grads, lr, eps)

@@ -65,14 +65,18 @@ class RowShard:
     optimizer : the row optimizer (:data:`hpcps.ps.embedding_store.OPTIMIZERS`).
     lr : its rate (``--row-lr``).
     eps : Adagrad's epsilon.
+    l2 : weight decay of the rows pushed (``--row-l2``).
+    init_scale : new rows are uniform in [-init_scale, init_scale) (``--row-init-scale``).
     """
 
     def __init__(self, comm, n_tables: int, dim: int, seed: int, optimizer: str, lr: float,
-                 eps: float = 1e-8):
+                 eps: float = 1e-8, l2: float = 0.0, init_scale: float | None = None):
         self.net = Transport(comm)
+        self.l2 = float(l2)
         self.dim = int(dim)
         self.lr, self.eps = float(lr), float(eps)
-        self.tables = [EmbeddingStore(dim, table=t, seed=seed, optimizer=optimizer)
+        self.tables = [EmbeddingStore(dim, table=t, seed=seed, optimizer=optimizer,
+                                      init_scale=init_scale)
                        for t in range(n_tables)]
         self._in = np.empty(0, dtype=np.uint8)
         self._out = ByteMessage(0)
@@ -146,7 +150,7 @@ class RowShard:
                                  f"gradients whose training loss is {header[H.LOSS_SUM]} "
                                  "(not applied)")
         for t, a, b in self._split(tables, src):
-            self.tables[t].push(ids[a:b], grads[a:b], self.lr, self.eps)
+            self.tables[t].push(ids[a:b], grads[a:b], self.lr, self.eps, self.l2)
         self.pushes += 1
         self.rows_in += n
         return False

@@ -40,6 +40,7 @@ def momentum_corrected(cfg) -> bool:
 # rank 0, the final parameters, for evaluation
 Tag = message_tags("downpour", "WARMUP_DONE", "FINAL")
 PS_HEARTBEAT_TIMEOUT = 10.0  # --heartbeat-timeout's default with --ps-copies > 1 (seconds)
+EMBEDDING_EPOCHS = 5.0  # --epochs' default for embedding models
 DOWNPOUR_TAU = 0.01  # default threshold of compressed pushes (gradient units, not weight units)
 
 
@@ -53,15 +54,18 @@ def _defaults(cfg) -> dict:
         d["chunk_bytes"] = DEFAULT_CHUNK_BYTES
     if cfg.compress == "threshold":
         d.update(tau=DOWNPOUR_TAU, golomb="on")
-    if is_embedding_spec(cfg.model):  # measured on MovieLens-100k (docs/ctr.md)
-        d.update(lr=0.05, row_lr=0.1, row_optimizer="rowwise_adagrad", batch_size=256)
+    if is_embedding_spec(cfg.model):  # chosen on MovieLens-100k (docs/ctr.md)
+        d.update(lr=0.005, row_lr=0.05, row_optimizer="rowwise_adagrad", row_l2=3e-4,
+                 row_init_scale=0.01, batch_size=256)
+        if cfg.steps is None:
+            d["epochs"] = EMBEDDING_EPOCHS
     return d
 
 
 def _validate_embeddings(cfg) -> None:
     """An embedding model's rows go through their own messages (:mod:`hpcps.ps.rows`): what
     acts on the dense vector's messages or on whole replicas does not reach them."""
-    check_embedding_options(cfg, {
+    check_embedding_options(cfg, is_embedding_spec(cfg.model), {
         "--compress threshold": cfg.compress == "threshold",
         "--push activations": cfg.push == "activations",
         "--partitions > 1": cfg.partitions > 1, "--threads > 1": cfg.threads > 1,

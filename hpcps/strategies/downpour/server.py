@@ -203,7 +203,7 @@ def embedding_rows(ctx: Context) -> RowShard | None:
         return None
     cfg, model = ctx.cfg, ctx.full_model
     return RowShard(ctx.grid.world, model.n_tables, model.dim, cfg.seed, cfg.row_optimizer,
-                    cfg.row_lr, cfg.adagrad_eps)
+                    cfg.row_lr, cfg.adagrad_eps, cfg.row_l2, cfg.row_init_scale)
 
 
 def run_replicated_server(ctx: Context) -> dict:
