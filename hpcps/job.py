@@ -32,6 +32,7 @@ from hpcps import config, trace
 from hpcps.io import checkpoint, data
 from hpcps.model import convnet
 from hpcps.model.spec import is_embedding_spec
+from hpcps.ps.rows import TABLES_DIR, table_files
 from hpcps.runtime import faults, memory, slurm, timeline
 from hpcps.mpi.comm import (PeerTimeout, ReplicaExchange, allgather_obj, barrier, bcast_obj,
                              dup_comm, gather_obj, host)
@@ -116,7 +117,11 @@ def _load_resume(cfg: config.Config, info: data.DatasetInfo):
             f"--strategy {cfg.strategy} does not run (it runs {' or '.join(cfg.spec.optimizers)})"
             f", and an optimizer's state does not carry over to another: resume it with "
             f"--strategy {' or '.join(takers) or '(none)'}, or start a new run")
-    warnings = checkpoint.check_compatible(ckpt, convnet.build(cfg, info).sizes,
+    model = convnet.build(cfg, info)
+    if is_embedding_spec(cfg.model):  # its rows: the table files beside it, of its step
+        table_files(Path(cfg.resume).parent / TABLES_DIR, ckpt.step, model.n_tables,
+                    model.dim)
+    warnings = checkpoint.check_compatible(ckpt, model.sizes,
                                            optimizer=cfg.optimizer,
                                            dataset=info.to_dict())
     return ckpt, warnings

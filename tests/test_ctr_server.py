@@ -36,13 +36,13 @@ def ctr_h5(tmp_path_factory):
 
 def summary(run_dir):
     recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return next(r for r in recs if r["kind"] == "summary")
+    return [r for r in recs if r["kind"] == "summary"][-1]  # the last run's
 
 
-def read_tables(run_dir, n_tables):
+def read_tables(run_dir, n_tables, pattern="shard-*.h5"):
     """Every shard's rows, merged: per table {id: (row, accum)}."""
     tables = [{} for _ in range(n_tables)]
-    for path in sorted((run_dir / "tables").glob("shard-*.h5")):
+    for path in sorted((run_dir / "tables").glob(pattern)):
         with h5py.File(path, "r") as f:
             for t in range(n_tables):
                 g = f[f"table{t}"]
@@ -137,6 +137,48 @@ def test_several_shards_hold_each_row_once_and_learn(ctr_h5, tmp_path, n, server
             .splitlines()]
     evals = [r for r in recs if r["kind"] == "eval"]
     assert evals and all(0.0 < r["test_auc"] <= 1.0 for r in evals)
+
+
+def test_resume_on_another_shard_count(ctr_h5, tmp_path):
+    """Rows written by 2 shards are re-hashed onto 3 on resume: the same rows (a resume with
+    no step left holds exactly them, and scores the same), then training goes on."""
+    run_dir = tmp_path / "run"
+    args = ["--model", SPEC, "--data", str(ctr_h5), "--run-dir", str(run_dir),
+            "--timeout", "60", "--warmup-steps", "10"]
+    first = mpirun.train(4, *args, "--servers", "2", "--steps", "40", timeout=180)
+    assert first.returncode == 0, first.output
+    before = read_tables(run_dir, 5, "shard-*-of-2.h5")
+    auc = summary(run_dir)["test_auc"]
+    again = mpirun.train(5, *args, "--servers", "3", "--steps", "40", "--resume", "auto",
+                         timeout=180)
+    assert again.returncode == 0 and "resumed from" in again.stdout, again.output
+    after = read_tables(run_dir, 5, "shard-*-of-3.h5")
+    for t in range(5):
+        assert set(before[t]) == set(after[t])
+        for i, (row, acc) in before[t].items():
+            np.testing.assert_array_equal(after[t][i][0], row)
+            np.testing.assert_array_equal(after[t][i][1], acc)
+        for s in range(3):
+            with h5py.File(run_dir / "tables" / f"shard-{s}-of-3.h5", "r") as f:
+                ids = f[f"table{t}/ids"][()]
+            assert np.all(place(np.full(len(ids), t), ids, 3) == s)
+    assert summary(run_dir)["test_auc"] == pytest.approx(auc, abs=1e-6)
+    more = mpirun.train(5, *args, "--servers", "3", "--steps", "120", "--resume", "auto",
+                        timeout=180)
+    assert more.returncode == 0, more.output
+    s = summary(run_dir)
+    assert s["step"] == 120 and s["test_auc"] > 0.7
+
+
+def test_resume_without_the_tables_is_refused(ctr_h5, tmp_path):
+    run_dir = tmp_path / "run"
+    args = ["--model", SPEC, "--data", str(ctr_h5), "--run-dir", str(run_dir), "--servers", "1"]
+    assert mpirun.train(2, *args, "--steps", "20", timeout=120).returncode == 0
+    for path in (run_dir / "tables").glob("*.h5"):
+        path.unlink()
+    run = mpirun.train(2, *args, "--steps", "40", "--resume", "auto", timeout=120)
+    assert run.returncode == 4, run.output
+    assert "no complete set of embedding table files" in run.stderr
 
 
 @pytest.mark.parametrize("extra,words", [

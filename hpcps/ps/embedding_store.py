@@ -186,6 +186,14 @@ class EmbeddingStore:
         out[~held] = fresh
         return out
 
+    def load(self, ids, rows, accum=None):
+        """Set the rows of ``ids`` (distinct) to ``rows`` and their optimizer state to
+        ``accum`` (a checkpoint's; None: the initial state), creating the missing ones."""
+        slots = self.slots(np.ascontiguousarray(ids, dtype=np.int64))
+        self._rows[slots] = rows
+        if self._accum is not None:
+            self._accum[slots] = self.initial_accumulator if accum is None else accum
+
     @property
     def row_bytes(self):
         """Nominal bytes a row costs: its id (8), its values (4 x dim), its optimizer state

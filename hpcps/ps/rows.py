@@ -28,13 +28,15 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Sequence
 
+import h5py
 import numpy as np
 
-from hpcps.errors import NonFiniteError
+from hpcps.errors import CheckpointError, NonFiniteError
 from hpcps.mpi.comm import REQUEST_NULL, Transport, size_of, wait_all
 from hpcps.mpi.protocol import HEADER_BYTES, ByteMessage, H, Tag
 from hpcps.ps.embedding_store import EmbeddingStore
 
+TABLES_DIR = "tables"  # beside checkpoint.h5: each shard's rows of every table, one file each
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
 
@@ -168,10 +170,27 @@ class RowShard:
                 "row_bytes_out": self.bytes_out,
                 "row_bytes_resident": sum(t.resident_bytes() for t in self.tables)}
 
+    def load(self, files: Sequence[Path], shard: int, n_shards: int) -> int:
+        """Take this shard's rows (``place(t, id, n_shards) == shard``) from the table files
+        of a checkpoint (:func:`table_files`), written by any number of shards; returns the
+        rows taken. A row's optimizer state comes along when the files hold the same
+        optimizer's."""
+        taken = 0
+        for path in files:
+            with h5py.File(path, "r") as f:
+                for t, store in enumerate(self.tables):
+                    g = f[f"table{t}"]
+                    ids = g["ids"][()]
+                    mine = place(np.full(len(ids), t, dtype=np.int64), ids, n_shards) == shard
+                    same = "accum" in g and str(g.attrs.get("optimizer")) == store.optimizer
+                    store.load(ids[mine], g["rows"][()][mine],
+                               g["accum"][()][mine] if same else None)
+                    taken += int(mine.sum())
+        return taken
+
     def write(self, path: Path, shard: int, n_shards: int, step: int) -> Path:
         """This shard's rows of every table as HDF5 (``/table<t>/ids`` sorted, ``rows``,
         ``accum``), written to a temporary file and renamed into place."""
-        import h5py
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(path.name + f".tmp-{shard}")
@@ -190,6 +209,28 @@ class RowShard:
                     g.create_dataset("accum", data=store.accum[order])
         tmp.replace(path)
         return path
+
+
+def table_files(directory: Path, step: int, n_tables: int, dim: int) -> list[Path]:
+    """The table files in ``directory`` that hold the rows at global ``step``: the complete
+    set ``shard-<s>-of-<S>.h5``, s = 0..S-1, of one S, each with attributes ``step`` and
+    ``dim`` as asked. Raises :class:`~hpcps.errors.CheckpointError` when there is none."""
+    sets: dict[int, dict[int, Path]] = {}
+    for path in sorted(Path(directory).glob("shard-*-of-*.h5")):
+        try:
+            with h5py.File(path, "r") as f:
+                a = f.attrs
+                if (int(a["step"]), int(a["dim"]), int(a["n_tables"])) != (step, dim, n_tables):
+                    continue
+                sets.setdefault(int(a["n_shards"]), {})[int(a["shard"])] = path
+        except (OSError, KeyError, ValueError):
+            continue  # not a table file, or a torn one: another set may be whole
+    for n, got in sorted(sets.items()):
+        if sorted(got) == list(range(n)):
+            return [got[s] for s in range(n)]
+    raise CheckpointError(f"{directory} holds no complete set of embedding table files "
+                          f"(shard-<s>-of-<S>.h5) of step {step} with {n_tables} tables of "
+                          f"{dim} dimensions: the checkpoint's rows are missing")
 
 
 class RowClient:
@@ -268,7 +309,8 @@ class RowClient:
             stacked[order[a:b]] = self._reply[s].body[:4 * n * self.dim].view(
                 np.float32).reshape(n, self.dim)
             self.bytes_received += HEADER_BYTES + 4 * n * self.dim
-        self.rows_pulled += len(ids)
+        if create:  # a step's rows (an evaluation's are not counted)
+            self.rows_pulled += len(ids)
         starts = np.concatenate([[0], np.cumsum(counts)])
         return [stacked[starts[t]:starts[t + 1]] for t in range(self.n_tables)]
 

@@ -76,8 +76,7 @@ def _validate_embeddings(cfg) -> None:
         "--softsync": cfg.softsync is not None, "--staleness-lr": cfg.staleness_lr == "on",
         "--weight-decay": bool(cfg.weight_decay), "--dropout": bool(cfg.dropout),
         "--lr-schedule cosine": optim.varies(cfg.lr_schedule),
-        "--validation-fraction": bool(cfg.validation_fraction),
-        "--resume": cfg.resume is not None})
+        "--validation-fraction": bool(cfg.validation_fraction)})
 
 
 def _validate(cfg) -> None:

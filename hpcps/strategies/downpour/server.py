@@ -17,7 +17,7 @@ from hpcps.ps.consistency import SoftSync, StaleSynchronous
 from hpcps.ps.epochs import EpochKeeper
 from hpcps.ps.gradient_shard import GradientShard
 from hpcps.ps.liveness import Liveness
-from hpcps.ps.rows import RowShard
+from hpcps.ps.rows import TABLES_DIR, RowShard, table_files
 from hpcps.ps.serve import serve
 from hpcps.model.spec import is_embedding_spec
 from hpcps.strategies.downpour import Tag as DownpourTag
@@ -189,9 +189,6 @@ def run_server(ctx: Context) -> dict:
             "persist": persister.figures() if persister is not None else None}
 
 
-TABLES_DIR = "tables"  # in the run directory: each shard's rows of every embedding table
-
-
 def tables_path(ctx: Context, shard: int) -> Path:
     """Where server shard ``shard`` writes its rows: ``tables/shard-<s>-of-<S>.h5``."""
     return ctx.run_dir / TABLES_DIR / f"shard-{shard}-of-{ctx.grid.layout.servers}.h5"
@@ -202,8 +199,13 @@ def embedding_rows(ctx: Context) -> RowShard | None:
     if not is_embedding_spec(ctx.cfg.model):
         return None
     cfg, model = ctx.cfg, ctx.full_model
-    return RowShard(ctx.grid.world, model.n_tables, model.dim, cfg.seed, cfg.row_optimizer,
+    rows = RowShard(ctx.grid.world, model.n_tables, model.dim, cfg.seed, cfg.row_optimizer,
                     cfg.row_lr, cfg.adagrad_eps, cfg.row_l2, cfg.row_init_scale)
+    if cfg.resume:  # this shard's rows, from files written by any number of shards
+        files = table_files(Path(cfg.resume).parent / TABLES_DIR, ctx.start_step,
+                            model.n_tables, model.dim)
+        rows.load(files, ctx.grid.role.shard, ctx.grid.layout.servers)
+    return rows
 
 
 def run_replicated_server(ctx: Context) -> dict:
