@@ -154,7 +154,7 @@ def _rss() -> int:
 
 def _fill_shard(shard: int, n_shards: int, rows: int, queue) -> None:
     from hpcps.ps.embedding_store import EmbeddingStore
-    from hpcps.ps.rows import place
+    from hpcps.kernels.embedding import place
     store = EmbeddingStore(DIM, table=0, seed=1)
     before = _rss()
     chunk = 1 << 20

@@ -32,7 +32,7 @@ from hpcps import config, trace
 from hpcps.io import checkpoint, data
 from hpcps.model import convnet
 from hpcps.model.spec import is_embedding_spec
-from hpcps.ps.rows import TABLES_DIR, table_files
+from hpcps.io.tables import TABLES_DIR, table_files
 from hpcps.runtime import faults, memory, slurm, timeline
 from hpcps.mpi.comm import (PeerTimeout, ReplicaExchange, allgather_obj, barrier, bcast_obj,
                              dup_comm, gather_obj, host)

@@ -15,7 +15,7 @@ from hpcps.io.data.synthetic_ctr import prepare_synthetic_ctr
 from hpcps.model.ctr import CtrModel, LocalTrainer
 from hpcps.model.optim import Adagrad
 from hpcps.ps.embedding_store import EmbeddingStore
-from hpcps.ps.rows import place
+from hpcps.kernels.embedding import place
 
 import mpirun
 

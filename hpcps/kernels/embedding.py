@@ -394,3 +394,19 @@ def init_rows(rows, ids_by_slot, start, stop, table, seed, scale):
             raise ValueError(f"{name} must lie in [0, 2**64), got {x}")
     scale = _check_scalar("scale", scale)
     _impl.init_rows(rows, ids_by_slot, start, stop, table, seed, scale)
+
+
+# -- placement of rows on shards ------------------------------------------------------------
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
+
+
+def place(tables: np.ndarray, ids: np.ndarray, n_shards: int) -> np.ndarray:
+    """The shard of each (table, id) pair: splitmix64's finaliser of ``id + (table + 1) *
+    golden``, modulo ``n_shards`` (int64 array)."""
+    with np.errstate(over="ignore"):
+        z = ids.astype(np.uint64) + (tables.astype(np.uint64) + np.uint64(1)) * _GOLDEN
+        z = (z ^ (z >> np.uint64(30))) * _M1
+        z = (z ^ (z >> np.uint64(27))) * _M2
+        z ^= z >> np.uint64(31)
+    return (z % np.uint64(n_shards)).astype(np.int64)

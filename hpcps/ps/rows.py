@@ -1,10 +1,11 @@
 """Embedding rows on the parameter server: where a row lives, the shard that holds it, the
 replica that pulls and pushes it.
 
-**Placement.** Row ``id`` of table ``t`` lives on shard ``place(t, id) mod S``, a 64-bit mix
-(splitmix64's finaliser) of the pair: consecutive or hot ids of one table spread over every
-shard, and the same id of two tables lands independently. Every rank computes the same
-placement; nothing is stored.
+**Placement.** Row ``id`` of table ``t`` lives on shard ``place(t, id, S)``
+(:func:`hpcps.kernels.embedding.place`, a 64-bit mix of the pair): consecutive or hot ids of
+one table spread over every shard, and the same id of two tables lands independently. Every
+rank computes the same placement; nothing is stored. A shard's rows go to disk as one HDF5
+file (:mod:`hpcps.io.tables`), which any number of shards can read back.
 
 **Messages** (:class:`hpcps.mpi.protocol.Tag`), each one buffer: the float64 header, then
 
@@ -28,29 +29,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Sequence
 
-import h5py
 import numpy as np
 
-from hpcps.errors import CheckpointError, NonFiniteError
+from hpcps.errors import NonFiniteError
+from hpcps.io import tables
+from hpcps.kernels.embedding import place
 from hpcps.mpi.comm import REQUEST_NULL, Transport, size_of, wait_all
 from hpcps.mpi.protocol import HEADER_BYTES, ByteMessage, H, Tag
 from hpcps.ps.embedding_store import EmbeddingStore
-
-TABLES_DIR = "tables"  # beside checkpoint.h5: each shard's rows of every table, one file each
-_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
-_M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
-
-
-def place(tables: np.ndarray, ids: np.ndarray, n_shards: int) -> np.ndarray:
-    """The shard of each (table, id) pair: splitmix64's finaliser of ``id + (table + 1) *
-    golden``, modulo ``n_shards`` (int64 array)."""
-    with np.errstate(over="ignore"):
-        z = ids.astype(np.uint64) + (tables.astype(np.uint64) + np.uint64(1)) * _GOLDEN
-        z = (z ^ (z >> np.uint64(30))) * _M1
-        z = (z ^ (z >> np.uint64(27))) * _M2
-        z ^= z >> np.uint64(31)
-    return (z % np.uint64(n_shards)).astype(np.int64)
-
 
 def _pairs_bytes(n: int) -> int:
     return 16 * n
@@ -172,65 +158,22 @@ class RowShard:
 
     def load(self, files: Sequence[Path], shard: int, n_shards: int) -> int:
         """Take this shard's rows (``place(t, id, n_shards) == shard``) from the table files
-        of a checkpoint (:func:`table_files`), written by any number of shards; returns the
-        rows taken. A row's optimizer state comes along when the files hold the same
-        optimizer's."""
+        of a checkpoint (:func:`hpcps.io.tables.table_files`), written by any number of
+        shards; returns the rows taken. A row's optimizer state comes along when the files
+        hold the same optimizer's."""
         taken = 0
-        for path in files:
-            with h5py.File(path, "r") as f:
-                for t, store in enumerate(self.tables):
-                    g = f[f"table{t}"]
-                    ids = g["ids"][()]
-                    mine = place(np.full(len(ids), t, dtype=np.int64), ids, n_shards) == shard
-                    same = "accum" in g and str(g.attrs.get("optimizer")) == store.optimizer
-                    store.load(ids[mine], g["rows"][()][mine],
-                               g["accum"][()][mine] if same else None)
-                    taken += int(mine.sum())
+        for t, store in enumerate(self.tables):
+            ids, values, accum, optimizer = tables.read(files, t)
+            mine = place(np.full(len(ids), t, dtype=np.int64), ids, n_shards) == shard
+            same = accum is not None and optimizer == store.optimizer
+            store.load(ids[mine], values[mine], accum[mine] if same else None)
+            taken += int(mine.sum())
         return taken
 
     def write(self, path: Path, shard: int, n_shards: int, step: int) -> Path:
-        """This shard's rows of every table as HDF5 (``/table<t>/ids`` sorted, ``rows``,
-        ``accum``), written to a temporary file and renamed into place."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + f".tmp-{shard}")
-        with h5py.File(tmp, "w") as f:
-            f.attrs.update(format="hpcps-embedding-rows", shard=shard, n_shards=n_shards,
-                           step=int(step), dim=self.dim, n_tables=len(self.tables),
-                           placement="splitmix64(id + (table + 1) * 0x9E3779B97F4A7C15) mod "
-                                     "n_shards")
-            for t, store in enumerate(self.tables):
-                order = np.argsort(store.ids, kind="stable")
-                g = f.create_group(f"table{t}")
-                g.attrs.update(optimizer=store.optimizer, rows=len(store))
-                g.create_dataset("ids", data=store.ids[order])
-                g.create_dataset("rows", data=store.rows[order])
-                if store.accum is not None:
-                    g.create_dataset("accum", data=store.accum[order])
-        tmp.replace(path)
-        return path
+        """This shard's rows of every table as one HDF5 file (:mod:`hpcps.io.tables`)."""
+        return tables.write(path, self.tables, shard, n_shards, step)
 
-
-def table_files(directory: Path, step: int, n_tables: int, dim: int) -> list[Path]:
-    """The table files in ``directory`` that hold the rows at global ``step``: the complete
-    set ``shard-<s>-of-<S>.h5``, s = 0..S-1, of one S, each with attributes ``step`` and
-    ``dim`` as asked. Raises :class:`~hpcps.errors.CheckpointError` when there is none."""
-    sets: dict[int, dict[int, Path]] = {}
-    for path in sorted(Path(directory).glob("shard-*-of-*.h5")):
-        try:
-            with h5py.File(path, "r") as f:
-                a = f.attrs
-                if (int(a["step"]), int(a["dim"]), int(a["n_tables"])) != (step, dim, n_tables):
-                    continue
-                sets.setdefault(int(a["n_shards"]), {})[int(a["shard"])] = path
-        except (OSError, KeyError, ValueError):
-            continue  # not a table file, or a torn one: another set may be whole
-    for n, got in sorted(sets.items()):
-        if sorted(got) == list(range(n)):
-            return [got[s] for s in range(n)]
-    raise CheckpointError(f"{directory} holds no complete set of embedding table files "
-                          f"(shard-<s>-of-<S>.h5) of step {step} with {n_tables} tables of "
-                          f"{dim} dimensions: the checkpoint's rows are missing")
 
 
 class RowClient:

@@ -17,7 +17,8 @@ from hpcps.ps.consistency import SoftSync, StaleSynchronous
 from hpcps.ps.epochs import EpochKeeper
 from hpcps.ps.gradient_shard import GradientShard
 from hpcps.ps.liveness import Liveness
-from hpcps.ps.rows import TABLES_DIR, RowShard, table_files
+from hpcps.io.tables import TABLES_DIR, shard_file, table_files
+from hpcps.ps.rows import RowShard
 from hpcps.ps.serve import serve
 from hpcps.model.spec import is_embedding_spec
 from hpcps.strategies.downpour import Tag as DownpourTag
@@ -191,7 +192,7 @@ def run_server(ctx: Context) -> dict:
 
 def tables_path(ctx: Context, shard: int) -> Path:
     """Where server shard ``shard`` writes its rows: ``tables/shard-<s>-of-<S>.h5``."""
-    return ctx.run_dir / TABLES_DIR / f"shard-{shard}-of-{ctx.grid.layout.servers}.h5"
+    return shard_file(ctx.run_dir / TABLES_DIR, shard, ctx.grid.layout.servers)
 
 
 def embedding_rows(ctx: Context) -> RowShard | None:
