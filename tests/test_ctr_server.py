@@ -4,6 +4,7 @@ the table files and what is refused. Every launch has a hard timeout (tests/mpir
 from __future__ import annotations
 
 import json
+import os
 
 import h5py
 import numpy as np
@@ -116,7 +117,7 @@ def test_one_replica_one_shard_equals_the_reference(ctr_h5, tmp_path):
 
 
 @pytest.mark.parametrize("n,servers", [(4, 2), (5, 3)])
-def test_several_shards_hold_each_row_once_and_learn(ctr_h5, tmp_path, n, servers):
+def test_several_shards_hold_each_row_once_and_learn(ctr_h5, tmp_path, capsys, n, servers):
     run = mpirun.train(n, "--model", SPEC, "--data", str(ctr_h5), "--servers", str(servers),
                        "--epochs", "2", "--warmup-steps", "20", "--eval-every", "20",
                        "--run-dir", str(tmp_path / "run"), "--timeout", "60", timeout=240)
@@ -137,6 +138,15 @@ def test_several_shards_hold_each_row_once_and_learn(ctr_h5, tmp_path, n, server
             .splitlines()]
     evals = [r for r in recs if r["kind"] == "eval"]
     assert evals and all(0.0 < r["test_auc"] <= 1.0 for r in evals)
+    # hpcps.evaluate reads checkpoint.h5 and the shards' table files: training's figures
+    from hpcps.tools import evaluate
+    assert evaluate.main([str(tmp_path / "run" / "checkpoint.h5"), "--data", str(ctr_h5),
+                          "--json", "--predict", str(tmp_path / "p.npy")]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["auc"] == pytest.approx(rec["test_auc"], abs=1e-6)
+    assert got["log_loss"] == pytest.approx(rec["test_loss"], abs=1e-6)
+    p = np.load(tmp_path / "p.npy")
+    assert len(p) == 1000 and np.allclose(p["probabilities"].sum(axis=1), 1.0)
 
 
 def test_resume_on_another_shard_count(ctr_h5, tmp_path):
@@ -168,6 +178,16 @@ def test_resume_on_another_shard_count(ctr_h5, tmp_path):
     assert more.returncode == 0, more.output
     s = summary(run_dir)
     assert s["step"] == 120 and s["test_auc"] > 0.7
+    # hpcps.report shows the AUC of the run (its two segments)
+    import subprocess
+    import sys
+    rep = subprocess.run([sys.executable, "-m", "hpcps.report", str(run_dir)], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": str(mpirun.ROOT)})
+    assert rep.returncode == 0, rep.stderr
+    head, _, row = rep.stdout.splitlines()[:3]
+    assert "final AUC" in head and "final accuracy" not in head
+    assert f"{s['test_auc']:.4f}" in row
 
 
 def test_resume_without_the_tables_is_refused(ctr_h5, tmp_path):

@@ -67,7 +67,12 @@ from hpcps.io import checkpoint, data
 from hpcps.io.data.convert import read_unlabelled_csv
 from hpcps.io.data.h5format import check_finite_rows
 from hpcps.errors import CheckpointError, ConfigError, DataError, HpcpsError
+from hpcps.io import tables
 from hpcps.model.convnet import ConvNet
+from hpcps.model.ctr import CtrModel
+from hpcps.model.metrics import binary_metrics
+from hpcps.model.spec import is_embedding_spec
+from hpcps.ps.embedding_store import EmbeddingStore
 from hpcps.model.mlp import ACTIVATIONS, MLP
 
 PREDICTION_SUFFIXES = (".csv", ".npy", ".h5", ".hdf5")
@@ -464,6 +469,70 @@ def run(args: argparse.Namespace) -> tuple[Evaluation, dict[str, Any], list[str]
     return ev, facts, notes
 
 
+def run_embedding(args: argparse.Namespace, ckpt: checkpoint.Checkpoint
+                  ) -> tuple[dict[str, Any], list[str]]:
+    """Score an embedding model's checkpoint (``checkpoint.h5`` and the table files beside
+    it, :mod:`hpcps.io.tables`) on a categorical split: AUC and log loss, with ``--predict``
+    each row's P(y = 1) (as two classes, 0 and 1). A row the run never trained reads as its
+    initial values, as in training's evaluations."""
+    cfg = ckpt.config
+    path = data_path(args, ckpt)
+    info = data.open_categorical(path)
+    trained = [list(f) for f in (ckpt.dataset or {}).get("fields", [])]
+    fields = [[f.name, f.width, f.vocab] for f in info.fields]
+    if trained and trained != fields:
+        raise DataError(f"{path}'s fields {fields} are not those the checkpoint was trained "
+                        f"on, {trained}: its ids would look up other rows")
+    model = CtrModel.for_fields(cfg["model"], info.fields, info.n_dense,
+                                cfg.get("activation", "relu"))
+    try:
+        flat = model.flatten(ckpt.params)
+    except (KeyError, ValueError) as exc:
+        raise CheckpointError(f"{args.checkpoint}: its parameters are not those of "
+                              f"{model.spec_text} on {path}'s fields: {exc}") from None
+    files = tables.table_files(Path(args.checkpoint).parent / tables.TABLES_DIR, ckpt.step,
+                               model.n_tables, model.dim)
+    stores = []
+    for t in range(model.n_tables):
+        ids, rows, _, _ = tables.read(files, t)
+        store = EmbeddingStore(model.dim, table=t, seed=int(cfg.get("seed", 0)),
+                               optimizer="sgd", init_scale=cfg.get("row_init_scale"),
+                               capacity=max(1, len(ids)))
+        store.load(ids, rows)
+        stores.append(store)
+    block = data.load_block(path, args.split)
+    z = np.empty(len(block.y), dtype=np.float64)
+    for lo in range(0, len(z), args.batch):
+        ids, dense = block.features[lo:lo + args.batch]
+        batch = model.lookup(ids)
+        pulled = [s.peek(u) for s, u in zip(stores, batch.uniq)]
+        z[lo:lo + len(ids)] = model.logits(flat, pulled, batch, dense)
+    figures = binary_metrics(block.y, z)
+    facts = {"checkpoint": str(args.checkpoint), "step": ckpt.step, "model": model.spec_text,
+             "dataset": str(path), "dataset_name": info.name, "split": args.split,
+             "n": len(z), "auc": figures["auc"], "log_loss": figures["log_loss"],
+             "rows_held": [len(s) for s in stores], "table_files": len(files)}
+    notes = []
+    if args.predict is not None:
+        p = 1.0 / (1.0 + np.exp(-z))
+        probs = np.stack([1.0 - p, p], axis=1).astype(np.float32)
+        write_rows(args.predict, (p >= 0.5).astype(np.int64), probs, block.y,
+                   {**{k: facts[k] for k in ("checkpoint", "step", "dataset", "split")},
+                    "auc": facts["auc"], "loss": facts["log_loss"]})
+        notes.append(f"wrote predictions for {len(z)} rows to {args.predict}")
+    return facts, notes
+
+
+def describe_embedding(facts: dict[str, Any]) -> str:
+    return "\n".join([
+        f"checkpoint  {facts['checkpoint']} (step {facts['step']}, model {facts['model']}; "
+        f"rows from {facts['table_files']} table file(s), {sum(facts['rows_held'])} rows)",
+        f"dataset     {facts['dataset']} ({facts['dataset_name']}), {facts['split']} split: "
+        f"{facts['n']} examples",
+        f"AUC         {facts['auc']:.4f}",
+        f"log loss    {facts['log_loss']:.4f} (mean binary cross-entropy, nats)"])
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the command line; return the exit code (0, or the refusing error's code)."""
     parser = argparse.ArgumentParser(
@@ -503,6 +572,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.input is not None:
         return _main_input(parser, args)
     try:
+        if args.predict is not None:
+            check_predict_path(args.predict)
+        ckpt = checkpoint.load(args.checkpoint)
+        if is_embedding_spec(ckpt.config.get("model")):
+            facts, notes = run_embedding(args, ckpt)
+            for note in notes:
+                print(f"{parser.prog.split()[-1]}: {note}", file=sys.stderr)
+            print(json.dumps(facts, indent=2) if args.json else describe_embedding(facts),
+                  flush=True)
+            return 0
         ev, facts, notes = run(args)
     except HpcpsError as exc:
         print(f"{parser.prog.split()[-1]}: error: {exc}", file=sys.stderr)

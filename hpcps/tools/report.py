@@ -301,7 +301,7 @@ def table_rows(runs: list[Run]) -> list[dict[str, Any]]:
         source = final if final is not None else last_eval
         steps = [r["step"] for r in run.records if _number(r.get("step"))]
         row["step"] = final["step"] if final is not None else (max(steps) if steps else None)
-        for key in ("test_accuracy", "test_loss"):
+        for key in ("test_accuracy", "test_auc", "test_loss"):
             row[key] = source.get(key) if source is not None and _number(source.get(key)) else None
         timed = [s for s in summaries if _number(s.get("train_s"))]
         row["train_s"] = sum(s["train_s"] for s in timed) if timed else None
@@ -339,6 +339,7 @@ COLUMNS = (  # (key, heading, format)
     ("status", "status", "{}"),
     ("step", "steps", "{}"),
     ("test_accuracy", "final accuracy", "{:.2%}"),
+    ("test_auc", "final AUC", "{:.4f}"),  # binary models (embedding models: docs/ctr.md)
     ("test_loss", "test loss", "{:.4f}"),
     ("train_s", "train time (s)", "{:.1f}"),
     ("wall_s", "wall time (s)", "{:.1f}"),
@@ -347,13 +348,19 @@ COLUMNS = (  # (key, heading, format)
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
-    """The rows as a Markdown table, columns padded so it also reads as plain text."""
-    cells = [[h for _, h, _ in COLUMNS]]
+    """The rows as a Markdown table, columns padded so it also reads as plain text. The AUC
+    column shows when some run has one (binary models), the accuracy column unless every
+    run that has a figure has an AUC instead."""
+    has = {k: any(row.get(k) is not None for row in rows) for k in ("test_accuracy", "test_auc")}
+    columns = [c for c in COLUMNS if c[0] != "test_auc" or has["test_auc"]]
+    if has["test_auc"] and not has["test_accuracy"]:
+        columns = [c for c in columns if c[0] != "test_accuracy"]
+    cells = [[h for _, h, _ in columns]]
     for row in rows:
-        cells.append(["-" if row[k] is None else fmt.format(row[k]).replace("|", "/")
-                      for k, _, fmt in COLUMNS])
-    widths = [max(len(r[i]) for r in cells) for i in range(len(COLUMNS))]
-    numeric = [k not in ("run", "strategy", "layout", "status") for k, _, _ in COLUMNS]
+        cells.append(["-" if row.get(k) is None else fmt.format(row[k]).replace("|", "/")
+                      for k, _, fmt in columns])
+    widths = [max(len(r[i]) for r in cells) for i in range(len(columns))]
+    numeric = [k not in ("run", "strategy", "layout", "status") for k, _, _ in columns]
 
     def line(r: list[str]) -> str:
         return "| " + " | ".join(c.rjust(w) if num else c.ljust(w)
