@@ -79,12 +79,15 @@ def test_store_peek_reads_initial_rows_without_storing():
     assert not np.allclose(got[0], fresh.pull(ids[:1])[0])
 
 
-def test_one_replica_one_shard_equals_the_reference(ctr_h5, tmp_path):
-    """50 steps of downpour with one replica and one shard = LocalTrainer, to 1e-5."""
+@pytest.mark.parametrize("strategy", ["downpour", "hybrid"])
+def test_one_replica_one_shard_equals_the_reference(ctr_h5, tmp_path, strategy):
+    """50 steps with one replica and one shard = LocalTrainer, to 1e-5: downpour's dense
+    layers on the shard, hybrid's on the replica."""
     steps, batch, seed, lr, row_lr, l2, scale = 50, 32, 4, 0.05, 0.1, 1e-3, 0.05
-    run = mpirun.train(2, "--model", SPEC, "--data", str(ctr_h5), "--servers", "1",
-                       "--steps", str(steps), "--batch-size", str(batch), "--seed", str(seed),
-                       "--lr", str(lr), "--row-lr", str(row_lr), "--warmup-steps", "0",
+    run = mpirun.train(2, "--strategy", strategy, "--model", SPEC, "--data", str(ctr_h5),
+                       "--servers", "1", "--steps", str(steps), "--batch-size", str(batch), "--seed", str(seed),
+                       "--lr", str(lr), "--row-lr", str(row_lr),
+                       *(["--warmup-steps", "0"] if strategy == "downpour" else []),
                        "--row-l2", str(l2), "--row-init-scale", str(scale),
                        "--run-dir", str(tmp_path / "run"), "--timeout", "60", timeout=180)
     assert run.returncode == 0, run.output
@@ -234,6 +237,7 @@ EMBEDDING_DIMS = [
     [1, 2, 3],                                                   # S
     [1, 2, 3],                                                   # R
     [[], ["--trace"]],
+    ["downpour", "hybrid"],
     [[], ["--n-fetch", "2", "--n-push", "2"], ["--staleness-bound", "1"],
      ["--warmup-steps", "0", "--row-optimizer", "sgd", "--row-lr", "1"],
      ["--row-optimizer", "adagrad", "--row-l2", "1e-4"],
@@ -242,6 +246,7 @@ EMBEDDING_DIMS = [
 # what no embedding run takes, each with a message of its own (the options downpour refuses
 # with embeddings are listed in _validate_embeddings; tests/test_config.py-style checks below)
 EMBEDDING_REFUSED = [["--threads", "2"], ["--weight-decay", "1e-4"], ["--strategy", "sync"],
+                     ["--strategy", "hybrid", "--threads", "2"],
                      ["--strategy", "averaging"], ["--strategy", "deadreckon"],
                      ["--strategy", "sandblaster"], ["--push", "activations"],
                      ["--epoch-quorum", "0.75"], ["--softsync", "2"]]
@@ -260,14 +265,18 @@ def _embedding_verdict(n, argv):
 
 def _embedding_cases():
     from pairwise import pairwise
-    rows = [(S, R, trace, own, []) for S, R, trace, own in pairwise(EMBEDDING_DIMS)]
-    rows += [(1, 2, [], [], other) for other in EMBEDDING_REFUSED]
+    rows = [(S, R, trace, ["--strategy", strategy], own)
+            for S, R, trace, strategy, own in pairwise(EMBEDDING_DIMS)]
+    rows += [(1, 2, [], other, []) for other in EMBEDDING_REFUSED]
+    rows += [(1, 2, [], ["--strategy", "hybrid"], ["--model", "fc32,fc10"])]  # not embedding
     cases = []
-    for S, R, trace, own, other in rows:
-        strategy = other[1] if other[:1] == ["--strategy"] else "downpour"
-        servers = ["--servers", str(S)] if strategy in ("downpour", "sandblaster") else []
-        n = R + (S if servers else 0) + (strategy == "sandblaster")
-        cases.append((n, ["--model", SPEC, *servers, *trace, *own, *other]))
+    for S, R, trace, strategy, own in rows:
+        name = strategy[1] if strategy[:1] == ["--strategy"] else "downpour"
+        servers = ["--servers", str(S)] if name in ("downpour", "sandblaster", "hybrid") else []
+        warm = ["--warmup-steps", "20"] if name == "downpour" and "--warmup-steps" not in own \
+            else []
+        n = R + (S if servers else 0) + (name == "sandblaster")
+        cases.append((n, ["--model", SPEC, *servers, *trace, *strategy, *warm, *own]))
     return cases
 
 
@@ -275,9 +284,7 @@ def _embedding_cases():
                          ids=[f"N{n} " + " ".join(a) for n, a in _embedding_cases()])
 def test_embedding_combination(n, argv, ctr_h5, tmp_path):
     common = ["--data", str(ctr_h5), "--steps", "120", "--batch-size", "64",
-              "--warmup-steps", "20", "--eval-every", "0", "--timeout", "60"]
-    if "--warmup-steps" in argv:
-        common = common[:6] + common[8:]
+              "--eval-every", "0", "--timeout", "60"]
     refused = _embedding_verdict(n, [*argv, *common])
     run = mpirun.train(n, *argv, *common, "--run-dir", str(tmp_path), timeout=180)
     if refused is not None:

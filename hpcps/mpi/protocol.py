@@ -45,6 +45,7 @@ class Tag(IntEnum):
     ROWS = 33         # shard -> replica: header + the rows of those pairs, float32, in order
     PUSH_ROWS = 34    # replica -> shard: header + (table, id) pairs + their row gradients
     ROWS_DONE = 35    # world rank 0 -> shards: the final evaluation has read its rows; leave
+    SAVE_ROWS = 36    # world rank 0 -> shards: write your rows as of global step STEPS
 
 
 class H(IntEnum):

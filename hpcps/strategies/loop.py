@@ -89,6 +89,7 @@ class ReplicaLoop(ABC):
     checkpoint_metrics() -> dict : scalars saved with them (the chief's; read back from
         ``ctx.resumed`` on ``--resume``).
     after_loop() : after the last iteration (last push, drain messages, ...).
+    on_checkpoint(step) : after the chief wrote a periodic checkpoint at ``step``.
     finish(train_s) -> dict : the final figures (collective parts included); the chief's
         dict goes into the summary: ``step``, ``test_accuracy``, ``test_loss`` (and
         ``val_accuracy``, ``val_loss`` with a validation split), ``checkpoint``,
@@ -172,6 +173,11 @@ class ReplicaLoop(ABC):
         return {}
 
     def after_loop(self) -> None:
+        return None
+
+    def on_checkpoint(self, step: int) -> None:
+        """After the chief wrote a periodic checkpoint at global ``step`` (state kept
+        elsewhere, an embedding model's rows on the shards, is saved at the same step)."""
         return None
 
     def finish(self, train_s: float) -> dict:
@@ -310,6 +316,7 @@ class ReplicaLoop(ABC):
             path = save_checkpoint(ctx, full, state, step, {"train_loss": self.last_loss,
                                                             **self.checkpoint_metrics()})
             ctx.metrics.record("checkpoint", echo=False, step=step, path=str(path))
+            self.on_checkpoint(step)
 
 
 def run_position(ctx, step: int, elapsed: float) -> dict:

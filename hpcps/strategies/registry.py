@@ -71,6 +71,8 @@ class Strategy:
     epochs : default ``--epochs`` when neither ``--epochs`` nor ``--steps`` is given.
     embeddings : trains embedding models (``--model embed...``, ``ctr-dnn``, ``movielens``:
         :mod:`hpcps.model.ctr`) on categorical datasets; the others refuse them at start.
+    dense_models : trains MLPs and conv models (False: embedding models only; the scaling
+        tool, whose workloads are MLPs, leaves it out).
     replica_data : ``"shard"`` (each replica reads its block of the training set) or
         ``"whole"`` (each replica holds all of it).
     validate : strategy-specific checks of a config (raise ConfigError), after the generic
@@ -106,6 +108,7 @@ class Strategy:
     whole_batch: bool = False
     epochs: float = 4.0
     embeddings: bool = False
+    dense_models: bool = True
     replica_data: str = "shard"
     validate: Callable[[RunConfig], None] = _no_checks
     check_resume: Callable[[RunConfig, Any], None] | None = None

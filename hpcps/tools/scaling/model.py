@@ -24,9 +24,11 @@ NO_COST_MODEL = "no cost model declared"
 
 
 def models() -> dict[str, CostModel | None]:
-    """Every registered strategy's cost model, in the registry's order (None: it declares
-    none)."""
-    return {name: spec.cost_model() for name, spec in strategies().items()}
+    """The cost model of every registered strategy that trains MLPs (the workloads this
+    model predicts), in the registry's order (None: it declares none). A strategy for
+    embedding models only (:attr:`Strategy.dense_models` False) is left out."""
+    return {name: spec.cost_model() for name, spec in strategies().items()
+            if spec.dense_models}
 
 
 def modelled() -> tuple[str, ...]:

@@ -1,0 +1,64 @@
+"""A hybrid replica: sync's step on the dense layers, with the batch's rows pulled from and
+pushed to the shards (the method: :mod:`hpcps.strategies.hybrid`)."""
+from __future__ import annotations
+
+
+from hpcps.mpi.comm import Transport
+from hpcps.mpi.protocol import ByteMessage, H, Tag
+from hpcps.ps.rows import RowClient
+from hpcps.strategies.context import Context
+from hpcps.strategies.gradients import EmbeddingSource
+from hpcps.strategies.sync.replica import SyncReplica
+
+
+class HybridReplica(SyncReplica):
+    """Every iteration: pull the batch's rows, compute, push the rows' gradients (no wait),
+    allreduce the dense gradient and apply it. The chief scores the model with the shards'
+    rows and releases them after its final evaluation."""
+
+    def make_source(self, ctx: Context) -> EmbeddingSource:
+        model, grid = ctx.model, ctx.grid
+        self.rows = RowClient(grid.world, grid.layout.server_ranks, model.n_tables, model.dim,
+                              grid.role.replica, ctx.cfg.timeout)
+        return EmbeddingSource(ctx, self.rows)
+
+    def __init__(self, ctx: Context):
+        super().__init__(ctx)
+        if ctx.grid.is_chief:
+            ctx.evaluator = self.source.evaluate
+
+    def _tell_shards(self, tag: int) -> None:
+        msg = ByteMessage(0)
+        msg.header[H.SENDER] = self.replica
+        msg.header[H.STEPS] = self.global_step()
+        for dest in self.ctx.grid.layout.server_ranks:
+            Transport(self.ctx.grid.world).send_eager(msg.buf, dest, tag)
+
+    def on_checkpoint(self, step: int) -> None:
+        self._tell_shards(Tag.SAVE_ROWS)  # the rows at the checkpoint's step
+
+    def progress_fields(self) -> dict:
+        return {**super().progress_fields(),
+                "rows_per_step": round(self.rows.rows_pulled / max(1, self.done), 1)}
+
+    def after_loop(self) -> None:
+        # the last row pushes go before DONE: a shard takes one replica's messages in order
+        self.rows.drain()
+        self._tell_shards(Tag.DONE)
+
+    def finish(self, train_s: float) -> dict:
+        out = super().finish(train_s)
+        if self.ctx.grid.is_chief:  # the final evaluation has read the rows it needs
+            self.rows.release()
+        r = self.rows
+        figures = dict(out.get("figures", {}))
+        figures["bytes_per_step"] = (figures.get("bytes_per_step", 0.0)
+                                     + (r.bytes_sent + r.bytes_received) / max(1, self.done))
+        return {**out, "figures": figures, "replica_steps": self.done,
+                "rows_pulled": r.rows_pulled, "row_bytes": r.bytes_sent + r.bytes_received}
+
+
+def run(ctx: Context) -> dict:
+    return HybridReplica(ctx).run()
+
+

@@ -1,0 +1,67 @@
+"""A hybrid server shard: rows only (the dense layers live on the replicas). It serves pulls
+and pushes until every replica is done and the chief has finished its final evaluation,
+writes its rows when the chief checkpoints and at the end."""
+from __future__ import annotations
+
+import numpy as np
+
+from hpcps.mpi.comm import Transport
+from hpcps.mpi.protocol import HEADER_BYTES, H, Tag
+from hpcps.ps.serve import serve
+from hpcps.strategies.context import Context
+from hpcps.strategies.embedding import row_shard, tables_path
+from hpcps.strategies.rows_summary import row_figures
+
+
+def run(ctx: Context) -> dict:
+    cfg, grid = ctx.cfg, ctx.grid
+    layout = grid.layout
+    s, S, R = grid.role.shard, layout.servers, layout.replicas
+    rows = row_shard(ctx)
+    net = Transport(grid.world)
+    header = np.zeros(HEADER_BYTES, dtype=np.uint8)
+    done: set[int] = set()
+    state = {"step": ctx.start_step, "released": False, "written": None}
+
+    def small(src: int, tag: int) -> np.ndarray:
+        net.take(header, src, tag)
+        return header.view(np.float64)
+
+    def on_save(src: int, status) -> bool:
+        step = int(small(src, Tag.SAVE_ROWS)[H.STEPS])
+        rows.write(tables_path(ctx, s), s, S, step)
+        return False
+
+    def finished() -> bool:
+        if len(done) == R and state["written"] is None:  # every push is in: the final rows
+            rows.write(tables_path(ctx, s), s, S, state["step"])
+            state["written"] = state["step"]
+        return len(done) == R and state["released"]
+
+    def on_done(src: int, status) -> bool:
+        h = small(src, Tag.DONE)
+        done.add(int(h[H.SENDER]))
+        state["step"] = max(state["step"], int(h[H.STEPS]))
+        return finished()
+
+    def on_release(src: int, status) -> bool:
+        small(src, Tag.ROWS_DONE)
+        state["released"] = True
+        return finished()
+
+    serve(grid.world, {**rows.handlers(), Tag.SAVE_ROWS: on_save, Tag.DONE: on_done,
+                       Tag.ROWS_DONE: on_release}, cfg.timeout,
+          lambda: (f"{R - len(done)} replica(s) to finish (done: {sorted(done)})"
+                   + ("" if state["released"] else "; the chief's final evaluation")),
+          ctx.stop_tick)
+    return {**rows.figures(), "shard": s, "step": state["step"]}
+
+
+def summarize(ctx: Context, results: list[dict]) -> dict:
+    """The dense allreduce's and the rows' traffic, and the rows the shards hold."""
+    reps = [r for r in results if "replica_steps" in r]
+    shards = [r for r in results if "shard" in r]
+    out = dict(results[ctx.reporter].get("figures", {}))
+    trained = max(1, results[ctx.reporter].get("step", ctx.start_step) - ctx.start_step)
+    out.update(row_figures(shards, reps, trained))
+    return out
