@@ -85,7 +85,8 @@ def test_one_replica_one_shard_equals_the_reference(ctr_h5, tmp_path, strategy):
     layers on the shard, hybrid's on the replica."""
     steps, batch, seed, lr, row_lr, l2, scale = 50, 32, 4, 0.05, 0.1, 1e-3, 0.05
     run = mpirun.train(2, "--strategy", strategy, "--model", SPEC, "--data", str(ctr_h5),
-                       "--servers", "1", "--steps", str(steps), "--batch-size", str(batch), "--seed", str(seed),
+                       "--servers", "1", "--steps", str(steps), "--batch-size", str(batch),
+                       "--seed", str(seed),
                        "--lr", str(lr), "--row-lr", str(row_lr),
                        *(["--warmup-steps", "0"] if strategy == "downpour" else []),
                        "--row-l2", str(l2), "--row-init-scale", str(scale),
