@@ -93,9 +93,48 @@ def hogwild_view(figures: dict) -> dict:
     return {"ratios": ratios, "examples": examples}
 
 
+def embeddings_view(figures: dict) -> dict:
+    """bench_embeddings: ``throughput`` (per rank count), ``movielens`` (the AUC against the
+    logistic regression), ``memory`` (resident bytes per shard against rows/S x bytes a row)."""
+    out = {}
+    tp = figures.get("throughput")
+    if tp:
+        out["throughput"] = {
+            "columns": ["ranks", "replicas + shards", "batch", "examples/s (median)",
+                        "instances/s per core", "rows per step", "bytes per step",
+                        "dense equivalent", "test AUC"],
+            "rows": [[r["ranks"], f"{r['replicas']} + {r['servers']}", r["batch_size"],
+                      f"{r['examples_per_s']:,.0f}", f"{r['instances_per_s_per_core']:,.0f}",
+                      f"{r['rows_per_step']:,.0f}", f"{r['bytes_per_step'] / 2**20:.1f} MiB",
+                      f"{r['dense_equivalent_bytes_per_step'] / 2**30:,.0f} GiB",
+                      f"{r['test_auc']:.4f}"] for r in tp["runs"]]}
+    ml = figures.get("movielens")
+    if ml:
+        out["movielens"] = {
+            "columns": ["run", "test AUC", "against LogisticRegression()"],
+            "rows": [*[[f"seed {i}", f"{a:.4f}", f"{a - ml['logistic_regression_auc']:+.4f}"]
+                       for i, a in enumerate(ml["test_auc_all"])],
+                     ["median", f"{ml['test_auc']:.4f}", f"{ml['auc_gain']:+.4f}"],
+                     ["scikit-learn LogisticRegression() on the one-hot fields",
+                      f"{ml['logistic_regression_auc']:.4f}", ""]]}
+    mem = figures.get("memory")
+    if mem:
+        out["memory"] = {
+            "columns": ["shards S", "rows per shard", "resident growth per shard",
+                        "rows/S x bytes a row", "ratio"],
+            "rows": [[m["shards"], f"{m['per_shard'][0]['rows']:,}",
+                      " / ".join(f"{r['rss_growth_bytes'] / 2**20:,.0f} MiB"
+                                 for r in m["per_shard"]),
+                      f"{m['per_shard'][0]['nominal_bytes'] / 2**20:,.0f} MiB "
+                      f"({m['bytes_per_row']} B)",
+                      " / ".join(f"{r['growth_over_nominal']:.2f}" for r in m["per_shard"])]
+                     for m in mem]}
+    return out
+
+
 # bench name -> figures -> {table name: table}; a bench without a view renders only the
 # tables its files carry ready-made
-VIEWS = {"bench_hogwild": hogwild_view}
+VIEWS = {"bench_hogwild": hogwild_view, "bench_embeddings": embeddings_view}
 
 
 def load(stem: str) -> dict:
