@@ -308,3 +308,32 @@ def test_embedding_combination(n, argv, ctr_h5, tmp_path):
     if "--trace" in argv:
         events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
         assert {e["pid"] for e in events if e["ph"] == "X"} == set(range(n))
+
+
+@pytest.mark.parametrize("bad,words", [
+    ("negative", "negative ids other than -1"),
+    ("float", "float ids"),
+    ("label", "not in {0, 1}"),
+])
+def test_bad_categorical_data_is_refused_at_start(ctr_h5, tmp_path, bad, words):
+    """One message, exit code 3, nothing written in the run directory."""
+    import shutil
+    path = tmp_path / f"{bad}.h5"
+    shutil.copy(ctr_h5, path)
+    with h5py.File(path, "r+") as f:
+        if bad == "negative":
+            f["train/ids"][7, 1] = -5
+        elif bad == "label":
+            f["train/y"][3] = 2
+        else:
+            ids = f["train/ids"][()].astype(np.float64)
+            del f["train/ids"]
+            f["train/ids"] = ids
+    run = mpirun.train(3, "--model", SPEC, "--data", str(path), "--run-dir",
+                       str(tmp_path / "run"), timeout=60)
+    assert run.returncode == 3, run.output
+    errors = [ln for ln in run.stderr.splitlines() if ln.startswith("hpcps: error")]
+    assert len(errors) == 1 and words in errors[0], run.stderr
+    assert "Traceback" not in run.output
+    assert not any(p.is_file() for p in (tmp_path / "run").rglob("*")), \
+        list((tmp_path / "run").rglob("*"))

@@ -69,10 +69,8 @@ class Metrics:
         self.t0 = time.perf_counter()
         self._last_progress = 0.0
         self._fh = None
-        if self.enabled:
-            Path(run_dir).mkdir(parents=True, exist_ok=True)
-            self.path = Path(run_dir) / "metrics.jsonl"
-            self._fh = open(self.path, "a", buffering=1)
+        if self.enabled:  # the file is opened at the first record: a run refused at start
+            self.path = Path(run_dir) / "metrics.jsonl"  # (bad data) writes nothing
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.t0
@@ -88,6 +86,9 @@ class Metrics:
             return rec
         if kind == "progress":
             self._last_progress = self.elapsed()
+        if self._fh is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._fh = open(self.path, "a", buffering=1)
         self._fh.write(json.dumps(_strict(rec)) + "\n")
         if echo and self.bar and kind == "progress" and "done_pct" in fields:
             self.stream.write(progress.CLEAR + progress.bar_line(rec["time_s"], fields))
