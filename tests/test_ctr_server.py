@@ -151,6 +151,11 @@ def test_several_shards_hold_each_row_once_and_learn(ctr_h5, tmp_path, capsys, n
     assert got["log_loss"] == pytest.approx(rec["test_loss"], abs=1e-6)
     p = np.load(tmp_path / "p.npy")
     assert len(p) == 1000 and np.allclose(p["probabilities"].sum(axis=1), 1.0)
+    # hpcps.inspect counts the rows of every table over the shards' files
+    from hpcps.tools import inspect
+    facts = inspect.summarize(tmp_path / "run" / "checkpoint.h5")["tables"]
+    assert facts["files"] == servers
+    assert [r["rows"] for r in facts["per_table"]] == rec["rows_held_by_table"]
 
 
 @pytest.mark.parametrize("strategy", ["downpour", "hybrid"])

@@ -24,6 +24,7 @@ import json
 import math
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -31,6 +32,8 @@ import numpy as np
 from hpcps.io.checkpoint import (PARAM_NAME, architecture_sizes, conv_model, flatten_keys,
                               load_with_header)
 from hpcps.errors import CheckpointError
+from hpcps.io import tables
+from hpcps.model.spec import is_embedding_spec, parse_ctr_spec
 
 
 def _stats(a: np.ndarray) -> dict[str, Any]:
@@ -69,8 +72,31 @@ def summarize(path: str | os.PathLike) -> dict[str, Any]:
         "config": ckpt.config,
         "dataset": ckpt.dataset,
         "metrics": ckpt.metrics,
+        "tables": embedding_tables(path, ckpt),
     }
     return _json_safe(facts)
+
+
+def embedding_tables(path: str | os.PathLike, ckpt) -> dict[str, Any] | None:
+    """An embedding model's tables (:mod:`hpcps.io.tables`): the files of its step beside
+    it and the rows each table holds over them; None for other models. A checkpoint whose
+    table files are missing says so instead of failing: what it holds is still shown."""
+    spec = ckpt.config.get("model") if isinstance(ckpt.config, dict) else None
+    if not is_embedding_spec(spec):
+        return None
+    fields = (ckpt.dataset or {}).get("fields") or []
+    dim = parse_ctr_spec(spec).dim
+    directory = Path(path).parent / tables.TABLES_DIR
+    try:
+        files = tables.table_files(directory, ckpt.step, len(fields), dim)
+    except CheckpointError as exc:
+        return {"missing": str(exc)}
+    rows = []
+    for t in range(len(fields)):
+        ids, _, accum, optimizer = tables.read(files, t)
+        rows.append({"table": t, "field": fields[t][0], "rows": int(len(ids)),
+                     "vocab": fields[t][2], "optimizer": optimizer})
+    return {"directory": str(directory), "files": len(files), "dim": dim, "per_table": rows}
 
 
 def _param_order(name: str) -> tuple[int, str]:
@@ -133,6 +159,14 @@ def describe(path: str | os.PathLike) -> str:
     lines += [_fmt_stats(k, v, width) for k, v in s["params"].items()]
     lines.append(f"optimizer {s['optimizer']}" + ("" if s["opt_state"] else " (no state)"))
     lines += [_fmt_stats(k, v, width) for k, v in s["opt_state"].items()]
+    t = s.get("tables")
+    if t is not None and "missing" in t:
+        lines.append(f"tables: {t['missing']}")
+    elif t is not None:
+        lines.append(f"tables  {t['directory']}: {t['files']} file(s), rows of {t['dim']} "
+                     f"dimensions, {sum(r['rows'] for r in t['per_table']):,} rows")
+        lines += [f"  table{r['table']:<3} {r['field']:<14} {r['rows']:>10,} rows of "
+                  f"{r['vocab']:,} ids ({r['optimizer']})" for r in t["per_table"]]
     for section in ("config", "dataset", "metrics"):
         lines.append(section + ("" if s[section] else " (empty)"))
         for k, v in flatten_keys(s[section]).items():
