@@ -222,7 +222,20 @@ ROW_L2 = Option("row_l2", float, "embedding models: L2 weight decay of the rows,
 ROW_INIT_SCALE = Option("row_init_scale", float, "embedding models: a row is created on first "
                         "use uniform in [-s, s), from its (table, id) and --seed (default: the "
                         "strategy's, below)", check="positive")
-EMBEDDING_OPTIONS = (ROW_LR, ROW_OPTIMIZER, ROW_L2, ROW_INIT_SCALE)
+TABLE_CAPACITY = Option("table_capacity", int, "embedding models: each server shard holds at "
+                        "most this many rows of each table; new rows beyond it evict the rows "
+                        "unused for the longest (an evicted row starts again from its initial "
+                        "row), and a pushed gradient of a row evicted since its pull is "
+                        "dropped; at least the rows one batch can touch in one table "
+                        "(default: none, unbounded)", check="positive")
+# --admit-after's largest value: sightings are counted in 16-bit saturating counters
+# (hpcps.ps.admission.COUNTER_MAX; declared here, below the layers that load MPI)
+ADMIT_AFTER_MAX = 0xFFFF
+ADMIT_AFTER = Option("admit_after", int, "embedding models: a row is created only once its id "
+                     "has been seen in this many training pulls (counted per shard in a "
+                     "fixed-size count-min sketch); until then it reads as zeros and its "
+                     "gradients are dropped (default 1: at first sight)", check="positive")
+EMBEDDING_OPTIONS = (ROW_LR, ROW_OPTIMIZER, ROW_L2, ROW_INIT_SCALE, TABLE_CAPACITY, ADMIT_AFTER)
 
 
 def check_embedding_options(cfg, embedding: bool, refused: dict[str, bool]) -> None:

@@ -1,8 +1,11 @@
 """Capacity with eviction and admission after c sightings (``--table-capacity``,
 ``--admit-after``): the row store against a plain Python reference (LRU order, eviction
-counts, dense arrays, a consistent map), the count-min sketch and the table files."""
+counts, dense arrays, a consistent map), the count-min sketch, the table files, and
+multi-rank downpour runs (every launch has a hard timeout, tests/mpirun.py)."""
 from __future__ import annotations
 
+import json
+import time
 from collections import Counter, OrderedDict
 
 import h5py
@@ -10,8 +13,11 @@ import numpy as np
 import pytest
 
 from hpcps.io import tables
+from hpcps.io.data.synthetic_ctr import prepare_synthetic_ctr
 from hpcps.ps.admission import COUNTER_MAX, Admission, CountMinSketch
 from hpcps.ps.embedding_store import HEADROOM, EmbeddingStore
+
+import mpirun
 
 DIM = 4
 SPEC = "embed8,fc16,fc1"
@@ -214,6 +220,8 @@ def test_count_min_sketch_never_counts_low_and_saturates():
     assert (wide.add(0, np.array([5], np.int64)) == COUNTER_MAX).all()  # no wrap to 0
     with pytest.raises(ValueError):
         Admission(COUNTER_MAX + 1)
+    from hpcps.options import ADMIT_AFTER_MAX  # what the option refuses beyond
+    assert ADMIT_AFTER_MAX == COUNTER_MAX
 
 
 def test_load_beyond_the_capacity_keeps_the_rows_given_last():
@@ -244,3 +252,77 @@ def test_table_files_hold_only_the_rows_held(tmp_path):
     got_ids, got_rows, accum, _ = tables.read([path], 1)
     back.load(got_ids, got_rows, accum)
     assert sorted(back.ids.tolist()) == sorted(stores[1].ids.tolist())
+
+
+# -- multi-rank runs -----------------------------------------------------------------------
+
+def quiet(*_a, **_k):
+    return None
+
+
+@pytest.fixture(scope="module")
+def ctr_h5(tmp_path_factory):
+    path = tmp_path_factory.mktemp("ctr") / "ctr.h5"
+    prepare_synthetic_ctr(path, rows=6000, fields=5, vocab=300, zipf=1.1, seed=3,
+                          test_rows=1000, log=quiet)
+    return path
+
+
+def summary(run_dir):
+    recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in recs if r["kind"] == "summary"][-1]
+
+
+def test_small_capacity_and_admission_train(ctr_h5, tmp_path, capsys):
+    """2 replicas, 2 shards, 80 rows per table and shard of a vocabulary of 300 (about 150
+    per shard): rows are evicted, pushes to evicted rows dropped, tail ids answered zeros,
+    and the model still learns; the table files hold at most the capacity."""
+    run_dir = tmp_path / "run"
+    run = mpirun.train(4, "--model", SPEC, "--data", str(ctr_h5), "--servers", "2",
+                       "--epochs", "2", "--batch-size", "64", "--warmup-steps", "20",
+                       "--table-capacity", "80", "--admit-after", "2", "--eval-every", "0",
+                       "--run-dir", str(run_dir), "--timeout", "60", timeout=240)
+    assert run.returncode == 0, run.output
+    rec = summary(run_dir)
+    assert rec["test_auc"] > 0.65, rec["test_auc"]
+    assert rec["table_capacity"] == 80 and rec["admit_after"] == 2
+    assert rec["rows_evicted"] > 0 and rec["row_grads_dropped"] > 0 and rec["ids_zeroed"] > 0
+    assert max(rec["rows_held_per_shard"]) <= 5 * 80
+    assert "rows evicted" in run.stdout and "ids answered zeros before admission" in run.stdout
+    assert "at most 80 rows per table and shard" in run.stdout
+    for path in sorted((run_dir / "tables").glob("shard-*.h5")):
+        with h5py.File(path, "r") as f:
+            for t in range(5):
+                ids = f[f"table{t}/ids"][()]
+                assert len(ids) <= 80 and len(np.unique(ids)) == len(ids)
+    # hpcps.evaluate reads the table files as the shards did (ids not held: zeros)
+    from hpcps.tools import evaluate
+    assert evaluate.main([str(run_dir / "checkpoint.h5"), "--data", str(ctr_h5),
+                          "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["auc"] == pytest.approx(rec["test_auc"], abs=1e-6)
+
+
+@pytest.mark.parametrize("extra,words", [
+    (["--table-capacity", "63"], "--table-capacity 63 is below the rows one batch can touch"),
+    (["--admit-after", "70000"], "at most 65535"),
+    (["--table-capacity", "0"], "--table-capacity must be positive"),
+])
+def test_refused_at_start(ctr_h5, tmp_path, extra, words):
+    t0 = time.monotonic()
+    run = mpirun.train(3, "--model", SPEC, "--data", str(ctr_h5), "--servers", "1",
+                       "--batch-size", "64", *extra, "--run-dir", str(tmp_path / "run"),
+                       timeout=60)
+    assert run.returncode == 2, run.output
+    errors = [ln for ln in run.stderr.splitlines() if ln.startswith("hpcps: error")]
+    assert len(errors) == 1 and words in errors[0], run.stderr
+    assert time.monotonic() - t0 < 30
+    assert not (tmp_path / "run" / "checkpoint.h5").exists()
+
+
+def test_refused_without_an_embedding_model(digits_h5, tmp_path):
+    for flag in ("--table-capacity", "--admit-after"):
+        run = mpirun.train(2, "--data", str(digits_h5), "--servers", "1", flag, "100",
+                           "--run-dir", str(tmp_path / "run"), timeout=60)
+        assert run.returncode == 2, run.output
+        assert f"{flag} applies to embedding models" in run.stderr

@@ -23,8 +23,8 @@ from hpcps.compress.threshold import check_config, describe_tau
 from hpcps.errors import ConfigError
 from hpcps.model import optim
 from hpcps.model.spec import is_embedding_spec
-from hpcps.options import (CHUNK_BYTES, COMPRESSION, EMBEDDING_OPTIONS, GOLOMB,
-                           HEARTBEAT_TIMEOUT, LOOP_OPTIONS, TAU, WARMUP_STEPS, Option,
+from hpcps.options import (ADMIT_AFTER_MAX, CHUNK_BYTES, COMPRESSION, EMBEDDING_OPTIONS,
+                           GOLOMB, HEARTBEAT_TIMEOUT, LOOP_OPTIONS, TAU, WARMUP_STEPS, Option,
                            check_embedding_options, check_fault_options, check_loop_options)
 from hpcps.ps.chunks import DEFAULT_CHUNK_BYTES
 from hpcps.strategies.downpour.summary import summary_lines
@@ -56,7 +56,7 @@ def _defaults(cfg) -> dict:
         d.update(tau=DOWNPOUR_TAU, golomb="on")
     if is_embedding_spec(cfg.model):  # chosen on MovieLens-100k (docs/ctr.md)
         d.update(lr=0.005, row_lr=0.05, row_optimizer="rowwise_adagrad", row_l2=3e-4,
-                 row_init_scale=0.01, batch_size=256)
+                 row_init_scale=0.01, batch_size=256, admit_after=1)
         if cfg.steps is None:
             d["epochs"] = EMBEDDING_EPOCHS
     return d
@@ -77,6 +77,9 @@ def _validate_embeddings(cfg) -> None:
         "--weight-decay": bool(cfg.weight_decay), "--dropout": bool(cfg.dropout),
         "--lr-schedule cosine": optim.varies(cfg.lr_schedule),
         "--validation-fraction": bool(cfg.validation_fraction)})
+    if cfg.admit_after is not None and cfg.admit_after > ADMIT_AFTER_MAX:
+        raise ConfigError(f"--admit-after {cfg.admit_after}: sightings are counted in 16-bit "
+                          f"counters (hpcps.ps.admission), so at most {ADMIT_AFTER_MAX}")
 
 
 def _validate(cfg) -> None:
@@ -181,6 +184,11 @@ def _describe(cfg, n_train: int) -> str:
     if is_embedding_spec(cfg.model):
         how += (f"; embedding rows pulled and pushed by id, {cfg.row_optimizer} "
                 f"row_lr={cfg.row_lr} on the shards")
+        if cfg.table_capacity is not None:
+            how += (f", at most {cfg.table_capacity} rows per table and shard (least "
+                    "recently used evicted)")
+        if (cfg.admit_after or 1) > 1:
+            how += f", a row created once its id is seen in {cfg.admit_after} pulls"
     return how
 
 

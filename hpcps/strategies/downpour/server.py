@@ -201,7 +201,8 @@ def embedding_rows(ctx: Context) -> RowShard | None:
         return None
     cfg, model = ctx.cfg, ctx.full_model
     rows = RowShard(ctx.grid.world, model.n_tables, model.dim, cfg.seed, cfg.row_optimizer,
-                    cfg.row_lr, cfg.adagrad_eps, cfg.row_l2, cfg.row_init_scale)
+                    cfg.row_lr, cfg.adagrad_eps, cfg.row_l2, cfg.row_init_scale,
+                    max_rows=cfg.table_capacity, admit_after=cfg.admit_after or 1)
     if cfg.resume:  # this shard's rows, from files written by any number of shards
         files = table_files(Path(cfg.resume).parent / TABLES_DIR, ctx.start_step,
                             model.n_tables, model.dim)

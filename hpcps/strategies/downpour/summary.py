@@ -30,6 +30,12 @@ def summarize(ctx: Context, results: list[dict]) -> dict:
                    rows_held_per_shard=per_shard,
                    rows_per_step=sum(r.get("rows_pulled", 0) for r in reps) / trained,
                    row_bytes_resident_per_shard=[s["row_bytes_resident"] for s in shards])
+        if cfg.table_capacity is not None or (cfg.admit_after or 1) > 1:
+            # what capacity and admission did, summed over the shards
+            out.update(table_capacity=cfg.table_capacity, admit_after=cfg.admit_after or 1,
+                       rows_evicted=sum(s["rows_evicted"] for s in shards),
+                       row_grads_dropped=sum(s["row_grads_dropped"] for s in shards),
+                       ids_zeroed=sum(s["ids_zeroed"] for s in shards))
     if cfg.staleness_bound is not None:  # per shard, averaged over the shards
         out.update(staleness_bound=cfg.staleness_bound,
                    clock_lead_max=max(r["clock_lead_max"] for r in reps + shards),
@@ -109,6 +115,14 @@ def summary_lines(f: dict) -> list[str]:
                      f"({min(per)}-{max(per)} per shard, "
                      f"{max(f['row_bytes_resident_per_shard']) / 2**20:.1f} MiB at most), "
                      f"{f['rows_per_step']:.0f} pulled and pushed per step")
+    if "rows_evicted" in f:
+        cap = f["table_capacity"]
+        lines.append(f"table capacity {cap if cap is not None else 'unbounded'}"
+                     + (" rows per table and shard" if cap is not None else "")
+                     + f", admission after {f['admit_after']} sighting(s): "
+                     f"{f['rows_evicted']} rows evicted, {f['row_grads_dropped']} row "
+                     "gradients dropped (row evicted since its pull, or not admitted), "
+                     f"{f['ids_zeroed']} ids answered zeros before admission")
     if "compression_ratio" in f:
         lines.append(f"{f['updates_per_step']:.0f} updates per step, {f['bits_per_update']:.1f} "
                      f"bits per update, compression {f['compression_ratio']:.0f}x of the dense "
