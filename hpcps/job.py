@@ -81,10 +81,30 @@ def _ensure_dataset(cfg: config.Config, rank: int) -> None:
             return
 
 
+def _check_table_capacity(cfg: config.Config, fields) -> None:
+    """Refuse a ``--table-capacity`` below what one batch can need at once. A shard serves
+    one replica's batch in one pull and never evicts a row of it, so each table's rows of
+    the batch must fit together: for field f, up to min(batch_size x width_f, vocab_f)
+    distinct ids, all of them on one shard in the worst case."""
+    cap = cfg.table_capacity
+    if cap is None:
+        return
+    needs = [(min(cfg.batch_size * f.width, f.vocab), t, f) for t, f in enumerate(fields)]
+    need, t, f = max(needs, key=lambda x: x[0])
+    if cap < need:
+        raise ConfigError(f"--table-capacity {cap} is below the rows one batch can touch in "
+                          f"one table, all on one shard in the worst case: table {t} (field "
+                          f"{f.name!r}, {f.width} id(s) per example, vocabulary {f.vocab}) "
+                          f"up to min(--batch-size {cfg.batch_size} x {f.width}, {f.vocab}) = "
+                          f"{need}; give --table-capacity {need} or more, or a smaller "
+                          "--batch-size")
+
+
 def _check_dataset(cfg: config.Config) -> data.DatasetInfo:
     if is_embedding_spec(cfg.model):  # categorical ids, not dense features
         info = data.open_categorical(cfg.data)
         convnet.build(cfg, info)  # refuses non-binary labels
+        _check_table_capacity(cfg, info.fields)
         return info
     info = data.open_dataset(cfg.data)
     if cfg.model is not None:

@@ -222,7 +222,20 @@ ROW_L2 = Option("row_l2", float, "embedding models: L2 weight decay of the rows,
 ROW_INIT_SCALE = Option("row_init_scale", float, "embedding models: a row is created on first "
                         "use uniform in [-s, s), from its (table, id) and --seed (default: the "
                         "strategy's, below)", check="positive")
-EMBEDDING_OPTIONS = (ROW_LR, ROW_OPTIMIZER, ROW_L2, ROW_INIT_SCALE)
+TABLE_CAPACITY = Option("table_capacity", int, "embedding models: each server shard holds at "
+                        "most this many rows of each table; new rows beyond it evict the rows "
+                        "unused for the longest (an evicted row starts again from its initial "
+                        "row), and a pushed gradient of a row evicted since its pull is "
+                        "dropped; at least the rows one batch can touch in one table "
+                        "(default: none, unbounded)", check="positive")
+# --admit-after's largest value: sightings are counted in 16-bit saturating counters
+# (hpcps.ps.admission.COUNTER_MAX; declared here, below the layers that load MPI)
+ADMIT_AFTER_MAX = 0xFFFF
+ADMIT_AFTER = Option("admit_after", int, "embedding models: a row is created only once its id "
+                     "has been seen in this many training pulls (counted per shard in a "
+                     "fixed-size count-min sketch); until then it reads as zeros and its "
+                     "gradients are dropped (default 1: at first sight)", check="positive")
+EMBEDDING_OPTIONS = (ROW_LR, ROW_OPTIMIZER, ROW_L2, ROW_INIT_SCALE, TABLE_CAPACITY, ADMIT_AFTER)
 
 
 def check_embedding_options(cfg, embedding: bool, refused: dict[str, bool]) -> None:
@@ -242,6 +255,29 @@ def check_embedding_options(cfg, embedding: bool, refused: dict[str, bool]) -> N
                           f"{'does' if len(given) == 1 else 'do'} not handle here: drop "
                           f"{'it' if len(given) == 1 else 'them'} (docs/ctr.md lists what "
                           "embedding models run with)")
+    if cfg.admit_after is not None and cfg.admit_after > ADMIT_AFTER_MAX:
+        raise ConfigError(f"--admit-after {cfg.admit_after}: sightings are counted in 16-bit "
+                          f"counters (hpcps.ps.admission), so at most {ADMIT_AFTER_MAX}")
+
+
+# Defaults of the embedding options, for a strategy that trains embedding models (chosen on
+# MovieLens-100k: docs/ctr.md)
+EMBEDDING_DEFAULTS = {"lr": 0.005, "row_lr": 0.05, "row_optimizer": "rowwise_adagrad",
+                      "row_l2": 3e-4, "row_init_scale": 0.01, "batch_size": 256,
+                      "admit_after": 1}
+EMBEDDING_EPOCHS = 5.0  # --epochs' default for embedding models
+
+
+def describe_rows(cfg) -> str:
+    """How an embedding model's rows are trained, for the start line."""
+    how = (f"embedding rows pulled and pushed by id, {cfg.row_optimizer} row_lr={cfg.row_lr}"
+           " on the shards")
+    if cfg.table_capacity is not None:
+        how += (f", at most {cfg.table_capacity} rows per table and shard (least recently "
+                "used evicted)")
+    if (cfg.admit_after or 1) > 1:
+        how += f", a row created once its id is seen in {cfg.admit_after} pulls"
+    return how
 
 
 # The options every strategy built on this loop takes (each lists ``*LOOP_OPTIONS``): batch

@@ -116,6 +116,12 @@ def test_missing_toml(tmp_path):
     (["--lr-schedule", "step"], "invalid choice"),
     (["--strategy", "sandblaster", "--lr-schedule", "cosine"], "applies only to --strategy"),
     (["--push", "activations", "--lr-schedule", "cosine"], "fixed --lr in a fused kernel"),
+    (["--table-capacity", "100"], "--table-capacity applies to embedding models"),
+    (["--admit-after", "2"], "--admit-after applies to embedding models"),
+    (["--model", "ctr-dnn", "--table-capacity", "0"], "--table-capacity must be positive"),
+    (["--model", "ctr-dnn", "--admit-after", "0"], "--admit-after must be positive"),
+    (["--model", "ctr-dnn", "--admit-after", "65536"], "at most 65535"),
+    (["--strategy", "sync", "--table-capacity", "100"], "applies only to --strategy downpour"),
 ])
 def test_bad_cli(argv, needle):
     with pytest.raises(ConfigError, match=needle):

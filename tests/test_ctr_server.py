@@ -255,7 +255,8 @@ EMBEDDING_DIMS = [
     [[], ["--n-fetch", "2", "--n-push", "2"], ["--staleness-bound", "1"],
      ["--warmup-steps", "0", "--row-optimizer", "sgd", "--row-lr", "1"],
      ["--row-optimizer", "adagrad", "--row-l2", "1e-4"],
-     ["--optimizer", "momentum", "--model", "embed4:mean,dot,fc8,fc1"]],
+     ["--optimizer", "momentum", "--model", "embed4:mean,dot,fc8,fc1"],
+     ["--table-capacity", "64", "--admit-after", "2"]],  # a batch's 64 rows: the least
 ]
 # what no embedding run takes, each with a message of its own (the options downpour refuses
 # with embeddings are listed in _validate_embeddings; tests/test_config.py-style checks below)

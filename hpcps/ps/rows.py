@@ -23,6 +23,14 @@ A step pulls each unique id of its batch once and pushes each once
 (:meth:`hpcps.model.ctr.CtrModel.lookup`). The pull is the step's only wait; the push is sent
 without waiting, and a shard handles one replica's messages in the order sent, so the next
 pull of the same rows sees this push applied.
+
+**Capacity and admission** (``--table-capacity``, ``--admit-after``): each table's
+:class:`~hpcps.ps.embedding_store.EmbeddingStore` holds at most ``max_rows`` rows, evicting
+the least recently used, and creates a row at the c-th training pull of its id, counted in
+one count-min sketch per shard shared by its tables (:mod:`hpcps.ps.admission`). A shard
+answers zeros for an id not admitted, and drops the pushed gradient of a row it does not
+hold (evicted by another replica's pull between this replica's pull and push, or not
+admitted); :meth:`RowShard.figures` counts both and the rows evicted.
 """
 from __future__ import annotations
 
@@ -36,6 +44,7 @@ from hpcps.io import tables
 from hpcps.kernels.embedding import place
 from hpcps.mpi.comm import REQUEST_NULL, Transport, size_of, wait_all
 from hpcps.mpi.protocol import HEADER_BYTES, ByteMessage, H, Tag
+from hpcps.ps.admission import Admission
 from hpcps.ps.embedding_store import EmbeddingStore
 
 def _pairs_bytes(n: int) -> int:
@@ -55,16 +64,22 @@ class RowShard:
     eps : Adagrad's epsilon.
     l2 : weight decay of the rows pushed (``--row-l2``).
     init_scale : new rows are uniform in [-init_scale, init_scale) (``--row-init-scale``).
+    max_rows : the most rows of each table held (``--table-capacity``; None: unbounded).
+    admit_after : create a row at the c-th training pull of its id (``--admit-after``; 1:
+        at the first, and no sketch is allocated).
     """
 
     def __init__(self, comm, n_tables: int, dim: int, seed: int, optimizer: str, lr: float,
-                 eps: float = 1e-8, l2: float = 0.0, init_scale: float | None = None):
+                 eps: float = 1e-8, l2: float = 0.0, init_scale: float | None = None,
+                 max_rows: int | None = None, admit_after: int = 1):
         self.net = Transport(comm)
         self.l2 = float(l2)
         self.dim = int(dim)
         self.lr, self.eps = float(lr), float(eps)
+        self.admission = Admission(admit_after) if admit_after > 1 else None
         self.tables = [EmbeddingStore(dim, table=t, seed=seed, optimizer=optimizer,
-                                      init_scale=init_scale)
+                                      init_scale=init_scale, max_rows=max_rows,
+                                      admission=self.admission)
                        for t in range(n_tables)]
         self._in = np.empty(0, dtype=np.uint8)
         self._out = ByteMessage(0)
@@ -150,11 +165,19 @@ class RowShard:
         return True
 
     def figures(self) -> dict:
+        """This shard's counts for the summary. ``rows_evicted``: rows evicted for want of
+        capacity; ``row_grads_dropped``: pushed row gradients dropped, their row not held;
+        ``ids_zeroed``: ids answered zeros by training pulls before their admission (an id
+        counts at each such pull). The resident bytes include the admission sketch."""
+        sketch = self.admission.sketch.nbytes if self.admission is not None else 0
         return {"rows_held": [len(t) for t in self.tables], "row_pulls": self.pulls,
                 "row_pushes": self.pushes, "rows_pulled": self.rows_out,
                 "rows_pushed": self.rows_in, "row_bytes_in": self.bytes_in,
                 "row_bytes_out": self.bytes_out,
-                "row_bytes_resident": sum(t.resident_bytes() for t in self.tables)}
+                "row_bytes_resident": sum(t.resident_bytes() for t in self.tables) + sketch,
+                "rows_evicted": sum(t.evicted for t in self.tables),
+                "row_grads_dropped": sum(t.dropped for t in self.tables),
+                "ids_zeroed": sum(t.zeroed for t in self.tables)}
 
     def load(self, files: Sequence[Path], shard: int, n_shards: int) -> int:
         """Take this shard's rows (``place(t, id, n_shards) == shard``) from the table files

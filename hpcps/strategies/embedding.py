@@ -5,8 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from hpcps.io.tables import TABLES_DIR, shard_file, table_files
-from hpcps.ps.rows import RowShard
+from hpcps.ps.rows import RowClient, RowShard
 from hpcps.strategies.context import Context
+from hpcps.strategies.gradients import EmbeddingSource
 
 
 def tables_path(ctx: Context, shard: int) -> Path:
@@ -19,9 +20,50 @@ def row_shard(ctx: Context) -> RowShard:
     of the checkpoint's rows, from files written by any number of shards."""
     cfg, model = ctx.cfg, ctx.full_model
     rows = RowShard(ctx.grid.world, model.n_tables, model.dim, cfg.seed, cfg.row_optimizer,
-                    cfg.row_lr, cfg.adagrad_eps, cfg.row_l2, cfg.row_init_scale)
+                    cfg.row_lr, cfg.adagrad_eps, cfg.row_l2, cfg.row_init_scale,
+                    max_rows=cfg.table_capacity, admit_after=cfg.admit_after or 1)
     if cfg.resume:
         files = table_files(Path(cfg.resume).parent / TABLES_DIR, ctx.start_step,
                             model.n_tables, model.dim)
         rows.load(files, ctx.grid.role.shard, ctx.grid.layout.servers)
     return rows
+
+
+class EmbeddingRows:
+    """Mixin of a replica loop (:class:`hpcps.strategies.loop.ReplicaLoop`) that trains an
+    embedding model: its gradient source pulls and pushes the batch's rows
+    (:class:`~hpcps.strategies.gradients.EmbeddingSource` over a
+    :class:`~hpcps.ps.rows.RowClient` to every shard), the chief scores the model with the
+    shards' rows, and progress records count the rows a step moves. Put it first among the
+    bases; a strategy sends its shards whatever ends its run after :meth:`drain_rows`."""
+
+    rows: RowClient
+    source: EmbeddingSource
+    ctx: Context
+    done: int
+
+    def make_source(self, ctx: Context) -> EmbeddingSource:
+        model, grid = ctx.model, ctx.grid
+        self.rows = RowClient(grid.world, grid.layout.server_ranks, model.n_tables, model.dim,
+                              grid.role.replica, ctx.cfg.timeout)
+        return EmbeddingSource(ctx, self.rows)
+
+    def __init__(self, ctx: Context):
+        super().__init__(ctx)  # type: ignore[call-arg]  # the loop's
+        if ctx.grid.is_chief:
+            ctx.evaluator = self.source.evaluate
+
+    def progress_fields(self) -> dict:
+        return {**super().progress_fields(),  # type: ignore[misc]
+                "rows_per_step": round(self.rows.rows_pulled / max(1, self.done), 1)}
+
+    def drain_rows(self) -> None:
+        """The last row pushes on their way: they go before the message that ends this
+        replica's run (a shard takes one replica's messages in order)."""
+        self.rows.drain()
+
+    def release_rows(self) -> None:
+        """On the chief, after its final evaluation read the rows it needs: the shards may
+        leave."""
+        if self.ctx.grid.is_chief:
+            self.rows.release()

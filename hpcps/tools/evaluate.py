@@ -473,8 +473,9 @@ def run_embedding(args: argparse.Namespace, ckpt: checkpoint.Checkpoint
                   ) -> tuple[dict[str, Any], list[str]]:
     """Score an embedding model's checkpoint (``checkpoint.h5`` and the table files beside
     it, :mod:`hpcps.io.tables`) on a categorical split: AUC and log loss, with ``--predict``
-    each row's P(y = 1) (as two classes, 0 and 1). A row the run never trained reads as its
-    initial values, as in training's evaluations."""
+    each row's P(y = 1) (as two classes, 0 and 1). A row the table files do not hold reads
+    as its initial values, as in training's evaluations, or as zeros when the run admitted
+    rows after several sightings (``--admit-after`` > 1: what its shards read too)."""
     cfg = ckpt.config
     path = data_path(args, ckpt)
     info = data.open_categorical(path)
@@ -493,11 +494,12 @@ def run_embedding(args: argparse.Namespace, ckpt: checkpoint.Checkpoint
     files = tables.table_files(Path(args.checkpoint).parent / tables.TABLES_DIR, ckpt.step,
                                model.n_tables, model.dim)
     stores = []
+    absent = "zeros" if int(cfg.get("admit_after") or 1) > 1 else "initial"
     for t in range(model.n_tables):
         ids, rows, _, _ = tables.read(files, t)
         store = EmbeddingStore(model.dim, table=t, seed=int(cfg.get("seed", 0)),
                                optimizer="sgd", init_scale=cfg.get("row_init_scale"),
-                               capacity=max(1, len(ids)))
+                               capacity=max(1, len(ids)), absent=absent)
         store.load(ids, rows)
         stores.append(store)
     block = data.load_block(path, args.split)

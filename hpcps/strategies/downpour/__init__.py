@@ -23,9 +23,10 @@ from hpcps.compress.threshold import check_config, describe_tau
 from hpcps.errors import ConfigError
 from hpcps.model import optim
 from hpcps.model.spec import is_embedding_spec
-from hpcps.options import (CHUNK_BYTES, COMPRESSION, EMBEDDING_OPTIONS, GOLOMB,
-                           HEARTBEAT_TIMEOUT, LOOP_OPTIONS, TAU, WARMUP_STEPS, Option,
-                           check_embedding_options, check_fault_options, check_loop_options)
+from hpcps.options import (CHUNK_BYTES, COMPRESSION, EMBEDDING_DEFAULTS, EMBEDDING_EPOCHS,
+                           EMBEDDING_OPTIONS, GOLOMB, HEARTBEAT_TIMEOUT, LOOP_OPTIONS, TAU,
+                           WARMUP_STEPS, Option, check_embedding_options, check_fault_options,
+                           check_loop_options, describe_rows)
 from hpcps.ps.chunks import DEFAULT_CHUNK_BYTES
 from hpcps.strategies.downpour.summary import summary_lines
 from hpcps.strategies.registry import SERVERS, Strategy, message_tags
@@ -40,7 +41,6 @@ def momentum_corrected(cfg) -> bool:
 # rank 0, the final parameters, for evaluation
 Tag = message_tags("downpour", "WARMUP_DONE", "FINAL")
 PS_HEARTBEAT_TIMEOUT = 10.0  # --heartbeat-timeout's default with --ps-copies > 1 (seconds)
-EMBEDDING_EPOCHS = 5.0  # --epochs' default for embedding models
 DOWNPOUR_TAU = 0.01  # default threshold of compressed pushes (gradient units, not weight units)
 
 
@@ -54,9 +54,8 @@ def _defaults(cfg) -> dict:
         d["chunk_bytes"] = DEFAULT_CHUNK_BYTES
     if cfg.compress == "threshold":
         d.update(tau=DOWNPOUR_TAU, golomb="on")
-    if is_embedding_spec(cfg.model):  # chosen on MovieLens-100k (docs/ctr.md)
-        d.update(lr=0.005, row_lr=0.05, row_optimizer="rowwise_adagrad", row_l2=3e-4,
-                 row_init_scale=0.01, batch_size=256)
+    if is_embedding_spec(cfg.model):
+        d.update(EMBEDDING_DEFAULTS)
         if cfg.steps is None:
             d["epochs"] = EMBEDDING_EPOCHS
     return d
@@ -179,8 +178,7 @@ def _describe(cfg, n_train: int) -> str:
     if cfg.push == "activations":
         how += ", pushes of layer inputs and errors"
     if is_embedding_spec(cfg.model):
-        how += (f"; embedding rows pulled and pushed by id, {cfg.row_optimizer} "
-                f"row_lr={cfg.row_lr} on the shards")
+        how += "; " + describe_rows(cfg)
     return how
 
 

@@ -13,9 +13,8 @@ from hpcps.mpi.comm import Transport, dup_comm, wait_all
 from hpcps.mpi.protocol import H, Message, Tag
 from hpcps.ps import activations, replicated
 from hpcps.ps.client import Client
-from hpcps.ps.rows import RowClient
 from hpcps.model.spec import is_embedding_spec
-from hpcps.strategies.gradients import EmbeddingSource
+from hpcps.strategies.embedding import EmbeddingRows
 from hpcps.ps.epochs import EpochClock
 from hpcps.ps.liveness import HEARTBEATS_PER_TIMEOUT, HeartbeatThread
 from hpcps.strategies.context import (
@@ -335,36 +334,19 @@ class DownpourReplica(ReplicaLoop):
         return out
 
 
-class EmbeddingReplica(DownpourReplica):
+class EmbeddingReplica(EmbeddingRows, DownpourReplica):
     """A replica of an embedding model (:mod:`hpcps.model.ctr`): the dense layers as any
-    model's, the batch's embedding rows pulled and pushed by id every step
-    (:class:`hpcps.strategies.gradients.EmbeddingSource`). The chief scores the model with
-    the shards' rows, which they serve until it releases them after the final evaluation."""
-
-    def make_source(self, ctx: Context) -> EmbeddingSource:
-        model, grid = ctx.model, ctx.grid
-        self.rows = RowClient(grid.world, grid.layout.server_ranks, model.n_tables, model.dim,
-                              grid.role.replica, ctx.cfg.timeout)
-        return EmbeddingSource(ctx, self.rows)
-
-    def __init__(self, ctx: Context):
-        super().__init__(ctx)
-        if ctx.grid.is_chief:
-            ctx.evaluator = self.source.evaluate
-
-    def progress_fields(self) -> dict:
-        return {**super().progress_fields(),
-                "rows_per_step": round(self.rows.rows_pulled / max(1, self.done), 1)}
+    model's, the batch's embedding rows pulled and pushed by id every step. The chief scores
+    the model with the shards' rows, which they serve until it releases them after the final
+    evaluation."""
 
     def after_loop(self) -> None:
-        # the last row pushes go before DONE: a shard takes one replica's messages in order
-        self.rows.drain()
-        super().after_loop()
+        self.drain_rows()
+        super().after_loop()  # the dense pushes, then DONE
 
     def finish(self, train_s: float) -> dict:
         out = super().finish(train_s)
-        if self.ctx.grid.is_chief:  # the final evaluation has read the rows it needs
-            self.rows.release()
+        self.release_rows()
         r = self.rows
         return {**out, "bytes_sent": out["bytes_sent"] + r.bytes_sent,
                 "bytes_received": out["bytes_received"] + r.bytes_received,

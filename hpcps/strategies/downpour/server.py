@@ -2,7 +2,6 @@
 of each chunk or (``--ps-copies``) a copy of several chunk sets."""
 from __future__ import annotations
 
-from pathlib import Path
 
 
 import numpy as np
@@ -17,8 +16,8 @@ from hpcps.ps.consistency import SoftSync, StaleSynchronous
 from hpcps.ps.epochs import EpochKeeper
 from hpcps.ps.gradient_shard import GradientShard
 from hpcps.ps.liveness import Liveness
-from hpcps.io.tables import TABLES_DIR, shard_file, table_files
 from hpcps.ps.rows import RowShard
+from hpcps.strategies.embedding import row_shard, tables_path
 from hpcps.ps.serve import serve
 from hpcps.model.spec import is_embedding_spec
 from hpcps.strategies.downpour import Tag as DownpourTag
@@ -190,23 +189,9 @@ def run_server(ctx: Context) -> dict:
             "persist": persister.figures() if persister is not None else None}
 
 
-def tables_path(ctx: Context, shard: int) -> Path:
-    """Where server shard ``shard`` writes its rows: ``tables/shard-<s>-of-<S>.h5``."""
-    return shard_file(ctx.run_dir / TABLES_DIR, shard, ctx.grid.layout.servers)
-
-
 def embedding_rows(ctx: Context) -> RowShard | None:
     """This shard's rows of an embedding model's tables (None for other models)."""
-    if not is_embedding_spec(ctx.cfg.model):
-        return None
-    cfg, model = ctx.cfg, ctx.full_model
-    rows = RowShard(ctx.grid.world, model.n_tables, model.dim, cfg.seed, cfg.row_optimizer,
-                    cfg.row_lr, cfg.adagrad_eps, cfg.row_l2, cfg.row_init_scale)
-    if cfg.resume:  # this shard's rows, from files written by any number of shards
-        files = table_files(Path(cfg.resume).parent / TABLES_DIR, ctx.start_step,
-                            model.n_tables, model.dim)
-        rows.load(files, ctx.grid.role.shard, ctx.grid.layout.servers)
-    return rows
+    return row_shard(ctx) if is_embedding_spec(ctx.cfg.model) else None
 
 
 def run_replicated_server(ctx: Context) -> dict:

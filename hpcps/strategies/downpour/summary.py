@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
+from hpcps.strategies.rows_summary import row_figures, row_lines
+
 if TYPE_CHECKING:
     from hpcps.strategies.context import Context
 
@@ -24,12 +26,7 @@ def summarize(ctx: Context, results: list[dict]) -> dict:
            "staleness_hist": min(shards, key=lambda s: s["shard"])["staleness_hist"]}
     out.update(results[ctx.reporter].get("figures", {}))  # the chief's model-parallel figures
     if shards and "rows_held" in shards[0]:  # an embedding model's rows on the shards
-        by_table = [sum(col) for col in zip(*(s["rows_held"] for s in shards))]
-        per_shard = [sum(s["rows_held"]) for s in shards]
-        out.update(rows_held=sum(by_table), rows_held_by_table=by_table,
-                   rows_held_per_shard=per_shard,
-                   rows_per_step=sum(r.get("rows_pulled", 0) for r in reps) / trained,
-                   row_bytes_resident_per_shard=[s["row_bytes_resident"] for s in shards])
+        out.update(row_figures(cfg, shards, reps, trained))
     if cfg.staleness_bound is not None:  # per shard, averaged over the shards
         out.update(staleness_bound=cfg.staleness_bound,
                    clock_lead_max=max(r["clock_lead_max"] for r in reps + shards),
@@ -103,12 +100,7 @@ def summarize(ctx: Context, results: list[dict]) -> dict:
 
 def summary_lines(f: dict) -> list[str]:
     lines = []
-    if "rows_held" in f:
-        per = f["rows_held_per_shard"]
-        lines.append(f"embedding rows: {f['rows_held']} held over {len(per)} shard(s) "
-                     f"({min(per)}-{max(per)} per shard, "
-                     f"{max(f['row_bytes_resident_per_shard']) / 2**20:.1f} MiB at most), "
-                     f"{f['rows_per_step']:.0f} pulled and pushed per step")
+    lines += row_lines(f)
     if "compression_ratio" in f:
         lines.append(f"{f['updates_per_step']:.0f} updates per step, {f['bits_per_update']:.1f} "
                      f"bits per update, compression {f['compression_ratio']:.0f}x of the dense "

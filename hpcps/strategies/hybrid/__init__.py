@@ -18,14 +18,12 @@ any number of shards. Embedding models only: an MLP or a conv model is refused a
 from hpcps.errors import ConfigError
 from hpcps.model import optim
 from hpcps.model.spec import is_embedding_spec
-from hpcps.options import (EMBEDDING_OPTIONS, LOOP_OPTIONS, check_embedding_options,
-                           check_loop_options)
+from hpcps.options import (EMBEDDING_DEFAULTS, EMBEDDING_EPOCHS, EMBEDDING_OPTIONS,
+                           LOOP_OPTIONS, check_embedding_options, check_loop_options,
+                           describe_rows)
 from hpcps.strategies.lr_rule import LR_RULE_OPTIONS, describe_rate
 from hpcps.strategies.registry import SERVERS, Strategy
 from hpcps.strategies.rows_summary import row_lines
-
-EPOCHS = 5.0  # the default --epochs, as downpour's for embedding models
-
 
 def _validate(cfg) -> None:
     if not is_embedding_spec(cfg.model):
@@ -40,18 +38,15 @@ def _validate(cfg) -> None:
 
 
 def _defaults(cfg) -> dict:
-    d = {"servers": 1, "lr": 0.005, "batch_size": 256, "prefetch": 2, "lr_rule": "none",
-         "row_lr": 0.05, "row_optimizer": "rowwise_adagrad", "row_l2": 3e-4,
-         "row_init_scale": 0.01}
+    d = {"servers": 1, "prefetch": 2, "lr_rule": "none", **EMBEDDING_DEFAULTS}
     if cfg.steps is None:
-        d["epochs"] = EPOCHS
+        d["epochs"] = EMBEDDING_EPOCHS
     return d
 
 
 def _describe(cfg, n_train: int, replicas: int | None = None) -> str:
     return (f"dense layers: {cfg.optimizer} {describe_rate(cfg, replicas)}, allreduced every "
-            f"step, batch {cfg.batch_size}/replica; embedding rows pulled and pushed by id, "
-            f"{cfg.row_optimizer} row_lr={cfg.row_lr} on the shards")
+            f"step, batch {cfg.batch_size}/replica; {describe_rows(cfg)}")
 
 
 STRATEGY = Strategy(

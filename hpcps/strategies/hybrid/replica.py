@@ -5,27 +5,15 @@ from __future__ import annotations
 
 from hpcps.mpi.comm import Transport
 from hpcps.mpi.protocol import ByteMessage, H, Tag
-from hpcps.ps.rows import RowClient
 from hpcps.strategies.context import Context
-from hpcps.strategies.gradients import EmbeddingSource
+from hpcps.strategies.embedding import EmbeddingRows
 from hpcps.strategies.sync.replica import SyncReplica
 
 
-class HybridReplica(SyncReplica):
+class HybridReplica(EmbeddingRows, SyncReplica):
     """Every iteration: pull the batch's rows, compute, push the rows' gradients (no wait),
     allreduce the dense gradient and apply it. The chief scores the model with the shards'
     rows and releases them after its final evaluation."""
-
-    def make_source(self, ctx: Context) -> EmbeddingSource:
-        model, grid = ctx.model, ctx.grid
-        self.rows = RowClient(grid.world, grid.layout.server_ranks, model.n_tables, model.dim,
-                              grid.role.replica, ctx.cfg.timeout)
-        return EmbeddingSource(ctx, self.rows)
-
-    def __init__(self, ctx: Context):
-        super().__init__(ctx)
-        if ctx.grid.is_chief:
-            ctx.evaluator = self.source.evaluate
 
     def _tell_shards(self, tag: int) -> None:
         msg = ByteMessage(0)
@@ -37,19 +25,13 @@ class HybridReplica(SyncReplica):
     def on_checkpoint(self, step: int) -> None:
         self._tell_shards(Tag.SAVE_ROWS)  # the rows at the checkpoint's step
 
-    def progress_fields(self) -> dict:
-        return {**super().progress_fields(),
-                "rows_per_step": round(self.rows.rows_pulled / max(1, self.done), 1)}
-
     def after_loop(self) -> None:
-        # the last row pushes go before DONE: a shard takes one replica's messages in order
-        self.rows.drain()
+        self.drain_rows()
         self._tell_shards(Tag.DONE)
 
     def finish(self, train_s: float) -> dict:
         out = super().finish(train_s)
-        if self.ctx.grid.is_chief:  # the final evaluation has read the rows it needs
-            self.rows.release()
+        self.release_rows()
         r = self.rows
         figures = dict(out.get("figures", {}))
         figures["bytes_per_step"] = (figures.get("bytes_per_step", 0.0)

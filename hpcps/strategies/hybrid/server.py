@@ -63,5 +63,5 @@ def summarize(ctx: Context, results: list[dict]) -> dict:
     shards = [r for r in results if "shard" in r]
     out = dict(results[ctx.reporter].get("figures", {}))
     trained = max(1, results[ctx.reporter].get("step", ctx.start_step) - ctx.start_step)
-    out.update(row_figures(shards, reps, trained))
+    out.update(row_figures(ctx.cfg, shards, reps, trained))
     return out
