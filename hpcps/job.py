@@ -130,8 +130,10 @@ def _load_resume(cfg: config.Config, info: data.DatasetInfo):
         raise CheckpointError(f"checkpoint {cfg.resume} holds model {saved or 'an MLP'} but "
                               f"this run asks for {cfg.model or 'an MLP (--layers)'}")
     if ckpt.optimizer not in cfg.spec.optimizers:  # no --optimizer of this strategy fits
+        embedding = is_embedding_spec(cfg.model)  # those that train this kind of model
         takers = [name for name, spec in strategies().items()
-                  if ckpt.optimizer in spec.optimizers]
+                  if ckpt.optimizer in spec.optimizers
+                  and (spec.embeddings if embedding else spec.dense_models)]
         raise CheckpointError(
             f"checkpoint {cfg.resume} was written by optimizer {ckpt.optimizer!r}, which "
             f"--strategy {cfg.strategy} does not run (it runs {' or '.join(cfg.spec.optimizers)})"

@@ -48,7 +48,8 @@ def test_defaults_and_description():
 @pytest.mark.parametrize("strategy", ["downpour", "deadreckon", "sandblaster"])
 @pytest.mark.parametrize("flag,value", [("--lr-rule", "linear"), ("--lr-warmup-steps", "10")])
 def test_refused_with_other_strategies(strategy, flag, value):
-    with pytest.raises(ConfigError, match="applies only to --strategy averaging or sync"):
+    with pytest.raises(ConfigError, match="applies only to --strategy averaging or hybrid or "
+                       "sync"):
         config.parse(["--strategy", strategy, flag, value])
 
 
