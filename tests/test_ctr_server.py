@@ -220,7 +220,7 @@ def test_resume_without_the_tables_is_refused(ctr_h5, tmp_path):
 
 @pytest.mark.parametrize("extra,words", [
     (["--strategy", "sync"], "does not train"),
-    (["--threads", "2"], "--threads > 1"),
+    (["--push", "activations"], "--push activations"),
     (["--compress", "threshold"], "--compress threshold"),
     (["--ps-copies", "2", "--servers", "2"], "--ps-copies > 1"),
 ])
@@ -251,6 +251,7 @@ EMBEDDING_DIMS = [
     [1, 2, 3],                                                   # S
     [1, 2, 3],                                                   # R
     [[], ["--trace"]],
+    [[], ["--threads", "2"]],
     ["downpour", "hybrid"],
     [[], ["--n-fetch", "2", "--n-push", "2"], ["--staleness-bound", "1"],
      ["--warmup-steps", "0", "--row-optimizer", "sgd", "--row-lr", "1"],
@@ -260,8 +261,8 @@ EMBEDDING_DIMS = [
 ]
 # what no embedding run takes, each with a message of its own (the options downpour refuses
 # with embeddings are listed in _validate_embeddings; tests/test_config.py-style checks below)
-EMBEDDING_REFUSED = [["--threads", "2"], ["--weight-decay", "1e-4"], ["--strategy", "sync"],
-                     ["--strategy", "hybrid", "--threads", "2"],
+EMBEDDING_REFUSED = [["--weight-decay", "1e-4"], ["--strategy", "sync"],
+                     ["--strategy", "hybrid", "--dropout", "0.1"],
                      ["--strategy", "averaging"], ["--strategy", "deadreckon"],
                      ["--strategy", "sandblaster"], ["--push", "activations"],
                      ["--epoch-quorum", "0.75"], ["--softsync", "2"]]
@@ -280,8 +281,8 @@ def _embedding_verdict(n, argv):
 
 def _embedding_cases():
     from pairwise import pairwise
-    rows = [(S, R, trace, ["--strategy", strategy], own)
-            for S, R, trace, strategy, own in pairwise(EMBEDDING_DIMS)]
+    rows = [(S, R, [*trace, *threads], ["--strategy", strategy], own)
+            for S, R, trace, threads, strategy, own in pairwise(EMBEDDING_DIMS)]
     rows += [(1, 2, [], other, []) for other in EMBEDDING_REFUSED]
     rows += [(1, 2, [], ["--strategy", "hybrid"], ["--model", "fc32,fc10"])]  # not embedding
     cases = []

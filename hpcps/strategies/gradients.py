@@ -156,27 +156,72 @@ class EmbeddingSource(PassTimer):
     waiting, and hand the dense layers' gradient to the strategy as a dense model's.
 
     A mini-batch ``x`` is ``(ids, dense)`` (:class:`hpcps.io.data.categorical.Features`).
-    One thread: ``--threads`` > 1 is refused with embedding models.
+
+    With ``--threads T`` (T > 1) an iteration is T mini-batches, as for a dense model: the
+    replica pulls the rows of all T at once (each unique row once), and T Hogwild threads
+    each take one SGD step (rate ``--lr``) on a scratch copy of the fc layers and of those
+    rows, lock-free; what they moved, ``-(scratch - pulled) / (lr * T)``, is the mean
+    gradient the replica hands on and pushes, exactly where one mini-batch's went. The
+    threads' passes overlap where NumPy's matrix products and the embedding kernels release
+    the GIL; a row two threads update at once may lose one update (Hogwild).
     """
 
-    threads = 1
-
     def __init__(self, ctx: Context, rows):
+        cfg = ctx.cfg
         self.model = ctx.model
         self.rows = rows
-        self.batch = ctx.cfg.batch_size
+        self.threads = cfg.threads
+        self.batch = cfg.batch_size * self.threads  # examples per iteration
         self.eval_batch = max(1024, self.batch)
         self.ctx = ctx
+        self.lr = float(cfg.lr)
+        self.pool = None
+        if self.threads > 1:
+            from concurrent.futures import ThreadPoolExecutor
+            self.pool = ThreadPoolExecutor(self.threads, thread_name_prefix="hpcps-hogwild")
 
     def __call__(self, params: np.ndarray, x, y: np.ndarray, grad: np.ndarray) -> float:
         ids, dense = x
         batch = self.model.lookup(ids)
         rows = self.rows.pull(batch.uniq)
         with self.timed(len(y)):
-            loss, _, row_grads = self.model.loss_and_grad(params, rows, batch, y, dense,
-                                                          grad=grad)
+            if self.threads == 1:
+                loss, _, row_grads = self.model.loss_and_grad(params, rows, batch, y, dense,
+                                                              grad=grad)
+            else:
+                loss, row_grads = self._threads(params, rows, batch, ids, y, dense, grad)
         self.rows.push(row_grads, loss)
         return loss
+
+    def _threads(self, params, rows, batch, ids, y, dense, grad):
+        """T Hogwild threads, one mini-batch each (see the class docstring)."""
+        model, T, lr = self.model, self.threads, np.float32(self.lr)
+        pulled = np.concatenate(rows) if len(rows) > 1 else rows[0]
+        scratch, scratch_rows = params.copy(), pulled.copy()
+        B = len(y) // T
+        # where each thread's unique rows sit among the iteration's: by table, through the
+        # sorted order of the iteration's unique ids
+        order = [np.argsort(u, kind="stable") for u in batch.uniq]
+
+        def work(t: int) -> float:
+            sl = slice(t * B, (t + 1) * B)
+            mine = model.lookup(ids[sl])
+            where = [order[k][np.searchsorted(batch.uniq[k], u, sorter=order[k])]
+                     + batch.starts[k] for k, u in enumerate(mine.uniq)]
+            g = np.empty_like(scratch)
+            loss, _, row_grads = model.loss_and_grad(
+                scratch, [scratch_rows[w] for w in where], mine, y[sl],
+                None if dense is None else dense[sl], grad=g)
+            scratch[...] -= lr * g  # in place, unlocked: Hogwild
+            for w, rg in zip(where, row_grads):
+                scratch_rows[w] -= lr * rg
+            return loss
+
+        losses = list(self.pool.map(work, range(T)))
+        np.multiply(params - scratch, np.float32(1.0 / (lr * T)), out=grad)
+        moved = (pulled - scratch_rows) * np.float32(1.0 / (lr * T))
+        s = batch.starts
+        return float(np.mean(losses)), [moved[s[k]:s[k + 1]] for k in range(len(rows))]
 
     def logits(self, params: np.ndarray, features) -> np.ndarray:
         """(N,) logits of every row of ``features``, in batches, reading rows without

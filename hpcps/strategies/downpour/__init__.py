@@ -67,7 +67,7 @@ def _validate_embeddings(cfg) -> None:
     check_embedding_options(cfg, is_embedding_spec(cfg.model), {
         "--compress threshold": cfg.compress == "threshold",
         "--push activations": cfg.push == "activations",
-        "--partitions > 1": cfg.partitions > 1, "--threads > 1": cfg.threads > 1,
+        "--partitions > 1": cfg.partitions > 1,
         "--ps-copies > 1": (cfg.ps_copies or 1) > 1,
         "--persist-every": cfg.persist_every is not None,
         "--epoch-quorum": cfg.epoch_quorum is not None,

@@ -31,7 +31,7 @@ def _validate(cfg) -> None:
                           "ctr-dnn or movielens on a categorical dataset: docs/ctr.md); for "
                           "an MLP or a conv model use --strategy sync or downpour")
     check_embedding_options(cfg, True, {
-        "--threads > 1": cfg.threads > 1, "--weight-decay": bool(cfg.weight_decay),
+        "--weight-decay": bool(cfg.weight_decay),
         "--dropout": bool(cfg.dropout), "--lr-schedule cosine": optim.varies(cfg.lr_schedule),
         "--validation-fraction": bool(cfg.validation_fraction)})
     check_loop_options(cfg)
