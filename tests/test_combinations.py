@@ -14,7 +14,9 @@ here; its own option values go in ``OWN`` below):
 * the strategy's own options (``OWN``), defaults included (downpour's warm start stays on
   unless the row says ``--warmup-steps 0``);
 * the model (``MODELS``): the MLP of ``--layers``, a conv model (``--model``; with ``--push
-  activations`` its conv layers go dense), or the conv model with ``--dropout``.
+  activations`` its conv layers go dense), or the conv model with ``--dropout``. Embedding
+  models and the strategies that train only them (hybrid) have their own combination test,
+  ``tests/test_ctr_server.py``, whose data are categorical.
 
 Each combination is first judged in this process the way every rank judges it at start
 (``config.parse``, then the layout plan). Accepted: ``mpiexec -n N python -m hpcps.train`` on
@@ -239,6 +241,10 @@ ONLY = [n for n in os.environ.get("HPCPS_COMBINATIONS_ONLY", "").split(",") if n
 def matrix() -> list[dict]:
     out = []
     for name, spec in strategies().items():
+        # the models here are an MLP and conv nets: a strategy for embedding models only
+        # refuses every row; its own matrix is tests/test_ctr_server.py's
+        if not spec.dense_models:
+            continue
         if not ONLY or name in ONLY:
             out += [combination(name, spec, row) for row in sample(name)]
     if ONLY:
