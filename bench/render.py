@@ -132,9 +132,27 @@ def embeddings_view(figures: dict) -> dict:
     return out
 
 
+def peers_view(figures: dict) -> dict:
+    """bench_peers: time to 97% and 98% per configuration (medians and every run)."""
+    def cell(c, key):
+        med, runs = c[f"time_to_{key}_s_median"], c[f"time_to_{key}_s_all"]
+        shown = ", ".join("-" if r is None else f"{r:.1f}" for r in runs)
+        return f"{'-' if med is None else f'{med:.1f}'} ({shown})"
+    rows = [[name.replace("_", " "), cell(c, "97"), cell(c, "98"),
+             " / ".join(f"{a:.2%}" for a in c["final_accuracy_all"])]
+            for name, c in figures["configs"].items()]
+    ratio = figures.get("time_to_97_ratio")
+    rows.append(["hpcps's best / PyTorch's best, time to 97%",
+                 "-" if ratio is None else f"{ratio:.2f}x", "", ""])
+    return {"time_to_accuracy": {
+        "columns": ["configuration", "s to 97%: median (runs)", "s to 98%: median (runs)",
+                    "final accuracy"], "rows": rows}}
+
+
 # bench name -> figures -> {table name: table}; a bench without a view renders only the
 # tables its files carry ready-made
-VIEWS = {"bench_hogwild": hogwild_view, "bench_embeddings": embeddings_view}
+VIEWS = {"bench_hogwild": hogwild_view, "bench_embeddings": embeddings_view,
+         "bench_peers": peers_view}
 
 
 def load(stem: str) -> dict:
