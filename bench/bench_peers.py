@@ -90,30 +90,36 @@ def _accuracy(net, tx, ty) -> float:
         return float((net(tx).argmax(1) == ty).float().mean())
 
 
+def _steps(net, opt, X, Y, rng, steps: int):
+    """Train ``steps`` mini-batches of BATCH rows (a fresh permutation each epoch), yielding
+    the step number after each."""
+    import torch
+    loss_fn = torch.nn.CrossEntropyLoss()
+    order, pos = torch.from_numpy(rng.permutation(len(Y))), 0
+    for step in range(1, steps + 1):
+        if pos + BATCH > len(Y):
+            order, pos = torch.from_numpy(rng.permutation(len(Y))), 0
+        idx = order[pos:pos + BATCH]
+        pos += BATCH
+        opt.zero_grad(set_to_none=True)
+        loss_fn(net(X.index_select(0, idx)), Y.index_select(0, idx)).backward()
+        opt.step()
+        yield step
+
+
 def torch_single(x, y, tx, ty, sizes, threads, epochs, eval_examples, seed) -> list:
     """One process: (seconds, examples, test accuracy) at every evaluation."""
     import torch
     torch.set_num_threads(threads)
     net = _torch_net(sizes, seed)
     opt = torch.optim.Adagrad(net.parameters(), lr=LR, eps=EPS)
-    loss_fn = torch.nn.CrossEntropyLoss()
     X, Y = torch.from_numpy(x), torch.from_numpy(y).long()
     TX, TY = torch.from_numpy(tx), torch.from_numpy(ty).long()
-    rng = np.random.default_rng(seed)
     steps = int(epochs * len(y) / BATCH)
     every = max(1, eval_examples // BATCH)
     curve = []
     t0 = time.perf_counter()
-    order = torch.from_numpy(rng.permutation(len(y)))
-    pos = 0
-    for step in range(1, steps + 1):
-        if pos + BATCH > len(y):
-            order, pos = torch.from_numpy(rng.permutation(len(y))), 0
-        idx = order[pos:pos + BATCH]
-        pos += BATCH
-        opt.zero_grad(set_to_none=True)
-        loss_fn(net(X.index_select(0, idx)), Y.index_select(0, idx)).backward()
-        opt.step()
+    for step in _steps(net, opt, X, Y, np.random.default_rng(seed), steps):
         if step % every == 0 or step == steps:
             curve.append((time.perf_counter() - t0, step * BATCH, _accuracy(net, TX, TY)))
             if curve[-1][2] >= TARGETS[-1]:
@@ -131,25 +137,15 @@ def _ddp_worker(rank, world, port, arrays, epochs, eval_examples, seed, out):
     lo, hi = rank * len(y) // world, (rank + 1) * len(y) // world
     net = torch.nn.parallel.DistributedDataParallel(_torch_net(LAYERS, seed))
     opt = torch.optim.Adagrad(net.parameters(), lr=LR, eps=EPS)
-    loss_fn = torch.nn.CrossEntropyLoss()
     X, Y = torch.from_numpy(x[lo:hi]), torch.from_numpy(y[lo:hi]).long()
     TX, TY = torch.from_numpy(tx), torch.from_numpy(ty).long()
-    rng = np.random.default_rng(seed + rank)
     steps = int(epochs * len(y) / (BATCH * world))
     every = max(1, eval_examples // (BATCH * world))
     curve = []
     dist.barrier()
     t0 = time.perf_counter()
-    order, pos = torch.from_numpy(rng.permutation(len(Y))), 0
     stop = torch.zeros(1)
-    for step in range(1, steps + 1):
-        if pos + BATCH > len(Y):
-            order, pos = torch.from_numpy(rng.permutation(len(Y))), 0
-        idx = order[pos:pos + BATCH]
-        pos += BATCH
-        opt.zero_grad(set_to_none=True)
-        loss_fn(net(X.index_select(0, idx)), Y.index_select(0, idx)).backward()
-        opt.step()
+    for step in _steps(net, opt, X, Y, np.random.default_rng(seed + rank), steps):
         if step % every == 0 or step == steps:
             if rank == 0:
                 curve.append((time.perf_counter() - t0, step * BATCH * world,

@@ -182,3 +182,15 @@ def movielens_path(tmp_path_factory):
             pytest.skip(f"cannot download {movielens.MOVIELENS_REQUIREMENT}: "
                         f"{str(exc).splitlines()[0]}")
         raise
+
+
+@pytest.fixture(scope="session")
+def ctr_h5(tmp_path_factory):
+    """A small synthetic click-through dataset (6,000 rows, 5 fields of 300 ids, Zipf 1.1),
+    prepared once per session for the embedding-model tests."""
+    from hpcps.io.data.synthetic_ctr import prepare_synthetic_ctr
+    path = tmp_path_factory.mktemp("ctr") / "ctr.h5"
+    prepare_synthetic_ctr(path, rows=6000, fields=5, vocab=300, zipf=1.1, seed=3,
+                          test_rows=1000, log=lambda *_: None)
+    return path
+

@@ -177,3 +177,13 @@ def run_mpi(n: int, args: list[str], timeout: float = 240, cwd=None, env=None) -
 
 def train(n: int, *args: str, timeout: float = 240, **kw) -> Run:
     return run_mpi(n, ["-m", "hpcps.train", *args], timeout=timeout, **kw)
+
+
+def last_summary(run_dir) -> dict:
+    """The summary record of the last run in ``run_dir/metrics.jsonl`` (a resumed run
+    appends its own)."""
+    import json
+    recs = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text()
+            .splitlines()]
+    return [r for r in recs if r["kind"] == "summary"][-1]
+

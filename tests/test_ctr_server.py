@@ -12,7 +12,6 @@ import pytest
 
 from hpcps.io.data import Batches
 from hpcps.io.data.categorical import load_block, open_categorical
-from hpcps.io.data.synthetic_ctr import prepare_synthetic_ctr
 from hpcps.model.ctr import CtrModel, LocalTrainer
 from hpcps.model.optim import Adagrad
 from hpcps.ps.embedding_store import EmbeddingStore
@@ -23,21 +22,7 @@ import mpirun
 SPEC = "embed8,fc16,fc1"
 
 
-def quiet(*_a, **_k):
-    return None
-
-
-@pytest.fixture(scope="module")
-def ctr_h5(tmp_path_factory):
-    path = tmp_path_factory.mktemp("ctr") / "ctr.h5"
-    prepare_synthetic_ctr(path, rows=6000, fields=5, vocab=300, zipf=1.1, seed=3,
-                          test_rows=1000, log=quiet)
-    return path
-
-
-def summary(run_dir):
-    recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [r for r in recs if r["kind"] == "summary"][-1]  # the last run's
+summary = mpirun.last_summary
 
 
 def read_tables(run_dir, n_tables, pattern="shard-*.h5"):

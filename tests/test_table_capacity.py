@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 
 from hpcps.io import tables
-from hpcps.io.data.synthetic_ctr import prepare_synthetic_ctr
 from hpcps.ps.admission import COUNTER_MAX, Admission, CountMinSketch
 from hpcps.ps.embedding_store import HEADROOM, EmbeddingStore
 
@@ -256,21 +255,7 @@ def test_table_files_hold_only_the_rows_held(tmp_path):
 
 # -- multi-rank runs -----------------------------------------------------------------------
 
-def quiet(*_a, **_k):
-    return None
-
-
-@pytest.fixture(scope="module")
-def ctr_h5(tmp_path_factory):
-    path = tmp_path_factory.mktemp("ctr") / "ctr.h5"
-    prepare_synthetic_ctr(path, rows=6000, fields=5, vocab=300, zipf=1.1, seed=3,
-                          test_rows=1000, log=quiet)
-    return path
-
-
-def summary(run_dir):
-    recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [r for r in recs if r["kind"] == "summary"][-1]
+summary = mpirun.last_summary
 
 
 def test_small_capacity_and_admission_train(ctr_h5, tmp_path, capsys):
