@@ -47,6 +47,7 @@ from hpcps.mpi.protocol import HEADER_BYTES, ByteMessage, H, Tag
 from hpcps.ps.admission import Admission
 from hpcps.ps.embedding_store import EmbeddingStore
 
+
 def _pairs_bytes(n: int) -> int:
     return 16 * n
 
@@ -83,9 +84,9 @@ class RowShard:
                        for t in range(n_tables)]
         self._in = np.empty(0, dtype=np.uint8)
         self._out = ByteMessage(0)
+        self._header = np.empty(HEADER_BYTES, dtype=np.uint8)
         self.pulls = self.pushes = self.rows_out = self.rows_in = 0
         self.bytes_in = self.bytes_out = 0
-        self.released = False
 
     def handlers(self) -> dict:
         """``{tag: handler(source, status)}`` for :func:`hpcps.ps.serve.serve`."""
@@ -158,10 +159,15 @@ class RowShard:
         self.rows_in += n
         return False
 
+    def header(self, src: int, tag: int) -> np.ndarray:
+        """Take a probed header-only message (:meth:`RowClient.tell`); its float64 header,
+        valid until the next one."""
+        self.net.take(self._header, src, tag)
+        return self._header.view(np.float64)
+
     def on_release(self, src: int, status) -> bool:
         """ROWS_DONE: the chief has evaluated; the shard may leave."""
-        self.net.take(np.empty(HEADER_BYTES, dtype=np.uint8), src, Tag.ROWS_DONE)
-        self.released = True
+        self.header(src, Tag.ROWS_DONE)
         return True
 
     def figures(self) -> dict:
@@ -196,7 +202,6 @@ class RowShard:
     def write(self, path: Path, shard: int, n_shards: int, step: int) -> Path:
         """This shard's rows of every table as one HDF5 file (:mod:`hpcps.io.tables`)."""
         return tables.write(path, self.tables, shard, n_shards, step)
-
 
 
 class RowClient:
@@ -318,9 +323,14 @@ class RowClient:
         wait_all(pending, self.timeout, f"server ranks {self.ranks} to take the last row pushes")
         self._push_req = [[REQUEST_NULL, REQUEST_NULL] for _ in self.ranks]
 
-    def release(self) -> None:
-        """ROWS_DONE to every shard (world rank 0, after the final evaluation)."""
+    def tell(self, tag: int, step: int = 0) -> None:
+        """A header-only message to every shard: this replica and global ``step``."""
         msg = ByteMessage(0)
         msg.header[H.SENDER] = self.replica
+        msg.header[H.STEPS] = step
         for dest in self.ranks:
-            self.net.send_eager(msg.buf, dest, Tag.ROWS_DONE)
+            self.net.send_eager(msg.buf, dest, tag)
+
+    def release(self) -> None:
+        """ROWS_DONE to every shard (world rank 0, after the final evaluation)."""
+        self.tell(Tag.ROWS_DONE)

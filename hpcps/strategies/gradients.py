@@ -8,7 +8,8 @@ import numpy as np
 
 from hpcps import trace
 from hpcps.mpi.comm import ReplicaExchange, dup_comm
-from hpcps.strategies.context import Context
+from hpcps.model.metrics import binary_metrics
+from hpcps.strategies.context import VAL, Context
 
 
 class PassTimer:
@@ -237,8 +238,6 @@ class EmbeddingSource(PassTimer):
 
     def evaluate(self, params: np.ndarray, split: str) -> dict:
         """``{"loss", "auc"}`` of the chief's ``split`` (for :attr:`Context.evaluator`)."""
-        from hpcps.model.metrics import binary_metrics
-        from hpcps.strategies.context import VAL
         x, y = (self.ctx.val_x, self.ctx.val_y) if split == VAL else \
             (self.ctx.test_x, self.ctx.test_y)
         figures = binary_metrics(y, self.logits(params, x))

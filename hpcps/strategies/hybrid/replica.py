@@ -2,9 +2,7 @@
 pushed to the shards (the method: :mod:`hpcps.strategies.hybrid`)."""
 from __future__ import annotations
 
-
-from hpcps.mpi.comm import Transport
-from hpcps.mpi.protocol import ByteMessage, H, Tag
+from hpcps.mpi.protocol import Tag
 from hpcps.strategies.context import Context
 from hpcps.strategies.embedding import EmbeddingRows
 from hpcps.strategies.sync.replica import SyncReplica
@@ -15,19 +13,12 @@ class HybridReplica(EmbeddingRows, SyncReplica):
     allreduce the dense gradient and apply it. The chief scores the model with the shards'
     rows and releases them after its final evaluation."""
 
-    def _tell_shards(self, tag: int) -> None:
-        msg = ByteMessage(0)
-        msg.header[H.SENDER] = self.replica
-        msg.header[H.STEPS] = self.global_step()
-        for dest in self.ctx.grid.layout.server_ranks:
-            Transport(self.ctx.grid.world).send_eager(msg.buf, dest, tag)
-
     def on_checkpoint(self, step: int) -> None:
-        self._tell_shards(Tag.SAVE_ROWS)  # the rows at the checkpoint's step
+        self.rows.tell(Tag.SAVE_ROWS, step)  # the rows at the checkpoint's step
 
     def after_loop(self) -> None:
         self.drain_rows()
-        self._tell_shards(Tag.DONE)
+        self.rows.tell(Tag.DONE, self.global_step())
 
     def finish(self, train_s: float) -> dict:
         out = super().finish(train_s)

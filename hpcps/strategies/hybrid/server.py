@@ -3,10 +3,7 @@ and pushes until every replica is done and the chief has finished its final eval
 writes its rows when the chief checkpoints and at the end."""
 from __future__ import annotations
 
-import numpy as np
-
-from hpcps.mpi.comm import Transport
-from hpcps.mpi.protocol import HEADER_BYTES, H, Tag
+from hpcps.mpi.protocol import H, Tag
 from hpcps.ps.serve import serve
 from hpcps.strategies.context import Context
 from hpcps.strategies.embedding import row_shard, tables_path
@@ -18,17 +15,11 @@ def run(ctx: Context) -> dict:
     layout = grid.layout
     s, S, R = grid.role.shard, layout.servers, layout.replicas
     rows = row_shard(ctx)
-    net = Transport(grid.world)
-    header = np.zeros(HEADER_BYTES, dtype=np.uint8)
     done: set[int] = set()
     state = {"step": ctx.start_step, "released": False, "written": None}
 
-    def small(src: int, tag: int) -> np.ndarray:
-        net.take(header, src, tag)
-        return header.view(np.float64)
-
     def on_save(src: int, status) -> bool:
-        step = int(small(src, Tag.SAVE_ROWS)[H.STEPS])
+        step = int(rows.header(src, Tag.SAVE_ROWS)[H.STEPS])
         rows.write(tables_path(ctx, s), s, S, step)
         return False
 
@@ -39,13 +30,13 @@ def run(ctx: Context) -> dict:
         return len(done) == R and state["released"]
 
     def on_done(src: int, status) -> bool:
-        h = small(src, Tag.DONE)
+        h = rows.header(src, Tag.DONE)
         done.add(int(h[H.SENDER]))
         state["step"] = max(state["step"], int(h[H.STEPS]))
         return finished()
 
     def on_release(src: int, status) -> bool:
-        small(src, Tag.ROWS_DONE)
+        rows.header(src, Tag.ROWS_DONE)
         state["released"] = True
         return finished()
 
