@@ -44,9 +44,9 @@ from hpcps.model.mlp import InitialWeights, SingleExchange
 from hpcps.runtime.stacks import StackDumper
 from hpcps.runtime.stop import SignalFlag, StopVote
 from hpcps.strategies.registry import strategies
-from hpcps.blocks import block_range
 from hpcps.strategies.context import (VAL_FILE, VAL_HELD_OUT, Context, explain_nonfinite,
-                                      make_optimizer, state_from_checkpoint)
+                                      make_optimizer, state_from_checkpoint, train_shard,
+                                      without)
 from hpcps.mpi.topology import Layout, abort, build_grid, check_thread_support, world_comm
 
 
@@ -206,7 +206,7 @@ def _setup(cfg: config.Config, world, layout: Layout, info, ckpt, run_dir: Path)
                                         else 0, exchange)
     whole = ckpt is not None  # params hold the whole model: cut to this rank's part below
     if ckpt is None:  # each rank draws only what it holds: memory falls as 1/P and 1/S
-        if role.is_replica:
+        if role.may_die:  # a replica, or a spare that may become one
             params = model.init_params(cfg.seed)
         elif cfg.model is not None:  # a conv model (small): drawn whole, cut below
             params, whole = full.init_params(cfg.seed), True
@@ -225,7 +225,7 @@ def _setup(cfg: config.Config, world, layout: Layout, info, ckpt, run_dir: Path)
         params = cut(full.views(params))
         state = {k: cut(full.views(v)) for k, v in state.items()}
     # the coordinator, where there is one, sees the whole run: it logs; otherwise rank 0
-    reporter = layout.n_world - 1 if layout.coordinator else 0
+    reporter = layout.server_rank(layout.servers) if layout.coordinator else 0
     metrics = Metrics(run_dir if grid.rank == reporter else None, cfg.progress_every)
     # the validation split: the file's /val, else the rows --validation-fraction holds out of
     # /train (the same on every rank), else none (evaluations on the test set)
@@ -255,18 +255,11 @@ def _setup(cfg: config.Config, world, layout: Layout, info, ckpt, run_dir: Path)
             ctx.test_x, ctx.test_y = block.features, block.y
     elif grid.role.is_replica and cfg.spec.replica_data == "whole":
         # any replica may be handed any portion: each holds the whole training set
-        ctx.train_x, ctx.train_y = _without(data.load_split(cfg.data, "train"), 0, held)
+        ctx.train_x, ctx.train_y = without(data.load_split(cfg.data, "train"), 0, held)
     elif grid.role.is_replica:
         # every partition of a replica reads the same shard and draws the same batches
-        lo = block_range(info.n_train, layout.replicas, grid.role.replica)[0]
-        ctx.train_x, ctx.train_y = _without(
-            data.load_split(cfg.data, "train", grid.role.replica, layout.replicas), lo, held)
-        need = cfg.batch_size * cfg.threads  # a step draws one mini-batch per thread
-        if len(ctx.train_x) < need:
-            what = (f"one step's {need} (--batch-size {cfg.batch_size} x --threads "
-                    f"{cfg.threads})" if cfg.threads > 1 else f"--batch-size {cfg.batch_size}")
-            raise ConfigError(f"replica {grid.role.replica} holds {len(ctx.train_x)} training "
-                              f"examples, fewer than {what}")
+        ctx.train_x, ctx.train_y = train_shard(cfg, info, grid.role.replica, layout.replicas,
+                                               held)
     if grid.is_chief and not categorical:
         ctx.test_x, ctx.test_y = data.load_split(cfg.data, "test")
         if ctx.val_source == VAL_FILE:
@@ -274,18 +267,6 @@ def _setup(cfg: config.Config, world, layout: Layout, info, ckpt, run_dir: Path)
         elif ctx.val_source == VAL_HELD_OUT:
             ctx.val_x, ctx.val_y = data.load_rows(cfg.data, "train", held)
     return ctx
-
-
-def _without(xy: tuple[np.ndarray, np.ndarray], lo: int,
-             held: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Rows ``lo ..`` of /train as loaded, less those ``held`` out for validation."""
-    x, y = xy
-    mine = held[(held >= lo) & (held < lo + len(x))] - lo
-    if not len(mine):
-        return x, y
-    keep = np.ones(len(x), dtype=bool)
-    keep[mine] = False
-    return np.ascontiguousarray(x[keep]), np.ascontiguousarray(y[keep])
 
 
 def _validation_note(ctx: Context) -> str:
@@ -307,14 +288,16 @@ def _validation_note(ctx: Context) -> str:
 def plan(cfg: config.Config, n_world: int) -> Layout:
     """The grid of ranks ``cfg`` asks for on ``n_world`` ranks (ConfigError if it cannot fit,
     or if --inject-slow names a rank that is not a replica's)."""
-    layout = Layout.plan(n_world, cfg.servers, cfg.partitions, int(cfg.spec.coordinator))
+    layout = Layout.plan(n_world, cfg.servers, cfg.partitions, int(cfg.spec.coordinator),
+                         spares=getattr(cfg, "spares", None) or 0)
     if cfg.inject_slow is not None:
         who, _ = parse_inject_slow(cfg.inject_slow)
         n_rep = layout.replicas * layout.partitions
         if who >= n_rep:
             role = layout.role(who) if who < n_world else None
             where = (f"outside the job's {n_world} ranks" if role is None else
-                     f"server shard {role.shard}" if role.is_server else "the coordinator")
+                     f"server shard {role.shard}" if role.is_server else
+                     f"spare {role.spare}" if role.kind == "spare" else "the coordinator")
             raise ConfigError(f"--inject-slow {cfg.inject_slow} names world rank {who}, "
                               f"{where}; it slows a replica: the replicas are ranks 0-"
                               f"{n_rep - 1} here")
@@ -324,6 +307,7 @@ def plan(cfg: config.Config, n_world: int) -> Layout:
 def _describe(cfg, layout: Layout) -> str:
     reps = f"{layout.replicas} replica(s) x {layout.partitions} partition(s)"
     coord = ", 1 coordinator" if layout.coordinator else ""
+    reps += f", {layout.spares} spare(s)" if layout.spares else ""
     shards = f"{layout.servers} server shard(s){coord}, " if layout.servers else ""
     return f"{cfg.strategy} on {layout.n_world} ranks: {shards}{reps}"
 

@@ -46,6 +46,12 @@ class Tag(IntEnum):
     PUSH_ROWS = 34    # replica -> shard: header + (table, id) pairs + their row gradients
     ROWS_DONE = 35    # world rank 0 -> shards: the final evaluation has read its rows; leave
     SAVE_ROWS = 36    # world rank 0 -> shards: write your rows as of global step STEPS
+    # spares (hpcps.ps.spares): replicas that die or leave, and the spares that replace them
+    REPLICA_LOST = 37  # shard -> world rank 0: replica SENDER (world rank PEER) is lost
+    REPLICA_LEFT = 38  # replica -> world rank 0: SENDER leaves the run (SIGTERM), all committed
+    EXPECT = 39       # world rank 0 -> shards: replica SENDER joins now, at world rank PEER
+    ASSIGN = 40       # world rank 0 -> a spare: train as replica SENDER on data shard EXAMPLES
+    RELEASE = 41      # world rank 0 -> an idle spare: the run is over, leave
 
 
 class H(IntEnum):

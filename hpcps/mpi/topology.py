@@ -2,11 +2,13 @@
 
 ::
 
-    N = S servers + C coordinator (0 or 1) + R replicas x P partitions
+    N = S servers + C coordinator (0 or 1) + R replicas x P partitions + K spares
 
     world rank  0 .. R*P-1          replica r = rank // P, partition p = rank % P
     world rank  R*P .. R*P+S-1      server shard s = rank - R*P
     world rank  R*P+S               the coordinator, when there is one
+    world rank  R*P+S+C ..          spare k (``--spares``), idle until it replaces a replica;
+                                    it then trains as replica R + k
 
 Replicas come first so that world rank 0 is always replica 0, partition 0: the rank that logs,
 evaluates and, for strategies without servers, writes checkpoints.
@@ -35,31 +37,33 @@ class Layout:
     replicas: int
     partitions: int = 1
     coordinator: int = 0
+    spares: int = 0
 
     @classmethod
     def plan(cls, n_world: int, servers: int, partitions: int = 1, coordinator: int = 0,
-             min_replicas: int = 1) -> "Layout":
-        """Fit S servers, C coordinators and replicas of P partitions into N ranks.
+             min_replicas: int = 1, spares: int = 0) -> "Layout":
+        """Fit S servers, C coordinators, K spares and replicas of P partitions into N ranks.
 
         Replicas fill what is left. Raises ConfigError naming N, S and P and what would fit.
         """
         if n_world < 1:
             raise ConfigError(f"need at least one rank, got N={n_world}")
-        if servers < 0 or partitions < 1 or coordinator not in (0, 1):
+        if servers < 0 or partitions < 1 or coordinator not in (0, 1) or spares < 0:
             raise ConfigError(f"impossible layout: servers S={servers}, partitions P={partitions}")
-        rest = n_world - servers - coordinator
+        rest = n_world - servers - coordinator - spares
         replicas = rest // partitions if rest > 0 else 0
         if replicas < min_replicas or rest != replicas * partitions:
-            fits = [servers + coordinator + r * partitions
+            fits = [servers + coordinator + spares + r * partitions
                     for r in range(min_replicas, n_world + 2)]
             below = [n for n in fits if n < n_world][-1:]
             above = [n for n in fits if n > n_world][:1]
             extra = f" + {coordinator} coordinator" if coordinator else ""
+            extra += f" + {spares} spare(s)" if spares else ""
             hint = (f"S{extra} + R*P ranks with R >= {min_replicas} replicas fit "
                     f"N = {' or '.join(str(n) for n in below + above)}")
             raise ConfigError(f"cannot lay out N={n_world} ranks as S={servers} server shards"
                               f"{extra} and replicas of P={partitions} partitions: {hint}")
-        return cls(n_world, servers, replicas, partitions, coordinator)
+        return cls(n_world, servers, replicas, partitions, coordinator, spares)
 
     # -- pure role arithmetic -------------------------------------------------------------
     def replica_rank(self, replica: int, partition: int = 0) -> int:
@@ -72,6 +76,19 @@ class Layout:
     def server_ranks(self) -> list[int]:
         return [self.server_rank(s) for s in range(self.servers)]
 
+    def spare_rank(self, k: int) -> int:
+        return self.replicas * self.partitions + self.servers + self.coordinator + k
+
+    @property
+    def trainers(self) -> int:
+        """Replica indices a server may hear from: the R replicas, then the K spares, spare k
+        training as replica R + k once it replaces one (P = 1)."""
+        return self.replicas + self.spares
+
+    def trainer_rank(self, r: int) -> int:
+        """World rank of replica index ``r``: a replica's (partition 0), or past R a spare's."""
+        return self.replica_rank(r) if r < self.replicas else self.spare_rank(r - self.replicas)
+
     def role(self, rank: int) -> "Role":
         if not 0 <= rank < self.n_world:
             raise ValueError(f"rank {rank} outside 0..{self.n_world - 1}")
@@ -81,7 +98,9 @@ class Layout:
                         partition=rank % self.partitions)
         if rank < n_rep + self.servers:
             return Role("server", shard=rank - n_rep)
-        return Role("coordinator")
+        if rank < n_rep + self.servers + self.coordinator:
+            return Role("coordinator")
+        return Role("spare", spare=rank - n_rep - self.servers - self.coordinator)
 
 
 @dataclass(frozen=True)
@@ -90,6 +109,7 @@ class Role:
     replica: int = -1
     partition: int = -1
     shard: int = -1
+    spare: int = -1
 
     @property
     def is_replica(self) -> bool:
@@ -98,6 +118,11 @@ class Role:
     @property
     def is_server(self) -> bool:
         return self.kind == "server"
+
+    @property
+    def may_die(self) -> bool:
+        """A rank whose death the run survives when replicas may die: a replica or a spare."""
+        return self.kind in ("replica", "spare")
 
 
 def shard_range(n_params: int, n_shards: int, shard: int) -> tuple[int, int]:

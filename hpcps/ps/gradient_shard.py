@@ -40,7 +40,7 @@ import math
 import numpy as np
 
 from hpcps import trace
-from hpcps.mpi.comm import PeerTimeout, size_of, Transport
+from hpcps.mpi.comm import PeerTimeout, Poller, Transport, size_of, test
 from hpcps.errors import NonFiniteError
 from hpcps.mpi.protocol import HEADER_BYTES, ByteMessage, H, Message, Tag
 from hpcps.ps.liveness import Liveness
@@ -171,10 +171,16 @@ class GradientShard:
         self.epochs = epochs
         self.persist = persist
         self.applied_step = self.step  # --persist-every: the steps the parameters hold
+        # --spares: told of each replica lost (hpcps.ps.spares.report_lost)
+        self.on_lost: Callable[[int], None] | None = None
         self.held: list[tuple[int, int, float]] = []  # (rank, replica, since) of held fetches
         n = len(params)
         self._push = Message(n)
         self._reply = Message(n)
+        # replicas may die: replies go without waiting; (request, buffer, replica, deadline)
+        # of those in flight, and the buffers of those that completed, for the next ones
+        self._sending: list[tuple[object, Message, int, float]] = []
+        self._spare_replies: list[Message] = []
         self._small = Message(0)
         self._packed = ByteMessage(packed[0]) if packed else None
         self._packed_tag = packed[1] if packed else None
@@ -196,6 +202,7 @@ class GradientShard:
             handlers[self._packed_tag] = self._recv_packed
         if self.liveness is not None:
             handlers[Tag.HEARTBEAT] = self._recv_heartbeat
+            handlers[Tag.EXPECT] = self.expect
         if self.epochs is not None:
             handlers[Tag.EPOCH_DONE] = self.epochs.on_epoch_done
         t0 = time.perf_counter()
@@ -204,6 +211,10 @@ class GradientShard:
                 f"{self.n_replicas - len(self.done)} replica(s) to finish (done: "
                 f"{sorted(self.done)}; held fetches from ranks {[h[0] for h in self.held]})"),
                 self._tick)
+        poll = Poller()
+        while self._sending:  # replies still in flight: each ends, or gives up at its deadline
+            self._reap_replies()
+            poll.pause()
         if self.epochs is not None:
             self.epochs.close(self.timeout)
         if self.persist is not None:  # the final state, on disk before the shard reports
@@ -288,6 +299,7 @@ class GradientShard:
             self.persist.maybe_flush(self.applied_step)
         if self.liveness is None:
             return False
+        self._reap_replies()
         expected = [r for r in range(self.n_replicas) if r not in self.done]
         for r in self.liveness.silent(expected):
             self.lose(r, f"silent for more than {self.liveness.timeout:g} s")
@@ -310,6 +322,23 @@ class GradientShard:
             self.epochs.on_lost(replica)
         self.held = [h for h in self.held if h[1] != replica]
         self.policy.on_done(self, replica)  # the caller answers the fetches this released
+        if self.on_lost is not None:
+            self.on_lost(replica)
+
+    def idle(self, replicas) -> None:
+        """--spares: replica indices not expected until a spare takes one (:meth:`expect`)."""
+        self.done.update(replicas)
+
+    def expect(self, src: int, status) -> bool:
+        """EXPECT from the chief: replica SENDER joins now, at world rank PEER; it is waited
+        for, and lost if silent, from now on."""
+        self.net.take(self._small.buf, src, Tag.EXPECT)
+        r, rank = int(self._small.header[H.SENDER]), int(self._small.header[H.PEER])
+        self.replica_of[rank] = r
+        self.done.discard(r)
+        if self.liveness is not None:
+            self.liveness.heard(r)
+        return False
 
     def _recv_fetch(self, src: int, status) -> bool:
         self.net.take(self._small.buf, src, Tag.FETCH)
@@ -444,11 +473,26 @@ class GradientShard:
         # The replica posted its receive before asking, so this send cannot deadlock.
         if self.liveness is None:
             self.net.send_eager(r.buf, src, Tag.PARAMS)
-        else:  # ... unless it died since it asked
-            if not self.net.send_by(r.buf, src, Tag.PARAMS,
-                                    time.monotonic() + self.liveness.timeout):
-                self._reply = Message(len(self.params))
-                self.lose(sender, "it died waiting for parameters")
-                return
+        else:  # ... unless it died since it asked: then the shard must not wait for it
+            self._sending.append((self.net.send_nowait(r.buf, src, Tag.PARAMS), r, sender,
+                                  time.monotonic() + self.liveness.timeout))
+            self._reap_replies()
+            self._reply = self._spare_replies.pop() if self._spare_replies else \
+                Message(len(self.params))
         self.stats.fetches += 1
         self.stats.bytes_out += r.buf.nbytes
+
+    def _reap_replies(self) -> None:
+        """Replies in flight (replicas may die): keep the buffers of those that completed;
+        lose the replica of one that failed or is past its deadline (its buffer is left to
+        MPI, which may still read it)."""
+        still, now = [], time.monotonic()
+        for req, msg, sender, deadline in self._sending:
+            ok = test(req)
+            if ok:
+                self._spare_replies.append(msg)
+            elif ok is None or now > deadline:
+                self.lose(sender, "it died waiting for parameters")
+            else:
+                still.append((req, msg, sender, deadline))
+        self._sending = still

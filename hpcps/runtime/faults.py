@@ -108,7 +108,7 @@ def lost_ranks(results: list, layout, reporter: int = 0) -> list[int] | None:
     if any(results[r] is None and r not in dead for r in layout.server_ranks):
         return None
     lost = {int(r) for s in shards for r in s.get("lost_replicas", {})}
-    return sorted({layout.replica_rank(r) for r in lost} | dead)
+    return sorted({layout.trainer_rank(r) for r in lost} | dead)
 
 
 # The least a replica the shards did not lose gets to send its final figures once they ended
@@ -148,6 +148,9 @@ def finish(world, reporter: int, result: dict, layout, timeout: float,
     """
     size, rank = world.Get_size(), world.Get_rank()
     net = Transport(world)
+    if rank != reporter and result.get("left"):  # left the run on SIGTERM: nothing to wait for
+        net.send_obj(result, reporter, Tag.RESULT)
+        return True
     if rank != reporter:
         net.send_obj(result, reporter, Tag.RESULT)
         req = net.post_recv_obj(reporter, Tag.RESULT)
@@ -182,12 +185,12 @@ def finish(world, reporter: int, result: dict, layout, timeout: float,
             results[sender] = net.take_obj(sender, Tag.RESULT)
             continue
         now = time.monotonic()
-        if now - start > timeout and any(not layout.role(r).is_replica for r in waiting):
+        if now - start > timeout and any(not layout.role(r).may_die for r in waiting):
             raise PeerTimeout(f"waited {timeout:.0f} s for the final figures of rank(s) "
                               f"{waiting}")
         graced = ended is not None and grace is not None
         waited, limit = (now - ended, grace) if graced else (now - start, timeout)
-        replicas = [r for r in waiting if layout.role(r).is_replica]
+        replicas = [r for r in waiting if layout.role(r).may_die]
         if waited > limit and replicas:  # died after the run had stopped waiting for it
             after = (f"within {limit:g} s of the end of training" if graced
                      else f"within {limit:g} s")
@@ -202,12 +205,14 @@ def finish(world, reporter: int, result: dict, layout, timeout: float,
     for r in lost:
         results[r] = results[r] if results[r] is not None else {"lost": True}
     summarize(results)
+    left = [r for r in range(size) if results[r] is not None and results[r].get("left")]
+    gone = sorted(set(lost) | set(left))  # the survivors skip MPI_Finalize if any rank is gone
     for r in range(size):
-        if r != reporter and r not in lost:
-            net.send_obj(lost, r, Tag.RESULT)
+        if r != reporter and r not in gone:
+            net.send_obj(gone, r, Tag.RESULT)
     for r in late:  # never waited for: it may be dead (this rank leaves without finalizing)
-        net.send_obj_nowait(lost, r, Tag.RESULT)
-    return bool(lost)
+        net.send_obj_nowait(gone, r, Tag.RESULT)
+    return bool(gone)
 
 
 def _probe(net: Transport) -> int | None:

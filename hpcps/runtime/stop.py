@@ -61,9 +61,9 @@ class SignalFlag:
         self.duplicate_s = duplicate_s
         self._first_term: float | None = None  # time.monotonic() of the first SIGTERM
 
-    def install(self) -> "SignalFlag":
-        """Install the handlers (main thread only, as Python requires)."""
-        for s in SIGNALS:
+    def install(self, signals=SIGNALS) -> "SignalFlag":
+        """Install the handlers of ``signals`` (main thread only, as Python requires)."""
+        for s in signals:
             signal.signal(s, self._handle)
         return self
 

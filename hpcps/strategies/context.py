@@ -23,8 +23,8 @@ from typing import Callable
 import numpy as np
 
 from hpcps.blocks import block_range
-from hpcps.errors import NonFiniteError
-from hpcps.io import checkpoint
+from hpcps.errors import ConfigError, NonFiniteError
+from hpcps.io import checkpoint, data
 from hpcps.io.data import DatasetInfo
 from hpcps.model import optim
 from hpcps.model.mlp import MLP
@@ -152,6 +152,33 @@ def model_parallel_figures(ctx: Context, steps: int, seconds: float) -> dict:
     return {"replica_bytes_per_step": round(ex.bytes_sent / steps),
             "exchange_s_per_step": round(ex.wait_s / steps, 6),
             "compute_s_per_step": round(max(0.0, seconds - ex.wait_s) / steps, 6)}
+
+
+def without(xy: tuple[np.ndarray, np.ndarray], lo: int,
+            held: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Rows ``lo ..`` of /train as loaded, less those ``held`` out for validation."""
+    x, y = xy
+    mine = held[(held >= lo) & (held < lo + len(x))] - lo
+    if not len(mine):
+        return x, y
+    keep = np.ones(len(x), dtype=bool)
+    keep[mine] = False
+    return np.ascontiguousarray(x[keep]), np.ascontiguousarray(y[keep])
+
+
+def train_shard(cfg: RunConfig, info: DatasetInfo, index: int, replicas: int,
+                held: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Data shard ``index`` of ``replicas`` of /train (a dense dataset), less the rows
+    ``held`` out for validation; ConfigError if it cannot fill one step's mini-batches."""
+    lo = block_range(info.n_train, replicas, index)[0]
+    x, y = without(data.load_split(cfg.data, "train", index, replicas), lo, held)
+    need = cfg.batch_size * cfg.threads  # a step draws one mini-batch per thread
+    if len(x) < need:
+        what = (f"one step's {need} (--batch-size {cfg.batch_size} x --threads "
+                f"{cfg.threads})" if cfg.threads > 1 else f"--batch-size {cfg.batch_size}")
+        raise ConfigError(f"replica {index} holds {len(x)} training examples, fewer than "
+                          f"{what}")
+    return x, y
 
 
 def gather_state(ctx: Context, params: np.ndarray, state: dict) -> tuple:

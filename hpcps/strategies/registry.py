@@ -38,7 +38,7 @@ PLUGINS_ENV = "HPCPS_STRATEGIES"  # extra declaration modules, comma-separated
 STRATEGY_TAGS_START = 100
 TAG_UB = 32767  # the largest tag MPI guarantees
 ENTRY_POINTS = "hpcps.strategies"  # entry-point group of installed strategies
-ROLES = ("replica", "server", "coordinator")
+ROLES = ("replica", "server", "coordinator", "spare")  # spare: --spares ranks, idle at start
 NO_SERVERS, SERVERS = "none", "required"
 
 

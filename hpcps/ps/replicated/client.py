@@ -193,11 +193,13 @@ class ReplicatedClient:
 
 
 def receive_final(comm, plan, keys, shard_ranks, heartbeat_timeout: float,
-                  timeout: float) -> tuple:
+                  timeout: float, replicas: int) -> tuple:
     """On the chief: every set's final state, from whichever shard is its primary at the end,
     then FINAL_DONE to every shard. Returns (global params, global state, step, pushes applied
-    to each set). A set sent twice (its primary died as it ended, and a secondary took over)
-    is taken once; a message that breaks off (its sender died) is dropped."""
+    to each set, and for each set each replica's pushes it applied: the last SEQ its copies
+    took from each of the ``replicas`` replica indices, the dead ones' included). A set sent
+    twice (its primary died as it ended, and a secondary took over) is taken once; a message
+    that breaks off (its sender died) is dropped."""
     parts: dict[int, np.ndarray] = {}
     steps, applied = [], {}
     net = Transport(comm)
@@ -221,4 +223,9 @@ def receive_final(comm, plan, keys, shard_ranks, heartbeat_timeout: float,
     for rank in shard_ranks:  # header only: goes eagerly, even to a dead shard
         net.send_by(bye.buf, rank, Tag.FINAL_DONE, time.monotonic() + 1.0)
     params, state = assemble(plan, parts, keys)
-    return params, state, min(steps), [applied[h] for h in range(plan.n_shards)]
+    by_replica = []
+    for h in range(plan.n_shards):
+        start = plan.sizes[h] * (1 + len(keys))
+        by_replica.append([int(v) for v in parts[h][start:start + replicas]])
+    return (params, state, min(steps), [applied[h] for h in range(plan.n_shards)],
+            by_replica)

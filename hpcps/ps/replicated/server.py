@@ -120,6 +120,7 @@ class ReplicatedServer:
         self._packed_bound = max(len(cs._packed.buf) for cs in packed) if packed else 0
         self._inbox_packed = ByteMessage(self._packed_bound) if packed else None
         self._small = Message(0)
+        self.on_lost = None  # --spares: told of each replica lost (hpcps.ps.spares)
         self.heartbeat = HeartbeatThread(comm, [r for j, r in enumerate(self.shard_ranks)
                                                 if j != me], me,
                                          heartbeat_timeout / HEARTBEATS_PER_TIMEOUT)
@@ -147,7 +148,7 @@ class ReplicatedServer:
                     Tag.REPLICATE_PACKED: self._recv_replicate,
                     Tag.REPL_ACK: self._recv_repl_ack, Tag.NEW_PRIMARY: self._recv_new_primary,
                     Tag.SET_STATE: self._recv_set_state, Tag.FINAL_DONE: self._recv_final_done,
-                    Tag.CKPT_SET: self._recv_ckpt}
+                    Tag.CKPT_SET: self._recv_ckpt, Tag.EXPECT: self._recv_expect}
         self.heartbeat.start()
         try:
             serve(self.comm, handlers, self.timeout, self._waiting_for, self._tick)
@@ -383,6 +384,20 @@ class ReplicatedServer:
             self.replicas.heard(int(self._small.header[H.SENDER]))
         return False
 
+    def idle(self, replicas) -> None:
+        """--spares: replica indices not expected until a spare takes one."""
+        self.done.update(replicas)
+
+    def _recv_expect(self, src: int, status) -> bool:
+        """EXPECT from the chief: replica SENDER (a spare) joins now, at world rank PEER."""
+        self.net.take(self._small.buf, src, Tag.EXPECT)
+        r, rank = int(self._small.header[H.SENDER]), int(self._small.header[H.PEER])
+        self.replica_of[rank] = r
+        self.replica_ranks[r] = rank
+        self.done.discard(r)
+        self.replicas.heard(r)
+        return False
+
     def _recv_new_primary(self, src: int, status) -> bool:
         self.net.take(self._small.buf, src, Tag.NEW_PRIMARY)
         hd = self._small.header
@@ -505,6 +520,8 @@ class ReplicatedServer:
                 cs.stats.lost_replicas[r] = why
             if ended:
                 cs.policy.on_done(cs, r)
+        if ended and self.on_lost is not None:
+            self.on_lost(r)
         self._release()
         self._close_sets()
 

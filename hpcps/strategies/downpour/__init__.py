@@ -47,8 +47,8 @@ DOWNPOUR_TAU = 0.01  # default threshold of compressed pushes (gradient units, n
 def _defaults(cfg) -> dict:
     d = {"servers": cfg.partitions,  # one shard per partition
          "lr": 0.01, "n_fetch": 1, "n_push": 1, "warmup_steps": 200, "compress": "none",
-         "batch_size": 32, "prefetch": 2, "push": "gradients", "ps_copies": 1}
-    if (cfg.ps_copies or 1) > 1:  # replicated shards detect deaths by heartbeats
+         "batch_size": 32, "prefetch": 2, "push": "gradients", "ps_copies": 1, "spares": 0}
+    if (cfg.ps_copies or 1) > 1 or (cfg.spares or 0) > 0:  # deaths are found by heartbeats
         d["heartbeat_timeout"] = PS_HEARTBEAT_TIMEOUT
     if cfg.push != "activations":  # activation pushes hold whole rows per shard, not chunks
         d["chunk_bytes"] = DEFAULT_CHUNK_BYTES
@@ -68,7 +68,7 @@ def _validate_embeddings(cfg) -> None:
         "--compress threshold": cfg.compress == "threshold",
         "--push activations": cfg.push == "activations",
         "--partitions > 1": cfg.partitions > 1,
-        "--ps-copies > 1": (cfg.ps_copies or 1) > 1,
+        "--ps-copies > 1": (cfg.ps_copies or 1) > 1, "--spares": (cfg.spares or 0) > 0,
         "--persist-every": cfg.persist_every is not None,
         "--epoch-quorum": cfg.epoch_quorum is not None,
         "--heartbeat-timeout": cfg.heartbeat_timeout is not None,
@@ -84,6 +84,8 @@ def _validate(cfg) -> None:
     check_fault_options(cfg)
     if cfg.ps_copies is not None and cfg.ps_copies > 1:
         _validate_copies(cfg)
+    if cfg.spares:
+        _validate_spares(cfg)
     if cfg.epoch_quorum is not None and cfg.epoch_quorum > 1:
         raise ConfigError(f"--epoch-quorum is the fraction of replicas an epoch waits for, "
                           f"at most 1 (Project Adam: 0.75); got {cfg.epoch_quorum}")
@@ -169,6 +171,24 @@ def _validate_copies(cfg) -> None:
             raise ConfigError(f"--ps-copies > 1 with {name}: {why[name]}; drop one of the two")
 
 
+def _validate_spares(cfg) -> None:
+    """What spare replicas (--spares K) go with: a spare joins as a new replica with the dead
+    one's data shard, so what fixes each replica's part of the run at start is refused."""
+    why = {
+        "--staleness-bound": "the shards hold every replica to the slowest one's clock, and a "
+        "spare that joins mid-run has no clock of its own to start from; use --softsync or "
+        "plain downpour with --spares",
+        "--epoch-quorum": "each replica's share of every epoch is planned at start from the "
+        "replica count; a spare would need the dead replica's remaining shares handed over",
+        "--partitions > 1": "a spare would have to replace one partition of a replica in the "
+        "middle of its activation exchange; spares replace whole replicas (--partitions 1)"}
+    for name, given in (("--staleness-bound", cfg.staleness_bound is not None),
+                        ("--epoch-quorum", cfg.epoch_quorum is not None),
+                        ("--partitions > 1", cfg.partitions > 1)):
+        if given:
+            raise ConfigError(f"--spares with {name}: {why[name]}")
+
+
 def _describe(cfg, n_train: int) -> str:
     how = f"{cfg.optimizer} lr={cfg.lr} on the shards, batch {cfg.batch_size}/replica"
     if cfg.compress == "threshold":
@@ -188,7 +208,8 @@ STRATEGY = Strategy(
          "parameter server that runs the optimizer (DistBelief's Downpour SGD; the default); "
          "S defaults to P, one shard per partition",
     roles={"replica": "hpcps.strategies.downpour.replica:run_replica",
-           "server": "hpcps.strategies.downpour.server:run_server"},
+           "server": "hpcps.strategies.downpour.server:run_server",
+           "spare": "hpcps.strategies.downpour.spare:run_spare"},
     servers=SERVERS,
     options=(
         Option("n_fetch", int, "fetch fresh parameters from the shards every n_fetch steps "
@@ -225,6 +246,10 @@ STRATEGY = Strategy(
                "(1: every replica finishes every epoch; default: no epoch barrier, each "
                "replica runs its share of the whole run)", check="positive"),
         HEARTBEAT_TIMEOUT,
+        Option("spares", int, "spare ranks, the last K of the job, idle until a replica dies "
+               "or leaves (SIGTERM to its rank): a spare then takes its data shard, fetches "
+               "the parameters and trains on as a new replica; needs --heartbeat-timeout (10 s "
+               "unless given). Rank 0 assigns them (default 0: none)", check="nonneg"),
         Option("ps_copies", int, "copies of every chunk set on distinct server shards "
                "(Project Adam: 3): the primary applies a push, forwards it to the "
                "secondaries and acknowledges it once they hold it; a secondary takes over a "

@@ -22,7 +22,7 @@ def clock_offsets(ctx: Context) -> list[int]:
     """Each replica's clock at start under a staleness bound: the replicas that join after
     replica 0's warm start begin with its warm-start steps (they start from its parameters)."""
     warmup = ctx.cfg.warmup_steps if ctx.start_step == 0 else 0
-    return [0] + [warmup] * (ctx.grid.layout.replicas - 1)
+    return [0] + [warmup] * (ctx.grid.layout.trainers - 1)
 
 
 def warmup_steps(ctx: Context) -> int:

@@ -2,6 +2,7 @@
 another replica (the method: :mod:`hpcps.strategies.downpour`)."""
 from __future__ import annotations
 
+import signal
 import time
 
 import numpy as np
@@ -11,12 +12,13 @@ from hpcps.compress import codec as compress
 from hpcps.ps.chunks import ChunkPlan
 from hpcps.mpi.comm import Transport, dup_comm, wait_all
 from hpcps.mpi.protocol import H, Message, Tag
-from hpcps.ps import activations, replicated
+from hpcps.ps import activations, replicated, spares
 from hpcps.ps.client import Client
 from hpcps.model.spec import is_embedding_spec
 from hpcps.strategies.embedding import EmbeddingRows
 from hpcps.ps.epochs import EpochClock
 from hpcps.ps.liveness import HEARTBEATS_PER_TIMEOUT, HeartbeatThread
+from hpcps.runtime.stop import SignalFlag
 from hpcps.strategies.context import (
     Context,
     finish_on_chief,
@@ -173,6 +175,15 @@ class DownpourReplica(ReplicaLoop):
             if cfg.heartbeat_timeout is not None else None
         if cfg.ps_copies > 1:  # it stops beating a shard found dead
             self.client.heartbeat = self.heartbeat
+        # --spares: the chief hands a dead or departed replica's data shard to a spare
+        self.pool = spares.SparePool(grid.world, layout, self._replaced) \
+            if grid.is_chief and layout.spares else None
+        self.leave: SignalFlag | None = None  # SIGTERM: leave the run cleanly (not the chief)
+        self.left = False
+
+    def _replaced(self, text: str, record: dict) -> None:
+        self.ctx.metrics.message(text)
+        self.ctx.metrics.record("replacement", echo=False, **record)
 
     def packed_bounds(self, plan: ChunkPlan) -> list[int]:
         """The largest message each shard may receive from this replica, for packed pushes
@@ -184,6 +195,10 @@ class DownpourReplica(ReplicaLoop):
         return [TAU_BYTES + compress.max_message_bytes(size) for size in plan.sizes]
 
     def run(self) -> dict:
+        if self.may_lose and not self.ctx.grid.is_chief:
+            # the run goes on without this replica: SIGTERM makes it push what it has and
+            # leave at the end of its iteration, as if it had finished
+            self.leave = SignalFlag().install((signal.SIGTERM,))
         if self.heartbeat is not None:
             self.heartbeat.start()
         try:
@@ -239,6 +254,8 @@ class DownpourReplica(ReplicaLoop):
 
     # -- hooks ---------------------------------------------------------------------------------
     def before_step(self) -> None:
+        if self.pool is not None:
+            self.pool.poll()
         if (self.done // self.T) % self.fetch_every == 0:
             self.info = self.client.fetch(self.params)
             if self.cfg.staleness_bound is not None:
@@ -279,6 +296,11 @@ class DownpourReplica(ReplicaLoop):
         return self.info["step"]
 
     def run_complete(self) -> bool:
+        if self.leave is not None and self.leave.raised:
+            self.left = True
+            self.ctx.metrics.message(f"replica {self.replica} leaves on SIGTERM at global "
+                                     f"step {self.info['step']}")
+            return True
         if self.epochs is not None:
             self.advance_due = False
             return self.epochs.advance(self.T)
@@ -313,7 +335,11 @@ class DownpourReplica(ReplicaLoop):
             self.epochs.advance(self.T)
         wait_all(self.release_reqs, self.cfg.timeout,
                  "other replicas to take the warm-start release")
-        self.client.done()
+        self.client.done()  # every push committed, DONE sent: nobody waits for this one
+        if self.left:
+            spares.report_left(Transport(self.ctx.grid.world), self.replica)
+        if self.pool is not None:
+            self.pool.release()
         if self.epochs is not None:
             self.epochs.drain()
 
@@ -329,6 +355,10 @@ class DownpourReplica(ReplicaLoop):
             out.update(epoch_left=self.epochs.left, epoch_wait_s=self.epochs.waited_s)
         if self.cfg.ps_copies > 1:
             out.update(c.figures())
+        if self.left:
+            out["left"] = True
+        if self.pool is not None:
+            out.update(self.pool.figures())
         if self.ctx.grid.is_chief:
             out.update(_finish_chief(self.ctx, self._t0))
         return out
@@ -368,12 +398,13 @@ def _finish_chief(ctx: Context, t0: float) -> dict:
     layout = ctx.grid.layout
     if ctx.cfg.ps_copies > 1:  # each set from its primary at the end
         cfg = ctx.cfg
-        params, state, step, applied = replicated.receive_final(
+        params, state, step, applied, by_replica = replicated.receive_final(
             ctx.grid.world, partition_plan(ctx, 0), list(ctx.optimizer.state_keys),
-            layout.server_ranks, cfg.heartbeat_timeout, cfg.timeout)
+            layout.server_ranks, cfg.heartbeat_timeout, cfg.timeout, layout.trainers)
         train_s = time.perf_counter() - t0
         out = finish_on_chief(ctx, params, state, step, train_s)
-        return {**out, "train_s": train_s, "ps_applied": applied}
+        return {**out, "train_s": train_s, "ps_applied": applied,
+                "ps_applied_by_replica": by_replica}
     msg = final_message(ctx)
     req = Transport(ctx.grid.world).post_recv(msg.buf, layout.server_rank(0), DownpourTag.FINAL)
     wait_all([req], ctx.cfg.timeout, f"the final parameters from server shard 0 "

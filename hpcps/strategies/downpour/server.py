@@ -11,7 +11,7 @@ from hpcps.compress import codec as compress
 from hpcps.mpi.comm import Transport, gather_to_root, wait_all
 from hpcps.model import optim
 from hpcps.mpi.protocol import H, Tag
-from hpcps.ps import activations, persist, replicated
+from hpcps.ps import activations, persist, replicated, spares
 from hpcps.ps.consistency import SoftSync, StaleSynchronous
 from hpcps.ps.epochs import EpochKeeper
 from hpcps.ps.gradient_shard import GradientShard
@@ -136,16 +136,16 @@ def run_server(ctx: Context) -> dict:
     persister = persist.start(ctx, s, shards, params, state, cfg.persist_every,
                               ctx.start_step) if cfg.persist_every is not None else None
     liveness, replica_of = None, None
+    layout = grid.layout
     if cfg.heartbeat_timeout is not None:  # replicas may die (P = 1: replica r is rank r)
-        layout = grid.layout
-        liveness = Liveness(layout.replicas, cfg.heartbeat_timeout)
-        replica_of = {layout.replica_rank(r): r for r in range(layout.replicas)}
+        liveness = Liveness(layout.trainers, cfg.heartbeat_timeout)
+        replica_of = {layout.trainer_rank(r): r for r in range(layout.trainers)}
     # momentum-corrected compressed pushes carry the velocity already: the shard steps SGD
     apply = optim.SGD(cfg.lr).apply if momentum_corrected(cfg) else ctx.optimizer.apply
     # --lr-schedule: the rate at the global step the shard has counted
     apply = optim.scheduled(apply, cfg.lr_schedule, lambda: server.step, ctx.total_steps)
     server = GradientShard(grid.world, params, state, apply,
-                         n_replicas=grid.layout.replicas, step=ctx.start_step,
+                         n_replicas=layout.trainers, step=ctx.start_step,
                          timeout=cfg.timeout, on_boundary=on_boundary,
                          boundary_every=cfg.checkpoint_every,
                          policy=shard_policy(ctx, len(params)),
@@ -155,6 +155,7 @@ def run_server(ctx: Context) -> dict:
                          if cfg.push == "activations" else None,
                          tick=ctx.stop_tick, liveness=liveness, replica_of=replica_of,
                          fatal=(0,), epochs=keeper, persist=persister)
+    with_spares(server, layout, liveness)
     stats = server.serve(rows.handlers() if rows is not None else None)
     if rows is not None:
         rows.write(tables_path(ctx, s), s, grid.layout.servers, server.step)
@@ -189,6 +190,17 @@ def run_server(ctx: Context) -> dict:
             "persist": persister.figures() if persister is not None else None}
 
 
+def with_spares(server, layout, liveness) -> None:
+    """--spares: the spares' replica indices are not waited for until the chief assigns one,
+    and each replica the shard loses is reported to the chief (:mod:`hpcps.ps.spares`)."""
+    if not layout.spares:
+        return
+    server.idle(range(layout.replicas, layout.trainers))
+    net = Transport(server.comm)
+    server.on_lost = lambda r: spares.report_lost(net, r, layout.trainer_rank(r),
+                                                  liveness.lost.get(r, 0.0))
+
+
 def embedding_rows(ctx: Context) -> RowShard | None:
     """This shard's rows of an embedding model's tables (None for other models)."""
     return row_shard(ctx) if is_embedding_spec(ctx.cfg.model) else None
@@ -199,11 +211,11 @@ def run_replicated_server(ctx: Context) -> dict:
     (:mod:`hpcps.ps.replicated`)."""
     cfg, grid = ctx.cfg, ctx.grid
     layout = grid.layout
-    me, S, R = grid.role.shard, layout.servers, layout.replicas
+    me, S, R = grid.role.shard, layout.servers, layout.trainers
     plan = partition_plan(ctx, 0)
     keys = list(ctx.optimizer.state_keys)
     liveness = Liveness(R, cfg.heartbeat_timeout)
-    replica_of = {layout.replica_rank(r): r for r in range(R)}
+    replica_of = {layout.trainer_rank(r): r for r in range(R)}
     server = None
     sets = {}
     for h in replicated.sets_of(me, S, cfg.ps_copies):
@@ -227,9 +239,10 @@ def run_replicated_server(ctx: Context) -> dict:
         print(f"[hpcps] server shard {me} wrote checkpoint {path} at step {step}", flush=True)
 
     server = replicated.ReplicatedServer(grid.world, me, layout.server_ranks,
-                                         [layout.replica_rank(r) for r in range(R)],
+                                         [layout.trainer_rank(r) for r in range(R)],
                                          cfg.ps_copies, sets, keys, cfg.heartbeat_timeout,
                                          cfg.timeout, save=save)
+    with_spares(server, layout, liveness)
     server.serve()
     stats = [cs.stats for cs in sets.values()]
     # softsync's figures from the sets this shard ended as primary of (a secondary's repeat them)

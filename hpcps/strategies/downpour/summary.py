@@ -55,8 +55,16 @@ def summarize(ctx: Context, results: list[dict]) -> dict:
     if cfg.ps_copies > 1:
         chief = results[ctx.reporter]
         takeovers = [t for s in shards for t in s["takeovers"]]
+        # each set's count of every replica's pushes, the lost ones' included: a set closes
+        # only once every push it applied is committed, so these are the pushes committed
+        by_replica = chief.get("ps_applied_by_replica") or []
+        applied = chief.get("ps_applied") or []
         out.update(ps_copies=cfg.ps_copies,
-                   pushes_committed=sum(r["pushes_committed"] for r in reps),
+                   pushes_committed=sum(by_replica[0]) if by_replica else None,
+                   pushes_committed_by_replica=by_replica[0] if by_replica else None,
+                   pushes_acknowledged=sum(r["pushes_committed"] for r in reps),
+                   committed_equals_applied=bool(by_replica) and all(
+                       sum(t) == a and t == by_replica[0] for t, a in zip(by_replica, applied)),
                    ps_applied=chief.get("ps_applied"),
                    resent_pushes=sum(r["resent_pushes"] for r in reps),
                    replicated_pushes=sum(s["replicated_pushes"] for s in shards),
@@ -68,11 +76,11 @@ def summarize(ctx: Context, results: list[dict]) -> dict:
     if cfg.heartbeat_timeout is not None:
         layout = ctx.grid.layout
         lost = sorted({int(r) for s in shards for r in s["lost_replicas"]})
-        why = {str(layout.replica_rank(r)): next(
+        why = {str(layout.trainer_rank(r)): next(
             s["lost_replicas"][r] for s in shards if r in s["lost_replicas"]) for r in lost}
         # seconds between the last message from a lost replica and its drop, the longest over
         # the shards: how long the shards waited for a dead replica
-        after = {str(layout.replica_rank(r)): max(
+        after = {str(layout.trainer_rank(r)): max(
             s["lost_after_s"][r] for s in shards if r in s["lost_after_s"]) for r in lost}
         for rank, r in enumerate(results):  # died after its last push (hpcps.runtime.faults.finish)
             if r.get("lost") and "why" in r:
@@ -84,6 +92,7 @@ def summarize(ctx: Context, results: list[dict]) -> dict:
         out.update(lost_ranks=sorted(int(k) for k in why), lost_why=why,
                    lost_detected_s=after,
                    discarded_pushes=sum(s["discarded_pushes"] for s in shards))
+    out.update(_spare_figures(results))
     pushed = sum(r["bytes_sent"] for r in reps) / trained
     if cfg.push == "activations":
         out.update(push_bytes_per_step=round(pushed),
@@ -96,6 +105,25 @@ def summarize(ctx: Context, results: list[dict]) -> dict:
                    compression_ratio=4 * ctx.full_model.n_params / max(1.0, pushed),
                    bits_per_update=8 * pushed * trained / max(1, words))
     return out
+
+
+def _spare_figures(results: list[dict]) -> dict:
+    """--spares: every replacement, with the seconds from the death's detection (and from the
+    replica's last sign of life) to the spare's first step; the replicas that left."""
+    left = [rank for rank, r in enumerate(results) if r.get("left")]
+    chief = results[0]
+    if "replacements" not in chief:
+        return {"left_ranks": left} if left else {}
+    joined = {r["as_replica"]: r for r in results if r.get("as_replica") is not None}
+    recs = []
+    for rec in chief["replacements"]:
+        first = joined.get(rec["as_replica"], {}).get("first_step_at")
+        again = None if first is None else round(first - rec["detected_at"], 3)
+        recs.append({**rec, "training_again_s": again,
+                     "since_last_sign_s": None if again is None
+                     else round(again + rec["silent_s"], 3)})
+    return {"spares": chief["spares"], "replacements": recs,
+            "spares_idle_at_end": chief["spares_idle_at_end"], "left_ranks": left}
 
 
 def summary_lines(f: dict) -> list[str]:
@@ -114,10 +142,33 @@ def summary_lines(f: dict) -> list[str]:
                      + "; ".join(f"rank {k}: {v}" for k, v in f["lost_why"].items())
                      + f"); {f['discarded_pushes']} late push(es) from them discarded; the "
                      "others finished the run")
+    if f.get("left_ranks"):
+        lines.append(f"rank(s) {f['left_ranks']} left the run on SIGTERM, every push of theirs "
+                     "committed")
+    for r in f.get("replacements", []):
+        gone = "died" if r["how"] == "lost" else "left"
+        if r["spare"] is None:
+            lines.append(f"replica {r['replica']} (rank {r['rank']}) {gone}; no spare was "
+                         "left to take its data shard")
+            continue
+        when = ("did not start training" if r["training_again_s"] is None else
+                f"trained {r['training_again_s']:.2f} s after the "
+                + ("death was detected" if gone == "died" else "replica left")
+                + (f" ({r['since_last_sign_s']:.2f} s after its last sign of life)"
+                   if gone == "died" else ""))
+        lines.append(f"replica {r['replica']} (rank {r['rank']}) {gone}: spare {r['spare']} "
+                     f"(rank {r['spare_rank']}) took data shard {r['data_shard']} as replica "
+                     f"{r['as_replica']} and {when}")
+    if "spares" in f:
+        lines.append(f"{f['spares']} spare(s), {f['spares_idle_at_end']} still idle at the end")
     if "ps_copies" in f:
         applied = f["ps_applied"] or []
         line = (f"{f['ps_copies']} copies of every chunk set: {f['pushes_committed']} pushes "
-                f"committed, applied to the sets {sorted(set(applied))} time(s)")
+                "committed, every replica's (those lost included; "
+                f"{f['pushes_acknowledged']} acknowledged to replicas that finished), applied "
+                f"to the sets {sorted(set(applied))} time(s)")
+        if not f["committed_equals_applied"]:
+            line += " (MISMATCH: a set applied a different count than its replicas' pushes)"
         for t in f["takeovers"]:
             line += (f"; set {t['set']} taken over by shard {t['by_shard']} from shard "
                      f"{t['from_shard']} (silent "

@@ -1,0 +1,143 @@
+"""Spare ranks (``--spares K``): idle ranks that take the place of a replica that dies or
+leaves, as Project Adam kept standby machines (section 3.3).
+
+Who does what:
+
+* **A shard** that loses a replica (silent past ``--heartbeat-timeout``, or a message that
+  broke off) tells the chief, world rank 0 (``REPLICA_LOST``: the replica, its world rank, how
+  long it had been silent). Every shard notices on its own, so the chief hears it up to S
+  times and acts on the first.
+* **A replica** that leaves on SIGTERM finishes its last push, waits until it is committed,
+  sends DONE to its shards like any finished replica (so nobody waits for it) and then
+  ``REPLICA_LEFT`` to the chief.
+* **The chief** (:class:`SparePool`), between two of its own steps, hands the replica's data
+  shard to the next idle spare k: it first tells every shard to expect replica index R + k at
+  the spare's rank (``EXPECT``), then tells the spare (``ASSIGN``). The EXPECT goes out
+  before the chief's own DONE, so no shard can have ended before the newcomer arrives; from
+  then on the shards wait for R + k as for any replica and lose it the same way if it never
+  speaks. With no idle spare left, the run goes on without the replica, as without spares.
+  When its own training ends the chief releases the spares still idle (``RELEASE``).
+* **A spare** (:func:`wait_for_assignment`) waits for one of the two; assigned, it loads the
+  data shard, fetches the parameters and trains as replica R + k until the shards have
+  applied the run's steps, like the other replicas.
+
+A spare trains under an index of its own (R + k), not the dead replica's: what the shards
+hold of the dead one (its lost state, its late pushes discarded, with ``--ps-copies`` each set's
+count of its pushes) stays its own, and nothing in flight from it can be taken for the
+newcomer's. Every rank computes a spare's world rank from its index
+(:meth:`hpcps.mpi.topology.Layout.trainer_rank`).
+"""
+from __future__ import annotations
+
+import time
+
+from hpcps.mpi.comm import Poller, Transport, status
+from hpcps.mpi.protocol import H, Message, Tag
+
+CHIEF = 0  # world rank 0 assigns the spares: the run cannot survive its loss anyway
+
+
+def report_lost(net: Transport, replica: int, rank: int, silent_s: float) -> None:
+    """On a shard: tell the chief that ``replica`` (world rank ``rank``) is lost."""
+    msg = Message(0)
+    hd = msg.header
+    hd[H.SENDER], hd[H.PEER], hd[H.STALENESS], hd[H.CLOCK] = replica, rank, silent_s, time.time()
+    net.send_eager(msg.buf, CHIEF, Tag.REPLICA_LOST)
+
+
+def report_left(net: Transport, replica: int) -> None:
+    """On a replica that leaves: tell the chief, once its last push is committed."""
+    msg = Message(0)
+    msg.header[H.SENDER], msg.header[H.CLOCK] = replica, time.time()
+    net.send_eager(msg.buf, CHIEF, Tag.REPLICA_LEFT)
+
+
+class SparePool:
+    """On the chief: the replicas that died or left, and the spares handed their data shards.
+
+    Parameters
+    ----------
+    comm : the world communicator.
+    layout : the grid (R replicas, K spares, the shards' ranks).
+    say : ``say(text, record)``: a line for the log and a ``replacement`` record for the
+        metrics (the chief's :class:`hpcps.runtime.metrics.Metrics`).
+    """
+
+    def __init__(self, comm, layout, say=None):
+        self.net = Transport(comm)
+        self.layout = layout
+        self.R, self.K = layout.replicas, layout.spares
+        self.idle = list(range(self.K))
+        self.data_of = {r: r for r in range(self.R)}  # replica index -> its data shard
+        self.gone: dict[int, str] = {}  # replica index -> "lost" or "left"
+        self.replacements: list[dict] = []
+        self.released: list[int] = []
+        self.say = say
+        self._small = Message(0)
+        self._st = status()
+
+    def poll(self) -> None:
+        """Take every REPLICA_LOST and REPLICA_LEFT waiting; hand out spares."""
+        net, st, hd = self.net, self._st, self._small.header
+        while net.probe(st, Tag.REPLICA_LOST):
+            src = st.Get_source()
+            net.take(self._small.buf, src, Tag.REPLICA_LOST)
+            self._gone(int(hd[H.SENDER]), "lost", float(hd[H.CLOCK]), float(hd[H.STALENESS]),
+                       self.layout.role(src).shard)
+        while net.probe(st, Tag.REPLICA_LEFT):
+            net.take(self._small.buf, st.Get_source(), Tag.REPLICA_LEFT)
+            self._gone(int(hd[H.SENDER]), "left", float(hd[H.CLOCK]), 0.0, None)
+
+    def _gone(self, r: int, how: str, at: float, silent_s: float, shard) -> None:
+        if r in self.gone or r not in self.data_of:
+            return  # heard already (every shard reports a loss)
+        self.gone[r] = how
+        rec = {"replica": r, "rank": self.layout.trainer_rank(r), "how": how,
+               "data_shard": self.data_of[r], "detected_at": at, "silent_s": round(silent_s, 3),
+               "detected_by_shard": shard, "spare": None, "spare_rank": None,
+               "as_replica": None, "assigned_at": None}
+        if self.idle:
+            k = self.idle.pop(0)
+            new, rank = self.R + k, self.layout.spare_rank(k)
+            self.data_of[new] = self.data_of[r]
+            msg = Message(0)
+            msg.header[H.SENDER], msg.header[H.PEER] = new, rank
+            for dest in self.layout.server_ranks:  # header only: eager, even to a dead shard
+                self.net.send_eager(msg.buf, dest, Tag.EXPECT)
+            msg.header[H.EXAMPLES] = self.data_of[r]
+            self.net.send_eager(msg.buf, rank, Tag.ASSIGN)
+            rec.update(spare=k, spare_rank=rank, as_replica=new, assigned_at=time.time())
+        self.replacements.append(rec)
+        if self.say is not None:
+            what = (f"replica {r} (rank {rec['rank']}) {'died' if how == 'lost' else 'left'}: "
+                    + (f"spare {rec['spare']} (rank {rec['spare_rank']}) takes its data shard "
+                       f"{rec['data_shard']} as replica {rec['as_replica']}"
+                       if rec["spare"] is not None else
+                       "no spare left, the others take over its share of the steps"))
+            self.say(what, rec)
+
+    def release(self) -> None:
+        """The chief's training is over: the spares still idle leave."""
+        msg = Message(0)
+        for k in self.idle:
+            self.net.send_eager(msg.buf, self.layout.spare_rank(k), Tag.RELEASE)
+        self.released, self.idle = self.idle, []
+
+    def figures(self) -> dict:
+        return {"spares": self.K, "replacements": self.replacements,
+                "spares_idle_at_end": len(self.released)}
+
+
+def wait_for_assignment(comm) -> tuple[int, int, float] | None:
+    """On a spare: wait for the chief's ASSIGN (returns the replica index to train as, the
+    data shard, and when it came) or RELEASE (None). No deadline: an idle spare waits for the
+    whole run, and the run's end always releases it (a failed run aborts every rank)."""
+    net, st, msg, poll = Transport(comm), status(), Message(0), Poller()
+    while True:
+        if net.probe(st, Tag.ASSIGN, CHIEF):
+            net.take(msg.buf, CHIEF, Tag.ASSIGN)
+            return int(msg.header[H.SENDER]), int(msg.header[H.EXAMPLES]), time.time()
+        if net.probe(st, Tag.RELEASE, CHIEF):
+            net.take(msg.buf, CHIEF, Tag.RELEASE)
+            return None
+        poll.pause()
