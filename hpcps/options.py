@@ -302,7 +302,9 @@ def check_loop_options(cfg) -> None:
 def check_fault_options(cfg) -> None:
     """What no strategy can do while replicas may die (its ``validate`` calls this)."""
     copies = (getattr(cfg, "ps_copies", None) or 1) > 1  # brings a heartbeat timeout
-    if cfg.trace and (cfg.heartbeat_timeout is not None or copies):
-        why = "--ps-copies > 1 shards" if copies else "--heartbeat-timeout replicas"
+    spares = (getattr(cfg, "spares", None) or 0) > 0  # so do spares
+    if cfg.trace and (cfg.heartbeat_timeout is not None or copies or spares):
+        why = ("--ps-copies > 1 shards" if copies else "--spares replicas" if spares
+               else "--heartbeat-timeout replicas")
         raise ConfigError("--trace merges every rank's timeline at the end of the run, which "
                           f"needs every rank alive; with {why} may die: drop one of the two")

@@ -99,7 +99,8 @@ OWN = {
         "consistency": [[], ["--staleness-bound", "1"], ["--softsync", "2", "--staleness-lr",
                                                         "on"], ["--epoch-quorum", "0.75"]],
         "chunks": [[], ["--chunk-bytes", "1024"]],
-        "faults": [[], ["--heartbeat-timeout", "20"], ["--ps-copies", "2"]],
+        "faults": [[], ["--heartbeat-timeout", "20"], ["--ps-copies", "2"],
+                   ["--spares", "1"]],
     },
     "deadreckon": {"tau": [["--tau", "0.003"], ["--tau", "auto", "--density", "0.02",
                                                   "--sparsity-warmup", "100"]],
@@ -134,9 +135,15 @@ def run_options(spec) -> list[str]:
     return BATCH_RUN if spec.whole_batch else SGD_RUN
 
 
+def spares_of(own) -> int:
+    """The --spares K a row's own options give (ranks beside its S, R and P)."""
+    flat = [v for values in own for v in values]
+    return int(flat[flat.index("--spares") + 1]) if "--spares" in flat else 0
+
+
 def combination(name: str, spec, row) -> dict:
     P, R, S, T, model, *own = row  # own: --trace, then the strategy's own options
-    n = S + int(spec.coordinator) + R * P
+    n = S + int(spec.coordinator) + R * P + spares_of(own)
     argv = ["--strategy", name, "--partitions", str(P), "--threads", str(T), *model]
     if spec.uses_servers:
         argv += ["--servers", str(S)]
@@ -189,13 +196,14 @@ def acceptance(name: str) -> np.ndarray:
 @functools.cache
 def _planned(name: str, fields: tuple, n: int) -> bool:
     """Whether the layout plan takes a row's options (``fields``, what :func:`_options`
-    keeps: servers, partitions, inject_slow) on ``n`` ranks."""
+    keeps: servers, partitions, inject_slow, spares) on ``n`` ranks besides its spares."""
     from hpcps.job import plan  # imports mpi4py: only when the tests run
-    servers, partitions, inject_slow = fields
+    servers, partitions, inject_slow, spares = fields
     cfg = types.SimpleNamespace(servers=servers, partitions=partitions,
-                                spec=strategies()[name], inject_slow=inject_slow)
+                                spec=strategies()[name], inject_slow=inject_slow,
+                                spares=spares)
     try:
-        plan(cfg, n)
+        plan(cfg, n + (spares or 0))
     except ConfigError:
         return False
     return True
@@ -204,8 +212,8 @@ def _planned(name: str, fields: tuple, n: int) -> bool:
 @functools.cache
 def _options(name: str, key: tuple):
     """What the layout plan reads of a row's Config (its options: everything but R) as
-    (servers, partitions, inject_slow), or None if they are refused. Only those few fields
-    are kept: the product has ~10^5 keys."""
+    (servers, partitions, inject_slow, spares), or None if they are refused. Only those few
+    fields are kept: the product has ~10^5 keys."""
     spec = strategies()[name]
     P, S, T, model, *own = key
     pieces = [("--strategy", name, "--partitions", str(P), "--threads", str(T)), model]
@@ -220,7 +228,7 @@ def _options(name: str, key: tuple):
         cfg = config.from_values(values)
     except ConfigError:
         return None
-    return cfg.servers, cfg.partitions, cfg.inject_slow
+    return cfg.servers, cfg.partitions, cfg.inject_slow, getattr(cfg, "spares", None)
 
 
 @functools.cache
@@ -377,6 +385,11 @@ MUST_ACCEPT = [
          "1"], "fault-tolerance.md: copies keep SSP's clocks"),
     (4, ["--strategy", "sandblaster", "--heartbeat-timeout", "10", "--flush-every", "1"],
      "options.md: sandblaster takes --heartbeat-timeout"),
+    (5, ["--strategy", "downpour", "--spares", "1"], "fault-tolerance.md: spares"),
+    (8, ["--strategy", "downpour", "--servers", "3", "--ps-copies", "2", "--spares", "2",
+         "--softsync", "2"], "fault-tolerance.md: spares with copies"),
+    (6, ["--strategy", "downpour", "--spares", "2", "--compress", "threshold", "--push",
+         "gradients", "--persist-every", "1"], "spares: what a replica pushes is its own"),
     (3, ["--strategy", "downpour", "--chunk-bytes", "1024"], "downpour, sandblaster"),
     (3, ["--strategy", "downpour", "--model", CONV, "--dropout", "0.25"], "--dropout, --model"),
     (3, ["--strategy", "downpour", "--inject-slow", "0:3"], "a replica's world rank"),
@@ -400,6 +413,14 @@ MUST_REFUSE = [
     (2, ["--strategy", "sync", "--lr-scaling", "sqrt"], "--lr-scaling"),
     (3, ["--strategy", "downpour", "--dropout", "0.25"], "--dropout"),
     (4, ["--strategy", "sandblaster", "--inject-slow", "3:2"], "--inject-slow"),
+    (5, ["--strategy", "downpour", "--spares", "1", "--staleness-bound", "1"],
+     "--spares with --staleness-bound"),
+    (6, ["--strategy", "downpour", "--spares", "1", "--epoch-quorum", "0.75"],
+     "--spares with --epoch-quorum"),
+    (6, ["--strategy", "downpour", "--spares", "1", "--servers", "2", "--partitions", "2"],
+     "--partitions"),
+    (4, ["--strategy", "sandblaster", "--spares", "1"], "--spares"),
+    (3, ["--strategy", "downpour", "--spares", "3"], "3 spare(s)"),
 ]
 
 
