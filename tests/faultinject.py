@@ -42,9 +42,10 @@ def wait_for_step(metrics: Path, step: int, timeout: float) -> int:
     raise AssertionError(f"no progress record at step {step} in {metrics} within {timeout} s")
 
 
-def kill_rank(launcher_pid: int, rank: int) -> int:
+def kill_rank(launcher_pid: int, rank: int, sig: int = signal.SIGKILL) -> int:
+    """Send ``sig`` (SIGKILL unless given) to world rank ``rank``'s process; its pid."""
     pid = rank_pid(launcher_pid, rank)
     if pid is None:
         raise AssertionError(f"rank {rank} not found under launcher pid {launcher_pid}")
-    os.kill(pid, signal.SIGKILL)
+    os.kill(pid, sig)
     return pid

@@ -52,6 +52,7 @@ class Tag(IntEnum):
     EXPECT = 39       # world rank 0 -> shards: replica SENDER joins now, at world rank PEER
     ASSIGN = 40       # world rank 0 -> a spare: train as replica SENDER on data shard EXAMPLES
     RELEASE = 41      # world rank 0 -> an idle spare: the run is over, leave
+    JOINED = 42       # a spare -> world rank 0: replica SENDER took its first step at CLOCK
 
 
 class H(IntEnum):

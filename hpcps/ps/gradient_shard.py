@@ -211,10 +211,7 @@ class GradientShard:
                 f"{self.n_replicas - len(self.done)} replica(s) to finish (done: "
                 f"{sorted(self.done)}; held fetches from ranks {[h[0] for h in self.held]})"),
                 self._tick)
-        poll = Poller()
-        while self._sending:  # replies still in flight: each ends, or gives up at its deadline
-            self._reap_replies()
-            poll.pause()
+        self.drain_replies()
         if self.epochs is not None:
             self.epochs.close(self.timeout)
         if self.persist is not None:  # the final state, on disk before the shard reports
@@ -299,7 +296,7 @@ class GradientShard:
             self.persist.maybe_flush(self.applied_step)
         if self.liveness is None:
             return False
-        self._reap_replies()
+        self.reap_replies()
         expected = [r for r in range(self.n_replicas) if r not in self.done]
         for r in self.liveness.silent(expected):
             self.lose(r, f"silent for more than {self.liveness.timeout:g} s")
@@ -476,13 +473,13 @@ class GradientShard:
         else:  # ... unless it died since it asked: then the shard must not wait for it
             self._sending.append((self.net.send_nowait(r.buf, src, Tag.PARAMS), r, sender,
                                   time.monotonic() + self.liveness.timeout))
-            self._reap_replies()
+            self.reap_replies()
             self._reply = self._spare_replies.pop() if self._spare_replies else \
                 Message(len(self.params))
         self.stats.fetches += 1
         self.stats.bytes_out += r.buf.nbytes
 
-    def _reap_replies(self) -> None:
+    def reap_replies(self) -> None:
         """Replies in flight (replicas may die): keep the buffers of those that completed;
         lose the replica of one that failed or is past its deadline (its buffer is left to
         MPI, which may still read it)."""
@@ -496,3 +493,10 @@ class GradientShard:
             else:
                 still.append((req, msg, sender, deadline))
         self._sending = still
+
+    def drain_replies(self) -> None:
+        """Wait until every reply in flight has ended or given up at its deadline."""
+        poll = Poller()
+        while self._sending:
+            self.reap_replies()
+            poll.pause()

@@ -45,6 +45,14 @@ def report_lost(net: Transport, replica: int, rank: int, silent_s: float) -> Non
     net.send_eager(msg.buf, CHIEF, Tag.REPLICA_LOST)
 
 
+def report_joined(net: Transport, replica: int, at: float) -> None:
+    """On a spare: tell the chief when its first step as replica ``replica`` ended (the
+    chief keeps it: the spare's own figures are lost if it dies later)."""
+    msg = Message(0)
+    msg.header[H.SENDER], msg.header[H.CLOCK] = replica, at
+    net.send_eager(msg.buf, CHIEF, Tag.JOINED)
+
+
 def report_left(net: Transport, replica: int) -> None:
     """On a replica that leaves: tell the chief, once its last push is committed."""
     msg = Message(0)
@@ -87,6 +95,11 @@ class SparePool:
         while net.probe(st, Tag.REPLICA_LEFT):
             net.take(self._small.buf, st.Get_source(), Tag.REPLICA_LEFT)
             self._gone(int(hd[H.SENDER]), "left", float(hd[H.CLOCK]), 0.0, None)
+        while net.probe(st, Tag.JOINED):
+            net.take(self._small.buf, st.Get_source(), Tag.JOINED)
+            for rec in self.replacements:
+                if rec["as_replica"] == int(hd[H.SENDER]):
+                    rec["first_step_at"] = float(hd[H.CLOCK])
 
     def _gone(self, r: int, how: str, at: float, silent_s: float, shard) -> None:
         if r in self.gone or r not in self.data_of:
@@ -95,7 +108,7 @@ class SparePool:
         rec = {"replica": r, "rank": self.layout.trainer_rank(r), "how": how,
                "data_shard": self.data_of[r], "detected_at": at, "silent_s": round(silent_s, 3),
                "detected_by_shard": shard, "spare": None, "spare_rank": None,
-               "as_replica": None, "assigned_at": None}
+               "as_replica": None, "assigned_at": None, "first_step_at": None}
         if self.idle:
             k = self.idle.pop(0)
             new, rank = self.R + k, self.layout.spare_rank(k)

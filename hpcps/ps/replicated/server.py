@@ -152,6 +152,8 @@ class ReplicatedServer:
         self.heartbeat.start()
         try:
             serve(self.comm, handlers, self.timeout, self._waiting_for, self._tick)
+            for cs in self.sets.values():
+                cs.drain_replies()
         finally:
             self.heartbeat.stop()
 
@@ -164,6 +166,9 @@ class ReplicatedServer:
         return self.ended
 
     def _tick(self) -> bool:
+        for cs in self.sets.values():  # fetch replies in flight: done, or their replica lost
+            cs.reap_replies()
+            self._losses_of(cs)
         for r in self.replicas.silent([r for r in range(self.R) if r not in self.done]):
             self._lose_replica(r, f"silent for more than {self.hb:g} s")
         for x in self.peers.silent([x for x in range(self.S) if x != self.me

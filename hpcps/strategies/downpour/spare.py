@@ -9,8 +9,10 @@ import numpy as np
 
 from hpcps.io import data
 from hpcps.model import convnet
+from hpcps.mpi.comm import Transport
 from hpcps.mpi.topology import Role
 from hpcps.ps import spares
+from hpcps.ps.liveness import HEARTBEATS_PER_TIMEOUT, HeartbeatThread
 from hpcps.strategies.context import VAL_HELD_OUT, Context, train_shard
 from hpcps.strategies.downpour.replica import DownpourReplica
 
@@ -29,6 +31,8 @@ class SpareReplica(DownpourReplica):
         loss = super().step(x, y)
         if self.first_step_at is None:
             self.first_step_at = time.time()
+            spares.report_joined(Transport(self.ctx.grid.world), self.replica,
+                                 self.first_step_at)
         return loss
 
 
@@ -52,7 +56,15 @@ def run_spare(ctx: Context) -> dict:
     if got is None:
         return {"spare": k, "as_replica": None}
     replica, shard, assigned_at = got
-    loop = SpareReplica(as_replica(ctx, replica, shard))
+    cfg, layout = ctx.cfg, ctx.grid.layout
+    # the shards lose a replica silent past --heartbeat-timeout from the moment they expect
+    # it: beat while the data loads and the replica is built (its own thread takes over)
+    beat = HeartbeatThread(ctx.grid.world, layout.server_ranks, replica,
+                           cfg.heartbeat_timeout / HEARTBEATS_PER_TIMEOUT).start()
+    try:
+        loop = SpareReplica(as_replica(ctx, replica, shard))
+    finally:
+        beat.stop()
     out = loop.run()
     return {**out, "spare": k, "as_replica": replica, "data_shard": shard,
             "assigned_at": assigned_at, "first_step_at": loop.first_step_at}

@@ -59,12 +59,15 @@ def summarize(ctx: Context, results: list[dict]) -> dict:
         # only once every push it applied is committed, so these are the pushes committed
         by_replica = chief.get("ps_applied_by_replica") or []
         applied = chief.get("ps_applied") or []
+        # (sets may differ by a dead replica's last push: whole on one shard, broken off on
+        # another; each set's own count is exact)
+        committed = [sum(t) for t in by_replica]
         out.update(ps_copies=cfg.ps_copies,
-                   pushes_committed=sum(by_replica[0]) if by_replica else None,
-                   pushes_committed_by_replica=by_replica[0] if by_replica else None,
+                   pushes_committed=max(committed) if committed else None,
+                   pushes_committed_by_set=committed,
+                   pushes_committed_by_replica=[max(c) for c in zip(*by_replica)],
                    pushes_acknowledged=sum(r["pushes_committed"] for r in reps),
-                   committed_equals_applied=bool(by_replica) and all(
-                       sum(t) == a and t == by_replica[0] for t, a in zip(by_replica, applied)),
+                   committed_equals_applied=bool(by_replica) and committed == list(applied),
                    ps_applied=chief.get("ps_applied"),
                    resent_pushes=sum(r["resent_pushes"] for r in reps),
                    replicated_pushes=sum(s["replicated_pushes"] for s in shards),
@@ -116,8 +119,8 @@ def _spare_figures(results: list[dict]) -> dict:
         return {"left_ranks": left} if left else {}
     joined = {r["as_replica"]: r for r in results if r.get("as_replica") is not None}
     recs = []
-    for rec in chief["replacements"]:
-        first = joined.get(rec["as_replica"], {}).get("first_step_at")
+    for rec in chief["replacements"]:  # the first step as the spare told the chief, or later
+        first = rec["first_step_at"] or joined.get(rec["as_replica"], {}).get("first_step_at")
         again = None if first is None else round(first - rec["detected_at"], 3)
         recs.append({**rec, "training_again_s": again,
                      "since_last_sign_s": None if again is None
@@ -163,10 +166,11 @@ def summary_lines(f: dict) -> list[str]:
         lines.append(f"{f['spares']} spare(s), {f['spares_idle_at_end']} still idle at the end")
     if "ps_copies" in f:
         applied = f["ps_applied"] or []
-        line = (f"{f['ps_copies']} copies of every chunk set: {f['pushes_committed']} pushes "
-                "committed, every replica's (those lost included; "
+        line = (f"{f['ps_copies']} copies of every chunk set: "
+                f"{'/'.join(map(str, sorted(set(f['pushes_committed_by_set']))))} pushes "
+                "committed to the sets, every replica's (those lost included; "
                 f"{f['pushes_acknowledged']} acknowledged to replicas that finished), applied "
-                f"to the sets {sorted(set(applied))} time(s)")
+                f"to them {sorted(set(applied))} time(s)")
         if not f["committed_equals_applied"]:
             line += " (MISMATCH: a set applied a different count than its replicas' pushes)"
         for t in f["takeovers"]:

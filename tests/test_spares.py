@@ -1,0 +1,94 @@
+"""Spare ranks (--spares K, downpour): the layout, a replica that leaves on SIGTERM, killed
+replicas and shards replaced or failed over, and a spare that dies before it could take over."""
+from __future__ import annotations
+
+import signal
+
+import pytest
+
+from faultinject import kill_rank, wait_for_step
+from mpirun import end_launch
+from test_faults import finish, launch, records_of, summary
+
+from hpcps.errors import ConfigError
+from hpcps.mpi.topology import Layout
+
+STEPS = ["--steps", "7000"]  # long enough for two failures and their replacements
+
+
+# -- pure ----------------------------------------------------------------------------------------
+def test_layout_puts_spares_last_and_numbers_them_after_the_replicas():
+    lay = Layout.plan(8, servers=3, spares=2)
+    assert (lay.replicas, lay.spares, lay.trainers) == (3, 2, 5)
+    assert [lay.role(r).kind for r in range(8)] == ["replica"] * 3 + ["server"] * 3 + \
+        ["spare"] * 2
+    assert [lay.role(r).spare for r in (6, 7)] == [0, 1]
+    assert [lay.trainer_rank(r) for r in range(5)] == [0, 1, 2, 6, 7]
+    assert lay.role(7).may_die and lay.role(0).may_die and not lay.role(3).may_die
+    with pytest.raises(ConfigError, match=r"1 spare\(s\)"):
+        Layout.plan(2, servers=1, spares=1)
+
+
+# -- runs ----------------------------------------------------------------------------------------
+def _run(tmp_path, mnist_h5, n, args, schedule):
+    """Launch, then at each (step, rank, signal) of ``schedule`` signal that rank; the output."""
+    proc = launch(tmp_path, mnist_h5, n=n, extra=[*STEPS, *args])
+    try:
+        for step, rank, sig in schedule:
+            wait_for_step(tmp_path / "metrics.jsonl", step, 120)
+            kill_rank(proc.pid, rank, sig)
+    except BaseException:
+        end_launch(proc.pid, proc.tag)
+        proc.communicate()
+        raise
+    out = finish(proc, f"run with {schedule}")
+    assert proc.returncode == 0, out[-4000:]
+    return out, summary(tmp_path)
+
+
+def test_leave_a_shard_death_and_a_replacement_that_dies(mnist_h5, tmp_path):
+    """3 replicas, 3 shards with 2 copies of each set, 2 spares (ranks 6, 7). Rank 1 leaves
+    on SIGTERM: spare 0 takes its data shard without waiting for a timeout; shard 1 (rank 4)
+    is SIGKILLed and its set fails over; then spare 0, now training, is SIGKILLed and spare 1
+    takes the same data shard. Every set applied exactly the pushes committed, every
+    replica's counted, the lost ones' included."""
+    out, s = _run(tmp_path, mnist_h5, 8, ["--servers", "3", "--ps-copies", "2", "--spares",
+                                          "2"],
+                  [(500, 1, signal.SIGTERM), (1500, 4, signal.SIGKILL),
+                   (2500, 6, signal.SIGKILL)])
+    assert s["left_ranks"] == [1], out[-3000:]
+    assert s["lost_ranks"] == [4, 6], out[-3000:]
+    reps = s["replacements"]
+    assert [(r["replica"], r["how"], r["spare"], r["as_replica"], r["data_shard"])
+            for r in reps] == [(1, "left", 0, 3, 1), (3, "lost", 1, 4, 1)], reps
+    assert all(r["training_again_s"] is not None for r in reps), reps
+    assert reps[0]["silent_s"] == 0.0  # a departure is known at once, not after a silence
+    # each set applied exactly the pushes its copies counted from every replica (the sets may
+    # differ by one: rank 6's last push, whole on one shard and broken off on another)
+    assert s["committed_equals_applied"], s
+    assert s["pushes_committed_by_set"] == s["ps_applied"]
+    assert len(s["pushes_committed_by_replica"]) == 5  # replicas 0-2, then the spares 3-4
+    assert all(c > 0 for c in s["pushes_committed_by_replica"]), s
+    assert s["pushes_acknowledged"] < min(s["ps_applied"])  # rank 6's are not acknowledged
+    assert s["spares_idle_at_end"] == 0
+    assert [t["from_shard"] for t in s["takeovers"]] == [1], s["takeovers"]
+    assert s["test_accuracy"] > 0.9, s["test_accuracy"]
+    assert "rank(s) [1] left the run on SIGTERM" in out
+    assert "spare 1 (rank 7) took data shard 1 as replica 4" in out
+    assert len(records_of(tmp_path, "replacement")) == 2
+
+
+def test_a_spare_that_died_idle_is_passed_over(mnist_h5, tmp_path):
+    """1 shard, 3 replicas, 2 spares (ranks 4, 5). Spare 0 is SIGKILLed while idle, then
+    replica 2: the chief hands replica 2's data to spare 0, which never speaks, so the shard
+    loses it too and the chief hands the data to spare 1. The run completes; the summary
+    names both dead ranks and both replacements."""
+    out, s = _run(tmp_path, mnist_h5, 6, ["--spares", "2"],
+                  [(300, 4, signal.SIGKILL), (700, 2, signal.SIGKILL)])
+    assert s["lost_ranks"] == [2, 4], out[-3000:]
+    reps = s["replacements"]
+    assert [(r["replica"], r["spare"], r["as_replica"], r["data_shard"]) for r in reps] == \
+        [(2, 0, 3, 2), (3, 1, 4, 2)], reps
+    assert reps[0]["training_again_s"] is None and reps[1]["training_again_s"] is not None
+    assert s["test_accuracy"] > 0.9, s["test_accuracy"]
+    assert "spare 0 (rank 4) took data shard 2 as replica 3 and did not start training" in out
