@@ -3,6 +3,8 @@ replicas and shards replaced or failed over, and a spare that dies before it cou
 from __future__ import annotations
 
 import signal
+import subprocess
+import sys
 
 import pytest
 
@@ -35,7 +37,12 @@ def _run(tmp_path, mnist_h5, n, args, schedule):
     proc = launch(tmp_path, mnist_h5, n=n, extra=[*STEPS, *args])
     try:
         for step, rank, sig in schedule:
-            wait_for_step(tmp_path / "metrics.jsonl", step, 120)
+            try:
+                wait_for_step(tmp_path / "metrics.jsonl", step, 120)
+            except AssertionError as exc:  # a stall: where every rank is, in the failure
+                asked = subprocess.run([sys.executable, "-m", "hpcps.stacks", str(tmp_path)],
+                                       capture_output=True, text=True, timeout=90)
+                raise AssertionError(f"{exc}\n{asked.stdout[-6000:]}") from None
             kill_rank(proc.pid, rank, sig)
     except BaseException:
         end_launch(proc.pid, proc.tag)

@@ -1,0 +1,194 @@
+"""Elastic soak: a downpour job killed again and again, with nothing lost; one JSON object.
+
+The job: ``--servers 3 --ps-copies 2 --spares K`` under ``mpiexec -disable-auto-cleanup ...
+python -m hpcps.keeper`` on MNIST (784-64-10, ``--heartbeat-timeout 2``), long enough to
+outlast ``--duration``. Every ``--every`` seconds the soak SIGKILLs one rank, chosen among
+the deaths the job can absorb:
+
+* a replica that trains (never rank 0, the chief, whose loss ends any run), only while an idle
+  spare is left to replace it, so the job never shrinks;
+* a server shard, only while every chunk set it holds keeps another live copy (with 3 shards
+  and 2 copies: one shard in the whole run, since the copies lost are not restored).
+
+Rank 0's ``replacement`` records say which spare became which replica. When nothing is left
+to kill the soak lets the run finish. Then the same job runs without kills, and the JSON
+compares them:
+
+``completed`` (exit 0 and a summary), ``kills`` (time, rank, role), ``replacements`` (the
+summary's, with ``training_again_s``), ``replaced_median_s``/``replaced_max_s`` (from a
+death's detection to the spare's first step), ``shard_failover_s`` (from a shard's last sign
+of life to its sets served again, each), ``joins`` (always 0: joining a running job is not
+built), ``sets_with_c_copies_at_end`` (sets whose copies all live at the end),
+``committed_equals_applied`` (each set applied exactly the pushes its copies counted from
+every replica), ``accuracy`` and ``clean_accuracy``. Exit status 1 if the job did not
+complete, a set's count is off, or the accuracy is more than 0.5 points under the clean
+run's.
+
+Usage::
+
+    python bench/soak_elastic.py --data data/mnist.h5           # ~8 min on 2 cores
+    python bench/soak_elastic.py --data data/mnist.h5 --quick   # a short smoke run
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "bench"))
+from faultinject import kill_rank  # noqa: E402  (tests/: finds a rank under the launcher)
+from machine import save  # noqa: E402
+from mpirun import end_launch, mpiexec, tagged_env  # noqa: E402
+
+from hpcps.ps.replicated.placement import holders  # noqa: E402
+
+S, C, R = 3, 2, 3  # shards, copies, replicas
+
+
+def launch(run_dir: Path, data: str, spares: int, steps: int):
+    env, tag = tagged_env(dict(os.environ, OPENBLAS_NUM_THREADS="1",
+                               PYTHONPATH=str(ROOT) + os.pathsep
+                               + os.environ.get("PYTHONPATH", "")))
+    cmd = [mpiexec(), "-disable-auto-cleanup", "-n", str(R + S + spares), sys.executable, "-m",
+           "hpcps.keeper", "--layers", "784,64,10", "--steps", str(steps), "--batch-size", "32",
+           "--eval-every", "0", "--checkpoint-every", "0", "--progress-every", "1",
+           "--timeout", "60", "--heartbeat-timeout", "2", "--servers", str(S), "--ps-copies",
+           str(C), "--spares", str(spares), "--data", data, "--run-dir", str(run_dir)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env, start_new_session=True)
+    return proc, tag
+
+
+def records(run_dir: Path, kind: str) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue  # a line being written
+        if rec.get("kind") == kind:
+            out.append(rec)
+    return out
+
+
+def absorbable(spares: int, killed: set[int], run_dir: Path) -> list[tuple[int, str]]:
+    """(rank, role) of every rank whose death the job can absorb now."""
+    first_spare = R + S
+    trainers = {r for r in range(1, R)}  # rank 0 is the chief
+    reps = records(run_dir, "replacement")
+    trainers |= {r["spare_rank"] for r in reps if r["spare_rank"] is not None}
+    used = {r["spare_rank"] for r in reps if r["spare_rank"] is not None}
+    idle = [k for k in range(first_spare, first_spare + spares) if k not in used | killed]
+    out = [(r, "replica") for r in sorted(trainers - killed)] if idle else []
+    dead = {r - R for r in killed if R <= r < R + S}
+    for s in range(S):
+        if s in dead:
+            continue
+        ok = all(any(x not in dead | {s} for x in holders(h, S, C))
+                 for h in range(S) if s in holders(h, S, C))
+        if ok:
+            out.append((R + s, "shard"))
+    return out
+
+
+def run(data: str, spares: int, steps: int, duration: float, every: float, limit: float,
+        seed: int, kills_on: bool) -> dict:
+    run_dir = Path(tempfile.mkdtemp(prefix="hpcps-soak-elastic-"))
+    rng = random.Random(seed)
+    proc, tag = launch(run_dir, data, spares, steps)
+    t0 = time.monotonic()
+    kills: list[dict] = []
+    killed: set[int] = set()
+    try:
+        while kills_on and proc.poll() is None and time.monotonic() - t0 < duration:
+            time.sleep(every)
+            if not records(run_dir, "progress"):
+                continue  # not training yet
+            choices = absorbable(spares, killed, run_dir)
+            if not choices or proc.poll() is not None:
+                continue
+            rank, role = rng.choice(choices)
+            kill_rank(proc.pid, rank)
+            killed.add(rank)
+            kills.append({"t_s": round(time.monotonic() - t0, 1), "rank": rank, "role": role})
+            print(f"[soak] {kills[-1]}", file=sys.stderr, flush=True)
+        out, _ = proc.communicate(timeout=max(10.0, limit - (time.monotonic() - t0)))
+    except subprocess.TimeoutExpired:
+        end_launch(proc.pid, tag)
+        out, _ = proc.communicate()
+        return {"completed": False, "why": "hung", "kills": kills, "output": out[-3000:]}
+    except BaseException:
+        end_launch(proc.pid, tag)
+        proc.communicate()
+        raise
+    summ = records(run_dir, "summary")
+    s = summ[0] if summ else {}
+    return {"completed": proc.returncode == 0 and bool(summ), "exit_code": proc.returncode,
+            "wall_s": round(time.monotonic() - t0, 1), "kills": kills, "summary": s,
+            "output": out[-3000:] if proc.returncode else ""}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--data", default="data/mnist.h5")
+    ap.add_argument("--spares", type=int, default=8)
+    ap.add_argument("--duration", type=float, default=180.0, help="seconds of kills")
+    ap.add_argument("--every", type=float, default=12.0, help="seconds between kills")
+    ap.add_argument("--steps", type=int, default=60000, help="the job's --steps (long "
+                    "enough to outlast --duration)")
+    ap.add_argument("--limit", type=float, default=900.0, help="seconds before a run is hung")
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--quick", action="store_true", help="a short smoke run, not saved")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.spares, args.duration, args.every, args.steps = 2, 30.0, 6.0, 8000
+    soak = run(args.data, args.spares, args.steps, args.duration, args.every, args.limit,
+               args.seed, True)
+    clean = run(args.data, args.spares, args.steps, 0.0, 0.0, args.limit, args.seed, False)
+    s, c = soak.get("summary", {}), clean.get("summary", {})
+    reps = s.get("replacements", [])
+    again = [r["training_again_s"] for r in reps if r.get("training_again_s") is not None]
+    failover = [t["served_after_s"] for t in s.get("takeovers", [])
+                if t.get("served_after_s") is not None]
+    dead = {int(k) - R for k in s.get("lost_shard_ranks", [])}
+    sets_c = sum(all(x not in dead for x in holders(h, S, C)) for h in range(S))
+    acc, clean_acc = s.get("test_accuracy"), c.get("test_accuracy")
+    fig = {"completed": soak["completed"], "clean_completed": clean["completed"],
+           "soak_wall_s": soak.get("wall_s"), "clean_wall_s": clean.get("wall_s"),
+           "kills": soak["kills"], "replacements": reps,
+           "replaced_median_s": statistics.median(again) if again else None,
+           "replaced_max_s": max(again) if again else None,
+           "shard_failover_s": failover, "joins": 0, "spares": args.spares,
+           "sets": S, "copies": C, "sets_with_c_copies_at_end": sets_c,
+           "committed_equals_applied": s.get("committed_equals_applied"),
+           "pushes_committed_by_set": s.get("pushes_committed_by_set"),
+           "ps_applied": s.get("ps_applied"), "lost_ranks": s.get("lost_ranks"),
+           "accuracy": acc, "clean_accuracy": clean_acc,
+           "accuracy_diff_points": None if acc is None or clean_acc is None
+           else round(100 * (acc - clean_acc), 2)}
+    for name, r in (("soak", soak), ("clean", clean)):
+        if not r["completed"]:
+            fig[f"{name}_output"] = r.get("output")
+    print(json.dumps(fig, indent=1))
+    lost = (not soak["completed"] or not clean["completed"]
+            or not s.get("committed_equals_applied")
+            or fig["accuracy_diff_points"] is None or fig["accuracy_diff_points"] < -0.5)
+    if not lost:
+        save("soak_elastic", {k: v for k, v in fig.items() if not k.endswith("_output")})
+    return 1 if lost else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
