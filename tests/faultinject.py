@@ -1,5 +1,6 @@
-"""Kill one rank of a running ``mpiexec`` job, for the fault tests: find it by PMI_RANK among
-the launcher's descendants (Hydra sets PMI_RANK in each rank's environment)."""
+"""Kill one rank of a running ``mpiexec`` job, for the fault tests: find it by its rank among
+the launcher's descendants (Hydra sets PMI_RANK in each rank's environment, Open MPI
+OMPI_COMM_WORLD_RANK)."""
 from __future__ import annotations
 
 import json
@@ -14,14 +15,14 @@ from mpirun import descendants
 def rank_pid(launcher_pid: int, rank: int) -> int | None:
     """The pid of the ``hpcps.train`` process of world rank ``rank`` started by the launcher
     ``launcher_pid`` (not the ``hpcps.keeper`` that started it)."""
-    want = f"PMI_RANK={rank}".encode()
+    want = {f"{name}={rank}".encode() for name in ("PMI_RANK", "OMPI_COMM_WORLD_RANK")}
     for pid in descendants(launcher_pid):
         try:
             env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
             cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if want in env and b"hpcps.train" in cmd:
+        if want & set(env) and b"hpcps.train" in cmd:
             return pid
     return None
 

@@ -40,6 +40,67 @@ def mpiexec() -> str:
     return found
 
 
+_FLAVORS: dict[str, str] = {}
+
+
+def mpi_flavor(launcher: str | None = None) -> str:
+    """``"openmpi"`` or ``"mpich"``: the MPI whose launcher ``launcher`` (default
+    :func:`mpiexec`) is, from what its ``--version`` prints ("mpirun (Open MPI) 5.0.11";
+    Hydra's "HYDRA build details"). ``$HPCPS_MPI`` (``openmpi`` or ``mpich``) overrides it.
+    Anything else is taken for MPICH, the suite's own MPI (the ``mpich`` wheel)."""
+    forced = os.environ.get("HPCPS_MPI", "").lower()
+    if forced in ("openmpi", "mpich"):
+        return forced
+    launcher = launcher or mpiexec()
+    if launcher not in _FLAVORS:
+        try:
+            said = subprocess.run([launcher, "--version"], capture_output=True, text=True,
+                                  timeout=30).stdout
+        except (OSError, subprocess.TimeoutExpired):
+            said = ""
+        _FLAVORS[launcher] = "openmpi" if "Open MPI" in said else "mpich"
+    return _FLAVORS[launcher]
+
+
+def launch_flags(flavor: str | None = None) -> list[str]:
+    """What every launch passes after the launcher, before ``-n``.
+
+    MPICH's Hydra: nothing. Open MPI: ``--oversubscribe`` (the suite starts more ranks than a
+    2-core machine has cores, which Hydra allows and Open MPI refuses without it), ``--bind-to
+    none`` (Open MPI binds each rank to a core by default, Hydra binds nothing: a bound rank's
+    Hogwild threads and heartbeat thread would share one core), and, as root,
+    ``--allow-run-as-root`` (Open MPI refuses to start as root without it; CI runs as root).
+    """
+    if (flavor or mpi_flavor()) != "openmpi":
+        return []
+    flags = ["--oversubscribe", "--bind-to", "none"]
+    if os.geteuid() == 0:
+        flags.append("--allow-run-as-root")
+    return flags
+
+
+def mpiexec_cmd(n: int, *, survive_rank_death: bool = False) -> list[str]:
+    """``[mpiexec, flags..., -n, n]`` for this MPI (:func:`launch_flags`). With
+    ``survive_rank_death``, the launcher is told to leave the other ranks running when one
+    dies: MPICH's ``-disable-auto-cleanup`` (with ranks started through ``hpcps.keeper``:
+    :func:`rank_module`, docs/fault-tolerance.md), Open MPI's ``--enable-recovery``
+    (docs/mpi.md)."""
+    flavor = mpi_flavor()
+    survive = []
+    if survive_rank_death:
+        survive = ["--enable-recovery"] if flavor == "openmpi" else ["-disable-auto-cleanup"]
+    return [mpiexec(), *launch_flags(flavor), *survive, "-n", str(n)]
+
+
+def rank_module(survive_rank_death: bool = False) -> str:
+    """The module each rank runs for training: ``hpcps.train``, or for a launch whose ranks
+    may die under MPICH, ``hpcps.keeper`` (Hydra kills the others when a rank it started is
+    killed; Open MPI with ``--enable-recovery`` does not, and needs no keeper)."""
+    if survive_rank_death and mpi_flavor() == "mpich":
+        return "hpcps.keeper"
+    return "hpcps.train"
+
+
 LAUNCH_TAG = "HPCPS_TEST_LAUNCH"  # environment variable naming one launch's processes
 
 
@@ -156,7 +217,7 @@ class Run:
 
 def run_mpi(n: int, args: list[str], timeout: float = 240, cwd=None, env=None) -> Run:
     """Run ``mpiexec -n n <python> args...``; kill it and fail if it outlives ``timeout``."""
-    cmd = [mpiexec(), "-n", str(n), sys.executable, *args]
+    cmd = [*mpiexec_cmd(n), sys.executable, *args]
     full_env = dict(os.environ)
     full_env.setdefault("OPENBLAS_NUM_THREADS", "1")
     full_env["PYTHONPATH"] = str(ROOT) + os.pathsep + full_env.get("PYTHONPATH", "")

@@ -143,7 +143,8 @@ def test_several_shards_hold_each_row_once_and_learn(ctr_h5, tmp_path, capsys, n
     assert [r["rows"] for r in facts["per_table"]] == rec["rows_held_by_table"]
 
 
-@pytest.mark.parametrize("strategy", ["downpour", "hybrid"])
+@pytest.mark.parametrize("strategy", ["downpour",
+                                      pytest.param("hybrid", marks=pytest.mark.openmpi)])
 def test_resume_on_another_shard_count(ctr_h5, tmp_path, strategy):
     """Rows written by 2 shards are re-hashed onto 3 on resume: the same rows (a resume with
     no step left holds exactly them, and scores the same), then training goes on."""

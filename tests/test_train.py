@@ -53,7 +53,7 @@ def assert_learned(run, run_dir, digits_h5, min_acc=0.85):
     return summary
 
 
-@pytest.mark.parametrize("n", [2, 3, 4])
+@pytest.mark.parametrize("n", [2, 3, pytest.param(4, marks=pytest.mark.openmpi)])
 def test_downpour_learns(n, digits_h5, tmp_path):
     run = train(n, "--data", str(digits_h5), "--run-dir", str(tmp_path), "--steps", "900",
                 "--warmup-steps", "50", *QUICK)
@@ -67,7 +67,7 @@ def test_downpour_learns(n, digits_h5, tmp_path):
     assert evals and evals[-1] >= evals[0] - 0.02
 
 
-@pytest.mark.parametrize("n", [1, 2, 3])
+@pytest.mark.parametrize("n", [1, 2, pytest.param(3, marks=pytest.mark.openmpi)])
 def test_sync_learns(n, digits_h5, tmp_path):
     run = train(n, "--strategy", "sync", "--data", str(digits_h5), "--run-dir", str(tmp_path),
                 "--steps", "900", *QUICK)
@@ -136,6 +136,7 @@ def test_two_server_shards_and_n_push(digits_h5, tmp_path):
     assert s["servers"] == 2 and s["replicas"] == 3
 
 
+@pytest.mark.openmpi
 def test_checkpoint_and_resume_on_a_different_layout(digits_h5, tmp_path):
     first, second = tmp_path / "a", tmp_path / "b"
     run = train(3, "--data", str(digits_h5), "--run-dir", str(first), "--steps", "400",
@@ -235,6 +236,7 @@ def test_bad_inputs_fail_fast_with_one_message(digits_h5, tmp_path):
         assert run.seconds < 30, (args, run.seconds)
 
 
+@pytest.mark.openmpi
 def test_failing_rank_aborts_the_job(tmp_path):
     run = run_mpi(3, [str(ROOT / "tests" / "scripts" / "abort_job.py")], timeout=60)
     assert run.returncode != 0, run.output
@@ -244,7 +246,7 @@ def test_failing_rank_aborts_the_job(tmp_path):
 
 
 # -- Strom's compressed updates -----------------------------------------------------------------
-@pytest.mark.parametrize("n", [1, 2, 3, 4])
+@pytest.mark.parametrize("n", [1, 2, pytest.param(3, marks=pytest.mark.openmpi), 4])
 def test_deadreckon_replicas_end_identical(n, digits_h5, tmp_path):
     """Learning is checked at 1 and 2 ranks only: this machine has 2 cores, and with more
     ranks than cores a replica runs dozens of digits steps per time slice before its peers'
@@ -357,7 +359,7 @@ def sb_losses(run_dir):
     return [r["loss"] for r in records(run_dir, "progress")]
 
 
-@pytest.mark.parametrize("n", [3, 5])
+@pytest.mark.parametrize("n", [pytest.param(3, marks=pytest.mark.openmpi), 5])
 def test_sandblaster_computes_the_same_lbfgs_as_numpy(n, digits_h5, tmp_path):
     """1 or 3 replicas, portions, shards: the loss sequence is the reference's."""
     run = train(n, "--data", str(digits_h5), "--run-dir", str(tmp_path), "--steps", "12",
@@ -535,7 +537,8 @@ def test_averaging_every_step_with_sgd_is_sync(n, digits_h5, tmp_path):
     assert summary["averaging_rounds"] == 300 // n and summary["mean_spread"] > 0
 
 
-@pytest.mark.parametrize("n,parts,state", [(3, 1, "on"), (4, 2, "off")])
+@pytest.mark.parametrize("n,parts,state", [pytest.param(3, 1, "on", marks=pytest.mark.openmpi),
+                                           (4, 2, "off")])
 def test_averaging_learns(n, parts, state, digits_h5, tmp_path):
     run = train(n, "--strategy", "averaging", "--partitions", str(parts), "--average-state",
                 state, "--average-every", "4", "--lr", "0.05", "--data", str(digits_h5),

@@ -12,6 +12,8 @@ Two things differ from a run in which one failure ends the job (``docs/fault-tol
   nodes, not tasks). :func:`launcher_verdict` looks at this rank's ancestors (Hydra's
   ``mpiexec`` is an ancestor of every rank on its own node) and at ``HPCPS_KEEPER``, and says
   once, at start, when a failure would take the job down anyway, or when it cannot tell.
+  Open MPI 5's ``mpirun`` (``prterun``) leaves the others running when started with
+  ``--enable-recovery``, with ranks started directly (measured: docs/mpi.md).
 * **The end uses no collective over the world.** A collective that includes a dead rank never
   completes, and ``MPI_Finalize`` waits for it. So every rank sends its final figures to the
   reporter point to point (:func:`finish`); the reporter waits only for the ranks the shards
@@ -34,6 +36,10 @@ from hpcps.mpi.protocol import Tag
 
 LAUNCHERS = ("mpiexec", "mpirun", "mpiexec.hydra")
 NO_CLEANUP = ("-disable-auto-cleanup", "--disable-auto-cleanup", "-disable-auto-cleanup=1")
+# Open MPI 5: mpirun and mpiexec exec prterun, the ranks' parent on the launching node; with
+# --enable-recovery it leaves the others running when one dies (docs/mpi.md)
+OPEN_MPI_LAUNCHER = "prterun"
+RECOVERY = ("--enable-recovery",)
 
 
 def ancestry(pid: int | None = None, depth: int = 4) -> list[list[str]]:
@@ -63,6 +69,13 @@ def launcher_verdict(ancestors: list[list[str]], environ) -> str | None:
     environ : the environment (``SLURM_*``).
     """
     for argv in ancestors:
+        if argv and Path(argv[0]).name == OPEN_MPI_LAUNCHER:
+            if not any(a in RECOVERY for a in argv[1:]):
+                return ("Open MPI's mpirun was started without --enable-recovery: it kills "
+                        "every rank when one dies, so --heartbeat-timeout cannot keep the run "
+                        "going (start it with mpirun --enable-recovery -n N python -m "
+                        "hpcps.train ...)")
+            return None
         if argv and Path(argv[0]).name in LAUNCHERS:
             if not any(a in NO_CLEANUP for a in argv[1:]):
                 return (f"{Path(argv[0]).name} was started without -disable-auto-cleanup: "
@@ -82,7 +95,8 @@ def launcher_verdict(ancestors: list[list[str]], environ) -> str | None:
                 "start them with srun --wait=0 ... python -m hpcps.keeper ...")
     return ("cannot tell whether the launcher keeps the other ranks running when one dies "
             "(no mpiexec among this rank's ancestors, not under Slurm): with MPICH use "
-            "mpiexec -disable-auto-cleanup -n N python -m hpcps.keeper, with Slurm "
+            "mpiexec -disable-auto-cleanup -n N python -m hpcps.keeper, with Open MPI "
+            "mpirun --enable-recovery -n N python -m hpcps.train, with Slurm "
             "srun --wait=0 ... python -m hpcps.keeper")
 
 
