@@ -50,9 +50,11 @@ class Tag(IntEnum):
     REPLICA_LOST = 37  # shard -> world rank 0: replica SENDER (world rank PEER) is lost
     REPLICA_LEFT = 38  # replica -> world rank 0: SENDER leaves the run (SIGTERM), all committed
     EXPECT = 39       # world rank 0 -> shards: replica SENDER joins now, at world rank PEER
-    ASSIGN = 40       # world rank 0 -> a spare: train as replica SENDER on data shard EXAMPLES
+    ASSIGN = 40       # world rank 0 -> a spare: what it becomes (pickled dict)
     RELEASE = 41      # world rank 0 -> an idle spare: the run is over, leave
     JOINED = 42       # a spare -> world rank 0: replica SENDER took its first step at CLOCK
+    SHARD_LOST = 43   # shard -> world rank 0: shard PEER is dead (--ps-copies)
+    HEAL = 44         # world rank 0 -> shards: shard PEER (a spare) holds dead shard SENDER's sets
 
 
 class H(IntEnum):

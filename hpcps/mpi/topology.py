@@ -85,6 +85,12 @@ class Layout:
         training as replica R + k once it replaces one (P = 1)."""
         return self.replicas + self.spares
 
+    @property
+    def shard_table(self) -> list[int]:
+        """World rank of each shard index a server may hear from: the S shards, then the K
+        spares, spare k serving as shard S + k once it restores a dead shard's copies."""
+        return self.server_ranks + [self.spare_rank(k) for k in range(self.spares)]
+
     def trainer_rank(self, r: int) -> int:
         """World rank of replica index ``r``: a replica's (partition 0), or past R a spare's."""
         return self.replica_rank(r) if r < self.replicas else self.spare_rank(r - self.replicas)

@@ -21,6 +21,13 @@ Who does what:
   data shard, fetches the parameters and trains as replica R + k until the shards have
   applied the run's steps, like the other replicas.
 
+Shards that die (``--ps-copies C``): a shard that finds another dead tells the chief
+(``SHARD_LOST``); the chief makes the next idle spare k shard S + k, a holder of every set the
+dead one held (``HEAL`` to every shard, ``ASSIGN`` to the spare with the heals so far), and
+each such set's primary sends it the set's state while it goes on serving, then forwards it
+every push as to any secondary: the set is back at C copies once the spare acknowledges the
+state (:mod:`hpcps.ps.replicated`).
+
 A spare trains under an index of its own (R + k), not the dead replica's: what the shards
 hold of the dead one (its lost state, its late pushes discarded, with ``--ps-copies`` each set's
 count of its pushes) stays its own, and nothing in flight from it can be taken for the
@@ -43,6 +50,14 @@ def report_lost(net: Transport, replica: int, rank: int, silent_s: float) -> Non
     hd = msg.header
     hd[H.SENDER], hd[H.PEER], hd[H.STALENESS], hd[H.CLOCK] = replica, rank, silent_s, time.time()
     net.send_eager(msg.buf, CHIEF, Tag.REPLICA_LOST)
+
+
+def report_shard_lost(net: Transport, me: int, dead: int, silent_s: float) -> None:
+    """On a shard: tell the chief that shard ``dead`` is dead (``--ps-copies``)."""
+    msg = Message(0)
+    hd = msg.header
+    hd[H.SENDER], hd[H.PEER], hd[H.STALENESS], hd[H.CLOCK] = me, dead, silent_s, time.time()
+    net.send_eager(msg.buf, CHIEF, Tag.SHARD_LOST)
 
 
 def report_joined(net: Transport, replica: int, at: float) -> None:
@@ -71,10 +86,14 @@ class SparePool:
         metrics (the chief's :class:`hpcps.runtime.metrics.Metrics`).
     """
 
-    def __init__(self, comm, layout, say=None):
+    def __init__(self, comm, layout, say=None, copies: int = 1):
         self.net = Transport(comm)
         self.layout = layout
-        self.R, self.K = layout.replicas, layout.spares
+        self.R, self.K, self.S, self.C = layout.replicas, layout.spares, layout.servers, copies
+        self.members = dict(enumerate(layout.server_ranks))  # shard index -> world rank
+        self.dead_shards: set[int] = set()
+        self.heals: list[tuple[int, int]] = []  # (dead shard, the spare's shard index)
+        self.shard_replacements: list[dict] = []
         self.idle = list(range(self.K))
         self.data_of = {r: r for r in range(self.R)}  # replica index -> its data shard
         self.gone: dict[int, str] = {}  # replica index -> "lost" or "left"
@@ -95,6 +114,10 @@ class SparePool:
         while net.probe(st, Tag.REPLICA_LEFT):
             net.take(self._small.buf, st.Get_source(), Tag.REPLICA_LEFT)
             self._gone(int(hd[H.SENDER]), "left", float(hd[H.CLOCK]), 0.0, None)
+        while net.probe(st, Tag.SHARD_LOST):
+            net.take(self._small.buf, st.Get_source(), Tag.SHARD_LOST)
+            self._shard_gone(int(hd[H.PEER]), float(hd[H.CLOCK]), float(hd[H.STALENESS]),
+                             int(hd[H.SENDER]))
         while net.probe(st, Tag.JOINED):
             net.take(self._small.buf, st.Get_source(), Tag.JOINED)
             for rec in self.replacements:
@@ -115,10 +138,10 @@ class SparePool:
             self.data_of[new] = self.data_of[r]
             msg = Message(0)
             msg.header[H.SENDER], msg.header[H.PEER] = new, rank
-            for dest in self.layout.server_ranks:  # header only: eager, even to a dead shard
+            for dest in self.members.values():  # header only: eager, even to a dead shard
                 self.net.send_eager(msg.buf, dest, Tag.EXPECT)
-            msg.header[H.EXAMPLES] = self.data_of[r]
-            self.net.send_eager(msg.buf, rank, Tag.ASSIGN)
+            self.net.send_obj({"role": "replica", "index": new, "data": self.data_of[r]},
+                              rank, Tag.ASSIGN)
             rec.update(spare=k, spare_rank=rank, as_replica=new, assigned_at=time.time())
         self.replacements.append(rec)
         if self.say is not None:
@@ -129,6 +152,40 @@ class SparePool:
                        "no spare left, the others take over its share of the steps"))
             self.say(what, rec)
 
+    def _shard_gone(self, d: int, at: float, silent_s: float, by: int) -> None:
+        if d in self.dead_shards or d not in self.members:
+            return  # heard already (every live shard finds it dead)
+        self.dead_shards.add(d)
+        rec = {"shard": d, "rank": self.members[d], "detected_at": at,
+               "silent_s": round(silent_s, 3), "detected_by_shard": by, "spare": None,
+               "spare_rank": None, "as_shard": None, "assigned_at": None}
+        if self.idle and self.C > 1:
+            k = self.idle.pop(0)
+            n, rank = self.S + k, self.layout.spare_rank(k)
+            msg = Message(0)
+            msg.header[H.SENDER], msg.header[H.PEER] = d, n
+            for dest in self.members.values():  # eager, even to a dead shard
+                self.net.send_eager(msg.buf, dest, Tag.HEAL)
+            self.heals.append((d, n))
+            self.members[n] = rank
+            joined = [r["as_replica"] for r in self.replacements if r["as_replica"] is not None]
+            self.net.send_obj({"role": "shard", "index": n, "heals": list(self.heals),
+                               "dead": sorted(self.dead_shards), "joined": joined},
+                              rank, Tag.ASSIGN)
+            rec.update(spare=k, spare_rank=rank, as_shard=n, assigned_at=time.time())
+        self.shard_replacements.append(rec)
+        if self.say is not None:
+            self.say(f"server shard {d} (rank {rec['rank']}) died: "
+                     + (f"spare {rec['spare']} (rank {rec['spare_rank']}) becomes shard "
+                        f"{rec['as_shard']} and takes a copy of each of its chunk sets"
+                        if rec["spare"] is not None else
+                        "no spare left, its chunk sets keep one copy fewer"), rec)
+
+    @property
+    def shard_ranks(self) -> list[int]:
+        """World ranks of every shard, the spares that became shards included."""
+        return list(self.members.values())
+
     def release(self) -> None:
         """The chief's training is over: the spares still idle leave."""
         msg = Message(0)
@@ -138,18 +195,20 @@ class SparePool:
 
     def figures(self) -> dict:
         return {"spares": self.K, "replacements": self.replacements,
+                "shard_replacements": self.shard_replacements,
                 "spares_idle_at_end": len(self.released)}
 
 
-def wait_for_assignment(comm) -> tuple[int, int, float] | None:
-    """On a spare: wait for the chief's ASSIGN (returns the replica index to train as, the
-    data shard, and when it came) or RELEASE (None). No deadline: an idle spare waits for the
-    whole run, and the run's end always releases it (a failed run aborts every rank)."""
+def wait_for_assignment(comm) -> dict | None:
+    """On a spare: wait for the chief's ASSIGN or RELEASE (None). ASSIGN says what it becomes:
+    ``{"role": "replica", "index": R + k, "data": data shard}`` or ``{"role": "shard",
+    "index": S + k, "heals": [(dead shard, spare shard), ...], "dead": [...]}``, with
+    ``assigned_at`` added. No deadline: an idle spare waits for the whole run, and the run's
+    end always releases it (a failed run aborts every rank)."""
     net, st, msg, poll = Transport(comm), status(), Message(0), Poller()
     while True:
         if net.probe(st, Tag.ASSIGN, CHIEF):
-            net.take(msg.buf, CHIEF, Tag.ASSIGN)
-            return int(msg.header[H.SENDER]), int(msg.header[H.EXAMPLES]), time.time()
+            return {**net.take_obj(CHIEF, Tag.ASSIGN), "assigned_at": time.time()}
         if net.probe(st, Tag.RELEASE, CHIEF):
             net.take(msg.buf, CHIEF, Tag.RELEASE)
             return None

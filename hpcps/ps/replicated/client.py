@@ -23,11 +23,15 @@ class ReplicatedClient:
     """
 
     def __init__(self, comm, shard_ranks, plan, replica: int, timeout: float, copies: int,
-                 packed_bytes: list[int] | None = None):
+                 packed_bytes: list[int] | None = None, n_sets: int | None = None):
         self.comm = comm
         self.net = Transport(comm)
+        # every shard index's world rank: the S shards, then (--spares) the spares, which may
+        # become shards and primaries; ``members`` are those known to serve
         self.shard_ranks = list(shard_ranks)
-        self.S, self.C = len(self.shard_ranks), copies
+        self.S = len(self.shard_ranks) if n_sets is None else n_sets
+        self.C = copies
+        self.members = set(range(self.S))
         self.plan = plan
         self.replica = replica
         self.timeout = timeout
@@ -78,9 +82,9 @@ class ReplicatedClient:
 
     def _reroute(self, h: int, a: int, d: int) -> bool:
         self.dead.add(d)
+        self.members.add(a)
         if self.heartbeat is not None:
-            self.heartbeat.dests = [r for j, r in enumerate(self.shard_ranks)
-                                    if j not in self.dead]
+            self.heartbeat.dests = [self.shard_ranks[j] for j in sorted(self.members - self.dead)]
         new = self.shard_ranks[a]
         if self.route[h] == new:
             return False
@@ -183,7 +187,7 @@ class ReplicatedClient:
         self._wait(lambda: all(a >= self.seq for a in self.acked) and all(
             done(r) for pair in self._push_req for r in pair),
             lambda: f"server ranks {self.route} to commit the last pushes")
-        for j, rank in enumerate(self.shard_ranks):
+        for j, rank in enumerate(self.shard_ranks):  # the spares too: any may hold a set
             if j not in self.dead:
                 self.net.send_eager(self._done_msg.buf, rank, Tag.DONE)
 

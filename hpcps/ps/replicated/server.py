@@ -13,7 +13,7 @@ from hpcps.mpi.protocol import HEADER_BYTES, ByteMessage, H, Message, Tag
 from hpcps.ps.gradient_shard import ShardPolicy
 from hpcps.ps.liveness import HEARTBEATS_PER_TIMEOUT, HeartbeatThread, Liveness
 from hpcps.ps.serve import serve
-from hpcps.ps.replicated.placement import collector, holders, primary, state_size
+from hpcps.ps.replicated.placement import holders, primary, state_size
 
 
 class SetPolicy(ShardPolicy):
@@ -74,15 +74,29 @@ class ReplicatedServer:
     timeout : seconds without any message before failing.
     save : ``save(step, {h: payload})`` on the collector, to write a periodic checkpoint.
     chief : world rank of the chief, which takes the final sets.
+    n_sets : chunk sets S (default: one per rank of ``shard_ranks``); ranks past them are the
+        spares' (``--spares``), shard S + k once the chief makes spare k restore copies.
+    make_set : ``make_set(h)``, a new empty copy of set ``h`` (a spare's, filled by the
+        state its primary sends); with ``liveness`` and ``inbox`` (the largest dense and
+        packed message) when ``sets`` starts empty.
     """
 
     def __init__(self, comm, me: int, shard_ranks, replica_ranks, copies: int, sets: dict,
-                 keys, heartbeat_timeout: float, timeout: float, save=None, chief: int = 0):
+                 keys, heartbeat_timeout: float, timeout: float, save=None, chief: int = 0,
+                 n_sets: int | None = None, make_set=None, liveness=None, inbox=None):
         self.comm, self.me = comm, me
         self.net = Transport(comm)
         self.shard_ranks, self.replica_ranks = list(shard_ranks), list(replica_ranks)
-        self.S, self.R, self.C = len(self.shard_ranks), len(self.replica_ranks), copies
+        self.S = len(self.shard_ranks) if n_sets is None else n_sets
+        self.R, self.C = len(self.replica_ranks), copies
         self.sets = sets
+        self.make_set = make_set
+        # each set's holders in succession order; a spare restoring a dead shard's copies is
+        # appended to each of its sets (every shard applies the chief's HEALs in one order)
+        self.holders = {h: holders(h, self.S, copies) for h in range(self.S)}
+        self.members = set(range(self.S)) | {me}  # shard indices that serve (or served)
+        self.heals: list[dict] = []  # sets this shard, as primary, sent to a spare
+        self.filled = set(sets)  # sets whose whole state this copy holds
         self.keys = list(keys)
         self.hb = heartbeat_timeout
         self.timeout = timeout
@@ -90,8 +104,9 @@ class ReplicatedServer:
         self.chief = chief
         self.shard_of = {rank: j for j, rank in enumerate(self.shard_ranks)}
         self.replica_of = {rank: r for r, rank in enumerate(self.replica_ranks)}
-        self.replicas = next(iter(sets.values())).liveness  # shared by the sets' copies
-        self.peers = Liveness(self.S, heartbeat_timeout)
+        self.replicas = liveness if liveness is not None else \
+            next(iter(sets.values())).liveness  # shared by the sets' copies
+        self.peers = Liveness(len(self.shard_ranks), heartbeat_timeout)
         self.dead: set[int] = set()
         self.done: set[int] = set()  # replicas finished or lost
         self.lost_replicas: dict[int, str] = {}
@@ -99,11 +114,11 @@ class ReplicatedServer:
         self.lost_shards: dict[int, str] = {}
         self.role = {h: "primary" if primary(h, self.S, copies, ()) == me else "secondary"
                      for h in sets}
-        self.last_seq = {h: {} for h in sets}
+        self.last_seq: dict[int, dict] = {h: {} for h in sets}
         self.applied = {h: 0 for h in sets}      # pushes applied to the set (all copies agree)
         self.committed = {h: 0 for h in sets}    # pushes acknowledged by this shard as primary
         self.acked = {h: {x: 0 for x in holders(h, self.S, copies) if x != me} for h in sets}
-        self.pending = {h: deque() for h in sets}  # (pushes applied, replica rank, seq) to ack
+        self.pending: dict[int, deque] = {h: deque() for h in sets}  # (applied, rank, seq)
         self.held: list[tuple[int, int, int, float]] = []  # fetches (set, rank, replica, since)
         self.final_sent: set[int] = set()  # sets whose final state went to the chief
         self.ended = False                 # the chief holds every set: leave
@@ -114,23 +129,28 @@ class ReplicatedServer:
         self.replicated = 0  # pushes applied as a secondary
         self.discarded = 0   # pushes from replicas already lost
         self.abandoned = 0   # sends given up because their destination died
-        biggest = max(len(cs.params) for cs in sets.values())
-        self._inbox = Message(biggest)
-        packed = [cs for cs in sets.values() if cs._packed is not None]
-        self._packed_bound = max(len(cs._packed.buf) for cs in packed) if packed else 0
-        self._inbox_packed = ByteMessage(self._packed_bound) if packed else None
+        if inbox is None:
+            biggest = max(len(cs.params) for cs in sets.values())
+            packed = [cs for cs in sets.values() if cs._packed is not None]
+            inbox = (biggest, max(len(cs._packed.buf) for cs in packed) if packed else 0)
+        self._inbox = Message(inbox[0])
+        self._packed_bound = inbox[1]
+        self._inbox_packed = ByteMessage(self._packed_bound) if self._packed_bound else None
         self._small = Message(0)
         self.on_lost = None  # --spares: told of each replica lost (hpcps.ps.spares)
-        self.heartbeat = HeartbeatThread(comm, [r for j, r in enumerate(self.shard_ranks)
-                                                if j != me], me,
+        self.on_shard_lost = None  # --spares: told of each shard found dead
+        self.heartbeat = HeartbeatThread(comm, self._peer_ranks(), me,
                                          heartbeat_timeout / HEARTBEATS_PER_TIMEOUT)
+
+    def _peer_ranks(self) -> list[int]:
+        return [self.shard_ranks[j] for j in sorted(self.members - self.dead - {self.me})]
 
     # -- views ---------------------------------------------------------------------------------
     def primary_of(self, h: int) -> int | None:
-        return primary(h, self.S, self.C, self.dead)
+        return next((x for x in self.holders[h] if x not in self.dead), None)
 
     def secondaries(self, h: int) -> list[int]:
-        return [x for x in holders(h, self.S, self.C) if x != self.me and x not in self.dead]
+        return [x for x in self.holders[h] if x != self.me and x not in self.dead]
 
     def _dest_dead(self, rank: int) -> bool:
         j = self.shard_of.get(rank)
@@ -148,7 +168,8 @@ class ReplicatedServer:
                     Tag.REPLICATE_PACKED: self._recv_replicate,
                     Tag.REPL_ACK: self._recv_repl_ack, Tag.NEW_PRIMARY: self._recv_new_primary,
                     Tag.SET_STATE: self._recv_set_state, Tag.FINAL_DONE: self._recv_final_done,
-                    Tag.CKPT_SET: self._recv_ckpt, Tag.EXPECT: self._recv_expect}
+                    Tag.CKPT_SET: self._recv_ckpt, Tag.EXPECT: self._recv_expect,
+                    Tag.HEAL: self._recv_heal}
         self.heartbeat.start()
         try:
             serve(self.comm, handlers, self.timeout, self._waiting_for, self._tick)
@@ -169,10 +190,11 @@ class ReplicatedServer:
         for cs in self.sets.values():  # fetch replies in flight: done, or their replica lost
             cs.reap_replies()
             self._losses_of(cs)
-        for r in self.replicas.silent([r for r in range(self.R) if r not in self.done]):
-            self._lose_replica(r, f"silent for more than {self.hb:g} s")
-        for x in self.peers.silent([x for x in range(self.S) if x != self.me
-                                    and x not in self.dead]):
+        if self.me < self.S or "primary" in self.role.values():  # a spare holding only
+            # copies hears no heartbeats from the replicas: it judges them once it serves them
+            for r in self.replicas.silent([r for r in range(self.R) if r not in self.done]):
+                self._lose_replica(r, f"silent for more than {self.hb:g} s")
+        for x in self.peers.silent(sorted(self.members - self.dead - {self.me})):
             self._shard_lost(x, f"silent for more than {self.hb:g} s")
         self._close_sets()
         return self._finished()
@@ -323,6 +345,10 @@ class ReplicatedServer:
         if q in self.dead or h not in self.sets:
             return False
         self.peers.heard(q)
+        if self.acked[h].get(q, 0) < 0:  # a spare holds its copy now: C copies again
+            for rec in self.heals:
+                if rec["set"] == h and rec["to_shard"] == q and rec["restored_at"] is None:
+                    rec["restored_at"] = time.time()
         self.acked[h][q] = int(self._small.header[H.PEER])
         self._commit(h)
         self._close_sets()
@@ -425,7 +451,11 @@ class ReplicatedServer:
         header = msg[:HEADER_BYTES].view(np.float64)
         payload = msg[HEADER_BYTES:].view(np.float32)
         h = int(header[H.SET])
-        if q in self.dead or h not in self.sets:
+        if q in self.dead:
+            return False
+        if h not in self.sets and self.make_set is not None:  # a spare's first copy of h
+            self._add_set(h)
+        if h not in self.sets:
             return False
         cs, n = self.sets[h], len(self.sets[h].params)
         cs.params[:] = payload[:n]
@@ -437,8 +467,53 @@ class ReplicatedServer:
         cs.policy.restore(payload[end:].view(np.float64))
         cs.step, cs.version = int(header[H.STEPS]), int(header[H.VERSION])
         self.applied[h] = int(header[H.PEER])
+        self.filled.add(h)
         self._send_small(src, Tag.REPL_ACK, SET=h, PEER=self.applied[h])
         return False
+
+    def _add_set(self, h: int) -> None:
+        self.sets[h] = self.make_set(h)
+        self.role[h] = "secondary"
+        self.last_seq[h], self.applied[h], self.committed[h] = {}, 0, 0
+        self.acked[h] = {x: 0 for x in self.holders[h] if x != self.me}
+        self.pending[h] = deque()
+
+    def learn_heals(self, heals, dead) -> None:
+        """A spare made shard: the chief's HEALs so far and the shards dead, before serving."""
+        for d in dead:
+            self.dead.add(d)
+            self.peers.drop(d)
+        for d, n in heals:
+            self._append_holder(d, n)
+
+    def _append_holder(self, d: int, n: int) -> list[int]:
+        """Spare shard ``n`` holds a copy of every set dead shard ``d`` held; the sets."""
+        self.members.add(n)
+        got = []
+        for h, hs in self.holders.items():
+            if d in hs and n not in hs:
+                hs.append(n)
+                got.append(h)
+        return got
+
+    def _recv_heal(self, src: int, status) -> bool:
+        """HEAL from the chief: spare shard PEER takes a copy of dead shard SENDER's sets. A
+        primary of one of them sends it the set's state (it serves on meanwhile) and then
+        forwards it every push; pushes are committed once it has acknowledged the state."""
+        self.net.take(self._small.buf, src, Tag.HEAL)
+        d, n = int(self._small.header[H.SENDER]), int(self._small.header[H.PEER])
+        if n in self.members:
+            return False
+        self._shard_lost(d, "the chief was told it is dead")
+        self.peers.heard(n)
+        for h in self._append_holder(d, n):
+            if self.role.get(h) == "primary" and n not in self.dead:
+                self._send(self.state_message(h).buf, self.shard_ranks[n], Tag.SET_STATE)
+                self.acked[h][n] = -1  # until it acknowledges the state
+                self.heals.append({"set": h, "to_shard": n, "from_shard": d,
+                                   "sent_at": time.time(), "restored_at": None})
+        self.heartbeat.dests = self._peer_ranks()
+        return self._finished()
 
     def _recv_final_done(self, src: int, status) -> bool:
         self.net.take(self._small.buf, src, Tag.FINAL_DONE)
@@ -481,7 +556,7 @@ class ReplicatedServer:
         if self.role.get(h) != "primary" or self.save is None:
             return
         msg = self.state_message(h, step)
-        dest = collector(self.S, self.dead)
+        dest = min(self.members - self.dead)  # the collector: the live shard of lowest index
         if dest == self.me:
             self._collect(step, h, msg.payload)
         else:
@@ -537,15 +612,20 @@ class ReplicatedServer:
         silent = self.peers.lost[d]
         self.dead.add(d)
         self.lost_shards[d] = why
-        self.heartbeat.dests = [r for j, r in enumerate(self.shard_ranks)
-                                if j != self.me and j not in self.dead]
+        self.heartbeat.dests = self._peer_ranks()
+        if self.on_shard_lost is not None:
+            self.on_shard_lost(d, silent)
         for h in range(self.S):
             if self.primary_of(h) is None:
                 raise PeerTimeout(f"every copy of chunk set {h} (shards "
-                                  f"{holders(h, self.S, self.C)}) is lost: the run cannot go "
-                                  "on (raise --ps-copies to survive more failures)")
+                                  f"{self.holders[h]}) is lost: the run cannot go "
+                                  "on (raise --ps-copies or --spares to survive more failures)")
         for h in self.sets:
             if self.role[h] == "secondary" and self.primary_of(h) == self.me:
+                if h not in self.filled:
+                    raise PeerTimeout(f"every full copy of chunk set {h} is lost: this spare "
+                                      f"(shard {self.me}) was still receiving it from its "
+                                      "primary when the primary died")
                 self._take_over(h, d, silent)
             elif self.role[h] == "primary":
                 self.acked[h].pop(d, None)
@@ -559,9 +639,11 @@ class ReplicatedServer:
         for r, rank in enumerate(self.replica_ranks):
             if r not in self.lost_replicas:
                 self._send_small(rank, Tag.NEW_PRIMARY, SET=h, PEER=d)
-        for x in range(self.S):
-            if x != self.me and x not in self.dead:
-                self._send_small(self.shard_ranks[x], Tag.NEW_PRIMARY, SET=h, PEER=d)
+        for x in sorted(self.members - self.dead - {self.me}):
+            self._send_small(self.shard_ranks[x], Tag.NEW_PRIMARY, SET=h, PEER=d)
+        if self.me >= self.S:  # a spare heard no replica until it served them: from now
+            now = self.replicas.clock()
+            self.replicas.last = [now] * len(self.replicas.last)
         for x in self.secondaries(h):
             self._send(self.state_message(h).buf, self.shard_ranks[x], Tag.SET_STATE)
             self.acked[h][x] = -1  # until it acknowledges the state sent
@@ -582,5 +664,8 @@ class ReplicatedServer:
                 "pushes": sum(cs.stats.pushes for cs in self.sets.values()) - self.replicated,
                 "replicated_pushes": self.replicated, "committed": dict(self.committed),
                 "applied": {h: self.applied[h] for h in self.sets},
-                "takeovers": self.takeovers, "lost_shard_ranks": lost,
+                "takeovers": self.takeovers, "lost_shard_ranks": lost, "heals": self.heals,
+                "copies_at_end": {h: 1 + sum(self.acked[h].get(x, 0) >= 0
+                                             for x in self.secondaries(h))
+                                  for h, role in self.role.items() if role == "primary"},
                 "abandoned_sends": self.abandoned, "discarded_pushes": self.discarded}

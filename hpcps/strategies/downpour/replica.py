@@ -107,9 +107,11 @@ def shard_client(ctx: Context, plan: ChunkPlan, ranks: list[int], packed: list[i
     """A replica's fetches and pushes: to one copy of each chunk, or (--ps-copies) to the
     primary of each chunk set, re-routed when it fails over."""
     cfg, r = ctx.cfg, ctx.grid.role.replica
-    if cfg.ps_copies > 1:
-        return replicated.ReplicatedClient(ctx.grid.world, ranks, plan, r, cfg.timeout,
-                                           cfg.ps_copies, packed_bytes=packed)
+    if cfg.ps_copies > 1:  # the spares' ranks too: one may become a shard
+        table = ranks + ctx.grid.layout.shard_table[len(ranks):]
+        return replicated.ReplicatedClient(ctx.grid.world, table, plan, r, cfg.timeout,
+                                           cfg.ps_copies, packed_bytes=packed,
+                                           n_sets=len(ranks))
     return Client(ctx.grid.world, ranks, plan, r, cfg.timeout, packed_bytes=packed)
 
 
@@ -176,7 +178,7 @@ class DownpourReplica(ReplicaLoop):
         if cfg.ps_copies > 1:  # it stops beating a shard found dead
             self.client.heartbeat = self.heartbeat
         # --spares: the chief hands a dead or departed replica's data shard to a spare
-        self.pool = spares.SparePool(grid.world, layout, self._replaced) \
+        self.pool = spares.SparePool(grid.world, layout, self._replaced, cfg.ps_copies) \
             if grid.is_chief and layout.spares else None
         self.leave: SignalFlag | None = None  # SIGTERM: leave the run cleanly (not the chief)
         self.left = False
@@ -360,7 +362,7 @@ class DownpourReplica(ReplicaLoop):
         if self.pool is not None:
             out.update(self.pool.figures())
         if self.ctx.grid.is_chief:
-            out.update(_finish_chief(self.ctx, self._t0))
+            out.update(_finish_chief(self.ctx, self._t0, self.pool))
         return out
 
 
@@ -389,7 +391,7 @@ def run_replica(ctx: Context) -> dict:
     return DownpourReplica(ctx).run()
 
 
-def _finish_chief(ctx: Context, t0: float) -> dict:
+def _finish_chief(ctx: Context, t0: float, spares_of_chief=None) -> dict:
     """Receive the final state from shard 0, evaluate it, write the final checkpoint.
 
     Shard 0 sends it once every replica is done, so the training time runs from ``t0`` (the
@@ -398,9 +400,11 @@ def _finish_chief(ctx: Context, t0: float) -> dict:
     layout = ctx.grid.layout
     if ctx.cfg.ps_copies > 1:  # each set from its primary at the end
         cfg = ctx.cfg
+        pool = spares_of_chief  # the spares that became shards are told to leave too
         params, state, step, applied, by_replica = replicated.receive_final(
             ctx.grid.world, partition_plan(ctx, 0), list(ctx.optimizer.state_keys),
-            layout.server_ranks, cfg.heartbeat_timeout, cfg.timeout, layout.trainers)
+            pool.shard_ranks if pool is not None else layout.server_ranks,
+            cfg.heartbeat_timeout, cfg.timeout, layout.trainers)
         train_s = time.perf_counter() - t0
         out = finish_on_chief(ctx, params, state, step, train_s)
         return {**out, "train_s": train_s, "ps_applied": applied,

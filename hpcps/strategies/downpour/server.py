@@ -10,7 +10,7 @@ from hpcps.compress import codec as compress
 
 from hpcps.mpi.comm import Transport, gather_to_root, wait_all
 from hpcps.model import optim
-from hpcps.mpi.protocol import H, Tag
+from hpcps.mpi.protocol import HEADER_BYTES, H, Tag
 from hpcps.ps import activations, persist, replicated, spares
 from hpcps.ps.consistency import SoftSync, StaleSynchronous
 from hpcps.ps.epochs import EpochKeeper
@@ -195,10 +195,14 @@ def with_spares(server, layout, liveness) -> None:
     and each replica the shard loses is reported to the chief (:mod:`hpcps.ps.spares`)."""
     if not layout.spares:
         return
-    server.idle(range(layout.replicas, layout.trainers))
+    if isinstance(server, GradientShard) or server.me < layout.servers:
+        server.idle(range(layout.replicas, layout.trainers))
     net = Transport(server.comm)
     server.on_lost = lambda r: spares.report_lost(net, r, layout.trainer_rank(r),
                                                   liveness.lost.get(r, 0.0))
+    if not isinstance(server, GradientShard):
+        server.on_shard_lost = lambda d, silent: spares.report_shard_lost(net, server.me, d,
+                                                                          silent)
 
 
 def embedding_rows(ctx: Context) -> RowShard | None:
@@ -206,42 +210,58 @@ def embedding_rows(ctx: Context) -> RowShard | None:
     return row_shard(ctx) if is_embedding_spec(ctx.cfg.model) else None
 
 
-def run_replicated_server(ctx: Context) -> dict:
+def run_replicated_server(ctx: Context, me: int | None = None, heals=None) -> dict:
     """A shard of a run with ``--ps-copies C > 1``: a copy of each of C chunk sets
-    (:mod:`hpcps.ps.replicated`)."""
+    (:mod:`hpcps.ps.replicated`). ``me``: a spare's shard index S + k, holding nothing until
+    the primaries of the dead shard's sets send them; ``heals``: the chief's ASSIGN to it."""
     cfg, grid = ctx.cfg, ctx.grid
     layout = grid.layout
-    me, S, R = grid.role.shard, layout.servers, layout.trainers
+    spare = me is not None
+    me = grid.role.shard if me is None else me
+    S, R = layout.servers, layout.trainers
     plan = partition_plan(ctx, 0)
     keys = list(ctx.optimizer.state_keys)
     liveness = Liveness(R, cfg.heartbeat_timeout)
     replica_of = {layout.trainer_rank(r): r for r in range(R)}
     server = None
-    sets = {}
-    for h in replicated.sets_of(me, S, cfg.ps_copies):
+    sets: dict = {}
+
+    def make_set(h: int) -> GradientShard:
         params = plan.take(h, ctx.params)
         state = {k: plan.take(h, v) for k, v in ctx.opt_state.items()}
         apply = optim.SGD(cfg.lr).apply if momentum_corrected(cfg) else ctx.optimizer.apply
         apply = optim.scheduled(apply, cfg.lr_schedule, lambda h=h: sets[h].step,
                                 ctx.total_steps)
-        sets[h] = GradientShard(grid.world, params, state, apply, n_replicas=R,
-                                step=ctx.start_step, timeout=cfg.timeout,
-                                on_boundary=lambda b, h=h: server.boundary(h, b),
-                                boundary_every=cfg.checkpoint_every,
-                                policy=replicated.SetPolicy(h, shard_policy(ctx, len(params))),
-                                packed=shard_expander(len(params))
-                                if cfg.compress == "threshold" else None,
-                                liveness=liveness, replica_of=replica_of, fatal=(0,))
+        return GradientShard(grid.world, params, state, apply, n_replicas=R,
+                             step=ctx.start_step, timeout=cfg.timeout,
+                             on_boundary=lambda b, h=h: server.boundary(h, b),
+                             boundary_every=cfg.checkpoint_every,
+                             policy=replicated.SetPolicy(h, shard_policy(ctx, len(params))),
+                             packed=shard_expander(len(params))
+                             if cfg.compress == "threshold" else None,
+                             liveness=liveness, replica_of=replica_of, fatal=(0,))
+
+    if not spare:
+        for h in replicated.sets_of(me, S, cfg.ps_copies):
+            sets[h] = make_set(h)
+    biggest = max(plan.sizes)
+    inbox = (biggest, HEADER_BYTES + shard_expander(biggest)[0]
+             if cfg.compress == "threshold" else 0)
 
     def save(step: int, parts: dict) -> None:
         params, state = replicated.assemble(plan, parts, keys)
         path = save_checkpoint(ctx, params, state, step)
         print(f"[hpcps] server shard {me} wrote checkpoint {path} at step {step}", flush=True)
 
-    server = replicated.ReplicatedServer(grid.world, me, layout.server_ranks,
+    server = replicated.ReplicatedServer(grid.world, me, layout.shard_table,
                                          [layout.trainer_rank(r) for r in range(R)],
                                          cfg.ps_copies, sets, keys, cfg.heartbeat_timeout,
-                                         cfg.timeout, save=save)
+                                         cfg.timeout, save=save, n_sets=S, make_set=make_set,
+                                         liveness=liveness, inbox=inbox)
+    if spare:
+        server.learn_heals(heals["heals"], heals["dead"])
+        server.done.update(r for r in range(layout.replicas, R)  # not yet joined
+                           if r not in heals.get("joined", ()))
     with_spares(server, layout, liveness)
     server.serve()
     stats = [cs.stats for cs in sets.values()]

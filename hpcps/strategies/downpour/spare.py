@@ -15,6 +15,7 @@ from hpcps.ps import spares
 from hpcps.ps.liveness import HEARTBEATS_PER_TIMEOUT, HeartbeatThread
 from hpcps.strategies.context import VAL_HELD_OUT, Context, train_shard
 from hpcps.strategies.downpour.replica import DownpourReplica
+from hpcps.strategies.downpour.server import run_replicated_server
 
 
 class SpareReplica(DownpourReplica):
@@ -55,7 +56,10 @@ def run_spare(ctx: Context) -> dict:
     got = spares.wait_for_assignment(ctx.grid.world)
     if got is None:
         return {"spare": k, "as_replica": None}
-    replica, shard, assigned_at = got
+    if got["role"] == "shard":  # a holder of the dead shard's chunk sets (--ps-copies)
+        out = run_replicated_server(ctx, got["index"], got)
+        return {**out, "spare": k, "as_replica": None, "assigned_at": got["assigned_at"]}
+    replica, shard, assigned_at = got["index"], got["data"], got["assigned_at"]
     cfg, layout = ctx.cfg, ctx.grid.layout
     # the shards lose a replica silent past --heartbeat-timeout from the moment they expect
     # it: beat while the data loads and the replica is built (its own thread takes over)

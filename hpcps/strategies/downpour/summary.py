@@ -96,6 +96,8 @@ def summarize(ctx: Context, results: list[dict]) -> dict:
                    lost_detected_s=after,
                    discarded_pushes=sum(s["discarded_pushes"] for s in shards))
     out.update(_spare_figures(results))
+    if cfg.ps_copies > 1:
+        out.update(_copies_figures(cfg.ps_copies, shards, out.get("shard_replacements", [])))
     pushed = sum(r["bytes_sent"] for r in reps) / trained
     if cfg.push == "activations":
         out.update(push_bytes_per_step=round(pushed),
@@ -126,7 +128,34 @@ def _spare_figures(results: list[dict]) -> dict:
                      "since_last_sign_s": None if again is None
                      else round(again + rec["silent_s"], 3)})
     return {"spares": chief["spares"], "replacements": recs,
+            "shard_replacements": chief.get("shard_replacements", []),
             "spares_idle_at_end": chief["spares_idle_at_end"], "left_ranks": left}
+
+
+def _copies_figures(copies: int, shards: list[dict], replaced: list[dict]) -> dict:
+    """--ps-copies: how many copies each set had at the end (as its last primary counted:
+    the live holders that hold its whole state), and for each dead shard a spare replaced,
+    when every set it held was whole on the spare (``copies_again_s``, from the death's
+    detection; ``copies_again_since_last_sign_s``, from the dead shard's last message)."""
+    at_end: dict[int, int] = {}
+    for s in shards:
+        for h, n in s.get("copies_at_end", {}).items():
+            at_end[int(h)] = n
+    heals = [rec for s in shards for rec in s.get("heals", [])]
+    recs = []
+    for rep in replaced:
+        mine = [x for x in heals if x["to_shard"] == rep["as_shard"]]
+        done = [x["restored_at"] for x in mine]
+        again = (round(max(done) - rep["detected_at"], 3)
+                 if mine and all(t is not None for t in done) else None)
+        recs.append({**rep, "sets_restored": sorted(x["set"] for x in mine
+                                                    if x["restored_at"] is not None),
+                     "copies_again_s": again,
+                     "copies_again_since_last_sign_s": None if again is None
+                     else round(again + rep["silent_s"], 3)})
+    return {"copies_at_end": {h: at_end[h] for h in sorted(at_end)},
+            "sets_with_c_copies_at_end": sum(n >= copies for n in at_end.values()),
+            "shard_replacements": recs}
 
 
 def summary_lines(f: dict) -> list[str]:
@@ -162,6 +191,16 @@ def summary_lines(f: dict) -> list[str]:
         lines.append(f"replica {r['replica']} (rank {r['rank']}) {gone}: spare {r['spare']} "
                      f"(rank {r['spare_rank']}) took data shard {r['data_shard']} as replica "
                      f"{r['as_replica']} and {when}")
+    for r in f.get("shard_replacements", []):
+        lines.append(f"server shard {r['shard']} (rank {r['rank']}) died: "
+                     + (f"spare {r['spare']} (rank {r['spare_rank']}) became shard "
+                        f"{r['as_shard']}, holding sets {r['sets_restored']} "
+                        + (f"{r['copies_again_s']:.2f} s after the death was detected"
+                           if r["copies_again_s"] is not None else "(not all restored)")
+                        if r["spare"] is not None else "no spare was left to restore its copies"))
+    if "copies_at_end" in f and f["copies_at_end"]:
+        lines.append(f"{f['sets_with_c_copies_at_end']} of {len(f['copies_at_end'])} chunk sets "
+                     "ended with all their copies")
     if "spares" in f:
         lines.append(f"{f['spares']} spare(s), {f['spares_idle_at_end']} still idle at the end")
     if "ps_copies" in f:
