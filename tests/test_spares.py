@@ -5,6 +5,7 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -15,7 +16,7 @@ from test_faults import finish, launch, records_of, summary
 from hpcps.errors import ConfigError
 from hpcps.mpi.topology import Layout
 
-STEPS = ["--steps", "7000"]  # long enough for two failures and their replacements
+STEPS = ["--steps", "8000"]  # long enough for four failures and their replacements
 
 
 # -- pure ----------------------------------------------------------------------------------------
@@ -32,11 +33,21 @@ def test_layout_puts_spares_last_and_numbers_them_after_the_replicas():
 
 
 # -- runs ----------------------------------------------------------------------------------------
+def _wait_records(run_dir, n: int, limit: float) -> None:
+    """Until rank 0 has made ``n`` replacement records (so each failure is handled in turn)."""
+    deadline = time.monotonic() + limit
+    while len(records_of(run_dir, "replacement")) < n:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"fewer than {n} replacement records within {limit} s")
+        time.sleep(0.1)
+
+
 def _run(tmp_path, mnist_h5, n, args, schedule):
-    """Launch, then at each (step, rank, signal) of ``schedule`` signal that rank; the output."""
+    """Launch, then at each (step, rank, signal, records) of ``schedule`` signal that rank
+    and wait until rank 0 has made that many replacement records; the output and summary."""
     proc = launch(tmp_path, mnist_h5, n=n, extra=[*STEPS, *args])
     try:
-        for step, rank, sig in schedule:
+        for step, rank, sig, handled in schedule:
             try:
                 wait_for_step(tmp_path / "metrics.jsonl", step, 120)
             except AssertionError as exc:  # a stall: where every rank is, in the failure
@@ -44,6 +55,7 @@ def _run(tmp_path, mnist_h5, n, args, schedule):
                                        capture_output=True, text=True, timeout=90)
                 raise AssertionError(f"{exc}\n{asked.stdout[-6000:]}") from None
             kill_rank(proc.pid, rank, sig)
+            _wait_records(tmp_path, handled, 60)
     except BaseException:
         end_launch(proc.pid, proc.tag)
         proc.communicate()
@@ -53,49 +65,64 @@ def _run(tmp_path, mnist_h5, n, args, schedule):
     return out, summary(tmp_path)
 
 
-def test_leave_a_shard_death_and_a_replacement_that_dies(mnist_h5, tmp_path):
-    """3 replicas, 3 shards with 2 copies of each set, 2 spares (ranks 6, 7). Rank 1 leaves
-    on SIGTERM: spare 0 takes its data shard without waiting for a timeout; shard 1 (rank 4)
-    is SIGKILLed and its set fails over; then spare 0, now training, is SIGKILLed and spare 1
-    takes the same data shard. Every set applied exactly the pushes committed, every
+def test_leave_shard_deaths_and_a_replacement_that_dies(mnist_h5, tmp_path):
+    """3 replicas, 3 shards with 2 copies of each set, 3 spares (ranks 6-8). Rank 1 leaves
+    on SIGTERM: spare 0 takes its data shard without waiting for a timeout. Shard 1 (rank 4)
+    is SIGKILLed: its sets fail over and spare 1 becomes shard 4, a copy of both. Spare 0, now
+    training, is SIGKILLed: spare 2 takes the same data shard. Shard 2 (rank 5) is
+    SIGKILLed: set 1 then lives on shard 4 alone (the spare is its primary), which without
+    the spare would have lost it. Every set applied exactly the pushes committed, every
     replica's counted, the lost ones' included."""
-    out, s = _run(tmp_path, mnist_h5, 8, ["--servers", "3", "--ps-copies", "2", "--spares",
-                                          "2"],
-                  [(500, 1, signal.SIGTERM), (1500, 4, signal.SIGKILL),
-                   (2500, 6, signal.SIGKILL)])
+    out, s = _run(tmp_path, mnist_h5, 9, ["--servers", "3", "--ps-copies", "2", "--spares",
+                                          "3"],
+                  [(500, 1, signal.SIGTERM, 1), (1500, 4, signal.SIGKILL, 2),
+                   (2500, 6, signal.SIGKILL, 3), (3500, 5, signal.SIGKILL, 4)])
     assert s["left_ranks"] == [1], out[-3000:]
-    assert s["lost_ranks"] == [4, 6], out[-3000:]
+    assert s["lost_ranks"] == [4, 5, 6], out[-3000:]
     reps = s["replacements"]
     assert [(r["replica"], r["how"], r["spare"], r["as_replica"], r["data_shard"])
-            for r in reps] == [(1, "left", 0, 3, 1), (3, "lost", 1, 4, 1)], reps
+            for r in reps] == [(1, "left", 0, 3, 1), (3, "lost", 2, 5, 1)], reps
     assert all(r["training_again_s"] is not None for r in reps), reps
     assert reps[0]["silent_s"] == 0.0  # a departure is known at once, not after a silence
+    healed = s["shard_replacements"]
+    assert [(r["shard"], r["spare"], r["as_shard"]) for r in healed] == \
+        [(1, 1, 4), (2, None, None)], healed
+    assert healed[0]["sets_restored"] == [0, 1] and healed[0]["copies_again_s"] is not None
+    # set 0 on shards 0 and 4; sets 1 (shard 4) and 2 (shard 0) on one copy: no spare left
+    assert s["copies_at_end"] == {"0": 2, "1": 1, "2": 1}, s["copies_at_end"]
+    assert s["sets_with_c_copies_at_end"] == 1
+    assert {(t["set"], t["by_shard"]) for t in s["takeovers"]} >= {(1, 4), (2, 0)}, \
+        s["takeovers"]
     # each set applied exactly the pushes its copies counted from every replica (the sets may
-    # differ by one: rank 6's last push, whole on one shard and broken off on another)
+    # differ by one: a dead replica's last push, whole on one shard and broken off on another)
     assert s["committed_equals_applied"], s
     assert s["pushes_committed_by_set"] == s["ps_applied"]
-    assert len(s["pushes_committed_by_replica"]) == 5  # replicas 0-2, then the spares 3-4
-    assert all(c > 0 for c in s["pushes_committed_by_replica"]), s
+    assert len(s["pushes_committed_by_replica"]) == 6  # replicas 0-2, then the spares 3-5
     assert s["pushes_acknowledged"] < min(s["ps_applied"])  # rank 6's are not acknowledged
     assert s["spares_idle_at_end"] == 0
-    assert [t["from_shard"] for t in s["takeovers"]] == [1], s["takeovers"]
     assert s["test_accuracy"] > 0.9, s["test_accuracy"]
     assert "rank(s) [1] left the run on SIGTERM" in out
-    assert "spare 1 (rank 7) took data shard 1 as replica 4" in out
-    assert len(records_of(tmp_path, "replacement")) == 2
+    assert "spare 2 (rank 8) took data shard 1 as replica 5" in out
+    assert "spare 1 (rank 7) became shard 4, holding sets [0, 1]" in out
+    assert len(records_of(tmp_path, "replacement")) == 4
 
 
-def test_a_spare_that_died_idle_is_passed_over(mnist_h5, tmp_path):
-    """1 shard, 3 replicas, 2 spares (ranks 4, 5). Spare 0 is SIGKILLed while idle, then
-    replica 2: the chief hands replica 2's data to spare 0, which never speaks, so the shard
-    loses it too and the chief hands the data to spare 1. The run completes; the summary
-    names both dead ranks and both replacements."""
+def test_a_spare_dead_while_idle_and_a_replica_dropped_alive(mnist_h5, tmp_path):
+    """1 shard, 3 replicas, 2 spares (ranks 4, 5). Spare 0 is SIGKILLed while idle. Replica 2
+    is stopped (SIGSTOP) past the heartbeat timeout: the shard loses it, and the chief hands
+    its data to spare 0, which never speaks, so the shard loses it too and the chief hands the
+    data to spare 1. Replica 2 then continues (SIGCONT): its next fetch is answered DROPPED
+    and it leaves instead of waiting. The run completes; the summary names both ranks the
+    shard lost, the dropped one, and both replacements."""
     out, s = _run(tmp_path, mnist_h5, 6, ["--spares", "2"],
-                  [(300, 4, signal.SIGKILL), (700, 2, signal.SIGKILL)])
+                  [(300, 4, signal.SIGKILL, 0), (700, 2, signal.SIGSTOP, 1),
+                   (700, 2, signal.SIGCONT, 2)])
     assert s["lost_ranks"] == [2, 4], out[-3000:]
+    assert s["dropped_ranks"] == [2], out[-3000:]
     reps = s["replacements"]
     assert [(r["replica"], r["spare"], r["as_replica"], r["data_shard"]) for r in reps] == \
         [(2, 0, 3, 2), (3, 1, 4, 2)], reps
     assert reps[0]["training_again_s"] is None and reps[1]["training_again_s"] is not None
     assert s["test_accuracy"] > 0.9, s["test_accuracy"]
     assert "spare 0 (rank 4) took data shard 2 as replica 3 and did not start training" in out
+    assert "rank(s) [2] were alive but silent past the heartbeat timeout" in out

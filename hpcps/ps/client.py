@@ -12,6 +12,7 @@ from hpcps import trace
 from hpcps.ps.chunks import ChunkPlan
 from hpcps.mpi.comm import REQUEST_NULL, Transport, wait_all
 from hpcps.mpi.protocol import ByteMessage, H, Message, Tag
+from hpcps.ps.liveness import DROPPED, Dropped
 
 
 def fill_packed(msg: ByteMessage, body: np.ndarray, steps: int, loss_sum: float, rows: int,
@@ -83,6 +84,9 @@ class Client:
         for dest in self.server_ranks:  # header only, to a rank that posted its receive first
             self.net.send_eager(self._ask.buf, dest, Tag.FETCH)
         wait_all(reqs, self.timeout, f"parameters from server ranks {self.server_ranks}")
+        if any(m.header[H.STEPS] == DROPPED for m in self._params):
+            raise Dropped("a server shard lost this replica (silent past the heartbeat "
+                          "timeout) and discards its pushes")
         for s in range(len(self.server_ranks)):
             msg = self._params[s]
             self.plan.put(s, msg.payload, params)

@@ -43,7 +43,7 @@ from hpcps import trace
 from hpcps.mpi.comm import PeerTimeout, Poller, Transport, size_of, test
 from hpcps.errors import NonFiniteError
 from hpcps.mpi.protocol import HEADER_BYTES, ByteMessage, H, Message, Tag
-from hpcps.ps.liveness import Liveness
+from hpcps.ps.liveness import Liveness, send_dropped
 from hpcps.ps.serve import serve
 
 
@@ -340,6 +340,9 @@ class GradientShard:
     def _recv_fetch(self, src: int, status) -> bool:
         self.net.take(self._small.buf, src, Tag.FETCH)
         sender = int(self._small.header[H.SENDER])
+        if self.liveness is not None and sender in self.liveness.lost:
+            send_dropped(self.net, src)  # alive after all: it leaves rather than wait
+            return False
         if self.policy.may_answer(self, sender):
             self.answer_fetch(src, sender)
         else:

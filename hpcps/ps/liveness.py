@@ -23,6 +23,19 @@ from hpcps.mpi.comm import Transport
 from hpcps.mpi.protocol import H, Message, Tag
 
 HEARTBEATS_PER_TIMEOUT = 5  # a replica is lost after missing this many heartbeats in a row
+DROPPED = -1.0  # STEPS of a header-only PARAMS reply: "you were lost; leave the run"
+
+
+class Dropped(Exception):
+    """A shard answered this replica's fetch with DROPPED: it was silent past the timeout
+    (starved, not dead), the shards lost it and discard its pushes, so it leaves the run."""
+
+
+def send_dropped(net: Transport, dest: int, h: int = 0) -> None:
+    """On a shard: answer a fetch from a replica it lost with DROPPED (header only)."""
+    msg = Message(0)
+    msg.header[H.STEPS], msg.header[H.SET] = DROPPED, h
+    net.send_eager(msg.buf, dest, Tag.PARAMS)
 
 
 class HeartbeatThread:

@@ -10,7 +10,7 @@ import numpy as np
 from hpcps.mpi.comm import REQUEST_NULL, done, size_of, status, Transport, wait_until
 from hpcps.mpi.protocol import HEADER_BYTES, ByteMessage, H, Message, Tag
 from hpcps.ps.client import fill_packed
-from hpcps.ps.liveness import HeartbeatThread
+from hpcps.ps.liveness import DROPPED, Dropped, HeartbeatThread
 from hpcps.ps.replicated.placement import assemble, primary
 
 
@@ -129,6 +129,9 @@ class ReplicatedClient:
             self.net.send_eager(self._ask[h].buf, self.route[h], Tag.FETCH)
         self._wait(lambda: all(done(r) for r in self._fetch_req),
                    lambda: f"parameters from server ranks {self.route}")
+        if any(m.header[H.STEPS] == DROPPED for m in self._params):
+            raise Dropped("a server shard lost this replica (silent past the heartbeat "
+                          "timeout) and discards its pushes")
         for h in range(self.S):
             msg = self._params[h]
             if int(msg.header[H.SET]) != h:

@@ -11,7 +11,7 @@ import numpy as np
 from hpcps.mpi.comm import PeerTimeout, size_of, test, Transport
 from hpcps.mpi.protocol import HEADER_BYTES, ByteMessage, H, Message, Tag
 from hpcps.ps.gradient_shard import ShardPolicy
-from hpcps.ps.liveness import HEARTBEATS_PER_TIMEOUT, HeartbeatThread, Liveness
+from hpcps.ps.liveness import HEARTBEATS_PER_TIMEOUT, HeartbeatThread, Liveness, send_dropped
 from hpcps.ps.serve import serve
 from hpcps.ps.replicated.placement import holders, primary, state_size
 
@@ -97,12 +97,16 @@ class ReplicatedServer:
         self.members = set(range(self.S)) | {me}  # shard indices that serve (or served)
         self.heals: list[dict] = []  # sets this shard, as primary, sent to a spare
         self.filled = set(sets)  # sets whose whole state this copy holds
+        self.filled_at: dict[int, float] = {}  # a spare's: when each set's state came
         self.keys = list(keys)
         self.hb = heartbeat_timeout
         self.timeout = timeout
         self.save = save
         self.chief = chief
-        self.shard_of = {rank: j for j, rank in enumerate(self.shard_ranks)}
+        # ranks that serve as shards: a spare's rank only once it holds sets (before, or
+        # instead, it may train as a replica, and its messages are a replica's)
+        self.shard_of = {rank: j for j, rank in enumerate(self.shard_ranks)
+                         if j < self.S or j == me}
         self.replica_of = {rank: r for r, rank in enumerate(self.replica_ranks)}
         self.replicas = liveness if liveness is not None else \
             next(iter(sets.values())).liveness  # shared by the sets' copies
@@ -360,8 +364,10 @@ class ReplicatedServer:
         if h not in self.sets or self.role[h] != "primary":
             raise RuntimeError(f"replica {sender} (rank {src}) asked shard {self.me} for set "
                                f"{h}, whose primary it is not")
-        if sender not in self.lost_replicas:
-            self.replicas.heard(sender)
+        if sender in self.lost_replicas:  # alive after all: it leaves rather than wait
+            send_dropped(self.net, src, h)
+            return self._finished()
+        self.replicas.heard(sender)
         self._served(h)
         self.held.append((h, src, sender, time.perf_counter()))
         self._release()  # answered now, unless --staleness-bound holds it
@@ -467,6 +473,8 @@ class ReplicatedServer:
         cs.policy.restore(payload[end:].view(np.float64))
         cs.step, cs.version = int(header[H.STEPS]), int(header[H.VERSION])
         self.applied[h] = int(header[H.PEER])
+        if h not in self.filled:
+            self.filled_at[h] = time.time()
         self.filled.add(h)
         self._send_small(src, Tag.REPL_ACK, SET=h, PEER=self.applied[h])
         return False
@@ -489,6 +497,7 @@ class ReplicatedServer:
     def _append_holder(self, d: int, n: int) -> list[int]:
         """Spare shard ``n`` holds a copy of every set dead shard ``d`` held; the sets."""
         self.members.add(n)
+        self.shard_of[self.shard_ranks[n]] = n
         got = []
         for h, hs in self.holders.items():
             if d in hs and n not in hs:
@@ -665,6 +674,7 @@ class ReplicatedServer:
                 "replicated_pushes": self.replicated, "committed": dict(self.committed),
                 "applied": {h: self.applied[h] for h in self.sets},
                 "takeovers": self.takeovers, "lost_shard_ranks": lost, "heals": self.heals,
+                "filled_at": self.filled_at,
                 "copies_at_end": {h: 1 + sum(self.acked[h].get(x, 0) >= 0
                                              for x in self.secondaries(h))
                                   for h, role in self.role.items() if role == "primary"},

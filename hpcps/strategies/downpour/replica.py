@@ -17,7 +17,7 @@ from hpcps.ps.client import Client
 from hpcps.model.spec import is_embedding_spec
 from hpcps.strategies.embedding import EmbeddingRows
 from hpcps.ps.epochs import EpochClock
-from hpcps.ps.liveness import HEARTBEATS_PER_TIMEOUT, HeartbeatThread
+from hpcps.ps.liveness import HEARTBEATS_PER_TIMEOUT, Dropped, HeartbeatThread
 from hpcps.runtime.stop import SignalFlag
 from hpcps.strategies.context import (
     Context,
@@ -210,6 +210,10 @@ class DownpourReplica(ReplicaLoop):
                 self.ctx.metrics.message(f"warm start: replica 0 trains alone for "
                                          f"{self.warmup} steps")
             return super().run()
+        except Dropped as exc:  # the shards took it for dead: its pushes are discarded
+            print(f"[hpcps] replica {self.replica} (rank {self.ctx.grid.rank}) leaves: {exc}",
+                  flush=True)
+            return {**self.finish(0.0), "left": True, "dropped": True}
         finally:
             if self.heartbeat is not None:
                 self.heartbeat.stop()

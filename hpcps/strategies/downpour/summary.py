@@ -115,10 +115,13 @@ def summarize(ctx: Context, results: list[dict]) -> dict:
 def _spare_figures(results: list[dict]) -> dict:
     """--spares: every replacement, with the seconds from the death's detection (and from the
     replica's last sign of life) to the spare's first step; the replicas that left."""
-    left = [rank for rank, r in enumerate(results) if r.get("left")]
+    left = [rank for rank, r in enumerate(results) if r.get("left") and not r.get("dropped")]
+    dropped = [rank for rank, r in enumerate(results) if r.get("dropped")]
+    gone = {**({"left_ranks": left} if left else {}),
+            **({"dropped_ranks": dropped} if dropped else {})}
     chief = results[0]
     if "replacements" not in chief:
-        return {"left_ranks": left} if left else {}
+        return gone
     joined = {r["as_replica"]: r for r in results if r.get("as_replica") is not None}
     recs = []
     for rec in chief["replacements"]:  # the first step as the spare told the chief, or later
@@ -129,7 +132,7 @@ def _spare_figures(results: list[dict]) -> dict:
                      else round(again + rec["silent_s"], 3)})
     return {"spares": chief["spares"], "replacements": recs,
             "shard_replacements": chief.get("shard_replacements", []),
-            "spares_idle_at_end": chief["spares_idle_at_end"], "left_ranks": left}
+            "spares_idle_at_end": chief["spares_idle_at_end"], "left_ranks": left, **gone}
 
 
 def _copies_figures(copies: int, shards: list[dict], replaced: list[dict]) -> dict:
@@ -141,15 +144,21 @@ def _copies_figures(copies: int, shards: list[dict], replaced: list[dict]) -> di
     for s in shards:
         for h, n in s.get("copies_at_end", {}).items():
             at_end[int(h)] = n
-    heals = [rec for s in shards for rec in s.get("heals", [])]
     recs = []
     for rep in replaced:
-        mine = [x for x in heals if x["to_shard"] == rep["as_shard"]]
-        done = [x["restored_at"] for x in mine]
-        again = (round(max(done) - rep["detected_at"], 3)
-                 if mine and all(t is not None for t in done) else None)
-        recs.append({**rep, "sets_restored": sorted(x["set"] for x in mine
-                                                    if x["restored_at"] is not None),
+        # when each set was whole on the spare: as the spare saw its state come, or as the
+        # primary saw it acknowledged (whichever of the two survived to report)
+        whole: dict[int, float] = {}
+        for s in shards:
+            for x in s.get("heals", []):
+                if x["to_shard"] == rep["as_shard"] and x["restored_at"] is not None:
+                    whole[x["set"]] = min(whole.get(x["set"], x["restored_at"]),
+                                          x["restored_at"])
+            if s["shard"] == rep["as_shard"]:
+                for h, t in s.get("filled_at", {}).items():
+                    whole[int(h)] = min(whole.get(int(h), t), t)
+        again = round(max(whole.values()) - rep["detected_at"], 3) if whole else None
+        recs.append({**rep, "sets_restored": sorted(whole),
                      "copies_again_s": again,
                      "copies_again_since_last_sign_s": None if again is None
                      else round(again + rep["silent_s"], 3)})
@@ -177,6 +186,9 @@ def summary_lines(f: dict) -> list[str]:
     if f.get("left_ranks"):
         lines.append(f"rank(s) {f['left_ranks']} left the run on SIGTERM, every push of theirs "
                      "committed")
+    if f.get("dropped_ranks"):
+        lines.append(f"rank(s) {f['dropped_ranks']} were alive but silent past the heartbeat "
+                     "timeout: the shards dropped them, told them so, and they left")
     for r in f.get("replacements", []):
         gone = "died" if r["how"] == "lost" else "left"
         if r["spare"] is None:
