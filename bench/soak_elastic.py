@@ -1,24 +1,27 @@
 """Elastic soak: a downpour job killed again and again, with nothing lost; one JSON object.
 
 The job: ``--servers 3 --ps-copies 2 --spares K`` under ``mpiexec -disable-auto-cleanup ...
-python -m hpcps.keeper`` on MNIST (784-64-10, ``--heartbeat-timeout 2``), long enough to
-outlast ``--duration``. Every ``--every`` seconds the soak SIGKILLs one rank, chosen among
-the deaths the job can absorb:
+python -m hpcps.keeper`` on MNIST (784-64-10, ``--heartbeat-timeout 3``), long enough to
+outlast ``--duration``. Every ``--every`` seconds the soak SIGKILLs one rank, chosen at
+random among the deaths the job can absorb, and only while an idle spare is left to replace
+it, so the job never shrinks and every set can get back to 2 copies:
 
-* a replica that trains (never rank 0, the chief, whose loss ends any run), only while an idle
-  spare is left to replace it, so the job never shrinks;
-* a server shard, only while every chunk set it holds keeps another live copy (with 3 shards
-  and 2 copies: one shard in the whole run, since the copies lost are not restored).
+* a replica that trains (never rank 0, the chief, whose loss ends any run), the spares that
+  replaced replicas included;
+* a server shard (an original, or a spare that restored a dead shard's copies) whose every
+  chunk set has another live copy that has held the set whole for a few seconds.
 
-Rank 0's ``replacement`` records say which spare became which replica. When nothing is left
-to kill the soak lets the run finish. Then the same job runs without kills, and the JSON
-compares them:
+Rank 0's ``replacement`` records say which spare became which replica or shard (every rank
+computes who holds which set the same way: a spare restoring dead shard d is appended to
+the holders of d's sets). When nothing is left to kill the soak lets the run finish. Then
+the same job runs without kills, and the JSON compares them:
 
 ``completed`` (exit 0 and a summary), ``kills`` (time, rank, role), ``replacements`` (the
 summary's, with ``training_again_s``), ``replaced_median_s``/``replaced_max_s`` (from a
 death's detection to the spare's first step), ``shard_failover_s`` (from a shard's last sign
-of life to its sets served again, each), ``joins`` (always 0: joining a running job is not
-built), ``sets_with_c_copies_at_end`` (sets whose copies all live at the end),
+of life to its sets served again, each), ``copies_again_median_s``/``copies_again_max_s``
+(from a shard's death's detection to every set it held whole on a spare), ``joins`` (always
+0: joining a running job is not built), ``sets_with_c_copies_at_end`` (the summary's),
 ``committed_equals_applied`` (each set applied exactly the pushes its copies counted from
 every replica), ``accuracy`` and ``clean_accuracy``. Exit status 1 if the job did not
 complete, a set's count is off, or the accuracy is more than 0.5 points under the clean
@@ -61,7 +64,7 @@ def launch(run_dir: Path, data: str, spares: int, steps: int):
     cmd = [mpiexec(), "-disable-auto-cleanup", "-n", str(R + S + spares), sys.executable, "-m",
            "hpcps.keeper", "--layers", "784,64,10", "--steps", str(steps), "--batch-size", "32",
            "--eval-every", "0", "--checkpoint-every", "0", "--progress-every", "1",
-           "--timeout", "60", "--heartbeat-timeout", "2", "--servers", str(S), "--ps-copies",
+           "--timeout", "60", "--heartbeat-timeout", "3", "--servers", str(S), "--ps-copies",
            str(C), "--spares", str(spares), "--data", data, "--run-dir", str(run_dir)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=env, start_new_session=True)
@@ -83,23 +86,41 @@ def records(run_dir: Path, kind: str) -> list[dict]:
     return out
 
 
+SETTLED_S = 3.0  # a spare restoring copies counts as a copy this long after its assignment
+
+
 def absorbable(spares: int, killed: set[int], run_dir: Path) -> list[tuple[int, str]]:
-    """(rank, role) of every rank whose death the job can absorb now."""
-    first_spare = R + S
-    trainers = {r for r in range(1, R)}  # rank 0 is the chief
+    """(rank, role) of every rank whose death the job can absorb now, with a spare to spare."""
     reps = records(run_dir, "replacement")
-    trainers |= {r["spare_rank"] for r in reps if r["spare_rank"] is not None}
     used = {r["spare_rank"] for r in reps if r["spare_rank"] is not None}
-    idle = [k for k in range(first_spare, first_spare + spares) if k not in used | killed]
-    out = [(r, "replica") for r in sorted(trainers - killed)] if idle else []
-    dead = {r - R for r in killed if R <= r < R + S}
-    for s in range(S):
-        if s in dead:
+    idle = [k for k in range(R + S, R + S + spares) if k not in used | killed]
+    if not idle:
+        return []
+    trainers = {r for r in range(1, R)}  # rank 0 is the chief
+    trainers |= {r["spare_rank"] for r in reps if r.get("as_replica") is not None}
+    out = [(r, "replica") for r in sorted(trainers - killed)]
+    # who holds which set: the static ring, and each spare appended where the dead one was
+    rank_of = {j: R + j for j in range(S)}
+    hold = {h: holders(h, S, C) for h in range(S)}
+    settled = set(range(S))
+    now = time.time()
+    for r in reps:
+        if r.get("as_shard") is None:
             continue
-        ok = all(any(x not in dead | {s} for x in holders(h, S, C))
-                 for h in range(S) if s in holders(h, S, C))
-        if ok:
-            out.append((R + s, "shard"))
+        n = r["as_shard"]
+        rank_of[n] = r["spare_rank"]
+        for h in hold.values():
+            if r["shard"] in h and n not in h:
+                h.append(n)
+        if now - r["assigned_at"] > SETTLED_S:
+            settled.add(n)
+    dead = {j for j, rank in rank_of.items() if rank in killed}
+    for j, rank in sorted(rank_of.items()):
+        if j in dead:
+            continue
+        mine = [h for h in hold.values() if j in h]
+        if all(any(x not in dead and x != j and x in settled for x in h) for h in mine):
+            out.append((rank, "shard"))
     return out
 
 
@@ -143,9 +164,9 @@ def run(data: str, spares: int, steps: int, duration: float, every: float, limit
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--data", default="data/mnist.h5")
-    ap.add_argument("--spares", type=int, default=8)
+    ap.add_argument("--spares", type=int, default=18)
     ap.add_argument("--duration", type=float, default=180.0, help="seconds of kills")
-    ap.add_argument("--every", type=float, default=12.0, help="seconds between kills")
+    ap.add_argument("--every", type=float, default=10.0, help="seconds between kills")
     ap.add_argument("--steps", type=int, default=60000, help="the job's --steps (long "
                     "enough to outlast --duration)")
     ap.add_argument("--limit", type=float, default=900.0, help="seconds before a run is hung")
@@ -153,7 +174,7 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="a short smoke run, not saved")
     args = ap.parse_args(argv)
     if args.quick:
-        args.spares, args.duration, args.every, args.steps = 2, 30.0, 6.0, 8000
+        args.spares, args.duration, args.every, args.steps = 3, 30.0, 6.0, 8000
     soak = run(args.data, args.spares, args.steps, args.duration, args.every, args.limit,
                args.seed, True)
     clean = run(args.data, args.spares, args.steps, 0.0, 0.0, args.limit, args.seed, False)
@@ -162,16 +183,21 @@ def main(argv=None) -> int:
     again = [r["training_again_s"] for r in reps if r.get("training_again_s") is not None]
     failover = [t["served_after_s"] for t in s.get("takeovers", [])
                 if t.get("served_after_s") is not None]
-    dead = {int(k) - R for k in s.get("lost_shard_ranks", [])}
-    sets_c = sum(all(x not in dead for x in holders(h, S, C)) for h in range(S))
+    sets_c = s.get("sets_with_c_copies_at_end")
+    healed = s.get("shard_replacements", [])
+    restored = [r["copies_again_s"] for r in healed if r.get("copies_again_s") is not None]
     acc, clean_acc = s.get("test_accuracy"), c.get("test_accuracy")
     fig = {"completed": soak["completed"], "clean_completed": clean["completed"],
            "soak_wall_s": soak.get("wall_s"), "clean_wall_s": clean.get("wall_s"),
            "kills": soak["kills"], "replacements": reps,
            "replaced_median_s": statistics.median(again) if again else None,
            "replaced_max_s": max(again) if again else None,
-           "shard_failover_s": failover, "joins": 0, "spares": args.spares,
+           "shard_failover_s": failover, "shard_replacements": healed,
+           "copies_again_median_s": statistics.median(restored) if restored else None,
+           "copies_again_max_s": max(restored) if restored else None,
+           "joins": 0, "spares": args.spares,
            "sets": S, "copies": C, "sets_with_c_copies_at_end": sets_c,
+           "copies_at_end": s.get("copies_at_end"),
            "committed_equals_applied": s.get("committed_equals_applied"),
            "pushes_committed_by_set": s.get("pushes_committed_by_set"),
            "ps_applied": s.get("ps_applied"), "lost_ranks": s.get("lost_ranks"),
@@ -183,7 +209,7 @@ def main(argv=None) -> int:
             fig[f"{name}_output"] = r.get("output")
     print(json.dumps(fig, indent=1))
     lost = (not soak["completed"] or not clean["completed"]
-            or not s.get("committed_equals_applied")
+            or not s.get("committed_equals_applied") or sets_c != S
             or fig["accuracy_diff_points"] is None or fig["accuracy_diff_points"] < -0.5)
     if not lost:
         save("soak_elastic", {k: v for k, v in fig.items() if not k.endswith("_output")})
