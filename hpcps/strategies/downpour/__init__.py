@@ -247,8 +247,9 @@ STRATEGY = Strategy(
                "replica runs its share of the whole run)", check="positive"),
         HEARTBEAT_TIMEOUT,
         Option("spares", int, "spare ranks, the last K of the job, idle until a replica dies "
-               "or leaves (SIGTERM to its rank): a spare then takes its data shard, fetches "
-               "the parameters and trains on as a new replica; needs --heartbeat-timeout (10 s "
+               "or leaves (SIGTERM to its rank) or, with --ps-copies, a shard dies: a spare "
+               "then takes the replica's data shard and trains on as a new replica, or holds a "
+               "copy of each of the dead shard's chunk sets; brings --heartbeat-timeout (10 s "
                "unless given). Rank 0 assigns them (default 0: none)", check="nonneg"),
         Option("ps_copies", int, "copies of every chunk set on distinct server shards "
                "(Project Adam: 3): the primary applies a push, forwards it to the "
