@@ -48,7 +48,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "bench"))
-from faultinject import kill_rank  # noqa: E402  (tests/: finds a rank under the launcher)
+from faultinject import kill_rank, records  # noqa: E402  (tests/: ranks and metrics)
 from machine import save  # noqa: E402
 from mpirun import end_launch, mpiexec, tagged_env  # noqa: E402
 
@@ -69,21 +69,6 @@ def launch(run_dir: Path, data: str, spares: int, steps: int):
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=env, start_new_session=True)
     return proc, tag
-
-
-def records(run_dir: Path, kind: str) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            continue  # a line being written
-        if rec.get("kind") == kind:
-            out.append(rec)
-    return out
 
 
 SETTLED_S = 3.0  # a spare restoring copies counts as a copy this long after its assignment

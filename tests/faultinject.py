@@ -50,3 +50,19 @@ def kill_rank(launcher_pid: int, rank: int, sig: int = signal.SIGKILL) -> int:
         raise AssertionError(f"rank {rank} not found under launcher pid {launcher_pid}")
     os.kill(pid, sig)
     return pid
+
+
+def records(run_dir: Path, kind: str | None = None) -> list[dict]:
+    """The run's metrics records (of ``kind``, else all), skipping a line being written."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:  # a line being written
+            continue
+        if kind is None or rec["kind"] == kind:
+            out.append(rec)
+    return out

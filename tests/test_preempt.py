@@ -7,7 +7,6 @@ resumed. Every launch has a hard timeout (tests/mpirun.py) so a hang fails the t
 """
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -17,6 +16,7 @@ from pathlib import Path
 
 import h5py
 import pytest
+from faultinject import records
 from mpirun import ROOT, end_launch, mpiexec, tagged_env, train
 
 from hpcps import config
@@ -28,21 +28,6 @@ from hpcps.errors import PREEMPTED_EXIT, CheckpointError, ConfigError
 
 QUICK = ["--layers", "64,32,10", "--progress-every", "0.1",
          "--eval-every", "0", "--checkpoint-every", "0", "--timeout", "60"]
-
-
-def records(run_dir: Path, kind: str | None = None) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:  # a line being written
-            continue
-        if kind is None or rec["kind"] == kind:
-            out.append(rec)
-    return out
 
 
 def rank_pids(root_pid: int) -> dict[int, int]:
