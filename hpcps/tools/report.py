@@ -525,11 +525,17 @@ def scalars(run: Run) -> list[tuple[str, float, int, float]]:
 
 
 def _tensorboardx():
+    # importing tensorboardX sets CRC32C_SW_MODE in os.environ (for the crc32c package, when
+    # installed): left as it was found, so processes this one starts later do not inherit it
+    before = os.environ.get("CRC32C_SW_MODE")
     try:
         from tensorboardX import SummaryWriter
     except ImportError as exc:
         raise ConfigError(f"--tensorboard needs tensorboardX, which is not installed ({exc}); "
                           f"install it with: {TENSORBOARD_HINT}") from exc
+    finally:
+        if before is None:
+            os.environ.pop("CRC32C_SW_MODE", None)
     return SummaryWriter
 
 
