@@ -433,6 +433,7 @@ def expected_scalars(run_dir):
     sections = {"examples_per_s": "speed", "bytes_per_step": "comm", "compression": "comm",
                 "bytes_sent_per_step": "comm", "updates_per_step": "comm",
                 "coordinator_bytes": "comm", "commands": "comm", "batch_s": "speed",
+                "tau": "comm", "density": "comm", "residual_norm": "comm",
                 "epoch": "progress", "done_pct": "progress", "eta_s": "progress",
                 "iteration": "progress", "evaluations": "progress"}
     out = []
@@ -467,6 +468,7 @@ def test_tensorboard_event_files_hold_every_scalar_at_its_step(runs, tmp_path, c
     assert ("train/loss", 100, 1.25) in got and ("eval/test_accuracy", 150, 0.75) in got
     assert ("speed/examples_per_s", 200, 900.0) in got and ("eval/val_loss", 50, 2.0) in got
     assert ("progress/epoch", 100, 1.5) in got and ("comm/bytes_per_step", 0, 100.0) in got
+    assert ("train/staleness", 100, 0.5) in got and ("train/clock_lead_max", 200, 2.0) in got
     assert not any(tag == "train/loss" and step == 0 for tag, step, _ in got)  # null: absent
     # wall time: seconds since the run started, as the records say
     times = {(v.tag, e.step): e.wall_time for e in events for v in e.summary.value}

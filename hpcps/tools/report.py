@@ -488,22 +488,25 @@ def write_csv(runs: list[Run], out_dir: str | os.PathLike) -> list[Path]:
 # progress fields by TensorBoard section; any other progress field is under train/
 _PROGRESS_SECTIONS = {"epoch": "progress", "done_pct": "progress", "eta_s": "progress",
                       "iteration": "progress", "evaluations": "progress", "batch_s": "speed",
-                      "compression": "comm", "updates_per_step": "comm",
-                      "rows_per_step": "comm", "commands": "comm"}
+                      "compression": "comm", "updates_per_step": "comm", "tau": "comm",
+                      "density": "comm", "residual_norm": "comm", "rows_per_step": "comm",
+                      "commands": "comm"}
 
 
 def scalar_tag(kind: str, name: str) -> str:
     """The TensorBoard tag of field ``name`` of a ``kind`` record: ``eval/<name>`` for an
-    evaluation's figures; for progress, ``speed/`` (``*_per_s``, ``batch_s``), ``comm/``
-    (``*bytes*``, ``compression``, ``updates_per_step``, ``rows_per_step``, ``commands``),
-    ``progress/`` (``epoch``, ``done_pct``, ``eta_s``, ``iteration``, ``evaluations``), and
-    ``train/`` for the rest (``loss``, ``staleness``, ``step_length``, ``tau``, ...)."""
+    evaluation's figures; for progress, ``speed/`` (``*_per_s``, ``*_s_per_step``,
+    ``batch_s``), ``comm/`` (``*bytes*``, ``compression``, ``updates_per_step``, the
+    threshold compressor's ``tau``, ``density`` and ``residual_norm``, ``rows_per_step``,
+    ``commands``), ``progress/`` (``epoch``, ``done_pct``, ``eta_s``, ``iteration``,
+    ``evaluations``), and ``train/`` for the rest (``loss``, ``staleness``, ``step_length``,
+    ...)."""
     if kind == "eval":
         return f"eval/{name}"
     section = _PROGRESS_SECTIONS.get(name)
     if section is None:
-        section = ("speed" if name.endswith("_per_s") else "comm" if "bytes" in name
-                   else "train")
+        section = ("speed" if name.endswith(("_per_s", "_s_per_step"))
+                   else "comm" if "bytes" in name else "train")
     return f"{section}/{name}"
 
 
