@@ -253,3 +253,295 @@ def test_sandblaster_progress_says_how_far_along(runs):
     assert prog and all("done_pct" in r and "eta_s" in r for r in prog), prog
     assert prog[-1]["done_pct"] == 100.0 and prog[-1]["eta_s"] == 0.0
     assert [r["done_pct"] for r in prog] == sorted(r["done_pct"] for r in prog)
+
+
+# ---------------------------------------------------------------------------------------------
+# --csv and --tensorboard: the curves as data
+
+
+def _write_metrics(path, recs):
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    return path
+
+
+def _curves_metrics(path):
+    """A run's records by hand: a progress record without a loss yet, an evaluation at a
+    progress record's step, one at a step of its own, one written after a later progress
+    record, validation figures, an AUC, a field of one record only, and records that are not
+    curves (checkpoint, warning, summary)."""
+    def rec(kind, t, **kw):
+        return {"kind": kind, "time_s": t, **kw}
+    return _write_metrics(path, [
+        rec("start", 0.1, ranks=3, config={"strategy": "downpour"}, start_step=0),
+        rec("progress", 1.0, step=0, epoch=0.0, examples_per_s=0.0, loss=None, done_pct=0.0,
+            eta_s=None, staleness=0.0, bytes_per_step=100),
+        rec("progress", 2.0, step=100, epoch=1.5, examples_per_s=800.5, loss=1.25,
+            done_pct=50.0, eta_s=2.0, staleness=0.5, bytes_per_step=100),
+        rec("eval", 2.1, step=100, epoch=1.5, split="val", val_loss=1.5, val_accuracy=0.625),
+        rec("checkpoint", 2.2, step=100, path="x/checkpoint.h5"),
+        rec("eval", 2.5, step=150, epoch=2.25, split="test", test_loss=1.0,
+            test_accuracy=0.75, test_auc=0.875),
+        rec("progress", 3.0, step=200, epoch=3.0, examples_per_s=900.0, loss=0.75,
+            done_pct=100.0, eta_s=0.0, staleness=1.0, bytes_per_step=100, clock_lead_max=2),
+        rec("eval", 3.1, step=50, epoch=0.75, split="val", val_loss=2.0, val_accuracy=0.5),
+        rec("warning", 3.2, reason="diverging", loss=9.0),
+        rec("summary", 3.5, strategy="downpour", step=200, test_accuracy=0.8, test_loss=0.7),
+    ])
+
+
+def _read_csv(path):
+    import csv
+    with open(path, newline="") as fh:
+        reader = csv.reader(fh)
+        header = next(reader)
+        return header, [dict(zip(header, row)) for row in reader]
+
+
+def _value(cell):
+    return int(cell) if cell.lstrip("-").isdigit() else float(cell)
+
+
+def assert_csv_holds_records(path, run_dir):
+    """Every number of every progress and eval record is in the CSV, on the row of its step
+    and segment, with its exact value; every cell comes from such a record; rows by step."""
+    header, rows = _read_csv(path)
+    assert header[:4] == ["step", "epoch", "time_s", "segment"], header
+    recs = [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())]
+    segment, expected_cells = 0, 0
+    used = set()
+    for rec in recs:
+        segment += rec["kind"] == "start"
+        if rec["kind"] not in ("progress", "eval"):
+            continue
+        figures = {k: v for k, v in rec.items() if k not in ("kind", "step", "epoch", "time_s")
+                   and isinstance(v, (int, float)) and not isinstance(v, bool)}
+        assert set(figures) <= set(header), (set(figures) - set(header), header)
+        matches = [i for i, row in enumerate(rows)
+                   if _value(row["step"]) == rec["step"] and int(row["segment"]) == segment
+                   and all(row[k] != "" and _value(row[k]) == v for k, v in figures.items())]
+        assert matches, (rec, rows)
+        used.add(matches[0])
+        expected_cells += len(figures)
+    assert used == set(range(len(rows))), "rows that hold no record"
+    numeric = set(header) - {"step", "epoch", "time_s", "segment"}
+    assert sum(row[k] != "" for row in rows for k in numeric) == expected_cells
+    steps = [_value(row["step"]) for row in rows]
+    assert steps == sorted(steps)
+
+
+def test_csv_rows_and_columns_are_the_records(tmp_path, capsys):
+    run_dir = _curves_metrics(tmp_path / "hand")
+    out = tmp_path / "curves"
+    assert main([str(run_dir), "--out", str(tmp_path / "out"), "--no-figures",
+                 "--csv", str(out)]) == 0
+    assert str(out / "hand.csv") in capsys.readouterr().out
+    assert sorted(p.name for p in out.iterdir()) == ["hand.csv"]
+    header, rows = _read_csv(out / "hand.csv")
+    assert header == ["step", "epoch", "time_s", "segment", "examples_per_s", "loss",
+                      "done_pct", "eta_s", "staleness", "bytes_per_step", "val_loss",
+                      "val_accuracy", "test_loss", "test_accuracy", "test_auc",
+                      "clock_lead_max"]
+    table = [[row[c] for c in header] for row in rows]
+    assert table == [
+        ["0", "0.0", "1.0", "1", "0.0", "", "0.0", "", "0.0", "100", "", "", "", "", "", ""],
+        ["50", "0.75", "3.1", "1", "", "", "", "", "", "", "2.0", "0.5", "", "", "", ""],
+        ["100", "1.5", "2.0", "1", "800.5", "1.25", "50.0", "2.0", "0.5", "100", "1.5", "0.625",
+         "", "", "", ""],
+        ["150", "2.25", "2.5", "1", "", "", "", "", "", "", "", "", "1.0", "0.75", "0.875", ""],
+        ["200", "3.0", "3.0", "1", "900.0", "0.75", "100.0", "0.0", "1.0", "100", "", "", "",
+         "", "", "2"],
+    ]
+    assert_csv_holds_records(out / "hand.csv", run_dir)
+
+
+def test_csv_of_a_resumed_run_counts_segments_and_time_on(tmp_path):
+    """A step trained again after a resume from an earlier checkpoint has a row per segment;
+    time_s goes on across segments, as on the report's time axis."""
+    def rec(kind, t, **kw):
+        return {"kind": kind, "time_s": t, **kw}
+    run_dir = _write_metrics(tmp_path / "resumed", [
+        rec("start", 0.0, start_step=0), rec("progress", 1.0, step=100, loss=2.0),
+        rec("progress", 2.0, step=200, loss=1.5),  # killed here
+        rec("start", 0.0, start_step=100, resume_auto=True),
+        rec("progress", 1.5, step=200, loss=1.4), rec("eval", 1.6, step=200, test_loss=1.3),
+        rec("summary", 2.0, step=200)])
+    out = tmp_path / "csv"
+    assert main([str(run_dir), "--out", str(tmp_path / "out"), "--no-figures",
+                 "--csv", str(out)]) == 0
+    header, rows = _read_csv(out / "resumed.csv")
+    assert header == ["step", "epoch", "time_s", "segment", "loss", "test_loss"]
+    assert [[row[c] for c in header] for row in rows] == [
+        ["100", "", "1.0", "1", "2.0", ""], ["200", "", "2.0", "1", "1.5", ""],
+        ["200", "", "3.5", "2", "1.4", "1.3"]]
+    assert_csv_holds_records(out / "resumed.csv", run_dir)
+
+
+def test_csv_of_real_runs(runs, tmp_path):
+    out = tmp_path / "csv"
+    assert main([str(runs["ssp"]), str(runs["lbfgs"]), "--out", str(tmp_path / "out"),
+                 "--no-figures", "--csv", str(out)]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["lbfgs.csv", "ssp.csv"]
+    for name in ("ssp", "lbfgs"):
+        assert_csv_holds_records(out / f"{name}.csv", runs[name])
+    header, _ = _read_csv(out / "ssp.csv")
+    assert {"loss", "examples_per_s", "staleness", "test_accuracy", "test_loss",
+            "clock_lead_max", "bytes_per_step"} <= set(header), header
+    assert "step_length" in _read_csv(out / "lbfgs.csv")[0]
+
+
+def _crc32c(data: bytes) -> int:
+    crc = 0xFFFFFFFF
+    for byte in data:
+        crc ^= byte
+        for _ in range(8):
+            crc = (crc >> 1) ^ 0x82F63B78 if crc & 1 else crc >> 1
+    return crc ^ 0xFFFFFFFF
+
+
+def _masked_crc(data: bytes) -> int:
+    crc = _crc32c(data)
+    return (((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF
+
+
+def read_events(run_tb_dir):
+    """Every Event of the one event file in ``run_tb_dir``, from the TFRecord framing (uint64
+    length, uint32 masked CRC-32C of the length, the data, uint32 masked CRC-32C of the
+    data), each CRC checked."""
+    import struct
+
+    from tensorboardX.proto.event_pb2 import Event
+    assert _crc32c(b"123456789") == 0xE3069283  # the check value of CRC-32C
+    (path,) = run_tb_dir.glob("events.out.tfevents.*")
+    blob, pos, events = path.read_bytes(), 0, []
+    while pos < len(blob):
+        header = blob[pos:pos + 8]
+        (length,) = struct.unpack("<Q", header)
+        (length_crc,) = struct.unpack("<I", blob[pos + 8:pos + 12])
+        assert length_crc == _masked_crc(header), (path, pos)
+        data = blob[pos + 12:pos + 12 + length]
+        (data_crc,) = struct.unpack("<I", blob[pos + 12 + length:pos + 16 + length])
+        assert len(data) == length and data_crc == _masked_crc(data), (path, pos)
+        events.append(Event.FromString(data))
+        pos += 16 + length
+    assert pos == len(blob)
+    return events
+
+
+def expected_scalars(run_dir):
+    """(tag, step, value as float32) of every number of the progress and eval records."""
+    sections = {"examples_per_s": "speed", "bytes_per_step": "comm", "compression": "comm",
+                "bytes_sent_per_step": "comm", "updates_per_step": "comm",
+                "coordinator_bytes": "comm", "commands": "comm", "batch_s": "speed",
+                "tau": "comm", "density": "comm", "residual_norm": "comm",
+                "epoch": "progress", "done_pct": "progress", "eta_s": "progress",
+                "iteration": "progress", "evaluations": "progress"}
+    out = []
+    for rec in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()):
+        if rec["kind"] not in ("progress", "eval"):
+            continue
+        for k, v in rec.items():
+            if k in ("kind", "step", "time_s") or (rec["kind"] == "eval" and k == "epoch"):
+                continue
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                tag = f"eval/{k}" if rec["kind"] == "eval" else f"{sections.get(k, 'train')}/{k}"
+                out.append((tag, rec["step"], float(np.float32(v))))
+    return sorted(out)
+
+
+def scalars_in(events):
+    return sorted((v.tag, e.step, v.simple_value) for e in events if e.HasField("summary")
+                  for v in e.summary.value)
+
+
+def test_tensorboard_event_files_hold_every_scalar_at_its_step(runs, tmp_path, capsys):
+    hand = _curves_metrics(tmp_path / "hand")
+    tb = tmp_path / "tb"
+    assert main([str(hand), str(runs["ssp"]), str(runs["lbfgs"]), "--out",
+                 str(tmp_path / "out"), "--no-figures", "--tensorboard", str(tb)]) == 0
+    assert f"{tb / 'hand'}" in capsys.readouterr().out
+    assert sorted(p.name for p in tb.iterdir()) == ["hand", "lbfgs", "ssp"]
+    events = read_events(tb / "hand")
+    assert events[0].file_version == "brain.Event:2"
+    got = scalars_in(events)
+    assert got == expected_scalars(hand)
+    assert ("train/loss", 100, 1.25) in got and ("eval/test_accuracy", 150, 0.75) in got
+    assert ("speed/examples_per_s", 200, 900.0) in got and ("eval/val_loss", 50, 2.0) in got
+    assert ("progress/epoch", 100, 1.5) in got and ("comm/bytes_per_step", 0, 100.0) in got
+    assert ("train/staleness", 100, 0.5) in got and ("train/clock_lead_max", 200, 2.0) in got
+    assert not any(tag == "train/loss" and step == 0 for tag, step, _ in got)  # null: absent
+    # wall time: seconds since the run started, as the records say
+    times = {(v.tag, e.step): e.wall_time for e in events for v in e.summary.value}
+    assert times[("eval/val_accuracy", 50)] == pytest.approx(3.1)
+    for name in ("ssp", "lbfgs"):
+        got = scalars_in(read_events(tb / name))
+        assert got == expected_scalars(runs[name]) and len(got) > 20, name
+    # exported again: the event files are replaced, not added to (an earlier export's file,
+    # named by the second it was written in)
+    (old,) = (tb / "hand").glob("events.out.tfevents.*")
+    old.rename(tb / "hand" / "events.out.tfevents.1000000000.elsewhere")
+    assert main([str(hand), "--out", str(tmp_path / "out"), "--no-figures",
+                 "--tensorboard", str(tb)]) == 0
+    assert scalars_in(read_events(tb / "hand")) == expected_scalars(hand)
+
+
+def test_runs_of_one_name_get_files_of_their_own(tmp_path):
+    a = _curves_metrics(tmp_path / "a" / "run")
+    b = _curves_metrics(tmp_path / "b" / "run")
+    out = tmp_path / "csv"
+    assert main([str(a), str(b), "--out", str(tmp_path / "out"), "--no-figures",
+                 "--csv", str(out)]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["a_run.csv", "b_run.csv"]
+
+
+def test_csv_and_tensorboard_refusals(tmp_path, capsys):
+    run_dir = _curves_metrics(tmp_path / "hand")
+    (tmp_path / "a-file").write_text("x")
+    (tmp_path / "csv-taken" / "hand.csv").mkdir(parents=True)
+    (tmp_path / "tb-taken").mkdir()
+    (tmp_path / "tb-taken" / "hand").write_text("x")
+    (tmp_path / "no-metrics").mkdir()
+    out = tmp_path / "out"
+    cases = [
+        ([str(tmp_path / "no-metrics"), "--csv", str(tmp_path / "c")],
+         ["has no metrics.jsonl"]),
+        ([str(tmp_path / "no-metrics"), "--tensorboard", str(tmp_path / "t")],
+         ["has no metrics.jsonl"]),
+        ([str(run_dir), "--csv", str(tmp_path / "a-file")],
+         ["--csv", "a-file exists and is not a directory"]),
+        ([str(run_dir), "--tensorboard", str(tmp_path / "a-file")],
+         ["--tensorboard", "a-file exists and is not a directory"]),
+        ([str(run_dir), "--csv", str(tmp_path / "csv-taken")], ["hand.csv is a directory"]),
+        ([str(run_dir), "--tensorboard", str(tmp_path / "tb-taken")],
+         ["hand exists and is not a directory"]),
+    ]
+    for args, words in cases:
+        assert main([*args, "--out", str(out), "--no-figures"]) == 2, args
+        err = capsys.readouterr().err
+        assert err.startswith("hpcps.report: error: ") and err.count("\n") == 1, err
+        for w in words:
+            assert w in err, (w, err)
+        assert not out.exists() and not (tmp_path / "c").exists() \
+            and not (tmp_path / "t").exists(), args  # refused before anything was written
+    assert (tmp_path / "a-file").read_text() == "x"
+    assert (tmp_path / "tb-taken" / "hand").read_text() == "x"
+    # a directory that cannot be created (its parent is a file)
+    assert main([str(run_dir), "--out", str(out), "--no-figures",
+                 "--csv", str(tmp_path / "a-file" / "csv")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("hpcps.report: error: cannot create --csv ") and "a-file" in err, err
+
+
+def test_tensorboard_without_tensorboardx_says_how_to_install_it(tmp_path, capsys, monkeypatch):
+    run_dir = _curves_metrics(tmp_path / "hand")
+    monkeypatch.setitem(sys.modules, "tensorboardX", None)  # as when it is not installed
+    out, tb = tmp_path / "out", tmp_path / "tb"
+    assert main([str(run_dir), "--out", str(out), "--tensorboard", str(tb)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("hpcps.report: error: --tensorboard "), err
+    assert 'pip install "hpcps[tensorboard]"' in err and "Traceback" not in err, err
+    assert not out.exists() and not tb.exists()
+    # --csv needs nothing extra
+    assert main([str(run_dir), "--out", str(out), "--no-figures",
+                 "--csv", str(tmp_path / "csv")]) == 0
+    assert (tmp_path / "csv" / "hand.csv").exists()

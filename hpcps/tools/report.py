@@ -33,6 +33,21 @@ Written to ``--out`` (default ``report`` in the current directory):
     iteration) and ``ssp_waits`` (downpour with ``--staleness-bound``: the largest clock
     lead over steps, fetches held and seconds held per shard). :data:`FIGURES` declares them.
 
+Written only when asked for:
+
+``--csv DIR``: ``DIR/<run>.csv``
+    Each run's curves, one row per progress or eval record (an evaluation on the row of the
+    progress record at its step), ordered by step: columns ``step``, ``epoch``, ``time_s``,
+    ``segment`` and every numeric field of those records (:func:`curve_rows`).
+``--tensorboard DIR``: ``DIR/<run>/events.out.tfevents.*``
+    The same figures as TensorBoard scalars at their global step, tagged ``train/loss``,
+    ``eval/test_accuracy``, ``speed/examples_per_s``, ... (:func:`scalars`,
+    :func:`scalar_tag`); needs tensorboardX (``pip install "hpcps[tensorboard]"``; without it
+    the option is refused, exit 2, before anything is written).
+
+``<run>`` is the run's label with characters other than letters, digits, ``.``, ``_`` and
+``-`` replaced (:func:`output_names`).
+
 A cut last line (a run killed while writing it) is skipped with a note, as is any other line
 that is not a JSON record; a directory without ``metrics.jsonl`` is refused
 (:class:`ConfigError`, exit 2). Figures need matplotlib (``pip install "hpcps[report]"``);
@@ -40,16 +55,19 @@ drawn on :class:`matplotlib.figure.Figure` objects, never through pyplot, so no 
 global state is involved (PNG output goes through the Agg renderer). Without matplotlib the
 table is still written, then the command says how to install it and exits with code 1.
 
-:func:`load_run`, :func:`table_rows` and :func:`plan_figures` read and decide without
-matplotlib; :func:`draw` alone imports it.
+:func:`load_run`, :func:`table_rows`, :func:`curve_rows` and :func:`plan_figures` read and
+decide without matplotlib; :func:`draw` alone imports it, :func:`write_tensorboard` alone
+tensorboardX.
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
 import json
 import math
 import os
+import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -59,6 +77,7 @@ from hpcps.errors import ConfigError, HpcpsError
 
 METRICS_FILE = "metrics.jsonl"
 INSTALL_HINT = 'pip install "hpcps[report]"'
+TENSORBOARD_HINT = 'pip install "hpcps[tensorboard]"'
 
 
 class MissingDependency(HpcpsError):
@@ -372,6 +391,190 @@ def format_table(rows: list[dict[str, Any]]) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
+# curves as data: CSV and TensorBoard (no matplotlib)
+
+CURVE_KINDS = ("progress", "eval")
+# the first columns of every CSV; the records' numeric fields follow
+CURVE_AXES = ("step", "epoch", "time_s", "segment")
+
+
+def curve_rows(run: Run) -> tuple[list[str], list[dict[str, Any]]]:
+    """The run's curves as a table: its columns, and one row per progress or eval record.
+
+    An eval record shares the row of the progress record at its step (in the same segment,
+    when no field but the axes is in both); one without such a record has a row of its own.
+    Columns: :data:`CURVE_AXES`, then every field that holds a finite number in some
+    progress or eval record, in the order the records first name them. ``time_s`` is the row's first
+    record's wall time since the run first started (:attr:`Run.times`: counted on across
+    resumed segments), ``segment`` the number of the ``start`` record it follows (1 for a
+    run never resumed), ``epoch`` the first of its records' epochs. A value absent from the
+    row's records (or not a finite number) is None. Rows are ordered by step; rows of one
+    step stay in file order (a step trained twice after a resume has a row per segment).
+    Records without a numeric step are left out.
+    """
+    seen: dict[str, None] = {}  # every field name, in order of first appearance
+    numeric: set[str] = set()   # those with a finite number somewhere
+    rows: list[dict[str, Any]] = []
+    kinds: list[set[str]] = []  # per row: the kinds of its records
+    taken: list[set[str]] = []  # per row: the figures already in it
+    by_step: dict[tuple[int, float], list[int]] = {}
+    segment = 0
+    for rec, t in zip(run.records, run.times):
+        kind = rec.get("kind")
+        if kind == "start":
+            segment += 1
+        if kind not in CURVE_KINDS or not _number(rec.get("step")):
+            continue
+        figures = {k: v for k, v in rec.items() if k not in CURVE_AXES and _number(v)}
+        seen.update(dict.fromkeys(k for k in rec if k not in CURVE_AXES))
+        numeric |= figures.keys()
+        key = (max(segment, 1), float(rec["step"]))
+        at = next((i for i in by_step.get(key, [])
+                   if kind not in kinds[i] and not taken[i] & figures.keys()), None)
+        if at is None:
+            at = len(rows)
+            rows.append({"step": rec["step"], "epoch": None, "time_s": round(t, 3),
+                         "segment": key[0]})
+            kinds.append(set())
+            taken.append(set())
+            by_step.setdefault(key, []).append(at)
+        row = rows[at]
+        if row["epoch"] is None and _number(rec.get("epoch")):
+            row["epoch"] = rec["epoch"]
+        row.update(figures)
+        kinds[at].add(kind)
+        taken[at] |= figures.keys()
+    columns = [*CURVE_AXES, *(k for k in seen if k in numeric)]
+    ordered = sorted(rows, key=lambda r: float(r["step"]))
+    return columns, [{c: row.get(c) for c in columns} for row in ordered]
+
+
+def output_names(runs: list[Run]) -> list[str]:
+    """A file name per run, from its label: characters other than letters, digits, ``.``,
+    ``_`` and ``-`` become ``_``; a name that repeats gets ``-2``, ``-3``, ..."""
+    names: list[str] = []
+    for run in runs:
+        base = re.sub(r"[^A-Za-z0-9._-]+", "_", run.label).strip("._") or "run"
+        name, n = base, 1
+        while name in names:
+            n += 1
+            name = f"{base}-{n}"
+        names.append(name)
+    return names
+
+
+def write_csv(runs: list[Run], out_dir: str | os.PathLike) -> list[Path]:
+    """Write ``<run name>.csv`` (:func:`curve_rows`, :func:`output_names`) per run into
+    ``out_dir`` (which exists); return the paths. Numbers are written as Python prints them
+    (a float's shortest repr: read back, it is the record's value), absent values empty."""
+    written = []
+    for run, name in zip(runs, output_names(runs)):
+        columns, rows = curve_rows(run)
+        path = Path(out_dir) / f"{name}.csv"
+        tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+        try:
+            with open(tmp, "w", newline="") as fh:
+                writer = csv.DictWriter(fh, fieldnames=columns)
+                writer.writeheader()
+                writer.writerows(rows)  # None is written as an empty cell
+            os.replace(tmp, path)
+        except OSError as exc:
+            tmp.unlink(missing_ok=True)
+            raise ConfigError(f"cannot write {path}: {exc}") from exc
+        written.append(path)
+    return written
+
+
+# progress fields by TensorBoard section; any other progress field is under train/
+_PROGRESS_SECTIONS = {"epoch": "progress", "done_pct": "progress", "eta_s": "progress",
+                      "iteration": "progress", "evaluations": "progress", "batch_s": "speed",
+                      "compression": "comm", "updates_per_step": "comm", "tau": "comm",
+                      "density": "comm", "residual_norm": "comm", "rows_per_step": "comm",
+                      "commands": "comm"}
+
+
+def scalar_tag(kind: str, name: str) -> str:
+    """The TensorBoard tag of field ``name`` of a ``kind`` record: ``eval/<name>`` for an
+    evaluation's figures; for progress, ``speed/`` (``*_per_s``, ``*_s_per_step``,
+    ``batch_s``), ``comm/`` (``*bytes*``, ``compression``, ``updates_per_step``, the
+    threshold compressor's ``tau``, ``density`` and ``residual_norm``, ``rows_per_step``,
+    ``commands``), ``progress/`` (``epoch``, ``done_pct``, ``eta_s``, ``iteration``,
+    ``evaluations``), and ``train/`` for the rest (``loss``, ``staleness``, ``step_length``,
+    ...)."""
+    if kind == "eval":
+        return f"eval/{name}"
+    section = _PROGRESS_SECTIONS.get(name)
+    if section is None:
+        section = ("speed" if name.endswith(("_per_s", "_s_per_step"))
+                   else "comm" if "bytes" in name else "train")
+    return f"{section}/{name}"
+
+
+def scalars(run: Run) -> list[tuple[str, float, int, float]]:
+    """``(tag, value, step, time)`` of every finite number in the run's progress and eval
+    records (:func:`scalar_tag`), in file order: ``step`` the record's global step, ``time``
+    its wall time since the run first started (:attr:`Run.times`). An eval record's epoch is
+    left out (the progress records carry it); records without a numeric step are too."""
+    out = []
+    for rec, t in zip(run.records, run.times):
+        kind = rec.get("kind")
+        if kind not in CURVE_KINDS or not _number(rec.get("step")):
+            continue
+        skip = {"kind", "step", "time_s"} | ({"epoch"} if kind == "eval" else set())
+        for name, value in rec.items():
+            if name not in skip and _number(value):
+                out.append((scalar_tag(kind, name), float(value), int(rec["step"]), t))
+    return out
+
+
+def _tensorboardx():
+    # importing tensorboardX sets CRC32C_SW_MODE in os.environ (for the crc32c package, when
+    # installed): left as it was found, so processes this one starts later do not inherit it
+    before = os.environ.get("CRC32C_SW_MODE")
+    try:
+        from tensorboardX import SummaryWriter
+    except ImportError as exc:
+        raise ConfigError(f"--tensorboard needs tensorboardX, which is not installed ({exc}); "
+                          f"install it with: {TENSORBOARD_HINT}") from exc
+    finally:
+        if before is None:
+            os.environ.pop("CRC32C_SW_MODE", None)
+    return SummaryWriter
+
+
+def write_tensorboard(runs: list[Run], out_dir: str | os.PathLike) -> list[Path]:
+    """Write each run's :func:`scalars` as TensorBoard event files into ``out_dir/<run name>``
+    (:func:`output_names`); return the directories. Event files an earlier export left
+    there are replaced. Wall times are the seconds since the run started (TensorBoard's
+    "relative" axis), not dates.
+
+    Raises
+    ------
+    ConfigError
+        If tensorboardX cannot be imported, or a directory cannot be written.
+    """
+    SummaryWriter = _tensorboardx()
+    written = []
+    for run, name in zip(runs, output_names(runs)):
+        path = Path(out_dir) / name
+        try:
+            path.mkdir(exist_ok=True)
+            for old in path.glob("events.out.tfevents.*"):
+                old.unlink()
+            writer = SummaryWriter(logdir=str(path), flush_secs=3600)
+            try:
+                for tag, value, step, t in scalars(run):
+                    writer.add_scalar(tag, value, step, walltime=t)
+            finally:
+                writer.close()
+        except OSError as exc:
+            raise ConfigError(f"cannot write {path}: {exc}") from exc
+        written.append(path)
+    return written
+
+
+
+# ---------------------------------------------------------------------------------------------
 # which figures, with which data (no matplotlib)
 
 
@@ -627,27 +830,64 @@ def write_table(rows: list[dict[str, Any]], runs: list[Run], out_dir: Path) -> P
     return path
 
 
-def report(run_dirs: list[str | os.PathLike], out_dir: str | os.PathLike, figures: bool = True,
-           echo=print, note=lambda s: print(s, file=sys.stderr)) -> list[Path]:
-    """Read the runs, print and write the table, then (``figures``) draw; return the files
-    written. Raises :class:`ConfigError` for unusable run or output directories before
-    writing anything, :class:`MissingDependency` after the table when matplotlib is missing."""
-    runs = load_runs(run_dirs)
-    out = Path(out_dir)
+def _output_dir(path: str | os.PathLike, option: str) -> Path:
+    out = Path(path)
     if out.exists() and not out.is_dir():
-        raise ConfigError(f"--out {out} exists and is not a directory")
-    for run in runs:
-        for text in run.notes:
-            note(f"note: {text}")
+        raise ConfigError(f"{option} {out} exists and is not a directory")
+    return out
+
+
+def _make_dir(out: Path, option: str) -> None:
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise ConfigError(f"cannot create --out {out}: {exc}") from exc
+        raise ConfigError(f"cannot create {option} {out}: {exc}") from exc
+
+
+def report(run_dirs: list[str | os.PathLike], out_dir: str | os.PathLike, figures: bool = True,
+           csv_dir: str | os.PathLike | None = None,
+           tensorboard_dir: str | os.PathLike | None = None,
+           echo=print, note=lambda s: print(s, file=sys.stderr)) -> list[Path]:
+    """Read the runs, print and write the table, write the curves as CSV (``csv_dir``) and
+    TensorBoard event files (``tensorboard_dir``), then (``figures``) draw; return the files
+    and directories written. Raises :class:`ConfigError` for unusable run or output
+    directories, or ``tensorboard_dir`` without tensorboardX, before writing anything;
+    :class:`MissingDependency` after the table and curves when matplotlib is missing."""
+    runs = load_runs(run_dirs)
+    out = _output_dir(out_dir, "--out")
+    outputs = [(out, "--out")]
+    if csv_dir is not None:
+        outputs.append((_output_dir(csv_dir, "--csv"), "--csv"))
+        for name in output_names(runs):
+            if (Path(csv_dir) / f"{name}.csv").is_dir():
+                raise ConfigError(f"--csv: {Path(csv_dir) / name}.csv is a directory: the "
+                                  "curves of that run cannot be written there")
+    if tensorboard_dir is not None:
+        outputs.append((_output_dir(tensorboard_dir, "--tensorboard"), "--tensorboard"))
+        for name in output_names(runs):
+            sub = Path(tensorboard_dir) / name
+            if sub.exists() and not sub.is_dir():
+                raise ConfigError(f"--tensorboard: {sub} exists and is not a directory: the "
+                                  "event files of that run go into a directory of that name")
+        _tensorboardx()  # installed? (refused before anything is written)
+    for run in runs:
+        for text in run.notes:
+            note(f"note: {text}")
+    for path, option in outputs:
+        _make_dir(path, option)
     rows = table_rows(runs)
     echo(format_table(rows))
     written = [write_table(rows, runs, out)]
+    if csv_dir is not None:
+        written += write_csv(runs, csv_dir)
+    if tensorboard_dir is not None:
+        written += write_tensorboard(runs, tensorboard_dir)
     if figures:
-        written += draw(plan_figures(runs), runs, out)
+        try:
+            written += draw(plan_figures(runs), runs, out)
+        except MissingDependency:
+            echo("wrote " + ", ".join(str(p) for p in written))
+            raise
     echo("wrote " + ", ".join(str(p) for p in written))
     return written
 
@@ -662,10 +902,12 @@ def main(argv: list[str] | None = None) -> int:
             "write it to OUT/summary.md, and write PNG figures overlaying the runs into OUT: "
             "loss and test accuracy against step and wall time, examples/s, bytes per step, "
             "staleness, and per strategy compression ratio, L-BFGS step length and SSP waits "
-            "(only the figures some run has data for)."
+            "(only the figures some run has data for). --csv and --tensorboard also write "
+            "each run's curves as CSV files and TensorBoard event files."
         ),
         epilog=f"Figures need matplotlib: {INSTALL_HINT}. Exit status: 0 on success, "
-        f"{ConfigError.exit_code} for an unusable run or output directory, "
+        f"{ConfigError.exit_code} for an unusable run or output directory (or --tensorboard "
+        "without tensorboardX), "
         f"{MissingDependency.exit_code} when matplotlib is missing (the table is written first).",
     )
     parser.add_argument("run_dirs", metavar="RUN_DIR", nargs="+",
@@ -674,9 +916,18 @@ def main(argv: list[str] | None = None) -> int:
                         help="where summary.md and the figures go (created; default: report)")
     parser.add_argument("--no-figures", action="store_true",
                         help="write the summary table only (no matplotlib needed)")
+    parser.add_argument("--csv", metavar="DIR",
+                        help="also write each run's curves as DIR/<run>.csv: one row per "
+                        "progress or eval record, by step; columns step, epoch, time_s, "
+                        "segment and every numeric field of those records (created)")
+    parser.add_argument("--tensorboard", metavar="DIR",
+                        help="also write each run's curves as TensorBoard event files in "
+                        "DIR/<run>/ (train/, eval/, speed/, comm/, progress/ scalars at their "
+                        f"global step; needs tensorboardX: {TENSORBOARD_HINT})")
     args = parser.parse_args(argv)
     try:
-        report(args.run_dirs, args.out, figures=not args.no_figures)
+        report(args.run_dirs, args.out, figures=not args.no_figures, csv_dir=args.csv,
+               tensorboard_dir=args.tensorboard)
     except HpcpsError as exc:
         print(f"{parser.prog.split()[-1]}: error: {exc}", file=sys.stderr)
         return exc.exit_code
