@@ -14,10 +14,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import difflib
 import functools
 import math
-import tomllib
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
@@ -283,6 +281,8 @@ def _build_parser(prog: str) -> argparse.ArgumentParser:
 
 
 def _read_toml(path: str) -> dict[str, Any]:
+    import difflib  # here: only runs given --config pay for these two
+    import tomllib
     try:
         with open(path, "rb") as fh:
             raw = tomllib.load(fh)

@@ -269,6 +269,19 @@ def test_mkl_wheel_installed_means_mkl_loads():
     assert "mkl" in AVAILABLE, blas.mkl_error
 
 
+def test_the_system_search_for_mkl_runs_only_after_the_wheels_paths(monkeypatch):
+    """``ctypes.util.find_library`` (which starts ldconfig, gcc and ld) is the last
+    candidate, asked for only when the ones under sys.prefix did not load."""
+    import ctypes.util
+    asked = []
+    monkeypatch.setattr(ctypes.util, "find_library", lambda name: asked.append(name) or None)
+    cands = blas._mkl_candidates()
+    first = [next(cands) for _ in range(3)]
+    assert all(c.startswith(os.path.join(sys.prefix, "lib")) for c in first), first
+    assert asked == []
+    assert list(cands) == [] and asked == ["mkl_rt"]
+
+
 def test_environment_variable(tmp_path):
     """HPCPS_BLAS, read at the first engine, with MKL made unfindable (an empty directory):
     ``mkl`` is a clear ConfigError, ``auto`` falls back to OpenBLAS, typos are refused."""

@@ -81,6 +81,47 @@ def test_a_plugin_is_listed_in_help_with_its_defaults():
     assert "oneshot" not in without.stdout  # registered only where asked for
 
 
+def _installed_plugin(folder: Path, text: str) -> None:
+    """A distribution in ``folder`` whose entry_points.txt is ``text`` (as pip installs it)."""
+    info = folder / "oneshot_plugin-1.0.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: oneshot-plugin\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text(text)
+
+
+def test_an_installed_plugin_is_found_by_its_entry_point(tmp_path):
+    """A distribution declaring the oneshot module under the ``hpcps.strategies`` entry-point
+    group registers it (no HPCPS_STRATEGIES); the registry's look at the entry-point files,
+    which spares importlib.metadata where no distribution names the group, agrees with
+    importlib.metadata with and without such a distribution, and another group's entry
+    point registers nothing."""
+    installed, other = tmp_path / "installed", tmp_path / "other"
+    _installed_plugin(installed, "[hpcps.strategies]\noneshot = oneshot\n")
+    _installed_plugin(other, "[console_scripts]\noneshot = oneshot:main\n")
+    code = """
+import sys
+from importlib.metadata import entry_points
+from hpcps.strategies.registry import ENTRY_POINTS, installed_plugins, strategies
+print(",".join(installed_plugins()))
+print(",".join(ep.value for ep in entry_points(group=ENTRY_POINTS)))
+print(",".join(strategies()))
+"""
+    for folder, want in ((installed, "oneshot"), (other, "")):
+        path = os.pathsep.join([str(folder), str(PLUGINS), str(ROOT),
+                                os.environ.get("PYTHONPATH", "")])
+        env = {k: v for k, v in os.environ.items() if k != "HPCPS_STRATEGIES"}
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             env={**env, "PYTHONPATH": path}, timeout=120, cwd=ROOT)
+        assert out.returncode == 0, out.stderr
+        ours, theirs, names = out.stdout.splitlines()
+        assert ours == theirs == want, out.stdout
+        assert ("oneshot" in names.split(",")) == bool(want), names
+    # where no distribution names the group, importlib.metadata is not even imported
+    out = python("import sys; import hpcps.config\n"
+                 "assert 'importlib.metadata' not in sys.modules, 'imported'\n")
+    assert out.returncode == 0, out.stderr
+
+
 def test_a_plugin_trains_and_reports(digits_h5, tmp_path):
     """3 replicas, and 2 replicas of 2 partitions: one-shot averaging on digits reached 88% at
     600 steps (2026-11-26); the bar leaves a margin for the seed and the oversubscribed cores."""

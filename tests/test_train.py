@@ -69,10 +69,16 @@ def test_downpour_learns(n, digits_h5, tmp_path):
 
 @pytest.mark.parametrize("n", [1, 2, pytest.param(3, marks=pytest.mark.openmpi)])
 def test_sync_learns(n, digits_h5, tmp_path):
+    """Also: progress records carry the percent of the run done and the seconds left at the
+    rate so far (the arithmetic on a resumed run: test_progress_says_how_far_along_...)."""
     run = train(n, "--strategy", "sync", "--data", str(digits_h5), "--run-dir", str(tmp_path),
                 "--steps", "900", *QUICK)
     s = assert_learned(run, tmp_path, digits_h5)
     assert s["replicas"] == n and s["servers"] == 0 and s["step"] >= 900
+    prog = records(tmp_path, "progress")
+    done = [r["done_pct"] for r in prog]
+    assert done == sorted(done) and 0 < done[0] and done[-1] == 100.0
+    assert all(r["eta_s"] >= 0 for r in prog) and prog[-1]["eta_s"] == 0
 
 
 def test_summary_splits_an_iteration_into_the_pass_and_the_rest(digits_h5, tmp_path):
@@ -619,9 +625,9 @@ def test_downpour_rate_counts_the_slowest_replica(digits_h5, tmp_path):
     assert s["examples_per_s"] == pytest.approx(1200 * 16 / s["train_s"], rel=0.02)
 
 
-def test_progress_says_how_far_along_the_run_is(digits_h5, tmp_path):
-    """Progress records carry the percent of the run done and the seconds left at the rate so
-    far; the arithmetic on a resumed run counts only this run's steps for the rate."""
+def test_progress_says_how_far_along_the_run_is():
+    """The arithmetic of the progress records' percent done and seconds left on a resumed run:
+    only this run's steps count for the rate (a run's records: test_sync_learns)."""
     from types import SimpleNamespace
 
     from hpcps.strategies.loop import run_position
@@ -629,10 +635,3 @@ def test_progress_says_how_far_along_the_run_is(digits_h5, tmp_path):
     assert run_position(resumed, 600, 10.0) == {"done_pct": 60.0, "eta_s": 10.0}
     assert run_position(resumed, 200, 0.0) == {"done_pct": 20.0, "eta_s": None}
     assert run_position(resumed, 1000, 20.0) == {"done_pct": 100.0, "eta_s": 0.0}
-    run = train(2, "--strategy", "sync", "--data", str(digits_h5), "--run-dir", str(tmp_path),
-                "--steps", "900", *QUICK)
-    assert run.returncode == 0, run.output
-    prog = records(tmp_path, "progress")
-    done = [r["done_pct"] for r in prog]
-    assert done == sorted(done) and 0 < done[0] and done[-1] == 100.0
-    assert all(r["eta_s"] >= 0 for r in prog) and prog[-1]["eta_s"] == 0

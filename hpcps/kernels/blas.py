@@ -92,13 +92,15 @@ __all__ = ["DEFAULT", "NAMES", "current", "decide", "ensure", "info", "mlp_shape
 
 
 def _mkl_candidates():
-    """Paths (or sonames) to try for libmkl_rt, in order."""
+    """Paths (or sonames) to try for libmkl_rt, in order. The system's search comes last and
+    runs only when asked for the next one: ``ctypes.util.find_library`` starts ldconfig, gcc
+    and ld (0.1 s and more on a busy machine, in every process that loads MKL)."""
     lib = os.path.join(sys.prefix, "lib")
-    cands = [os.path.join(lib, n) for n in ("libmkl_rt.so.3", "libmkl_rt.so.2", "libmkl_rt.so")]
+    for name in ("libmkl_rt.so.3", "libmkl_rt.so.2", "libmkl_rt.so"):
+        yield os.path.join(lib, name)
     found = ctypes.util.find_library("mkl_rt")
     if found:
-        cands.append(found)
-    return cands
+        yield found
 
 
 def _check_sgemm(address):

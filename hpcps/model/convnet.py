@@ -31,7 +31,8 @@ finite-difference tests).
 from __future__ import annotations
 
 import itertools
-from typing import Any
+import sys
+from typing import TYPE_CHECKING, Any
 from dataclasses import dataclass
 
 import numpy as np
@@ -42,9 +43,12 @@ from hpcps.model.layers import (  # noqa: F401 (im2col, col2im, drop_threshold: 
     col2im, conv_backward, conv_forward, drop_threshold, dropout_key, dropout_scale, fc_backward,
     fc_forward, flatten_maps, im2col, maxpool, maxpool_back)
 from hpcps.model.mlp import ACTIVATIONS, MLP, flatten_named, local_views
-from hpcps.model.ctr import CtrModel
 from hpcps.model.spec import (LayerSpec, is_conv_spec, is_embedding_spec,  # noqa: F401
                               parse_spec, resolve)
+
+if TYPE_CHECKING:  # an embedding model's class, imported when build() makes one
+    from hpcps.model.ctr import CtrModel
+
 
 @dataclass(frozen=True)
 class Op:
@@ -358,6 +362,7 @@ def build(cfg, info) -> "ConvNet | MLP | CtrModel":
         if info.label_kind != "binary":
             raise ConfigError(f"--model {cfg.model} ends in one logistic unit, but {info.path} "
                               f"has {info.label_kind} labels, not 0/1")
+        from hpcps.model.ctr import CtrModel
         return CtrModel.for_fields(cfg.model, info.fields, info.n_dense, cfg.activation)
     shape = info.image_shape
     if shape is None:
@@ -402,7 +407,8 @@ def describe_model(model) -> str:
     if isinstance(model, ConvNet):
         drop = f", dropout {model.dropout:g}" if model.dropout else ""
         return f"{model.spec_text} on {'x'.join(map(str, model.input_shape))} images{drop}"
-    if isinstance(model, CtrModel):
+    ctr = sys.modules.get("hpcps.model.ctr")  # loaded by build() if there is such a model
+    if ctr is not None and isinstance(model, ctr.CtrModel):
         return f"{model.spec_text} on {model.n_fields} fields + {model.n_dense} dense"
     return ",".join(map(str, model.sizes))
 

@@ -24,18 +24,18 @@
 
 The names below are re-exported so that ``from hpcps.io.data import load_split`` and
 ``hpcps.io.data.prepare(...)`` keep working. ``block_range`` lives in :mod:`hpcps.blocks`; it is
-re-exported here for modules that still import it from ``hpcps.io.data``.
+re-exported here for modules that still import it from ``hpcps.io.data``. The dense reader and
+the batches are imported with the package; the names of the other modules (the categorical
+layout, preparing and converting datasets) import their module on first use, so that a
+training rank, which imports this package, pays nothing for what only some runs need.
 """
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from hpcps.blocks import block_range
 from hpcps.io.data.batches import Batches, Prefetcher
-from hpcps.io.data.categorical import (
-    CategoricalInfo,
-    CategoricalWriter,
-    Field,
-    load_block,
-    open_categorical,
-)
 from hpcps.io.data.h5format import (
     FORMAT,
     LAYOUT_VERSION,
@@ -48,18 +48,51 @@ from hpcps.io.data.h5format import (
     open_dataset,
     write_dataset,
 )
-from hpcps.io.data.sources import (
-    DEFAULT_DATA,
-    MNIST_WHEEL_ENV,
-    MNIST_WHEEL_NAME,
-    NumpyOnlyUnpickler,
-    main,
-    prepare,
-    prepare_digits,
-    prepare_mnist,
-)
-from hpcps.io.data.movielens import prepare_movielens
-from hpcps.io.data.synthetic_ctr import prepare_synthetic_ctr
+
+if TYPE_CHECKING:  # what a type checker reads; at run time, __getattr__ below
+    from hpcps.io.data.categorical import (
+        CategoricalInfo,
+        CategoricalWriter,
+        Field,
+        load_block,
+        open_categorical,
+    )
+    from hpcps.io.data.sources import (
+        DEFAULT_DATA,
+        MNIST_WHEEL_ENV,
+        MNIST_WHEEL_NAME,
+        NumpyOnlyUnpickler,
+        main,
+        prepare,
+        prepare_digits,
+        prepare_mnist,
+    )
+    from hpcps.io.data.movielens import prepare_movielens
+    from hpcps.io.data.synthetic_ctr import prepare_synthetic_ctr
+
+# name -> the module of this package that defines it, imported on first use
+_LAZY = {
+    **dict.fromkeys(("CategoricalInfo", "CategoricalWriter", "Field", "load_block",
+                     "open_categorical"), "categorical"),
+    **dict.fromkeys(("DEFAULT_DATA", "MNIST_WHEEL_ENV", "MNIST_WHEEL_NAME",
+                     "NumpyOnlyUnpickler", "main", "prepare", "prepare_digits",
+                     "prepare_mnist"), "sources"),
+    "prepare_movielens": "movielens",
+    "prepare_synthetic_ctr": "synthetic_ctr",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value  # found directly from now on
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})
 
 __all__ = [
     "Batches",

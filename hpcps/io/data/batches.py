@@ -129,4 +129,11 @@ class Prefetcher:
         """Stop the thread (it is a daemon: a run that ends without close() still exits)."""
         self._stop.set()
         if self._thread is not None:
+            # make room, so that a thread waiting to put into a full queue puts at once and
+            # sees the stop, instead of when its put times out (up to 0.1 s later)
+            try:
+                while True:
+                    self._queue.get_nowait()
+            except queue.Empty:
+                pass
             self._thread.join(timeout=5)
