@@ -149,9 +149,9 @@ def run(data: str, spares: int, steps: int, duration: float, every: float, limit
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--data", default="data/mnist.h5")
-    ap.add_argument("--spares", type=int, default=18)
+    ap.add_argument("--spares", type=int, default=12)
     ap.add_argument("--duration", type=float, default=180.0, help="seconds of kills")
-    ap.add_argument("--every", type=float, default=10.0, help="seconds between kills")
+    ap.add_argument("--every", type=float, default=15.0, help="seconds between kills")
     ap.add_argument("--steps", type=int, default=60000, help="the job's --steps (long "
                     "enough to outlast --duration)")
     ap.add_argument("--limit", type=float, default=900.0, help="seconds before a run is hung")

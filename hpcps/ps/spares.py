@@ -38,10 +38,11 @@ from __future__ import annotations
 
 import time
 
-from hpcps.mpi.comm import Poller, Transport, status
+from hpcps.mpi.comm import Transport, status
 from hpcps.mpi.protocol import H, Message, Tag
 
 CHIEF = 0  # world rank 0 assigns the spares: the run cannot survive its loss anyway
+IDLE_POLL_S = 0.02  # an idle spare looks for its assignment this often (cheap on shared cores)
 
 
 def report_lost(net: Transport, replica: int, rank: int, silent_s: float) -> None:
@@ -110,7 +111,7 @@ class SparePool:
             src = st.Get_source()
             net.take(self._small.buf, src, Tag.REPLICA_LOST)
             self._gone(int(hd[H.SENDER]), "lost", float(hd[H.CLOCK]), float(hd[H.STALENESS]),
-                       self.layout.role(src).shard)
+                       next((j for j, rank in self.members.items() if rank == src), None))
         while net.probe(st, Tag.REPLICA_LEFT):
             net.take(self._small.buf, st.Get_source(), Tag.REPLICA_LEFT)
             self._gone(int(hd[H.SENDER]), "left", float(hd[H.CLOCK]), 0.0, None)
@@ -205,11 +206,11 @@ def wait_for_assignment(comm) -> dict | None:
     "index": S + k, "heals": [(dead shard, spare shard), ...], "dead": [...]}``, with
     ``assigned_at`` added. No deadline: an idle spare waits for the whole run, and the run's
     end always releases it (a failed run aborts every rank)."""
-    net, st, msg, poll = Transport(comm), status(), Message(0), Poller()
+    net, st, msg = Transport(comm), status(), Message(0)
     while True:
         if net.probe(st, Tag.ASSIGN, CHIEF):
             return {**net.take_obj(CHIEF, Tag.ASSIGN), "assigned_at": time.time()}
         if net.probe(st, Tag.RELEASE, CHIEF):
             net.take(msg.buf, CHIEF, Tag.RELEASE)
             return None
-        poll.pause()
+        time.sleep(IDLE_POLL_S)  # not Poller's 1 ms: K idle spares would take a core
