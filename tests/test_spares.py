@@ -42,10 +42,10 @@ def _wait_records(run_dir, n: int, limit: float) -> None:
         time.sleep(0.1)
 
 
-def _run(tmp_path, mnist_h5, n, args, schedule):
+def _run(tmp_path, mnist_h5, n, args, schedule, steps=STEPS):
     """Launch, then at each (step, rank, signal, records) of ``schedule`` signal that rank
     and wait until rank 0 has made that many replacement records; the output and summary."""
-    proc = launch(tmp_path, mnist_h5, n=n, extra=[*STEPS, *args])
+    proc = launch(tmp_path, mnist_h5, n=n, extra=[*steps, *args])
     try:
         for step, rank, sig, handled in schedule:
             try:
@@ -116,7 +116,8 @@ def test_a_spare_dead_while_idle_and_a_replica_dropped_alive(mnist_h5, tmp_path)
     shard lost, the dropped one, and both replacements."""
     out, s = _run(tmp_path, mnist_h5, 6, ["--spares", "2"],
                   [(300, 4, signal.SIGKILL, 0), (700, 2, signal.SIGSTOP, 1),
-                   (700, 2, signal.SIGCONT, 2)])
+                   (700, 2, signal.SIGCONT, 2)],
+                  steps=["--steps", "20000"])  # one shard serves fast: two timeouts to outlast
     assert s["lost_ranks"] == [2, 4], out[-3000:]
     assert s["dropped_ranks"] == [2], out[-3000:]
     reps = s["replacements"]

@@ -55,6 +55,7 @@ class Tag(IntEnum):
     JOINED = 42       # a spare -> world rank 0: replica SENDER took its first step at CLOCK
     SHARD_LOST = 43   # shard -> world rank 0: shard PEER is dead (--ps-copies)
     HEAL = 44         # world rank 0 -> shards: shard PEER (a spare) holds dead shard SENDER's sets
+    RESTORED = 45     # a spare shard -> world rank 0: it holds set SET whole since CLOCK
 
 
 class H(IntEnum):

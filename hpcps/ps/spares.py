@@ -119,6 +119,11 @@ class SparePool:
             net.take(self._small.buf, st.Get_source(), Tag.SHARD_LOST)
             self._shard_gone(int(hd[H.PEER]), float(hd[H.CLOCK]), float(hd[H.STALENESS]),
                              int(hd[H.SENDER]))
+        while net.probe(st, Tag.RESTORED):
+            net.take(self._small.buf, st.Get_source(), Tag.RESTORED)
+            for rec in self.shard_replacements:
+                if rec["as_shard"] == int(hd[H.SENDER]):
+                    rec["restored_at"][int(hd[H.SET])] = float(hd[H.CLOCK])
         while net.probe(st, Tag.JOINED):
             net.take(self._small.buf, st.Get_source(), Tag.JOINED)
             for rec in self.replacements:
@@ -159,7 +164,8 @@ class SparePool:
         self.dead_shards.add(d)
         rec = {"shard": d, "rank": self.members[d], "detected_at": at,
                "silent_s": round(silent_s, 3), "detected_by_shard": by, "spare": None,
-               "spare_rank": None, "as_shard": None, "assigned_at": None}
+               "spare_rank": None, "as_shard": None, "assigned_at": None,
+               "restored_at": {}}
         if self.idle and self.C > 1:
             k = self.idle.pop(0)
             n, rank = self.S + k, self.layout.spare_rank(k)

@@ -475,6 +475,11 @@ class ReplicatedServer:
         self.applied[h] = int(header[H.PEER])
         if h not in self.filled:
             self.filled_at[h] = time.time()
+            if self.me >= self.S:  # a spare: rank 0 keeps when each set was whole again
+                msg = Message(0)
+                msg.header[H.SENDER], msg.header[H.SET] = self.me, h
+                msg.header[H.CLOCK] = self.filled_at[h]
+                self._send(msg.buf, self.chief, Tag.RESTORED)
         self.filled.add(h)
         self._send_small(src, Tag.REPL_ACK, SET=h, PEER=self.applied[h])
         return False

@@ -146,9 +146,9 @@ def _copies_figures(copies: int, shards: list[dict], replaced: list[dict]) -> di
             at_end[int(h)] = n
     recs = []
     for rep in replaced:
-        # when each set was whole on the spare: as the spare saw its state come, or as the
-        # primary saw it acknowledged (whichever of the two survived to report)
-        whole: dict[int, float] = {}
+        # when each set was whole on the spare: as the spare told rank 0, saw its state come,
+        # or as the primary saw it acknowledged (whichever survived to report)
+        whole: dict[int, float] = {int(h): t for h, t in rep.get("restored_at", {}).items()}
         for s in shards:
             for x in s.get("heals", []):
                 if x["to_shard"] == rep["as_shard"] and x["restored_at"] is not None:
