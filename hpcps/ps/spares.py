@@ -53,12 +53,13 @@ def report_lost(net: Transport, replica: int, rank: int, silent_s: float) -> Non
     net.send_eager(msg.buf, CHIEF, Tag.REPLICA_LOST)
 
 
-def report_shard_lost(net: Transport, me: int, dead: int, silent_s: float) -> None:
-    """On a shard: tell the chief that shard ``dead`` is dead (``--ps-copies``)."""
+def report_shard_lost(send, me: int, dead: int, silent_s: float) -> None:
+    """On a shard: tell the chief that shard ``dead`` is dead (``--ps-copies``); ``send(buf,
+    dest, tag)`` is the shard's own non-blocking send, which keeps the buffer until done."""
     msg = Message(0)
     hd = msg.header
     hd[H.SENDER], hd[H.PEER], hd[H.STALENESS], hd[H.CLOCK] = me, dead, silent_s, time.time()
-    net.send_eager(msg.buf, CHIEF, Tag.SHARD_LOST)
+    send(msg.buf, CHIEF, Tag.SHARD_LOST)
 
 
 def report_joined(net: Transport, replica: int, at: float) -> None:

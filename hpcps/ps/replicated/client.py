@@ -227,8 +227,12 @@ def receive_final(comm, plan, keys, shard_ranks, heartbeat_timeout: float,
             steps.append(int(header[H.STEPS]))
             applied[h] = int(header[H.PEER])
     bye = Message(0)
-    for rank in shard_ranks:  # header only: goes eagerly, even to a dead shard
-        net.send_by(bye.buf, rank, Tag.FINAL_DONE, time.monotonic() + 1.0)
+    # to every shard at once (header only): one that ends stops beating, so the others must
+    # hear it too before they could take it for dead; sends to dead ones are given up
+    reqs = [net.send_nowait(bye.buf, rank, Tag.FINAL_DONE) for rank in shard_ranks]
+    deadline = time.monotonic() + 1.0
+    while not all(done(r) for r in reqs) and time.monotonic() < deadline:
+        time.sleep(0.001)
     params, state = assemble(plan, parts, keys)
     by_replica = []
     for h in range(plan.n_shards):

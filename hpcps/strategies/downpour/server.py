@@ -201,8 +201,8 @@ def with_spares(server, layout, liveness) -> None:
     server.on_lost = lambda r: spares.report_lost(net, r, layout.trainer_rank(r),
                                                   liveness.lost.get(r, 0.0))
     if not isinstance(server, GradientShard):
-        server.on_shard_lost = lambda d, silent: spares.report_shard_lost(net, server.me, d,
-                                                                          silent)
+        server.on_shard_lost = lambda d, silent: spares.report_shard_lost(
+            server._send, server.me, d, silent)
 
 
 def embedding_rows(ctx: Context) -> RowShard | None:
