@@ -38,19 +38,21 @@ from __future__ import annotations
 
 import time
 
-from hpcps.mpi.comm import Transport, status
+from hpcps.mpi.comm import Transport, done, status
 from hpcps.mpi.protocol import H, Message, Tag
 
 CHIEF = 0  # world rank 0 assigns the spares: the run cannot survive its loss anyway
 IDLE_POLL_S = 0.02  # an idle spare looks for its assignment this often (cheap on shared cores)
 
 
-def report_lost(net: Transport, replica: int, rank: int, silent_s: float) -> None:
-    """On a shard: tell the chief that ``replica`` (world rank ``rank``) is lost."""
+def report_lost(send, replica: int, rank: int, silent_s: float) -> None:
+    """On a shard: tell the chief that ``replica`` (world rank ``rank``) is lost; ``send(buf,
+    dest, tag)`` does not wait (a blocking send can stall a shard, and its heartbeats, for
+    as long as the chief is busy)."""
     msg = Message(0)
     hd = msg.header
     hd[H.SENDER], hd[H.PEER], hd[H.STALENESS], hd[H.CLOCK] = replica, rank, silent_s, time.time()
-    net.send_eager(msg.buf, CHIEF, Tag.REPLICA_LOST)
+    send(msg.buf, CHIEF, Tag.REPLICA_LOST)
 
 
 def report_shard_lost(send, me: int, dead: int, silent_s: float) -> None:
@@ -104,6 +106,14 @@ class SparePool:
         self.say = say
         self._small = Message(0)
         self._st = status()
+        self._sends: list = []  # (request, buffer): never a blocking send to a rank that died
+
+    def _send(self, buf, dest: int, tag: int) -> None:
+        self._sends = [(r, b) for r, b in self._sends if not done(r)]
+        self._sends.append((self.net.send_nowait(buf, dest, tag), buf))
+
+    def _live_members(self) -> list[int]:
+        return [rank for j, rank in self.members.items() if j not in self.dead_shards]
 
     def poll(self) -> None:
         """Take every REPLICA_LOST and REPLICA_LEFT waiting; hand out spares."""
@@ -145,10 +155,11 @@ class SparePool:
             self.data_of[new] = self.data_of[r]
             msg = Message(0)
             msg.header[H.SENDER], msg.header[H.PEER] = new, rank
-            for dest in self.members.values():  # header only: eager, even to a dead shard
-                self.net.send_eager(msg.buf, dest, Tag.EXPECT)
-            self.net.send_obj({"role": "replica", "index": new, "data": self.data_of[r]},
-                              rank, Tag.ASSIGN)
+            for dest in self._live_members():
+                self._send(msg.buf, dest, Tag.EXPECT)
+            self._sends.append((self.net.send_obj_nowait(
+                {"role": "replica", "index": new, "data": self.data_of[r]}, rank, Tag.ASSIGN),
+                None))
             rec.update(spare=k, spare_rank=rank, as_replica=new, assigned_at=time.time())
         self.replacements.append(rec)
         if self.say is not None:
@@ -172,14 +183,14 @@ class SparePool:
             n, rank = self.S + k, self.layout.spare_rank(k)
             msg = Message(0)
             msg.header[H.SENDER], msg.header[H.PEER] = d, n
-            for dest in self.members.values():  # eager, even to a dead shard
-                self.net.send_eager(msg.buf, dest, Tag.HEAL)
+            for dest in self._live_members():
+                self._send(msg.buf, dest, Tag.HEAL)
             self.heals.append((d, n))
             self.members[n] = rank
             joined = [r["as_replica"] for r in self.replacements if r["as_replica"] is not None]
-            self.net.send_obj({"role": "shard", "index": n, "heals": list(self.heals),
-                               "dead": sorted(self.dead_shards), "joined": joined},
-                              rank, Tag.ASSIGN)
+            self._sends.append((self.net.send_obj_nowait(
+                {"role": "shard", "index": n, "heals": list(self.heals),
+                 "dead": sorted(self.dead_shards), "joined": joined}, rank, Tag.ASSIGN), None))
             rec.update(spare=k, spare_rank=rank, as_shard=n, assigned_at=time.time())
         self.shard_replacements.append(rec)
         if self.say is not None:
@@ -198,7 +209,7 @@ class SparePool:
         """The chief's training is over: the spares still idle leave."""
         msg = Message(0)
         for k in self.idle:
-            self.net.send_eager(msg.buf, self.layout.spare_rank(k), Tag.RELEASE)
+            self._send(msg.buf, self.layout.spare_rank(k), Tag.RELEASE)
         self.released, self.idle = self.idle, []
 
     def figures(self) -> dict:

@@ -197,8 +197,14 @@ def with_spares(server, layout, liveness) -> None:
         return
     if isinstance(server, GradientShard) or server.me < layout.servers:
         server.idle(range(layout.replicas, layout.trainers))
-    net = Transport(server.comm)
-    server.on_lost = lambda r: spares.report_lost(net, r, layout.trainer_rank(r),
+    if isinstance(server, GradientShard):
+        net, sent = Transport(server.comm), []
+
+        def send(buf, dest: int, tag: int) -> None:  # not waited for; kept until the end
+            sent.append((net.send_nowait(buf, dest, tag), buf))
+    else:
+        send = server._send
+    server.on_lost = lambda r: spares.report_lost(send, r, layout.trainer_rank(r),
                                                   liveness.lost.get(r, 0.0))
     if not isinstance(server, GradientShard):
         server.on_shard_lost = lambda d, silent: spares.report_shard_lost(
