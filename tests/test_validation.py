@@ -13,7 +13,7 @@ from hpcps import config
 from hpcps.blocks import block_range
 from hpcps.errors import ConfigError
 from hpcps.io.data import holdout_rows, load_rows, load_split, open_dataset, write_dataset
-from hpcps.job import _without
+from hpcps.strategies.context import without
 
 QUICK = ["--layers", "64,32,10", "--batch-size", "16", "--progress-every", "0.2",
          "--eval-every", "200", "--checkpoint-every", "0"]
@@ -54,7 +54,7 @@ def test_the_replicas_shards_leave_out_exactly_the_held_rows(replicas):
     kept = []
     for r in range(replicas):
         lo, hi = block_range(n, replicas, r)
-        x, _ = _without((rows[lo:hi, None].astype(np.float32), rows[lo:hi]), lo, held)
+        x, _ = without((rows[lo:hi, None].astype(np.float32), rows[lo:hi]), lo, held)
         kept.append(x[:, 0].astype(int))
     kept_all = np.concatenate(kept)
     assert len(kept_all) == n - len(held)
