@@ -99,8 +99,7 @@ OWN = {
         "consistency": [[], ["--staleness-bound", "1"], ["--softsync", "2", "--staleness-lr",
                                                         "on"], ["--epoch-quorum", "0.75"]],
         "chunks": [[], ["--chunk-bytes", "1024"]],
-        # replicated shards with a spare (each alone: test_replicated.py, test_spares.py)
-        "faults": [[], ["--heartbeat-timeout", "20"], ["--ps-copies", "2", "--spares", "1"]],
+        "faults": [[], ["--heartbeat-timeout", "20"], ["--ps-copies", "2"]],
     },
     "deadreckon": {"tau": [["--tau", "0.003"], ["--tau", "auto", "--density", "0.02",
                                                   "--sparsity-warmup", "100"]],

@@ -7,7 +7,7 @@ import time
 
 import numpy as np
 
-from hpcps.mpi.comm import REQUEST_NULL, done, size_of, status, Transport, wait_until
+from hpcps.mpi.comm import REQUEST_NULL, done, size_of, status, test, Transport, wait_until
 from hpcps.mpi.protocol import HEADER_BYTES, ByteMessage, H, Message, Tag
 from hpcps.ps.client import fill_packed
 from hpcps.ps.liveness import DROPPED, Dropped, HeartbeatThread
@@ -91,8 +91,9 @@ class ReplicatedClient:
         self.route[h] = new
         self.reroutes += 1
         req = self._fetch_req[h]
-        if req != REQUEST_NULL and not done(req):  # a fetch of h in flight
-            if not self.net.cancel(req, time.monotonic() + 1.0):
+        state = test(req) if req != REQUEST_NULL else True
+        if state is not True:  # a fetch of h in flight, or one that failed (its sender died)
+            if state is None or not self.net.cancel(req, time.monotonic() + 1.0):
                 self._params[h] = Message(len(self._params[h]))  # MPI may still write there
             self._fetch_req[h] = self.net.post_recv(self._params[h].buf, new, Tag.PARAMS)
             self.net.send_eager(self._ask[h].buf, new, Tag.FETCH)
