@@ -471,18 +471,27 @@ def write_csv(runs: list[Run], out_dir: str | os.PathLike) -> list[Path]:
     for run, name in zip(runs, output_names(runs)):
         columns, rows = curve_rows(run)
         path = Path(out_dir) / f"{name}.csv"
-        tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-        try:
+        def write(tmp: Path, columns=columns, rows=rows) -> None:
             with open(tmp, "w", newline="") as fh:
                 writer = csv.DictWriter(fh, fieldnames=columns)
                 writer.writeheader()
                 writer.writerows(rows)  # None is written as an empty cell
-            os.replace(tmp, path)
-        except OSError as exc:
-            tmp.unlink(missing_ok=True)
-            raise ConfigError(f"cannot write {path}: {exc}") from exc
+
+        _publish(path, write)
         written.append(path)
     return written
+
+
+def _publish(path: Path, write) -> None:
+    """``write(tmp)`` beside ``path``, then rename it over ``path``, so a reader never sees a
+    half-written file; ConfigError naming ``path`` if either fails."""
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise ConfigError(f"cannot write {path}: {exc}") from exc
 
 
 # progress fields by TensorBoard section; any other progress field is under train/
@@ -765,13 +774,7 @@ def draw(plans: list[tuple[Figure, list[PanelData]]], runs: list[Run],
         for ax, pd in zip(axes, panels):
             _draw_panel(ax, pd, runs)
         path = out_dir / f"{fig_spec.name}.png"
-        tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-        try:
-            fig.savefig(tmp, format="png", dpi=dpi)
-            os.replace(tmp, path)
-        except OSError as exc:
-            tmp.unlink(missing_ok=True)
-            raise ConfigError(f"cannot write {path}: {exc}") from exc
+        _publish(path, lambda tmp, fig=fig: fig.savefig(tmp, format="png", dpi=dpi))
         written.append(path)
     return written
 
