@@ -27,19 +27,41 @@ def rank_pid(launcher_pid: int, rank: int) -> int | None:
     return None
 
 
-def wait_for_step(metrics: Path, step: int, timeout: float) -> int:
-    """Wait until the run's metrics hold a progress record at ``step`` or beyond."""
+def find_rank(launcher_pid: int, rank: int, timeout: float) -> int:
+    """The pid of world rank ``rank`` once it has started (see :func:`rank_pid`). A test that
+    kills at a step looks it up first: a scan of /proc on a busy machine takes long enough
+    for a fast run to end before the signal lands."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
+        pid = rank_pid(launcher_pid, rank)
+        if pid is not None:
+            return pid
+        time.sleep(0.05)
+    raise AssertionError(f"rank {rank} not found under launcher pid {launcher_pid} "
+                         f"within {timeout} s")
+
+
+def wait_for_step(metrics: Path, step: int, timeout: float) -> int:
+    """Wait until the run's metrics hold a progress record at ``step`` or beyond; that
+    record's step. The file is read on from where the last look stopped, every 20 ms."""
+    deadline = time.monotonic() + timeout
+    seen = 0
+    pending = b""
+    while time.monotonic() < deadline:
         if metrics.exists():
-            for line in metrics.read_text().splitlines():
+            with open(metrics, "rb") as fh:
+                fh.seek(seen)
+                chunk = fh.read()
+            seen += len(chunk)
+            *lines, pending = (pending + chunk).split(b"\n")
+            for line in lines:
                 try:
                     rec = json.loads(line)
                 except ValueError:
-                    continue  # a line being written
+                    continue
                 if rec.get("kind") == "progress" and rec.get("step", 0) >= step:
                     return rec["step"]
-        time.sleep(0.1)
+        time.sleep(0.02)
     raise AssertionError(f"no progress record at step {step} in {metrics} within {timeout} s")
 
 

@@ -3,12 +3,13 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
 
 import pytest
-from faultinject import kill_rank, wait_for_step
+from faultinject import find_rank, kill_rank, wait_for_step
 from mpirun import ROOT, end_launch, mpiexec, mpiexec_cmd, rank_module, tagged_env
 
 from hpcps import config
@@ -131,8 +132,9 @@ def test_sigkill_of_a_replica_mid_run(mnist_h5, tmp_path):
     hurt = tmp_path / "hurt"
     proc = launch(hurt, mnist_h5)
     try:
+        victim = find_rank(proc.pid, 2, LIMIT_S)
         killed_step = wait_for_step(hurt / "metrics.jsonl", 600, LIMIT_S)
-        kill_rank(proc.pid, 2)
+        os.kill(victim, signal.SIGKILL)
         killed_at = time.monotonic()
     except BaseException:
         end_launch(proc.pid, proc.tag)
@@ -186,8 +188,9 @@ def test_sigkill_of_a_primary_shard_mid_run(mnist_h5, tmp_path, copies, victim, 
     hurt = tmp_path / "hurt"
     proc = launch(hurt, mnist_h5, 6, args + ["--checkpoint-every", "900"])
     try:
+        victim_pid = find_rank(proc.pid, victim, LIMIT_S)
         wait_for_step(hurt / "metrics.jsonl", 600, LIMIT_S)
-        kill_rank(proc.pid, victim)
+        os.kill(victim_pid, signal.SIGKILL)
     except BaseException:
         end_launch(proc.pid, proc.tag)
         proc.communicate()
