@@ -134,16 +134,19 @@ def run(data: str, spares: int, steps: int, duration: float, every: float, limit
     except subprocess.TimeoutExpired:
         end_launch(proc.pid, tag)
         out, _ = proc.communicate()
-        return {"completed": False, "why": "hung", "kills": kills, "output": out[-3000:]}
+        (run_dir / "output.log").write_text(out)
+        return {"completed": False, "why": "hung", "kills": kills, "output": out[-3000:],
+                "log": str(run_dir / "output.log")}
     except BaseException:
         end_launch(proc.pid, tag)
         proc.communicate()
         raise
+    (run_dir / "output.log").write_text(out)  # the whole of every rank's output, kept
     summ = records(run_dir, "summary")
     s = summ[0] if summ else {}
     return {"completed": proc.returncode == 0 and bool(summ), "exit_code": proc.returncode,
             "wall_s": round(time.monotonic() - t0, 1), "kills": kills, "summary": s,
-            "output": out[-3000:] if proc.returncode else ""}
+            "output": out[-3000:] if proc.returncode else "", "log": str(run_dir / "output.log")}
 
 
 def main(argv=None) -> int:
@@ -192,6 +195,7 @@ def main(argv=None) -> int:
     for name, r in (("soak", soak), ("clean", clean)):
         if not r["completed"]:
             fig[f"{name}_output"] = r.get("output")
+            fig[f"{name}_log"] = r.get("log")
     print(json.dumps(fig, indent=1))
     lost = (not soak["completed"] or not clean["completed"]
             or not s.get("committed_equals_applied") or sets_c != S

@@ -185,8 +185,10 @@ class Transport:
         return finished_by(req, deadline)
 
     def send_eager(self, buf, dest: int, tag: int) -> None:
-        """Send a header-only message (it goes eagerly: this never waits for ``dest``, even a
-        dead one), or a reply to a peer that posted its receive before asking."""
+        """Send a header-only message (it goes eagerly: it does not wait for ``dest``, even a
+        dead one, as long as few are sent to it: MPICH's shared-memory queue to a rank holds
+        about 64, and a send to a dead rank whose queue is full waits forever), or a reply to
+        a peer that posted its receive before asking."""
         self.comm.Send(buf, dest=dest, tag=tag)
 
     def send_nowait(self, buf, dest: int, tag: int):

@@ -40,10 +40,10 @@ import math
 import numpy as np
 
 from hpcps import trace
-from hpcps.mpi.comm import PeerTimeout, Poller, Transport, size_of, test
+from hpcps.mpi.comm import PeerTimeout, Poller, Transport, size_of, status, test
 from hpcps.errors import NonFiniteError
 from hpcps.mpi.protocol import HEADER_BYTES, ByteMessage, H, Message, Tag
-from hpcps.ps.liveness import Liveness, send_dropped
+from hpcps.ps.liveness import Liveness, send_dropped, take_heartbeats
 from hpcps.ps.serve import serve
 
 
@@ -182,6 +182,7 @@ class GradientShard:
         self._sending: list[tuple[object, Message, int, float]] = []
         self._spare_replies: list[Message] = []
         self._small = Message(0)
+        self._hb_status = status()  # heartbeats taken before silence is judged
         self._packed = ByteMessage(packed[0]) if packed else None
         self._packed_tag = packed[1] if packed else None
         self._handle = packed[2] if packed else None
@@ -298,6 +299,7 @@ class GradientShard:
             return False
         self.reap_replies()
         expected = [r for r in range(self.n_replicas) if r not in self.done]
+        take_heartbeats(self.net, self._hb_status, self._recv_heartbeat)
         for r in self.liveness.silent(expected):
             self.lose(r, f"silent for more than {self.liveness.timeout:g} s")
         self._answer_held()

@@ -19,7 +19,7 @@ from __future__ import annotations
 import threading
 import time
 
-from hpcps.mpi.comm import Transport
+from hpcps.mpi.comm import Transport, test
 from hpcps.mpi.protocol import H, Message, Tag
 
 HEARTBEATS_PER_TIMEOUT = 5  # a replica is lost after missing this many heartbeats in a row
@@ -36,6 +36,15 @@ def send_dropped(net: Transport, dest: int, h: int = 0) -> None:
     msg = Message(0)
     msg.header[H.STEPS], msg.header[H.SET] = DROPPED, h
     net.send_eager(msg.buf, dest, Tag.PARAMS)
+
+
+def take_heartbeats(net: Transport, st, handle) -> None:
+    """Hand every heartbeat waiting to ``handle(source, status)``: called just before silence
+    is judged. A server behind on its queue (pushes arriving faster than it applies them, or
+    a long state transfer) would otherwise take a peer whose heartbeats wait in that queue
+    for silent."""
+    while net.probe(st, Tag.HEARTBEAT):
+        handle(st.Get_source(), st)
 
 
 class HeartbeatThread:
@@ -57,6 +66,7 @@ class HeartbeatThread:
         self.msg = Message(0)
         self.msg.header[H.SENDER] = replica
         self.sent = 0
+        self.skipped = 0  # heartbeats not sent: the last one to that rank still pending
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="hpcps-heartbeat", daemon=True)
 
@@ -65,11 +75,18 @@ class HeartbeatThread:
         return self
 
     def _run(self) -> None:
+        # one heartbeat in flight per destination: a header-only message goes eagerly, but
+        # MPICH's shared-memory queue to a rank holds about 64 of them, and once it is full a
+        # blocking send to a dead rank (not yet known dead) waits forever; this thread would
+        # then fall silent and its rank be taken for dead by everyone. A heartbeat whose
+        # predecessor to the same rank is still pending is skipped instead.
+        last: dict[int, object] = {}
         while not self._stop.is_set():
-            for dest in self.dests:
-                # header-only messages go eagerly: this send never waits for the shard, even
-                # a dead one
-                self.net.send_eager(self.msg.buf, dest, Tag.HEARTBEAT)
+            for dest in list(self.dests):
+                if dest in last and test(last[dest]) is not True:
+                    self.skipped += 1
+                    continue
+                last[dest] = self.net.send_nowait(self.msg.buf, dest, Tag.HEARTBEAT)
             self.sent += 1
             self._stop.wait(self.every)
 

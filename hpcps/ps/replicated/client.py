@@ -58,6 +58,9 @@ class ReplicatedClient:
         self._done_msg = Message(0)
         self._done_msg.header[H.SENDER] = replica
         self.heartbeat: HeartbeatThread | None = None
+        # called between polls while a fetch or push waits (the chief's spare pool: a loss
+        # reported while the chief waits for a set's new primary is acted on at once)
+        self.while_waiting = None
         self.versions = np.zeros(self.S)
         self.bytes_sent = 0
         self.bytes_received = 0
@@ -68,6 +71,8 @@ class ReplicatedClient:
     # -- events --------------------------------------------------------------------------------
     def _events(self) -> bool:
         """Take acknowledgements and role changes; True if a set was re-routed."""
+        if self.while_waiting is not None:
+            self.while_waiting()
         st = status()
         moved = False
         while self.net.probe(st, Tag.PUSH_ACK):

@@ -8,10 +8,11 @@ from collections import deque
 
 import numpy as np
 
-from hpcps.mpi.comm import PeerTimeout, size_of, test, Transport
+from hpcps.mpi.comm import PeerTimeout, size_of, status, test, Transport
 from hpcps.mpi.protocol import HEADER_BYTES, ByteMessage, H, Message, Tag
 from hpcps.ps.gradient_shard import ShardPolicy
-from hpcps.ps.liveness import HEARTBEATS_PER_TIMEOUT, HeartbeatThread, Liveness, send_dropped
+from hpcps.ps.liveness import (HEARTBEATS_PER_TIMEOUT, HeartbeatThread, Liveness, send_dropped,
+                                take_heartbeats)
 from hpcps.ps.serve import serve
 from hpcps.ps.replicated.placement import holders, primary, state_size
 
@@ -141,6 +142,7 @@ class ReplicatedServer:
         self._packed_bound = inbox[1]
         self._inbox_packed = ByteMessage(self._packed_bound) if self._packed_bound else None
         self._small = Message(0)
+        self._hb_status = status()  # heartbeats taken before silence is judged
         self.on_lost = None  # --spares: told of each replica lost (hpcps.ps.spares)
         self.on_shard_lost = None  # --spares: told of each shard found dead
         self.heartbeat = HeartbeatThread(comm, self._peer_ranks(), me,
@@ -194,6 +196,7 @@ class ReplicatedServer:
         for cs in self.sets.values():  # fetch replies in flight: done, or their replica lost
             cs.reap_replies()
             self._losses_of(cs)
+        take_heartbeats(self.net, self._hb_status, self._recv_heartbeat)
         if self.me < self.S or "primary" in self.role.values():  # a spare holding only
             # copies hears no heartbeats from the replicas: it judges them once it serves them
             for r in self.replicas.silent([r for r in range(self.R) if r not in self.done]):
@@ -498,6 +501,7 @@ class ReplicatedServer:
             self.peers.drop(d)
         for d, n in heals:
             self._append_holder(d, n)
+        self.heartbeat.dests = self._peer_ranks()  # not the dead, and every spare shard
 
     def _append_holder(self, d: int, n: int) -> list[int]:
         """Spare shard ``n`` holds a copy of every set dead shard ``d`` held; the sets."""

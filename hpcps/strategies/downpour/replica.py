@@ -180,6 +180,8 @@ class DownpourReplica(ReplicaLoop):
         # --spares: the chief hands a dead or departed replica's data shard to a spare
         self.pool = spares.SparePool(grid.world, layout, self._replaced, cfg.ps_copies) \
             if grid.is_chief and layout.spares else None
+        if self.pool is not None and hasattr(self.client, "while_waiting"):
+            self.client.while_waiting = self.pool.poll
         self.leave: SignalFlag | None = None  # SIGTERM: leave the run cleanly (not the chief)
         self.left = False
 
