@@ -12,7 +12,8 @@ them into one message and one exit code on every rank. The codes, in one place (
  5    ``hpcps.mpi.comm.PeerTimeout``: a rank waited longer than ``--timeout`` on another
  6    ``hpcps.compress.codec.CodecError``: a corrupt compressed message
  7    :class:`NonFiniteError`: training produced a NaN or an infinity and was stopped
-75    :data:`PREEMPTED_EXIT`: stopped early on SIGTERM or SIGUSR1 with a checkpoint written;
+75    :data:`PREEMPTED_EXIT`: stopped early on SIGTERM or SIGUSR1 with a checkpoint written,
+      or (:class:`CollectiveLost`) a peer of a lockstep strategy's collective never answered;
       resubmit (or requeue) the job with ``--resume auto`` to continue (``hpcps.runtime.stop``)
 130   interrupted (Ctrl-C)
 ====  ===============================================================================
@@ -65,3 +66,20 @@ class NonFiniteError(HpcpsError):
     def __init__(self, step: int, what: str, text: str | None = None, defer_s: float = 0.0):
         super().__init__(text or f"training diverged at step {step}: {what}")
         self.step, self.what, self.defer_s = step, what, defer_s
+
+
+class CollectiveLost(HpcpsError):
+    """A lockstep strategy (sync, averaging) waited ``--timeout`` for a collective that a
+    dead or stuck peer never joined. Without ULFM a collective cannot drop a member, so the
+    job ends as a preempted one does: the chief writes the checkpoint of the last step every
+    replica completed (with P = 1 it holds the whole model) and the job exits 75, so that a
+    requeue with ``--resume auto`` continues on the ranks that are left. The other ranks wait
+    ``defer_s`` before they report, so that the chief's abort, once its checkpoint is
+    written, ends them first.
+    """
+
+    exit_code = PREEMPTED_EXIT
+
+    def __init__(self, text: str, defer_s: float = 0.0):
+        super().__init__(text)
+        self.defer_s = defer_s

@@ -37,7 +37,7 @@ from hpcps.runtime import faults, memory, slurm, timeline
 from hpcps.mpi.comm import (PeerTimeout, ReplicaExchange, allgather_obj, barrier, bcast_obj,
                              dup_comm, gather_obj, host)
 from hpcps.options import parse_inject_slow
-from hpcps.errors import (PREEMPTED_EXIT, CheckpointError, ConfigError, HpcpsError,
+from hpcps.errors import (PREEMPTED_EXIT, CheckpointError, CollectiveLost, ConfigError, HpcpsError,
                           NonFiniteError)
 from hpcps.runtime.metrics import Metrics
 from hpcps.model.mlp import InitialWeights, SingleExchange
@@ -448,9 +448,11 @@ def guarded(world, role: str, fn, *args, stacks: StackDumper | None = None,
         if isinstance(exc, KeyboardInterrupt):
             code = 130
         detail = str(exc) if isinstance(exc, HpcpsError) else traceback.format_exc()
-        defer_s = exc.defer_s if isinstance(exc, NonFiniteError) else 0.0
-        if isinstance(exc, PeerTimeout) and stacks is not None:
-            more, defer_s = stacks.explain(exc, timeout)
+        defer_s = float(getattr(exc, "defer_s", 0.0)) if isinstance(exc, HpcpsError) else 0.0
+        if isinstance(exc, (PeerTimeout, CollectiveLost)) and stacks is not None:
+            # a lost collective: the stacks show the wait that timed out, where it was
+            waited = exc.__cause__ if isinstance(exc.__cause__, PeerTimeout) else exc
+            more, defer_s = stacks.explain(waited, timeout)
             detail += more
         if defer_s > 0:
             time.sleep(defer_s)  # the reporting rank's abort usually ends us first

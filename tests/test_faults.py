@@ -84,12 +84,12 @@ RUN = ["--layers", "784,64,10", "--steps", "2000", "--batch-size", "32", "--eval
 LIMIT_S = 150
 
 
-def launch(run_dir, data_h5, n=4, extra=()):
+def launch(run_dir, data_h5, n=4, extra=(), run=RUN):
     """The job, started; its launch tag is ``proc.tag`` (for :func:`mpirun.end_launch`)."""
     path = str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")
     env, tag = tagged_env(dict(os.environ, OPENBLAS_NUM_THREADS="1", PYTHONPATH=path))
     cmd = [*mpiexec_cmd(n, survive_rank_death=True), sys.executable, "-m",
-           rank_module(survive_rank_death=True), *RUN, *extra, "--data", str(data_h5),
+           rank_module(survive_rank_death=True), *run, *extra, "--data", str(data_h5),
            "--run-dir", str(run_dir)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=env, start_new_session=True)
@@ -250,3 +250,51 @@ def test_sigkill_of_a_sandblaster_replica_mid_run(mnist_h5, tmp_path):
     assert s["lost_ranks"] == [2], out[-3000:]
     assert "rank 2 did not answer" in out and "1 replica(s) lost" in out
     assert s["step"] >= 40 and s["test_accuracy"] >= base["test_accuracy"] - 0.005, (s, base)
+
+
+# -- a lockstep strategy's rank killed mid-run: checkpoint, exit 75, resume on the rest ------
+LOCKSTEP_RUN = ["--layers", "784,64,10", "--steps", "12000", "--batch-size", "32",
+                "--eval-every", "0", "--checkpoint-every", "0", "--progress-every", "0.1",
+                "--timeout", "8"]
+
+
+@pytest.mark.openmpi
+@pytest.mark.parametrize("strategy", ["sync", "averaging"])
+def test_a_dead_collective_member_ends_the_job_with_a_checkpoint_and_75(mnist_h5, tmp_path,
+                                                                         strategy):
+    """Rank 2 of 4 is SIGKILLed mid-run: the others wait --timeout (8 s) for the collective,
+    then the chief writes the checkpoint of the last step every replica completed and the job
+    exits 75 (without ULFM a collective cannot drop a member; with no periodic checkpoint,
+    this one is all there is to resume from). ``--resume auto`` on the 3 ranks left continues
+    from that step to the end."""
+    args = ["--strategy", strategy]
+    proc = launch(tmp_path, mnist_h5, 4, args, run=LOCKSTEP_RUN)
+    try:
+        victim = find_rank(proc.pid, 2, LIMIT_S)
+        wait_for_step(tmp_path / "metrics.jsonl", 800, LIMIT_S)
+        os.kill(victim, signal.SIGKILL)
+        killed_at = time.monotonic()
+    except BaseException:
+        end_launch(proc.pid, proc.tag)
+        proc.communicate()
+        raise
+    out = finish(proc, f"{strategy} run with rank 2 killed")
+    assert proc.returncode == 75, out[-3000:]
+    assert time.monotonic() - killed_at < 8 + 20, "the job did not end soon after --timeout"
+    # the first rank to time out reports for the job (the others wait for its abort): the
+    # chief ("checkpoint written at step N") or another ("the chief writes the checkpoint")
+    assert "exit code 75, resume with --resume auto" in out or \
+        "exit code 75: resume with --resume auto" in out, out[-3000:]
+    assert (tmp_path / "checkpoint.h5").exists()
+    stop = records_of(tmp_path, "stop")
+    assert len(stop) == 1 and "a collective timed out" in stop[0]["reason"], stop
+    step = stop[0]["step"]
+    assert 800 <= step < 12000, step
+    assert not records_of(tmp_path, "summary")
+
+    again = launch(tmp_path, mnist_h5, 3, [*args, "--resume", "auto"], run=LOCKSTEP_RUN)
+    out = finish(again, f"{strategy} resumed on 3 ranks")
+    assert again.returncode == 0, out[-3000:]
+    s = summary(tmp_path)
+    assert s["step"] >= 12000 and s["steps_trained"] <= 12000 - step + 3 * 2, (s["step"], step)
+    assert s["test_accuracy"] > 0.9, s["test_accuracy"]

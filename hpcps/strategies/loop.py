@@ -44,14 +44,15 @@ from hpcps.io import checkpoint
 
 from hpcps.model import optim
 from hpcps.io.data import Batches, Prefetcher
-from hpcps.errors import NonFiniteError
+from hpcps.errors import CollectiveLost, NonFiniteError
 from hpcps.runtime.metrics import DivergenceWatch
 from hpcps.options import (parse_inject_slow)
 from hpcps.runtime.stacks import collect_wait
 from hpcps.runtime.stop import StopVote
 from hpcps.mpi.comm import PeerTimeout, dup_comm
 from hpcps.strategies.context import (Context, crossed, gather_state, model_parallel_figures,
-                                      periodic_evaluation, rate, save_checkpoint,
+                                      checkpoint_path, periodic_evaluation, rate,
+                                      save_checkpoint,
                                       warn_divergence)
 from hpcps.strategies.gradients import GradientSource
 from hpcps.strategies.lr_rule import lr_multiplier
@@ -203,7 +204,12 @@ class ReplicaLoop(ABC):
                 self.before_step()
                 x, y = next(self.batches)
                 t = time.perf_counter()
-                self.last_loss = loss = self.step(x, y)
+                try:
+                    self.last_loss = loss = self.step(x, y)
+                except PeerTimeout as exc:
+                    if self.lockstep:
+                        raise self._collective_lost(exc) from exc
+                    raise
                 if not math.isfinite(loss):
                     raise NonFiniteError(self.global_step(), f"computed a training loss of "
                                          f"{loss} on {self.loss_source()}")
@@ -260,6 +266,35 @@ class ReplicaLoop(ABC):
         if self.replica_vote is not None:
             return self.replica_vote.agreed_at(iteration, stop.poll())
         return stop.poll()
+
+    def _collective_lost(self, exc: PeerTimeout) -> Exception:
+        """A lockstep collective timed out (a peer died or hangs): what this rank raises.
+
+        With P = 1 the chief holds the whole model as of the last iteration every replica
+        completed (the failed collective changed nothing), writes it as the checkpoint and
+        ends the job with exit code 75 (:class:`CollectiveLost`). The others wait before
+        reporting, so the chief's abort ends them; if the chief is the rank that died, they
+        end the job with 75 themselves, the last periodic checkpoint to resume from. Without
+        any checkpoint to resume from, or with P > 1 (the model is spread over the replica's
+        partitions, one of which may be the dead rank), the timeout stands (exit code 5)."""
+        ctx, step = self.ctx, self.global_step()
+        path = checkpoint_path(ctx)
+        if ctx.grid.is_chief and not ctx.partitioned:
+            saved = save_checkpoint(ctx, self.params, self.checkpoint_state(), step,
+                                    {"train_loss": self.last_loss, **self.checkpoint_metrics()})
+            ctx.metrics.record("stop", echo=False, step=step, signal=None,
+                               reason=f"a collective timed out: {exc}")
+            return CollectiveLost(f"{exc}; without ULFM a collective cannot go on without a "
+                                  f"member: checkpoint written at step {step} ({saved}); "
+                                  "exit code 75: resume with --resume auto on the ranks that "
+                                  "are left")
+        if ctx.partitioned:
+            return exc
+        last = f"the last one, {path}" if path.exists() else "none: the run starts again"
+        return CollectiveLost(f"{exc}; the chief (rank 0) writes the checkpoint to resume "
+                              f"from (if it is the rank lost, {last}): exit code 75, resume "
+                              "with --resume auto on the ranks that are left",
+                              defer_s=max(10.0, min(60.0, self.cfg.timeout)))
 
     def _note_stop(self) -> None:
         self.stopped_early = True
