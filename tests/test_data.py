@@ -57,6 +57,19 @@ def good_arrays(n_train=10, n_test=4, d=3):
 # ------------------------------------------------------------------------------ prepare / open
 
 
+def test_the_digits_are_scikit_learns():
+    """prepare_digits reads scikit-learn's bundled file itself, without importing it: the
+    same pixels and labels as load_digits."""
+    from sklearn.datasets import load_digits
+
+    from hpcps.io.data.sources import sklearn_digits
+    pixels, labels = sklearn_digits()
+    digits = load_digits()
+    np.testing.assert_array_equal(pixels, digits.data)
+    np.testing.assert_array_equal(labels, digits.target)
+    assert pixels.dtype == digits.data.dtype and labels.dtype == digits.target.dtype
+
+
 def test_prepare_digits_round_trip(digits_path):
     info = open_dataset(digits_path)
     assert info == DatasetInfo(path=str(digits_path), name="digits", n_train=1437, n_test=360,
