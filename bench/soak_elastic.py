@@ -29,7 +29,7 @@ run's.
 
 Usage::
 
-    python bench/soak_elastic.py --data data/mnist.h5           # ~8 min on 2 cores
+    python bench/soak_elastic.py --data data/mnist.h5           # ~9 min on 2 cores
     python bench/soak_elastic.py --data data/mnist.h5 --quick   # a short smoke run
 """
 from __future__ import annotations
@@ -155,7 +155,7 @@ def main(argv=None) -> int:
     ap.add_argument("--spares", type=int, default=12)
     ap.add_argument("--duration", type=float, default=180.0, help="seconds of kills")
     ap.add_argument("--every", type=float, default=15.0, help="seconds between kills")
-    ap.add_argument("--steps", type=int, default=100000, help="the job's --steps (long "
+    ap.add_argument("--steps", type=int, default=150000, help="the job's --steps (long "
                     "enough to outlast --duration)")
     ap.add_argument("--limit", type=float, default=900.0, help="seconds before a run is hung")
     ap.add_argument("--seed", type=int, default=1)
