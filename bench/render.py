@@ -149,10 +149,44 @@ def peers_view(figures: dict) -> dict:
                     "final accuracy"], "rows": rows}}
 
 
+def soak_view(figures: dict) -> dict:
+    """soak_elastic: what the kills did to the run (``outcome``)."""
+    kills = figures["kills"]
+    roles = [k["role"] for k in kills]
+    first, last = (kills[0]["t_s"], kills[-1]["t_s"]) if kills else (0.0, 0.0)
+    sets = figures["sets"]
+
+    def seconds(v) -> str:
+        return "-" if v is None else f"{v:.3g} s"
+    rows = [
+        ["kills", f"{len(kills)}, from {first:.0f} s to {last:.0f} s into the run: "
+                  f"{roles.count('replica')} replicas, "
+                  f"{roles.count('shard')} shards (spares that had taken over included)"],
+        ["completed; sets at C copies at the end",
+         f"{'yes' if figures['completed'] else 'no'}; "
+         f"{figures['sets_with_c_copies_at_end']} of {sets}"],
+        ["pushes committed = applied, per set",
+         f"{'yes' if figures['committed_equals_applied'] else 'no'}: " + " / ".join(
+             f"{n:,}" for n in figures["pushes_committed_by_set"] or [])],
+        ["a dead replica's data shard training again, after its death was detected",
+         f"median {seconds(figures['replaced_median_s'])}, max "
+         f"{seconds(figures['replaced_max_s'])}"],
+        ["a dead shard's sets back at C copies, after its death was detected",
+         f"median {seconds(figures['copies_again_median_s'])}, max "
+         f"{seconds(figures['copies_again_max_s'])}"],
+        ["a set served again after its primary's last sign of life",
+         ", ".join(seconds(v) for v in figures["shard_failover_s"]) or "-"],
+        ["test accuracy", f"{figures['accuracy']:.2%}, the same job without kills "
+                          f"{figures['clean_accuracy']:.2%}"],
+        ["joins", str(figures["joins"])],
+    ]
+    return {"outcome": {"columns": ["figure", "value"], "rows": rows}}
+
+
 # bench name -> figures -> {table name: table}; a bench without a view renders only the
 # tables its files carry ready-made
 VIEWS = {"bench_hogwild": hogwild_view, "bench_embeddings": embeddings_view,
-         "bench_peers": peers_view}
+         "bench_peers": peers_view, "soak_elastic": soak_view}
 
 
 def load(stem: str) -> dict:
