@@ -10,7 +10,7 @@ import time
 
 import pytest
 from faultinject import find_rank, kill_rank, wait_for_step
-from mpirun import ROOT, end_launch, mpiexec, mpiexec_cmd, rank_module, tagged_env
+from mpirun import ROOT, end_launch, mpiexec_cmd, rank_module, tagged_env
 
 from hpcps import config
 from hpcps.errors import ConfigError
@@ -222,14 +222,8 @@ def test_sigkill_of_a_sandblaster_replica_mid_run(mnist_h5, tmp_path):
     ends without world collectives: exit code 0, rank 2 named lost, every step taken, the
     accuracy of the same run without the kill within 0.5 points (L-BFGS on the whole batch
     takes the same steps whoever computes the portions: only summation order differs)."""
-    env = dict(os.environ, OPENBLAS_NUM_THREADS="1",
-               PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-
-    def start(run_dir):
-        cmd = [mpiexec(), "-disable-auto-cleanup", "-n", "5", sys.executable, "-m",
-               "hpcps.keeper", *SB_RUN, "--data", str(mnist_h5), "--run-dir", str(run_dir)]
-        return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True, env=env, start_new_session=True)
+    def start(run_dir):  # tagged, so that a failure ends this launch's ranks only
+        return launch(run_dir, mnist_h5, 5, run=SB_RUN)
 
     healthy = tmp_path / "healthy"
     out = finish(start(healthy), "healthy sandblaster run")
