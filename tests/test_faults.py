@@ -292,3 +292,29 @@ def test_a_dead_collective_member_ends_the_job_with_a_checkpoint_and_75(mnist_h5
     s = summary(tmp_path)
     assert s["step"] >= 12000 and s["steps_trained"] <= 12000 - step + 3 * 2, (s["step"], step)
     assert s["test_accuracy"] > 0.9, s["test_accuracy"]
+
+
+def test_every_copy_of_a_set_lost_ends_the_job_naming_the_set(mnist_h5, tmp_path):
+    """3 shards with 2 copies of each set: shards 0 and 1 (ranks 3 and 4), the only holders
+    of set 0, are SIGKILLed together. The run cannot go on: the surviving shard ends the job
+    with exit code 5 and a message naming the set and its shards (and what to raise), well
+    before --timeout; the periodic checkpoint before the kill stays, to resume from."""
+    args = ["--servers", "3", "--ps-copies", "2", "--checkpoint-every", "300"]
+    proc = launch(tmp_path, mnist_h5, 6, args)
+    try:
+        victims = [find_rank(proc.pid, r, LIMIT_S) for r in (3, 4)]
+        wait_for_step(tmp_path / "metrics.jsonl", 600, LIMIT_S)
+        for pid in victims:
+            os.kill(pid, signal.SIGKILL)
+        killed_at = time.monotonic()
+    except BaseException:
+        end_launch(proc.pid, proc.tag)
+        proc.communicate()
+        raise
+    out = finish(proc, "replicated run with both copies of set 0 killed")
+    assert proc.returncode == 5, out[-3000:]
+    assert "every copy of chunk set 0 (shards [0, 1]) is lost: the run cannot go on" in out, \
+        out[-3000:]
+    assert "raise --ps-copies or --spares" in out
+    assert time.monotonic() - killed_at < 30, "the job waited out --timeout (30 s)"
+    assert "wrote checkpoint" in out and (tmp_path / "checkpoint.h5").exists(), out[-3000:]
