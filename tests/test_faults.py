@@ -9,7 +9,7 @@ import sys
 import time
 
 import pytest
-from faultinject import find_rank, kill_rank, wait_for_step
+from faultinject import find_rank, wait_for_step
 from mpirun import ROOT, end_launch, mpiexec_cmd, rank_module, tagged_env
 
 from hpcps import config
@@ -97,6 +97,23 @@ def launch(run_dir, data_h5, n=4, extra=(), run=RUN):
     return proc
 
 
+def kill_at_step(proc, run_dir, ranks, step):
+    """SIGKILL world ``ranks`` of the launch ``proc`` once its metrics reach ``step``; the
+    step seen and ``time.monotonic()`` at the kill. The pids are looked up first (a scan of
+    /proc after the step let a fast run end before the signal landed); on any failure the
+    launch's ranks are ended."""
+    try:
+        pids = [find_rank(proc.pid, r, LIMIT_S) for r in ranks]
+        seen = wait_for_step(run_dir / "metrics.jsonl", step, LIMIT_S)
+        for pid in pids:
+            os.kill(pid, signal.SIGKILL)
+        return seen, time.monotonic()
+    except BaseException:
+        end_launch(proc.pid, proc.tag)
+        proc.communicate()
+        raise
+
+
 def finish(proc, what):
     try:
         out, _ = proc.communicate(timeout=LIMIT_S)
@@ -131,15 +148,7 @@ def test_sigkill_of_a_replica_mid_run(mnist_h5, tmp_path):
 
     hurt = tmp_path / "hurt"
     proc = launch(hurt, mnist_h5)
-    try:
-        victim = find_rank(proc.pid, 2, LIMIT_S)
-        killed_step = wait_for_step(hurt / "metrics.jsonl", 600, LIMIT_S)
-        os.kill(victim, signal.SIGKILL)
-        killed_at = time.monotonic()
-    except BaseException:
-        end_launch(proc.pid, proc.tag)
-        proc.communicate()
-        raise
+    killed_step, killed_at = kill_at_step(proc, hurt, [2], 600)
     out = finish(proc, "run with rank 2 killed")
     ended_s = time.monotonic() - killed_at
     assert proc.returncode == 0, out[-3000:]
@@ -187,14 +196,7 @@ def test_sigkill_of_a_primary_shard_mid_run(mnist_h5, tmp_path, copies, victim, 
     assert base["ps_applied"] == [base["pushes_committed"]] * 3
     hurt = tmp_path / "hurt"
     proc = launch(hurt, mnist_h5, 6, args + ["--checkpoint-every", "900"])
-    try:
-        victim_pid = find_rank(proc.pid, victim, LIMIT_S)
-        wait_for_step(hurt / "metrics.jsonl", 600, LIMIT_S)
-        os.kill(victim_pid, signal.SIGKILL)
-    except BaseException:
-        end_launch(proc.pid, proc.tag)
-        proc.communicate()
-        raise
+    kill_at_step(proc, hurt, [victim], 600)
     out = finish(proc, f"replicated run with rank {victim} killed")
     assert proc.returncode == 0, out[-3000:]
     s = summary(hurt)
@@ -231,13 +233,7 @@ def test_sigkill_of_a_sandblaster_replica_mid_run(mnist_h5, tmp_path):
     assert base["lost_ranks"] == [], out[-2000:]
     hurt = tmp_path / "hurt"
     proc = start(hurt)
-    try:
-        wait_for_step(hurt / "metrics.jsonl", 10, LIMIT_S)
-        kill_rank(proc.pid, 2)
-    except BaseException:
-        end_launch(proc.pid, proc.tag)
-        proc.communicate()
-        raise
+    kill_at_step(proc, hurt, [2], 10)
     out = finish(proc, "sandblaster run with rank 2 killed")
     assert proc.returncode == 0, out[-3000:]
     s = summary(hurt)
@@ -263,15 +259,7 @@ def test_a_dead_collective_member_ends_the_job_with_a_checkpoint_and_75(mnist_h5
     from that step to the end."""
     args = ["--strategy", strategy]
     proc = launch(tmp_path, mnist_h5, 4, args, run=LOCKSTEP_RUN)
-    try:
-        victim = find_rank(proc.pid, 2, LIMIT_S)
-        wait_for_step(tmp_path / "metrics.jsonl", 800, LIMIT_S)
-        os.kill(victim, signal.SIGKILL)
-        killed_at = time.monotonic()
-    except BaseException:
-        end_launch(proc.pid, proc.tag)
-        proc.communicate()
-        raise
+    _, killed_at = kill_at_step(proc, tmp_path, [2], 800)
     out = finish(proc, f"{strategy} run with rank 2 killed")
     assert proc.returncode == 75, out[-3000:]
     assert time.monotonic() - killed_at < 8 + 20, "the job did not end soon after --timeout"
@@ -301,16 +289,7 @@ def test_every_copy_of_a_set_lost_ends_the_job_naming_the_set(mnist_h5, tmp_path
     before --timeout; the periodic checkpoint before the kill stays, to resume from."""
     args = ["--servers", "3", "--ps-copies", "2", "--checkpoint-every", "300"]
     proc = launch(tmp_path, mnist_h5, 6, args)
-    try:
-        victims = [find_rank(proc.pid, r, LIMIT_S) for r in (3, 4)]
-        wait_for_step(tmp_path / "metrics.jsonl", 600, LIMIT_S)
-        for pid in victims:
-            os.kill(pid, signal.SIGKILL)
-        killed_at = time.monotonic()
-    except BaseException:
-        end_launch(proc.pid, proc.tag)
-        proc.communicate()
-        raise
+    _, killed_at = kill_at_step(proc, tmp_path, [3, 4], 600)
     out = finish(proc, "replicated run with both copies of set 0 killed")
     assert proc.returncode == 5, out[-3000:]
     assert "every copy of chunk set 0 (shards [0, 1]) is lost: the run cannot go on" in out, \
