@@ -10,7 +10,7 @@ Bits are packed MSB-first: bit ``p`` of a payload is bit ``7 - p % 8`` of byte `
 The reader peeks 64 bits at a time (bytes past the end read as zero, never loaded) and counts
 unary runs with ``clz``, so decoding costs a few operations per entry, not per bit.
 """
-from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t
+from libc.stdint cimport int64_t, uint8_t, uint16_t, uint32_t, uint64_t
 
 cdef extern from *:
     """
@@ -407,3 +407,62 @@ def rice_decode(const uint8_t[::1] payload, Py_ssize_t count, int k, Py_ssize_t 
         info[1] = j
         info[2] = idx
     return status
+
+
+# ------------------------------------------------------------------ bfloat16 on the wire
+# bfloat16 is the top half of a float32: the same sign and 8-bit exponent, 7 stored mantissa
+# bits. Encoding rounds to the nearest bf16, ties to even, by adding 0x7FFF plus the lowest
+# kept bit before the shift; a NaN stays a (quiet) NaN of the same sign, since rounding its
+# payload could carry into the exponent and make it an infinity. Checked arguments come from
+# hpcps.compress.bf16; the loops have no branches but the NaN select, so GCC vectorizes them.
+
+cdef inline uint16_t _to_bf16(uint32_t u) noexcept nogil:
+    if (u & 0x7FFFFFFFu) > 0x7F800000u:
+        return <uint16_t>((u >> 16) | 0x0040u)
+    return <uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16)
+
+
+def bf16_encode(const float[::1] x, uint16_t[::1] out):
+    """out[i] = x[i] rounded to bfloat16 (nearest, ties to even), as its 16 bits."""
+    cdef Py_ssize_t i, n = x.shape[0]
+    if out.shape[0] < n:
+        raise ValueError("out is shorter than x")
+    if n == 0:
+        return
+    cdef const uint32_t* u = <const uint32_t*>&x[0]
+    cdef uint16_t* o = &out[0]
+    with nogil:
+        for i in range(n):
+            o[i] = _to_bf16(u[i])
+
+
+def bf16_decode(const uint16_t[::1] b, float[::1] out):
+    """out[i] = the float32 value of bfloat16 bits b[i] (exact)."""
+    cdef Py_ssize_t i, n = b.shape[0]
+    if out.shape[0] < n:
+        raise ValueError("out is shorter than b")
+    if n == 0:
+        return
+    cdef const uint16_t* s = &b[0]
+    cdef uint32_t* o = <uint32_t*>&out[0]
+    with nogil:
+        for i in range(n):
+            o[i] = (<uint32_t>s[i]) << 16
+
+
+def bf16_accumulate(const uint16_t[::1] b, float[::1] acc):
+    """acc[i] += the float32 value of bfloat16 bits b[i] (the sum in float32)."""
+    cdef Py_ssize_t i, n = b.shape[0]
+    if acc.shape[0] < n:
+        raise ValueError("acc is shorter than b")
+    if n == 0:
+        return
+    cdef const uint16_t* s = &b[0]
+    cdef float* a = &acc[0]
+    cdef uint32_t bits
+    cdef float v
+    with nogil:
+        for i in range(n):
+            bits = (<uint32_t>s[i]) << 16
+            v = (<float*>&bits)[0]
+            a[i] += v

@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from hpcps import config, trace
+from hpcps.compress.bf16 import Wire
 from hpcps.io import checkpoint, data
 from hpcps.model import convnet
 from hpcps.model.spec import is_embedding_spec
@@ -200,7 +201,8 @@ def _setup(cfg: config.Config, world, layout: Layout, info, ckpt, run_dir: Path)
                                               ckpt.step if ckpt is not None else 0))
     model = full
     if P > 1:
-        exchange = ReplicaExchange(grid.replica_comm, cfg.timeout) if role.is_replica \
+        exchange = ReplicaExchange(grid.replica_comm, cfg.timeout,
+                                   Wire.named(cfg.wire_dtype)) if role.is_replica \
             else SingleExchange
         model = convnet.build_partition(cfg, full, P, role.partition if role.is_replica
                                         else 0, exchange)

@@ -170,6 +170,11 @@ RESIDUAL_CLIP = Option("residual_clip", float, "clip each element of the compres
 GRAD_CLIP = Option("grad_clip", float, "local gradient clipping before compression: scale a "
                    "replica's mini-batch gradient to an L2 norm of at most G/sqrt(R) (Deep "
                    "Gradient Compression; default 0: off)", check="nonneg")
+WIRE_DTYPE = Option("wire_dtype", str, "the format of the values the ranks send each other: "
+                    "fp32 (default) or bf16, bfloat16 rounded to nearest even, half the bytes "
+                    "of fetches, pushes, allreduces, averages and model-parallel exchanges; "
+                    "every sum, update and master copy of the weights stays fp32 "
+                    "(docs/performance.md, bfloat16 on the wire)", choices=("fp32", "bf16"))
 # every option of compressed updates, in the order strategies list them
 COMPRESSION = (DENSITY, SPARSITY_WARMUP, RESIDUAL_CLIP, GRAD_CLIP)
 INJECT_SLOW = Option("inject_slow", str, "for testing: RANK:FACTOR makes that replica rank "

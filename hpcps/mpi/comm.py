@@ -22,7 +22,9 @@ import numpy as np
 from mpi4py import MPI
 
 from hpcps import trace
-from hpcps.blocks import displacements
+from hpcps.blocks import block_counts, displacements
+from hpcps.compress import bf16
+from hpcps.compress.bf16 import FP32, Wire
 from hpcps.errors import HpcpsError
 
 
@@ -286,6 +288,78 @@ def allreduce(comm, buf, op, timeout: float, what: str) -> None:
     wait_all([comm.Iallreduce(MPI.IN_PLACE, buf, op=op)], timeout, what)
 
 
+def _reduce_scatter_bf16(comm, send: np.ndarray, counts, recv: np.ndarray, out: np.ndarray,
+                        timeout: float, what: str, more=()) -> None:
+    """The sum over ``comm`` of every rank's bfloat16 block for this rank, in float32.
+
+    ``send`` (uint16) holds this rank's contributions to every rank's block, in rank order,
+    ``counts`` values each; ``recv`` (uint16, size x counts[me]) receives the others'
+    contributions to this rank's block, and ``out`` (float32, counts[me]) their sum, added in
+    rank order so every run gives the same bits. ``more``: other requests to wait on with
+    this one (an exact float32 allreduce riding beside it)."""
+    size, me = comm.Get_size(), comm.Get_rank()
+    mine = counts[me]
+    req = comm.Ialltoallv([send, counts, displacements(counts), MPI.UINT16_T],
+                          [recv, [mine] * size, [mine * r for r in range(size)], MPI.UINT16_T])
+    wait_all([req, *more], timeout, what)
+    out[:] = 0.0
+    for r in range(size):
+        bf16.accumulate(recv[r * mine:(r + 1) * mine], out)
+
+
+class SumAllreduce:
+    """``buf`` summed in place over ``comm``, its values travelling in ``wire``'s format.
+
+    Built once per buffer length (its scratch buffers are kept), called every step. On the
+    float32 wire: one ``Iallreduce``. On the bfloat16 wire (``--wire-dtype bf16``) it is a
+    reduce-scatter then an allgather, the way a ring allreduce moves its data: each rank sends
+    its bf16 values to the rank that owns their block (``Ialltoallv``), sums its own block in
+    float32, rounds the sum to bf16 and sends it to every rank (``Iallgatherv``). Each rank
+    sends 2 (R-1)/R x 2 bytes per value, half of the float32 ring's, and every rank ends with
+    the same bits. The last ``exact`` values of ``buf`` (a loss riding along) are summed as
+    float32 in a small ``Iallreduce`` beside it.
+    """
+
+    def __init__(self, comm, n: int, wire: Wire = FP32, exact: int = 0):
+        self.comm = comm
+        self.n = n - exact
+        self.exact = exact
+        self.wire = wire
+        size = comm.Get_size()
+        self.counts = block_counts(self.n, size)
+        if wire.bf16:
+            mine = self.counts[comm.Get_rank()]
+            self._send = np.empty(self.n, np.uint16)
+            self._recv = np.empty(mine * size, np.uint16)
+            self._sum = np.empty(mine, np.float32)
+            self._out = np.empty(self.n, np.uint16)
+
+    def bytes_sent(self) -> float:
+        """Bytes this rank sends per call (the ring's figure: 2 (R-1)/R per value)."""
+        size = self.comm.Get_size()
+        return 2 * (self.n * self.wire.itemsize + 4 * self.exact) * (size - 1) / size
+
+    def __call__(self, buf: np.ndarray, op, timeout: float, what: str) -> None:
+        if not self.wire.bf16 or self.comm.Get_size() == 1:
+            allreduce(self.comm, buf, op, timeout, what)
+            return
+        if op is not MPI.SUM:
+            raise ValueError("the bfloat16 wire sums; other reductions travel as float32")
+        n, comm = self.n, self.comm
+        more = []
+        if self.exact:
+            more.append(comm.Iallreduce(MPI.IN_PLACE, buf[n:], op=MPI.SUM))
+        bf16.encode(buf[:n], self._send)
+        _reduce_scatter_bf16(comm, self._send, self.counts, self._recv, self._sum, timeout,
+                             what, more)
+        lo = displacements(self.counts)[comm.Get_rank()]
+        bf16.encode(self._sum, self._out[lo:lo + len(self._sum)])
+        wait_all([comm.Iallgatherv(MPI.IN_PLACE, [self._out, self.counts,
+                                                  displacements(self.counts), MPI.UINT16_T])],
+                 timeout, what)
+        bf16.decode(self._out, buf[:n])
+
+
 def bcast(comm, buf, root: int, timeout: float, what: str) -> None:
     """``buf`` from ``root`` to every rank of ``comm``; fails after ``timeout`` seconds."""
     wait_all([comm.Ibcast(buf, root=root)], timeout, what)
@@ -336,13 +410,18 @@ class ReplicaExchange:
     partitions' contributions to the previous layer's error terms summed, each partition
     receiving the rows it owns (a reduce-scatter). Counts the bytes this rank sends and the
     seconds it spends in these exchanges (waiting included), for the progress line.
+
+    On the bfloat16 wire (``--wire-dtype bf16``) both carry bf16 values: the gather sends
+    each partition's block rounded to bf16, and the reduce-scatter sends the contributions as
+    bf16 and sums them in float32 where they arrive.
     """
 
-    def __init__(self, comm, timeout: float):
+    def __init__(self, comm, timeout: float, wire: Wire = FP32):
         self.comm = comm
         self.rank = comm.Get_rank()
         self.parts = comm.Get_size()
         self.timeout = timeout
+        self.wire = wire
         self.bytes_sent = 0
         self.wait_s = 0.0
 
@@ -358,12 +437,22 @@ class ReplicaExchange:
         out = np.empty((sum(widths), batch), dtype=np.float32)
         tr = trace.ACTIVE
         t0 = tr.now() if tr is not None else 0
-        self._run(self.comm.Iallgatherv(local_t, [out, counts, displs, MPI.FLOAT]),
-                  "activation exchange")
-        self.bytes_sent += local_t.nbytes * (self.parts - 1)
+        sent = local_t.size * self.wire.itemsize * (self.parts - 1)
+        if self.wire.bf16:
+            words = np.empty(sum(counts), np.uint16)
+            lo = displs[self.rank]
+            bf16.encode(np.ascontiguousarray(local_t, np.float32).ravel(),
+                        words[lo:lo + counts[self.rank]])
+            self._run(self.comm.Iallgatherv(MPI.IN_PLACE, [words, counts, displs,
+                                                           MPI.UINT16_T]),
+                      "activation exchange")
+            bf16.decode(words, out.reshape(-1))
+        else:
+            self._run(self.comm.Iallgatherv(local_t, [out, counts, displs, MPI.FLOAT]),
+                      "activation exchange")
+        self.bytes_sent += sent
         if tr is not None:
-            tr.message("allgather activations (partitions)", local_t.nbytes * (self.parts - 1),
-                       t0)
+            tr.message("allgather activations (partitions)", sent, t0)
         return out
 
     def scatter_sum(self, partial_t: np.ndarray, widths) -> np.ndarray:
@@ -372,12 +461,21 @@ class ReplicaExchange:
         out = np.empty((widths[self.rank], batch), dtype=np.float32)
         tr = trace.ACTIVE
         t0 = tr.now() if tr is not None else 0
-        self._run(self.comm.Ireduce_scatter(partial_t, out, counts, op=MPI.SUM),
-                  "error-term exchange")
-        self.bytes_sent += partial_t.nbytes - out.nbytes
+        sent = (partial_t.size - out.size) * self.wire.itemsize
+        if self.wire.bf16:
+            words = np.empty(partial_t.size, np.uint16)
+            bf16.encode(np.ascontiguousarray(partial_t, np.float32).ravel(), words)
+            recv = np.empty(out.size * self.parts, np.uint16)
+            t = time.perf_counter()
+            _reduce_scatter_bf16(self.comm, words, counts, recv, out.reshape(-1), self.timeout,
+                                 "the other partitions of this replica (error-term exchange)")
+            self.wait_s += time.perf_counter() - t
+        else:
+            self._run(self.comm.Ireduce_scatter(partial_t, out, counts, op=MPI.SUM),
+                      "error-term exchange")
+        self.bytes_sent += sent
         if tr is not None:
-            tr.message("reduce-scatter error terms (partitions)", partial_t.nbytes - out.nbytes,
-                       t0)
+            tr.message("reduce-scatter error terms (partitions)", sent, t0)
         return out
 
 

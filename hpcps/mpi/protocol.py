@@ -2,7 +2,8 @@
 
 Every point-to-point message hpcps sends carries one of the :class:`Tag` values; no literal tag
 appears anywhere else. A data message is one contiguous byte buffer: a header of
-``HEADER_SLOTS`` float64 values (indices named by :class:`H`) followed by a float32 payload, so a
+``HEADER_SLOTS`` float64 values (indices named by :class:`H`) followed by a float32 payload
+(bfloat16 with ``--wire-dtype bf16``: :class:`Message`), so a
 push or a parameter reply is a single MPI message with its bookkeeping attached. float64 holds
 integers exactly up to 2**53, far beyond any step count.
 """
@@ -11,6 +12,9 @@ from __future__ import annotations
 from enum import IntEnum
 
 import numpy as np
+
+from hpcps.compress import bf16
+from hpcps.compress.bf16 import FP32, Wire
 
 
 class Tag(IntEnum):
@@ -81,19 +85,43 @@ HEADER_BYTES = HEADER_SLOTS * 8
 
 
 class Message:
-    """A preallocated buffer for one header + ``n`` float32 values.
+    """A preallocated buffer for one header + ``n`` float32 values, sent in ``wire``'s format.
 
-    ``buf`` is what MPI sends or receives; ``header`` and ``payload`` are views into it, so
-    filling them and sending ``buf`` needs no copy or allocation on the hot path.
+    ``buf`` is what MPI sends or receives; ``header`` is a view into it. With the float32 wire
+    (the default) ``payload`` is a view too, so filling it and sending ``buf`` needs no copy or
+    allocation on the hot path. With the bfloat16 wire (``--wire-dtype bf16``) the values travel
+    as 16-bit ``words`` and ``payload`` is a float32 array beside the buffer: the sender fills
+    ``payload`` and calls :meth:`pack` before sending, the receiver calls :meth:`unpack` after
+    receiving (both do nothing on the float32 wire).
     """
 
-    def __init__(self, n: int):
-        self.buf = np.zeros(HEADER_BYTES + 4 * n, dtype=np.uint8)
+    def __init__(self, n: int, wire: Wire = FP32):
+        self.wire = wire
+        self.buf = np.zeros(HEADER_BYTES + wire.itemsize * n, dtype=np.uint8)
         self.header = self.buf[:HEADER_BYTES].view(np.float64)
-        self.payload = self.buf[HEADER_BYTES:].view(np.float32)
+        if wire.bf16:
+            self.words: np.ndarray | None = self.buf[HEADER_BYTES:].view(np.uint16)
+            self.payload = np.zeros(n, dtype=np.float32)
+        else:
+            self.words = None
+            self.payload = self.buf[HEADER_BYTES:].view(np.float32)
 
     def __len__(self) -> int:
         return len(self.payload)
+
+    def fresh(self) -> "Message":
+        """A new message of the same size and wire (to replace one MPI may still touch)."""
+        return Message(len(self.payload), self.wire)
+
+    def pack(self) -> None:
+        """``payload`` into the buffer, in the wire's format (before sending)."""
+        if self.words is not None:
+            bf16.encode(self.payload, self.words)
+
+    def unpack(self) -> None:
+        """The buffer's values into ``payload`` (after receiving)."""
+        if self.words is not None:
+            bf16.decode(self.words, self.payload)
 
 
 class ByteMessage:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from hpcps import trace
+from hpcps.compress.bf16 import FP32, Wire
 from hpcps.ps.chunks import ChunkPlan
 from hpcps.mpi.comm import REQUEST_NULL, Transport, wait_all
 from hpcps.mpi.protocol import ByteMessage, H, Message, Tag
@@ -48,10 +49,11 @@ class Client:
         contiguous ``(lo, hi)`` slice per shard.
     replica : this replica's index (sent along, for the shard's bookkeeping).
     timeout : seconds to wait for a shard before failing with its rank.
+    wire : the format of the values fetched and pushed (``--wire-dtype``).
     """
 
     def __init__(self, comm, server_ranks, ranges, replica: int, timeout: float,
-                 packed_bytes: list[int] | None = None):
+                 packed_bytes: list[int] | None = None, wire: Wire = FP32):
         self.comm = comm
         self.net = Transport(comm)
         self.server_ranks = list(server_ranks)
@@ -61,12 +63,12 @@ class Client:
         self.timeout = timeout
         sizes = self.plan.sizes
         if packed_bytes is None:
-            self._push = [[Message(n), Message(n)] for n in sizes]
+            self._push = [[Message(n, wire), Message(n, wire)] for n in sizes]
         else:  # compressed or activation pushes: variable-size messages, bounded per shard
             self._push = [[ByteMessage(bound), ByteMessage(bound)] for bound in packed_bytes]
         self._push_req = [[REQUEST_NULL, REQUEST_NULL] for _ in self.ranges]
         self._slot = 0
-        self._params = [Message(n) for n in sizes]
+        self._params = [Message(n, wire) for n in sizes]
         self._ask = Message(0)
         self._ask.header[H.SENDER] = replica
         self.versions = np.zeros(len(self.ranges))
@@ -89,6 +91,7 @@ class Client:
                           "timeout) and discards its pushes")
         for s in range(len(self.server_ranks)):
             msg = self._params[s]
+            msg.unpack()
             self.plan.put(s, msg.payload, params)
             self.versions[s] = msg.header[H.VERSION]
             self.bytes_received += msg.buf.nbytes
@@ -127,6 +130,7 @@ class Client:
             msg.header[H.STEPS] = steps
             msg.header[H.LOSS_SUM] = loss_sum
             self.plan.take(s, grad, out=msg.payload)
+            msg.pack()
             self._push_req[s][slot] = self.net.send_nowait(msg.buf, self.server_ranks[s],
                                                            Tag.PUSH)
             self.bytes_sent += msg.buf.nbytes

@@ -40,6 +40,7 @@ import math
 import numpy as np
 
 from hpcps import trace
+from hpcps.compress.bf16 import FP32, Wire
 from hpcps.mpi.comm import PeerTimeout, Poller, Transport, size_of, status, test
 from hpcps.errors import NonFiniteError
 from hpcps.mpi.protocol import HEADER_BYTES, ByteMessage, H, Message, Tag
@@ -141,6 +142,8 @@ class GradientShard:
     persist : with ``--persist-every``: the shard's write-back cache
         (:class:`hpcps.ps.persist.Persister`), told of every update and asked between
         messages whether a flush is due.
+    wire : the format of the values of dense pushes and of replies (``--wire-dtype``); the
+        parameters and their updates stay float32.
     """
 
     def __init__(self, comm, params: np.ndarray, state: dict, apply: Callable,
@@ -149,7 +152,7 @@ class GradientShard:
                  packed: tuple[int, int, Callable] | None = None, policy=None,
                  tick: Callable[[], None] | None = None, liveness: Liveness | None = None,
                  replica_of: dict[int, int] | None = None, fatal=(), epochs=None,
-                 persist=None):
+                 persist=None, wire: Wire = FP32):
         self.comm = comm
         self.net = Transport(comm)
         self.params = params
@@ -175,8 +178,8 @@ class GradientShard:
         self.on_lost: Callable[[int], None] | None = None
         self.held: list[tuple[int, int, float]] = []  # (rank, replica, since) of held fetches
         n = len(params)
-        self._push = Message(n)
-        self._reply = Message(n)
+        self._push = Message(n, wire)
+        self._reply = Message(n, wire)
         # replicas may die: replies go without waiting; (request, buffer, replica, deadline)
         # of those in flight, and the buffers of those that completed, for the next ones
         self._sending: list[tuple[object, Message, int, float]] = []
@@ -248,9 +251,10 @@ class GradientShard:
 
     def _recv_push(self, src: int, status) -> bool:
         if not self._receive(self._push.buf, src, Tag.PUSH):
-            self._push = Message(len(self.params))
+            self._push = self._push.fresh()
             self._answer_held()
             return self._finished()
+        self._push.unpack()
         h = self._push.header
         self.stats.bytes_in += self._push.buf.nbytes
         if self._from_lost(int(h[H.SENDER])):
@@ -458,6 +462,7 @@ class GradientShard:
         with recent figures."""
         r = self._reply
         r.payload[:] = self.params
+        r.pack()
         h = r.header
         h[:] = 0.0
         h[H.VERSION] = self.version
@@ -479,8 +484,7 @@ class GradientShard:
             self._sending.append((self.net.send_nowait(r.buf, src, Tag.PARAMS), r, sender,
                                   time.monotonic() + self.liveness.timeout))
             self.reap_replies()
-            self._reply = self._spare_replies.pop() if self._spare_replies else \
-                Message(len(self.params))
+            self._reply = self._spare_replies.pop() if self._spare_replies else r.fresh()
         self.stats.fetches += 1
         self.stats.bytes_out += r.buf.nbytes
 

@@ -7,6 +7,7 @@ from contextlib import contextmanager
 import numpy as np
 
 from hpcps import trace
+from hpcps.compress.bf16 import Wire
 from hpcps.mpi.comm import ReplicaExchange, dup_comm
 from hpcps.model.metrics import binary_metrics
 from hpcps.strategies.context import VAL, Context
@@ -85,7 +86,8 @@ class GradientSource(PassTimer):
             comms = dup_comm(ctx.grid.replica_comm, self.threads, cfg.timeout,
                              "the other partitions of this replica to duplicate the replica "
                              "communicator (one per Hogwild thread)")
-            self.exchanges = [ReplicaExchange(c, cfg.timeout) for c in comms]
+            wire = Wire.named(cfg.wire_dtype)
+            self.exchanges = [ReplicaExchange(c, cfg.timeout, wire) for c in comms]
             from hpcps.model.convnet import build_partition
             self.engine = PartitionedHogwild(
                 cfg.layers, cfg.activation, ctx.model.parts, ctx.model.part, self.exchanges,

@@ -7,6 +7,7 @@ import time
 
 import numpy as np
 
+from hpcps.compress.bf16 import FP32, Wire
 from hpcps.mpi.comm import REQUEST_NULL, done, size_of, status, test, Transport, wait_until
 from hpcps.mpi.protocol import HEADER_BYTES, ByteMessage, H, Message, Tag
 from hpcps.ps.client import fill_packed
@@ -23,7 +24,8 @@ class ReplicatedClient:
     """
 
     def __init__(self, comm, shard_ranks, plan, replica: int, timeout: float, copies: int,
-                 packed_bytes: list[int] | None = None, n_sets: int | None = None):
+                 packed_bytes: list[int] | None = None, n_sets: int | None = None,
+                 wire: Wire = FP32):
         self.comm = comm
         self.net = Transport(comm)
         # every shard index's world rank: the S shards, then (--spares) the spares, which may
@@ -38,7 +40,7 @@ class ReplicatedClient:
         self.dead: set[int] = set()
         self.route = [self.shard_ranks[primary(h, self.S, copies, ())] for h in range(self.S)]
         sizes = plan.sizes
-        self._params = [Message(n) for n in sizes]
+        self._params = [Message(n, wire) for n in sizes]
         self._fetch_req = [REQUEST_NULL] * self.S
         self._ask = []
         for h in range(self.S):
@@ -46,7 +48,7 @@ class ReplicatedClient:
             ask.header[H.SENDER], ask.header[H.SET] = replica, h
             self._ask.append(ask)
         if packed_bytes is None:
-            self._push = [[Message(n), Message(n)] for n in sizes]
+            self._push = [[Message(n, wire), Message(n, wire)] for n in sizes]
         else:
             self._push = [[ByteMessage(b), ByteMessage(b)] for b in packed_bytes]
         self._push_req = [[REQUEST_NULL, REQUEST_NULL] for _ in range(self.S)]
@@ -99,7 +101,7 @@ class ReplicatedClient:
         state = test(req) if req != REQUEST_NULL else True
         if state is not True:  # a fetch of h in flight, or one that failed (its sender died)
             if state is None or not self.net.cancel(req, time.monotonic() + 1.0):
-                self._params[h] = Message(len(self._params[h]))  # MPI may still write there
+                self._params[h] = self._params[h].fresh()  # MPI may still write there
             self._fetch_req[h] = self.net.post_recv(self._params[h].buf, new, Tag.PARAMS)
             self.net.send_eager(self._ask[h].buf, new, Tag.FETCH)
         for slot in sorted((0, 1), key=lambda k: self._push_seq[h][k]):
@@ -109,7 +111,7 @@ class ReplicatedClient:
             req = self._push_req[h][slot]
             if req != REQUEST_NULL and not done(req):  # to the dead: its buffer stays
                 old = self._push[h][slot]
-                fresh = Message(len(old)) if isinstance(old, Message) else \
+                fresh = old.fresh() if isinstance(old, Message) else \
                     ByteMessage(len(old.body))
                 fresh.buf[:len(data)] = data
                 self._push[h][slot] = fresh
@@ -143,6 +145,7 @@ class ReplicatedClient:
             if int(msg.header[H.SET]) != h:
                 raise RuntimeError(f"asked rank {self.route[h]} for set {h}, got set "
                                    f"{int(msg.header[H.SET])}")
+            msg.unpack()
             self.plan.put(h, msg.payload, params)
             self.versions[h] = msg.header[H.VERSION]
             self.bytes_received += msg.buf.nbytes
@@ -180,6 +183,7 @@ class ReplicatedClient:
             msg = self._slot(h, slot)
             msg.header[H.STEPS], msg.header[H.LOSS_SUM] = steps, loss_sum
             self.plan.take(h, grad, out=msg.payload)
+            msg.pack()
             self._send(h, slot, msg.buf, Tag.PUSH)
 
     def push_packed(self, bodies, steps: int, loss_sum: float, tag: int = Tag.PUSH_COMPRESSED,

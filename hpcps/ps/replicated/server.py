@@ -8,6 +8,8 @@ from collections import deque
 
 import numpy as np
 
+from hpcps.compress import bf16
+from hpcps.compress.bf16 import FP32, Wire
 from hpcps.mpi.comm import PeerTimeout, size_of, status, test, Transport
 from hpcps.mpi.protocol import HEADER_BYTES, ByteMessage, H, Message, Tag
 from hpcps.ps.gradient_shard import ShardPolicy
@@ -80,11 +82,14 @@ class ReplicatedServer:
     make_set : ``make_set(h)``, a new empty copy of set ``h`` (a spare's, filled by the
         state its primary sends); with ``liveness`` and ``inbox`` (the largest dense and
         packed message) when ``sets`` starts empty.
+    wire : the format of dense pushes' values (``--wire-dtype``): a push is forwarded to the
+        secondaries as it came, so every copy decodes the same values.
     """
 
     def __init__(self, comm, me: int, shard_ranks, replica_ranks, copies: int, sets: dict,
                  keys, heartbeat_timeout: float, timeout: float, save=None, chief: int = 0,
-                 n_sets: int | None = None, make_set=None, liveness=None, inbox=None):
+                 n_sets: int | None = None, make_set=None, liveness=None, inbox=None,
+                 wire: Wire = FP32):
         self.comm, self.me = comm, me
         self.net = Transport(comm)
         self.shard_ranks, self.replica_ranks = list(shard_ranks), list(replica_ranks)
@@ -138,7 +143,9 @@ class ReplicatedServer:
             biggest = max(len(cs.params) for cs in sets.values())
             packed = [cs for cs in sets.values() if cs._packed is not None]
             inbox = (biggest, max(len(cs._packed.buf) for cs in packed) if packed else 0)
-        self._inbox = Message(inbox[0])
+        self.wire = wire
+        self._inbox = Message(inbox[0], wire)
+        self._grad = np.empty(inbox[0], np.float32)  # a dense push's values, decoded
         self._packed_bound = inbox[1]
         self._inbox_packed = ByteMessage(self._packed_bound) if self._packed_bound else None
         self._small = Message(0)
@@ -261,7 +268,7 @@ class ReplicatedServer:
         box, dense = self._inbox_for(tag, size, src)
         if not self._receive(box.buf[:size], src, tag):
             if dense:
-                self._inbox = Message(len(self._inbox))
+                self._inbox = self._inbox.fresh()
             else:
                 self._inbox_packed = ByteMessage(self._packed_bound)
             return None
@@ -280,10 +287,12 @@ class ReplicatedServer:
                                f"{last}; pushes in between were lost")
         cs.check_push(header)
         if dense:
-            grad = body.view(np.float32)
+            grad = body.view(self.wire.dtype)
             if len(grad) != len(cs.params):
                 raise RuntimeError(f"set {h}: a push of {len(grad)} values for "
                                    f"{len(cs.params)} parameters")
+            if self.wire.bf16:
+                grad = bf16.decode(grad, self._grad[:len(grad)])
         else:
             grad = cs.decode(header, body)
         cs.policy.on_push(cs, sender, header, grad)

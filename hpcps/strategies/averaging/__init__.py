@@ -18,7 +18,7 @@ replicas. Hogwild threads: one iteration covers T mini-batches, as in the other 
 Periodic evaluations and checkpoints take replica 0's copy; the last iteration is always
 followed by an average, so every replica ends with the same weights.
 """
-from hpcps.options import LOOP_OPTIONS, Option, check_loop_options
+from hpcps.options import LOOP_OPTIONS, Option, check_loop_options, WIRE_DTYPE
 from hpcps.strategies.lr_rule import DEFAULT_WARMUP_STEPS, LR_RULE_OPTIONS, describe_rate
 from hpcps.strategies.registry import Strategy
 
@@ -40,7 +40,7 @@ STRATEGY = Strategy(
         Option("average_state", str, "on: average the optimizer state (Adagrad's sums) with "
                "the parameters (default: the replicas then take the same step sizes); off: "
                "each replica keeps its own", choices=("on", "off")),
-        *LR_RULE_OPTIONS, *LOOP_OPTIONS),
+        *LR_RULE_OPTIONS, *LOOP_OPTIONS, WIRE_DTYPE),
     validate=check_loop_options,
     defaults={"lr": 0.01, "batch_size": 32, "prefetch": 2, "average_every": 4,
               "average_state": "on", "lr_rule": "linear",

@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 
 from hpcps import trace
-from hpcps.mpi.comm import SUM, allreduce
+from hpcps.compress.bf16 import Wire
+from hpcps.mpi.comm import SUM, SumAllreduce, allreduce
 from hpcps.strategies.context import Context, finish_on_chief, gather_state
 from hpcps.strategies.loop import AllReplicasLoop
 
@@ -24,6 +25,17 @@ class AveragingReplica(AllReplicasLoop):
         self.keys = list(self.state) if cfg.average_state == "on" else []
         self.grad = np.empty(n, dtype=np.float32)
         self.buf = np.empty(n * (1 + len(self.keys)) + 1, dtype=np.float32)
+        wire = Wire.named(cfg.wire_dtype)
+        self.reduce = SumAllreduce(self.comm, len(self.buf) - 1, wire)
+        # On the bfloat16 wire the replicas send how far they moved since the last average
+        # (their start, the same on every replica, before the first), never the weights
+        # themselves: the weights and state stay float32 where the steps are smaller than
+        # bf16's resolution of the weights, and only the moves are rounded.
+        self.anchor = None
+        if wire.bf16 and self.R > 1:
+            self.anchor = np.empty(len(self.buf) - 1, dtype=np.float32)
+            pack(self.buf, self.params, self.state, self.keys)
+            self.anchor[:] = self.buf[:-1]
         self.every = cfg.average_every
         self.since = 0           # iterations since the last average
         self.rounds = 0
@@ -47,17 +59,19 @@ class AveragingReplica(AllReplicasLoop):
             return
         buf = self.buf
         pack(buf, self.params, self.state, self.keys)
+        if self.anchor is not None:
+            buf[:-1] -= self.anchor
         tr = trace.ACTIVE
         t0 = tr.now() if tr is not None else 0
-        allreduce(self.comm, buf[:-1], SUM, self.cfg.timeout, "the parameter average with "
-                  f"the other replicas (ranks of the partition communicator, size {self.R})")
+        self.reduce(buf[:-1], SUM, self.cfg.timeout, "the parameter average with the other "
+                    f"replicas (ranks of the partition communicator, size {self.R})")
         if tr is not None:
-            tr.message("allreduce parameters", buf[:-1].nbytes, t0)
-        buf[-1] = to_mean(buf, self.params, self.R)
+            tr.message("allreduce parameters", self.reduce.bytes_sent(), t0)
+        buf[-1] = to_mean(buf, self.params, self.R, self.anchor)
         allreduce(self.comm, buf[-1:], SUM, self.cfg.timeout,
                   "the replicas' spread before averaging")
         self.spread.append(float(np.sqrt(buf[-1] / (self.R * len(self.params)))))
-        self.bytes_sent += 2 * 4 * (len(buf) - 1) * (self.R - 1) / self.R
+        self.bytes_sent += self.reduce.bytes_sent()
         unpack(buf, self.params, self.state, self.keys)
 
     def progress_fields(self) -> dict:
@@ -95,10 +109,14 @@ def pack(buf: np.ndarray, params: np.ndarray, state: dict, keys: list) -> None:
     buf[-1] = 0.0
 
 
-def to_mean(buf: np.ndarray, params: np.ndarray, R: int) -> float:
-    """The allreduced sums in ``buf`` divided by ``R``; returns this replica's squared
-    distance to the mean (summed over the replicas, the spread)."""
+def to_mean(buf: np.ndarray, params: np.ndarray, R: int, anchor=None) -> float:
+    """The allreduced sums in ``buf`` divided by ``R`` (sums of moves from ``anchor``, if
+    given: then the mean is added to it, and it becomes the mean); returns this replica's
+    squared distance to the mean (summed over the replicas, the spread)."""
     buf[:-1] *= np.float32(1.0 / R)
+    if anchor is not None:
+        buf[:-1] += anchor
+        anchor[:] = buf[:-1]
     return float(np.sum((params - buf[:len(params)]) ** 2, dtype=np.float64))
 
 

@@ -26,7 +26,7 @@ from hpcps.model.spec import is_embedding_spec
 from hpcps.options import (CHUNK_BYTES, COMPRESSION, EMBEDDING_DEFAULTS, EMBEDDING_EPOCHS,
                            EMBEDDING_OPTIONS, GOLOMB, HEARTBEAT_TIMEOUT, LOOP_OPTIONS, TAU,
                            WARMUP_STEPS, Option, check_embedding_options, check_fault_options,
-                           check_loop_options, describe_rows)
+                           check_loop_options, describe_rows, WIRE_DTYPE)
 from hpcps.ps.chunks import DEFAULT_CHUNK_BYTES
 from hpcps.strategies.downpour.summary import summary_lines
 from hpcps.strategies.registry import SERVERS, Strategy, message_tags
@@ -256,7 +256,8 @@ STRATEGY = Strategy(
                "secondaries and acknowledges it once they hold it; a secondary takes over a "
                "primary silent for --heartbeat-timeout (10 s unless given) and replicas "
                "re-route to it (default 1: one copy, a dead shard ends the job)",
-               check="positive")),
+               check="positive"),
+        WIRE_DTYPE),
     defaults=_defaults,
     embeddings=True,
     validate=_validate,

@@ -8,6 +8,7 @@ import time
 import numpy as np
 
 from hpcps.compress import codec as compress
+from hpcps.compress.bf16 import Wire
 
 from hpcps.ps.chunks import ChunkPlan
 from hpcps.mpi.comm import Transport, dup_comm, wait_all
@@ -111,8 +112,9 @@ def shard_client(ctx: Context, plan: ChunkPlan, ranks: list[int], packed: list[i
         table = ranks + ctx.grid.layout.shard_table[len(ranks):]
         return replicated.ReplicatedClient(ctx.grid.world, table, plan, r, cfg.timeout,
                                            cfg.ps_copies, packed_bytes=packed,
-                                           n_sets=len(ranks))
-    return Client(ctx.grid.world, ranks, plan, r, cfg.timeout, packed_bytes=packed)
+                                           n_sets=len(ranks), wire=Wire.named(cfg.wire_dtype))
+    return Client(ctx.grid.world, ranks, plan, r, cfg.timeout, packed_bytes=packed,
+                  wire=Wire.named(cfg.wire_dtype))
 
 
 # ----------------------------------------------------------------------------------
@@ -247,8 +249,9 @@ class DownpourReplica(ReplicaLoop):
             k = len(next(e for e in errs if e is not None))  # rows since the last push
             modes = activations.activation_layers(model, k)
             dense = model.views(self.acc)  # a conv model's conv layers: summed gradients
-            client.push_packed([activations.pack(model, c, modes, ins, errs, dense)
-                                .view(np.uint8) for c in self.chunks],
+            wire = Wire.named(self.cfg.wire_dtype)
+            client.push_packed([wire.to_bytes(activations.pack(model, c, modes, ins, errs, dense))
+                                for c in self.chunks],
                                self.acc_steps, self.loss_sum, tag=Tag.PUSH_ACTIVATIONS, rows=k)
             self.rows_in.clear()
             self.rows_err.clear()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from hpcps.compress import codec as compress
+from hpcps.compress.bf16 import Wire
 
 from hpcps.mpi.comm import Transport, gather_to_root, wait_all
 from hpcps.model import optim
@@ -70,9 +71,10 @@ def shard_activation_handler(ctx: Context, lo: int, hi: int, params, state):
     """For a shard: apply pushed layer inputs and errors to its rows (Project Adam)."""
     chunk = activations.pieces(ctx.model, lo, hi)
     bound = activations.max_message_bytes(ctx.model, chunk, ctx.cfg.batch_size * ctx.cfg.n_push)
+    wire = Wire.named(ctx.cfg.wire_dtype)  # the bound counts 4 bytes a value: either fits
 
     def handle(header, body):
-        activations.apply(ctx.model, chunk, int(header[H.EXAMPLES]), body.view(np.float32),
+        activations.apply(ctx.model, chunk, int(header[H.EXAMPLES]), wire.from_bytes(body),
                           params, state, ctx.optimizer)
         return None  # applied here, tile by tile
 
@@ -154,7 +156,8 @@ def run_server(ctx: Context) -> dict:
                          shard_activation_handler(ctx, *plan.ranges[j], params, state)
                          if cfg.push == "activations" else None,
                          tick=ctx.stop_tick, liveness=liveness, replica_of=replica_of,
-                         fatal=(0,), epochs=keeper, persist=persister)
+                         fatal=(0,), epochs=keeper, persist=persister,
+                         wire=Wire.named(cfg.wire_dtype))
     with_spares(server, layout, liveness)
     stats = server.serve(rows.handlers() if rows is not None else None)
     if rows is not None:
@@ -245,7 +248,8 @@ def run_replicated_server(ctx: Context, me: int | None = None, heals=None) -> di
                              policy=replicated.SetPolicy(h, shard_policy(ctx, len(params))),
                              packed=shard_expander(len(params))
                              if cfg.compress == "threshold" else None,
-                             liveness=liveness, replica_of=replica_of, fatal=(0,))
+                             liveness=liveness, replica_of=replica_of, fatal=(0,),
+                             wire=Wire.named(cfg.wire_dtype))
 
     if not spare:
         for h in replicated.sets_of(me, S, cfg.ps_copies):
@@ -263,7 +267,8 @@ def run_replicated_server(ctx: Context, me: int | None = None, heals=None) -> di
                                          [layout.trainer_rank(r) for r in range(R)],
                                          cfg.ps_copies, sets, keys, cfg.heartbeat_timeout,
                                          cfg.timeout, save=save, n_sets=S, make_set=make_set,
-                                         liveness=liveness, inbox=inbox)
+                                         liveness=liveness, inbox=inbox,
+                                         wire=Wire.named(cfg.wire_dtype))
     if spare:
         server.learn_heals(heals["heals"], heals["dead"])
         server.done.update(r for r in range(layout.replicas, R)  # not yet joined

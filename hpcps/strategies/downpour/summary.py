@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
+from hpcps.compress.bf16 import Wire
 from hpcps.strategies.rows_summary import row_figures, row_lines
 
 if TYPE_CHECKING:
@@ -101,7 +102,8 @@ def summarize(ctx: Context, results: list[dict]) -> dict:
     pushed = sum(r["bytes_sent"] for r in reps) / trained
     if cfg.push == "activations":
         out.update(push_bytes_per_step=round(pushed),
-                   dense_push_bytes_per_step=4 * ctx.full_model.n_params)
+                   dense_push_bytes_per_step=Wire.named(cfg.wire_dtype).itemsize
+                   * ctx.full_model.n_params)
     if cfg.compress == "threshold":
         words = sum(r["words_sent"] for r in reps)
         out.update(final_tau=reps[0]["final_tau"] if reps else None,

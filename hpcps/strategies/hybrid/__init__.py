@@ -20,7 +20,7 @@ from hpcps.model import optim
 from hpcps.model.spec import is_embedding_spec
 from hpcps.options import (EMBEDDING_DEFAULTS, EMBEDDING_EPOCHS, EMBEDDING_OPTIONS,
                            LOOP_OPTIONS, check_embedding_options, check_loop_options,
-                           describe_rows)
+                           describe_rows, WIRE_DTYPE)
 from hpcps.strategies.lr_rule import LR_RULE_OPTIONS, describe_rate
 from hpcps.strategies.registry import SERVERS, Strategy
 from hpcps.strategies.rows_summary import row_lines
@@ -56,7 +56,7 @@ STRATEGY = Strategy(
     roles={"replica": "hpcps.strategies.hybrid.replica:run",
            "server": "hpcps.strategies.hybrid.server:run"},
     servers=SERVERS,
-    options=(*LR_RULE_OPTIONS, *LOOP_OPTIONS, *EMBEDDING_OPTIONS),
+    options=(*LR_RULE_OPTIONS, *LOOP_OPTIONS, *EMBEDDING_OPTIONS, WIRE_DTYPE),
     defaults=_defaults,
     model_parallel=False,
     embeddings=True,

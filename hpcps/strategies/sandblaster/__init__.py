@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING
 
 from hpcps.errors import CheckpointError, ConfigError
 from hpcps.options import (CHUNK_BYTES, HEARTBEAT_TIMEOUT, INJECT_SLOW, Option,
-                           check_fault_options, parse_inject_slow)
+                           check_fault_options, parse_inject_slow, WIRE_DTYPE)
 from hpcps.ps.chunks import DEFAULT_CHUNK_BYTES
 from hpcps.strategies.registry import SERVERS, Strategy, message_tags
 
@@ -153,7 +153,7 @@ STRATEGY = Strategy(
         INJECT_SLOW, HEARTBEAT_TIMEOUT,
         Option("replica_timeout", float, "seconds without an answer before a replica's "
                "portions go to the others (default 60)", check="positive"),
-        CHUNK_BYTES,
+        CHUNK_BYTES, WIRE_DTYPE,
     ),
     defaults={"servers": 1, "batch_size": 0, "lbfgs_history": 10, "portions": 64,
               "flush_every": 4, "replica_timeout": 60.0, "chunk_bytes": DEFAULT_CHUNK_BYTES},

@@ -8,6 +8,7 @@ import numpy as np
 
 from hpcps import trace
 
+from hpcps.compress.bf16 import Wire
 from hpcps.mpi.comm import PeerTimeout, Poller, Transport, status, wait_all
 from hpcps.options import parse_inject_slow
 from hpcps.mpi.protocol import H, Message, Tag
@@ -38,8 +39,9 @@ def run_replica(ctx: Context) -> dict:
     from hpcps.engine.conv_hogwild import engine_for
     engine = engine_for(ctx.full_model, cfg.activation, threads=cfg.threads,
                         batch=PORTION_CHUNK)   # see the module docstring
-    fetch = [Message(size) for size in plan.sizes]
-    push = [Message(size) for size in plan.sizes]
+    wire = Wire.named(cfg.wire_dtype)
+    fetch = [Message(size, wire) for size in plan.sizes]
+    push = [Message(size, wire) for size in plan.sizes]
     ask, ack = Message(0), Message(0)
     current, order, order_of = None, None, None
     done_portions = 0
@@ -98,6 +100,7 @@ def run_replica(ctx: Context) -> dict:
                 msg = push[s]
                 msg.header[H.VECTOR] = vec
                 plan.take(s, acc, out=msg.payload)
+                msg.pack()
                 req = net.post_recv(ack.buf, layout.server_rank(s), SandblasterTag.PUSH_ACK)
                 net.send(msg.buf, layout.server_rank(s), SandblasterTag.PUSH)
                 wait_all([req], cfg.timeout, f"server shard {s} to take a gradient push")
@@ -116,6 +119,7 @@ def _fetch(net, layout, plan, msgs, ask, vec, out, timeout) -> None:
         net.send_eager(ask.buf, layout.server_rank(s), Tag.FETCH)
     wait_all(reqs, timeout, "the server shards to send the parameters")
     for s in range(plan.n_shards):
+        msgs[s].unpack()
         plan.put(s, msgs[s].payload, out)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 
 
+from hpcps.compress.bf16 import Wire
 from hpcps.mpi.comm import gather_to_root
 from hpcps.strategies.sandblaster import Op
 from hpcps.strategies.sandblaster.vector_shard import VectorShard
@@ -36,7 +37,8 @@ def run_shard(ctx: Context) -> dict:
             print(f"[hpcps] server shard 0 wrote checkpoint {path} at step {step}", flush=True)
 
     shard = VectorShard(grid.world, plan.sizes[s], len(names), coord, cfg.timeout, on_gather,
-                        ctx.stop_tick, may_lose=cfg.heartbeat_timeout)
+                        ctx.stop_tick, may_lose=cfg.heartbeat_timeout,
+                        wire=Wire.named(cfg.wire_dtype))
     plan.take(s, ctx.params, out=shard.vec[ids["x"]])
     for name, full in ctx.opt_state.items():  # resumed: gradient and history
         plan.take(s, full, out=shard.vec[ids[name]])

@@ -27,6 +27,7 @@ from hpcps.mpi.comm import Transport
 from hpcps.mpi.protocol import H, Message, Tag
 from hpcps.strategies.sandblaster import Op
 from hpcps.strategies.sandblaster import Tag as SandblasterTag
+from hpcps.compress.bf16 import FP32, Wire
 from hpcps.ps.serve import serve
 
 CMD_SLOTS = 6  # op, a, b, alpha, step, spare (float64)
@@ -47,11 +48,13 @@ class VectorShard:
     tick : called by the serving loop now and then (the job's stop vote, :mod:`hpcps.runtime.stop`).
     may_lose : seconds to wait for a transfer to or from a replica that may have died (None:
         replicas do not die, every transfer is waited for).
+    wire : the format of the values fetched and pushed (``--wire-dtype``); the vectors and
+        the sums of pushes stay float32.
     """
 
     def __init__(self, comm, n: int, n_vectors: int, coordinator: int, timeout: float,
                  on_gather: Callable[[int, int], None], tick: Callable[[], None] | None = None,
-                 may_lose: float | None = None):
+                 may_lose: float | None = None, wire: Wire = FP32):
         self.comm = comm
         self.net = Transport(comm)
         self.n = n
@@ -69,8 +72,8 @@ class VectorShard:
         self.note: dict = {}
         self._cmd = np.zeros(CMD_SLOTS, dtype=np.float64)
         self._reply = np.zeros(1, dtype=np.float64)
-        self._push = Message(n)
-        self._params = Message(n)
+        self._push = Message(n, wire)
+        self._params = Message(n, wire)
         self._ask = Message(0)
         self._ack = Message(0)
 
@@ -90,10 +93,11 @@ class VectorShard:
         self.net.take(self._ask.buf, src, Tag.FETCH)
         r = self._params
         r.payload[:] = self.vec[int(self._ask.header[H.VECTOR])]
+        r.pack()
         if self.may_lose is None:
             self.net.send_eager(r.buf, src, Tag.PARAMS)  # the replica posted its receive
         elif not self.net.send_by(r.buf, src, Tag.PARAMS, time.monotonic() + self.may_lose):
-            self._params = Message(self.n)  # MPI may still read the old buffer
+            self._params = r.fresh()  # MPI may still read the old buffer
             self._drop(src)
         return False
 
@@ -109,11 +113,12 @@ class VectorShard:
             self.net.take(self._push.buf, src, SandblasterTag.PUSH)
         elif not self.net.take_by(self._push.buf, src, SandblasterTag.PUSH,
                                   time.monotonic() + self.may_lose):
-            self._push = Message(self.n)  # MPI may still write the old buffer
+            self._push = self._push.fresh()  # MPI may still write the old buffer
             self._drop(src)
             return False
         if src not in self.banned:
             buf = self.pending.setdefault(src, np.zeros(self.n, dtype=np.float32))
+            self._push.unpack()
             buf += self._push.payload
         self.net.send_eager(self._ack.buf, src, SandblasterTag.PUSH_ACK)
         return False

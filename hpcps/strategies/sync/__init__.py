@@ -12,7 +12,7 @@ One optimizer update consumes R mini-batches: the global step advances by R.
 With P partitions per replica, the allreduce runs over the partition communicator: each
 partition sums its own slice of the gradient with the same partition of the other replicas.
 """
-from hpcps.options import LOOP_OPTIONS, check_loop_options
+from hpcps.options import LOOP_OPTIONS, check_loop_options, WIRE_DTYPE
 from hpcps.strategies.lr_rule import DEFAULT_WARMUP_STEPS, LR_RULE_OPTIONS, describe_rate
 from hpcps.strategies.registry import Strategy
 
@@ -26,7 +26,7 @@ STRATEGY = Strategy(
     help="replicas allreduce their gradients every step and apply the same update: one "
          "large-batch SGD, no servers, no staleness",
     roles={"replica": "hpcps.strategies.sync.replica:run"},
-    options=(*LR_RULE_OPTIONS, *LOOP_OPTIONS),
+    options=(*LR_RULE_OPTIONS, *LOOP_OPTIONS, WIRE_DTYPE),
     validate=check_loop_options,
     defaults={"lr": 0.01, "batch_size": 32, "prefetch": 2, "lr_rule": "linear",
               "lr_warmup_steps": DEFAULT_WARMUP_STEPS},

@@ -5,19 +5,21 @@ from __future__ import annotations
 import numpy as np
 
 from hpcps import trace
-from hpcps.mpi.comm import SUM, allreduce
+from hpcps.compress.bf16 import Wire
+from hpcps.mpi.comm import SUM, SumAllreduce
 from hpcps.strategies.context import Context, finish_on_chief, gather_state
 from hpcps.strategies.loop import AllReplicasLoop
 
 
 def sync_step(comm, gradient, optimizer, params, state, x, y, buf, timeout: float,
-              step_scale: float = 1.0) -> float:
+              step_scale: float = 1.0, reduce: SumAllreduce | None = None) -> float:
     """One synchronous step; returns the mean training loss over all replicas' batches.
 
     ``gradient(params, x, y, grad) -> loss`` computes this replica's mean gradient (one
     mini-batch, or T of them with Hogwild threads); ``buf`` is a float32 array of
     ``len(params) + 1`` (the loss rides along with the gradient, so one allreduce carries
     both). ``step_scale`` is the learning-rate schedule's multiplier of the update.
+    ``reduce``: the allreduce plan for ``buf`` (its wire format; default float32, built here).
     """
     n = len(params)
     loss = gradient(params, x, y, buf[:n])
@@ -25,10 +27,12 @@ def sync_step(comm, gradient, optimizer, params, state, x, y, buf, timeout: floa
     if comm.Get_size() > 1:
         tr = trace.ACTIVE
         t0 = tr.now() if tr is not None else 0
-        allreduce(comm, buf, SUM, timeout, "the gradient allreduce with the other replicas "
-                  f"(ranks of the partition communicator, size {comm.Get_size()})")
+        if reduce is None:
+            reduce = SumAllreduce(comm, len(buf), exact=1)
+        reduce(buf, SUM, timeout, "the gradient allreduce with the other replicas "
+               f"(ranks of the partition communicator, size {comm.Get_size()})")
         if tr is not None:
-            tr.message("allreduce gradient", buf.nbytes, t0)
+            tr.message("allreduce gradient", reduce.bytes_sent(), t0)
         buf *= np.float32(1.0 / comm.Get_size())
     optimizer.apply(params, buf[:n], state, step_scale=step_scale)
     return float(buf[n])
@@ -49,14 +53,17 @@ class SyncReplica(AllReplicasLoop):
         super().__init__(ctx, -(-ctx.remaining_steps // self.R))
         self.state = ctx.opt_state
         self.buf = np.zeros(ctx.model.n_params + 1, dtype=np.float32)
+        # the gradient in the wire's format (--wire-dtype), the loss beside it as float32
+        self.reduce = SumAllreduce(self.comm, len(self.buf), Wire.named(self.cfg.wire_dtype),
+                                   exact=1)
         # Bytes each rank sends per update in a ring allreduce, 2 (R-1)/R of the buffer;
         # summed over the R ranks and divided by the R mini-batches of an update, the same
         # figure per step.
-        self.bytes_per_step = 2 * self.buf.nbytes * (self.R - 1) / self.R / self.T
+        self.bytes_per_step = self.reduce.bytes_sent() / self.T
 
     def step(self, x, y) -> float:
         return sync_step(self.comm, self.source, self.ctx.optimizer, self.params, self.state,
-                         x, y, self.buf, self.cfg.timeout, self.lr_factor())
+                         x, y, self.buf, self.cfg.timeout, self.lr_factor(), self.reduce)
 
     def loss_source(self) -> str:
         # the loss rides in the allreduce: every replica holds the same mean, and rank 0
