@@ -94,7 +94,10 @@ OWN = {
                      ["--compress", "threshold", "--golomb", "off"]],
         "push": [[], ["--push", "activations"]],
         "periods": [[], ["--n-fetch", "2", "--n-push", "3"], ["--persist-every", "0.05"]],
-        "warmup": [[], ["--warmup-steps", "0"]],
+        # the warm start and the wire share a dimension: --wire-dtype bf16 then meets every
+        # value of every other dimension (as its own dimension it would double the 746,496
+        # rows judged at collection)
+        "warmup": [[], ["--warmup-steps", "0"], ["--wire-dtype", "bf16"]],
         # how replicas are held together (Adam's epoch quorum excludes a staleness bound)
         "consistency": [[], ["--staleness-bound", "1"], ["--softsync", "2", "--staleness-lr",
                                                         "on"], ["--epoch-quorum", "0.75"]],
@@ -109,14 +112,17 @@ OWN = {
                    "lr_scaling": [[], ["--lr-scaling", "sqrt"], ["--lr-scaling", "mean"]]},
     "sync": {"prefetch": [[], ["--prefetch", "0"]],
              "optimizer": [[], ["--optimizer", "momentum"]],
-             "lr_rule": [[], ["--lr-rule", "none"], ["--lr-warmup-steps", "0"]]},
+             "lr_rule": [[], ["--lr-rule", "none"], ["--lr-warmup-steps", "0"]],
+             "wire": [[], ["--wire-dtype", "bf16"]]},
     "averaging": {"period": [["--average-every", "1"], []],
                   "state": [[], ["--average-state", "off"]],
                   "optimizer": [[], ["--optimizer", "momentum", "--nesterov", "on"]],
-                  "lr_rule": [[], ["--lr-rule", "none"], ["--lr-warmup-steps", "0"]]},
+                  "lr_rule": [[], ["--lr-rule", "none"], ["--lr-warmup-steps", "0"]],
+                  "wire": [[], ["--wire-dtype", "bf16"]]},
     "sandblaster": {"flush": [[], ["--flush-every", "1"]],
                     "chunks": [[], ["--chunk-bytes", "1024"]],
-                    "faults": [[], ["--heartbeat-timeout", "20"]]},
+                    "faults": [[], ["--heartbeat-timeout", "20"]],
+                    "wire": [[], ["--wire-dtype", "bf16"]]},
 }
 
 
@@ -392,6 +398,14 @@ MUST_ACCEPT = [
     (3, ["--strategy", "downpour", "--chunk-bytes", "1024"], "downpour, sandblaster"),
     (3, ["--strategy", "downpour", "--model", CONV, "--dropout", "0.25"], "--dropout, --model"),
     (3, ["--strategy", "downpour", "--inject-slow", "0:3"], "a replica's world rank"),
+    (4, ["--strategy", "downpour", "--servers", "2", "--ps-copies", "2", "--wire-dtype",
+         "bf16"], "options.md: --wire-dtype, downpour"),
+    (3, ["--strategy", "downpour", "--push", "activations", "--wire-dtype", "bf16"],
+     "options.md: activation pushes travel as bf16"),
+    (6, ["--strategy", "sync", "--partitions", "2", "--threads", "2", "--wire-dtype", "bf16"],
+     "options.md: model-parallel exchanges"),
+    (3, ["--strategy", "averaging", "--wire-dtype", "bf16"], "options.md: averaging's rounds"),
+    (4, ["--strategy", "sandblaster", "--wire-dtype", "bf16"], "options.md: sandblaster"),
 ]
 # (ranks, options, a word the one message must hold: the option or the layout it refuses)
 MUST_REFUSE = [
@@ -420,6 +434,7 @@ MUST_REFUSE = [
      "--partitions"),
     (4, ["--strategy", "sandblaster", "--spares", "1"], "--spares"),
     (3, ["--strategy", "downpour", "--spares", "3"], "3 spare(s)"),
+    (2, ["--strategy", "deadreckon", "--wire-dtype", "bf16"], "--wire-dtype"),
 ]
 
 

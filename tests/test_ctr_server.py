@@ -236,7 +236,7 @@ COMBO_MIN_AUC = 0.65
 EMBEDDING_DIMS = [
     [1, 2, 3],                                                   # S
     [1, 2, 3],                                                   # R
-    [[], ["--trace"]],
+    [[], ["--trace"], ["--wire-dtype", "bf16"]],  # the dense layers' values as bfloat16
     [[], ["--threads", "2"]],
     ["downpour", "hybrid"],
     [[], ["--n-fetch", "2", "--n-push", "2"], ["--staleness-bound", "1"],
