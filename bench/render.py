@@ -183,10 +183,44 @@ def soak_view(figures: dict) -> dict:
     return {"outcome": {"columns": ["figure", "value"], "rows": rows}}
 
 
+def wire_view(figures: dict) -> dict:
+    """bench_wire: bf16 against fp32 on the emulated network (``throughput``) and on MNIST
+    (``accuracy``)."""
+    out = {}
+    rows = []
+    for net in figures.get("networks", []):
+        for e in net["throughput"]:
+            if "error" in e:
+                rows.append([net["rate"], e["strategy"], str(e["ranks"]), "failed", "", "", ""])
+                continue
+            rows.append([net["rate"], e["strategy"], str(e["ranks"]),
+                         f"{e['fp32']['examples_per_s']:,.0f}",
+                         f"{e['bf16']['examples_per_s']:,.0f}",
+                         f"{e['speedup_median']:.2f}x ("
+                         + ", ".join(f"{r:.2f}" for r in e["speedup_all"]) + ")",
+                         f"{e['fp32']['bytes_per_step']:,.0f} -> "
+                         f"{e['bf16']['bytes_per_step']:,.0f}"])
+    if rows:
+        out["throughput"] = {"columns": ["network", "strategy", "ranks", "fp32 examples/s",
+                                         "bf16 examples/s", "bf16 / fp32: median (pairs)",
+                                         "bytes per step"], "rows": rows}
+    rows = []
+    for e in figures.get("accuracy", []):
+        cells = [f"{e[w]['test_accuracy']:.2%}" if "test_accuracy" in e[w] else "failed"
+                 for w in ("fp32", "bf16")]
+        lost = e.get("points_lost")
+        rows.append([e["strategy"], str(e["ranks"]), *cells,
+                     "-" if lost is None else f"{lost:+.2f}"])
+    if rows:
+        out["accuracy"] = {"columns": ["strategy", "ranks", "fp32 test accuracy",
+                                       "bf16 test accuracy", "points lost"], "rows": rows}
+    return out
+
+
 # bench name -> figures -> {table name: table}; a bench without a view renders only the
 # tables its files carry ready-made
 VIEWS = {"bench_hogwild": hogwild_view, "bench_embeddings": embeddings_view,
-         "bench_peers": peers_view, "soak_elastic": soak_view}
+         "bench_peers": peers_view, "soak_elastic": soak_view, "bench_wire": wire_view}
 
 
 def load(stem: str) -> dict:

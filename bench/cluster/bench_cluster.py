@@ -257,6 +257,69 @@ def table(data: dict) -> str:
     return "\n".join(lines)
 
 
+def check_model(args, names: list[str]) -> dict:
+    """The scaling model against runs this machine can make (``--check-model``).
+
+    Speed: every strategy that runs on 2 ranks, each rank a host with a core of its own, on
+    each of ``--check-networks`` and each model of ``--check-layers``: the examples/s the
+    model predicts (``hpcps.tools.scaling.validate.validate_cluster``: the link measured by
+    a ping-pong, the compute calibrated just before each run) against the run's steady rate.
+    Bytes: every strategy at each of ``--check-byte-ranks`` (oversubscribed: the cores do not
+    enter bytes), the bytes per step the model predicts against those the run counted. One
+    JSON object: ``runs``, ``within_15pct`` and ``bytes_within_5pct`` (counts of the rows
+    that pass, over the rows judged), and every row."""
+    from hpcps.tools.scaling.validate import validate_cluster
+
+    rows: list[dict] = []
+    base = {"bench": "cluster", "machine": {**machine(str(MPIEXEC)),
+                                            "cpu_features": cpu_features()},
+            "batch": BATCH, "data": args.data}
+
+    def judged(bench: dict, tmp: Path, check: str) -> None:
+        path = tmp / f"{check}-{len(rows)}.json"
+        path.write_text(json.dumps(bench))
+        for r in validate_cluster(str(path)):
+            rows.append({"check": check, "layers": bench["layers"], **r})
+
+    byte_ranks = [int(v) for v in args.check_byte_ranks.split(",")]
+    with tempfile.TemporaryDirectory(prefix="check_model-") as tmp_s:
+        tmp = Path(tmp_s)
+        for layers in args.check_layers.split(";"):
+            run = argparse.Namespace(**{**vars(args), "layers": layers})
+            bench = {**base, "layers": layers, "networks": []}
+            for rate in args.check_networks.split(","):
+                hosts_up(2, rate)
+                net = {"rate": rate, "hosts": 2, "pingpong": pingpong(tmp)}
+                log(f"{layers} at {rate}: {links(net['pingpong'])}")
+                net["throughput"] = [throughput(run, s, 2, tmp) for s in names if layout(s, 2)]
+                bench["networks"].append(net)
+                hosts_down()
+            judged(bench, tmp, "speed")
+        layers = args.check_layers.split(";")[0]
+        run = argparse.Namespace(**{**vars(args), "layers": layers,
+                                    "steps": args.check_byte_steps, "repeats": 1})
+        rate = args.check_networks.split(",")[-1]
+        hosts_up(max(byte_ranks), rate)
+        net = {"rate": rate, "hosts": max(byte_ranks), "pingpong": pingpong(tmp)}
+        net["throughput"] = [throughput(run, s, n, tmp) for s in names for n in byte_ranks
+                             if layout(s, n)]
+        hosts_down()
+        judged({**base, "layers": layers, "networks": [net]}, tmp, "bytes")
+    speed = [r for r in rows if r["check"] == "speed" and "predicted" in r]
+    sized = [r for r in rows if "bytes_model" in r and r.get("bytes_measured")]
+    for r in sized:
+        r["bytes_relative_difference"] = round(r["bytes_model"] / r["bytes_measured"] - 1, 4)
+    failed = [r for r in rows if "predicted" not in r]
+    return {"runs": len(speed) + len([r for r in sized if r["check"] == "bytes"]),
+            "within_15pct": {"passed": sum(abs(r["relative_difference"]) <= 0.15
+                                           for r in speed), "of": len(speed)},
+            "bytes_within_5pct": {"passed": sum(abs(r["bytes_relative_difference"]) <= 0.05
+                                                for r in sized), "of": len(sized)},
+            "not_judged": [{k: r.get(k) for k in ("check", "strategy", "ranks", "network",
+                                                   "no_cost_model")} for r in failed],
+            "rows": rows}
+
+
 def _stop(signum, frame):  # SIGTERM: unwind through the finally that takes the hosts down
     raise SystemExit(128 + signum)
 
@@ -283,6 +346,16 @@ def main(argv=None) -> int:
     p.add_argument("--layers", default="784,512,512,10")
     p.add_argument("--timeout", type=float, default=900.0)
     p.add_argument("--table", metavar="JSON", help="print the tables of a finished run's JSON")
+    p.add_argument("--check-model", action="store_true",
+                   help="check the scaling model against this machine: speed on 2 ranks "
+                        "(a core each) on every --check-networks rate for every "
+                        "--check-layers model, bytes per step at --check-byte-ranks; prints "
+                        "one JSON line")
+    p.add_argument("--check-networks", default="1gbit,10gbit,25gbit")
+    p.add_argument("--check-layers", default="784,512,512,10;784,1024,1024,1024,10",
+                   help="models of the speed check, separated by ';'")
+    p.add_argument("--check-byte-ranks", default="4,8,16")
+    p.add_argument("--check-byte-steps", type=int, default=100)
     args = p.parse_args(argv)
     if args.table:
         try:
@@ -296,6 +369,17 @@ def main(argv=None) -> int:
         return 0
     if os.geteuid() != 0:
         raise SystemExit("bench_cluster: network namespaces need root")
+    if args.check_model:
+        signal.signal(signal.SIGTERM, _stop)
+        try:
+            result = check_model(args, args.strategies.split(","))
+        finally:
+            hosts_down()
+        result = {"bench": "cluster_check_model", "command": " ".join(
+            [Path(sys.executable).name, *sys.argv]), **result}
+        save("bench_cluster_check", result)
+        print(json.dumps(result))
+        return 0
     rank_list = [int(v) for v in args.ranks.split(",")]
     names = args.strategies.split(",")
     k = max(rank_list + [args.tta_ranks, 2])
