@@ -37,6 +37,8 @@ class Workload:
     state_vectors : optimizer state vectors (adagrad: 1).
     servers : parameter-server shards S (nodes that do not train), where a strategy has them.
     reduce_s_per_param : seconds per float an allreduce sums.
+    value_bytes : bytes a parameter or gradient value takes on the wire: 4, or 2 with
+        ``--wire-dtype bf16`` (headers, losses and optimizer state copies keep theirs).
     run_steps : steps each replica takes in the run, for costs paid once per run (None: a
         long run, where they vanish).
     cores : cores shared by all nodes (the emulated cluster: every node is a namespace of one
@@ -84,6 +86,7 @@ class Workload:
     flush_every: int = 4
     servers: int = 1
     reduce_s_per_param: float = 0.0
+    value_bytes: int = 4
     reckon_s_per_param: float = 0.0
     receive_s_per_word: float = 0.0
     average_s_per_param: float = 0.0

@@ -13,14 +13,15 @@ class AveragingCost(CostModel):
 
     def bytes_per_step(self, w: Workload, R: int) -> float:
         # the replica's summary: sync's figure per average, every k steps
-        return 2 * 4 * w.n_params * (1 + w.state_vectors) * (R - 1) / R / w.average_every
+        return 2 * w.value_bytes * w.n_params * (1 + w.state_vectors) * (R - 1) / R \
+            / w.average_every
 
     def examples_per_s(self, w, nodes, alpha, beta, allreduce=None) -> float:
         n, R = w.n_params, nodes
         share = w.share(nodes)  # CPU work on shared cores (1 on real nodes)
         gamma = w.reduce_s_per_param * share
         t = w.compute(nodes)
-        average = allreduce_s(4 * n * (1 + w.state_vectors), R, alpha, beta, gamma, allreduce) \
+        average = allreduce_s(w.value_bytes * n * (1 + w.state_vectors), R, alpha, beta, gamma, allreduce) \
             + (n * w.average_s_per_param * share if R > 1 else 0.0)  # one: no average
         t += n * w.update_s_per_param * share + average / w.average_every
         return R * w.batch / t

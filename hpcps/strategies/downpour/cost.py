@@ -15,7 +15,7 @@ class DownpourCost(CostModel):
 
     def bytes_per_step(self, w: Workload, R: int) -> float:
         # the client's count: per shard a push, an ask and a reply
-        return 2 * 4 * w.n_params + 3 * HEADER_BYTES * w.servers
+        return 2 * w.value_bytes * w.n_params + 3 * HEADER_BYTES * w.servers
 
     def examples_per_s(self, w, nodes, alpha, beta, allreduce=None) -> float:
         n, b = w.n_params, w.batch
@@ -26,11 +26,11 @@ class DownpourCost(CostModel):
             return 0.0
         # a replica talks to every shard: a push, an ask and a reply of n/S parameters each;
         # the reply waits for the shard to apply the push ahead of the ask
-        replica = w.compute(nodes) + 3 * S * alpha + 2 * 4 * n * beta \
+        replica = w.compute(nodes) + 3 * S * alpha + 2 * w.value_bytes * n * beta \
             + n / S * w.update_s_per_param * share
         # a shard's loop does one thing at a time (ps/gradient_shard.py): per replica step it
         # receives the push, applies it, answers the ask with its n/S parameters
-        shard = R * (3 * alpha + 2 * 4 * n / S * beta + n / S * w.update_s_per_param * share)
+        shard = R * (3 * alpha + 2 * w.value_bytes * n / S * beta + n / S * w.update_s_per_param * share)
         return R * b / max(replica, shard)
 
     def computing_beside(self, w, nodes, link) -> float:

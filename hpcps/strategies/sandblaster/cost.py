@@ -22,7 +22,7 @@ class SandblasterCost(CostModel):
 
     def bytes_per_step(self, w: Workload, R: int) -> float:
         # per batch evaluation: each replica's fetch and pushes
-        return 4 * w.n_params * transfers(w, R)
+        return w.value_bytes * w.n_params * transfers(w, R)
 
     def examples_per_s(self, w, nodes, alpha, beta, allreduce=None) -> float:
         n, b = w.n_params, w.batch
@@ -34,7 +34,7 @@ class SandblasterCost(CostModel):
         # for messages without computing (their loops sleep between polls)
         share = w.share(R)
         work = share * per_example * w.batch_examples / R
-        shard = transfers(w, R) * (alpha + 4 * n * beta)  # fetches, pushes: one link
+        shard = transfers(w, R) * (alpha + w.value_bytes * n * beta)  # fetches, pushes: one link
         commands = 20 * alpha * 2  # the coordinator's L-BFGS commands, round trips
         return w.batch_examples / (work + shard + commands
                                    + 4 * n * w.update_s_per_param * share)

@@ -8,8 +8,8 @@ from hpcps.strategies.cost import CostModel, Workload, allreduce_s
 
 class SyncCost(CostModel):
     def bytes_per_step(self, w: Workload, R: int) -> float:
-        # the replica's summary: 2 * buf.nbytes * (R-1)/R, buf = n + 1 floats
-        return 2 * 4 * (w.n_params + 1) * (R - 1) / R
+        # the replica's summary: 2 (R-1)/R of the n values and the float32 loss
+        return 2 * (w.value_bytes * w.n_params + 4) * (R - 1) / R
 
     def examples_per_s(self, w, nodes, alpha, beta, allreduce=None) -> float:
         n, R = w.n_params, nodes
@@ -17,7 +17,7 @@ class SyncCost(CostModel):
         gamma = w.reduce_s_per_param * share
         t = w.compute(nodes)
         t += n * w.update_s_per_param * share \
-            + allreduce_s(4 * (n + 1), R, alpha, beta, gamma, allreduce)
+            + allreduce_s(w.value_bytes * n + 4, R, alpha, beta, gamma, allreduce)
         return R * w.batch / t
 
 

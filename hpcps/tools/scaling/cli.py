@@ -64,6 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="thresholded messages: dense gradient bytes / message bytes (Strom: "
                         "~850 at tau 4; a run's summary gives compression_ratio) (default: "
                         "%(default)g)")
+    p.add_argument("--wire-dtype", choices=("fp32", "bf16"), default="fp32",
+                   help="the format of parameter and gradient values on the wire, as "
+                        "hpcps.train's --wire-dtype (bf16: 2 bytes a value; deadreckon's "
+                        "messages keep their own) (default: %(default)s)")
     p.add_argument("--run-steps", type=int, default=10000,
                    help="steps each replica takes in the run, for costs a strategy pays once "
                         "per run (default: %(default)s)")
@@ -145,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     bits = 11.0
     w = calibrate.measured_workload(m, n, args.batch_size, servers=args.servers,
                                     bits_per_update=bits, run_steps=args.run_steps,
+                                    value_bytes=2 if args.wire_dtype == "bf16" else 4,
                                     updates_per_step=4 * n / args.compression * 8 / bits)
     chosen = args.strategies.split(",")
     names = [s for s in chosen if known[s] is not None]
