@@ -21,7 +21,8 @@ class AveragingCost(CostModel):
         share = w.share(nodes)  # CPU work on shared cores (1 on real nodes)
         gamma = w.reduce_s_per_param * share
         t = w.compute(nodes)
-        average = allreduce_s(w.value_bytes * n * (1 + w.state_vectors), R, alpha, beta, gamma, allreduce) \
+        average = allreduce_s(w.value_bytes * n * (1 + w.state_vectors), R, alpha, beta, gamma,
+                              allreduce) \
             + (n * w.average_s_per_param * share if R > 1 else 0.0)  # one: no average
         t += n * w.update_s_per_param * share + average / w.average_every
         return R * w.batch / t

@@ -30,7 +30,8 @@ class DownpourCost(CostModel):
             + n / S * w.update_s_per_param * share
         # a shard's loop does one thing at a time (ps/gradient_shard.py): per replica step it
         # receives the push, applies it, answers the ask with its n/S parameters
-        shard = R * (3 * alpha + 2 * w.value_bytes * n / S * beta + n / S * w.update_s_per_param * share)
+        shard = R * (3 * alpha + 2 * w.value_bytes * n / S * beta
+                     + n / S * w.update_s_per_param * share)
         return R * b / max(replica, shard)
 
     def computing_beside(self, w, nodes, link) -> float:
