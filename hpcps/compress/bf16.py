@@ -3,8 +3,9 @@
 bfloat16 keeps float32's sign and 8-bit exponent and 7 of its 23 mantissa bits, so any float32
 fits its range and loses only precision: 8 significant bits, a relative error of at most
 2**-8 (0.4%) after rounding to the nearest value (ties to even). Messages carry half the
-bytes; every sum, update and master copy of the weights stays float32, and a NaN stays a NaN (an infinity stays infinite, and a
-value above bfloat16's largest finite one rounds to infinity, as IEEE rounding does).
+bytes; every sum, update and master copy of the weights stays float32, and a NaN stays a
+NaN (an infinity stays infinite, and a value above bfloat16's largest finite one rounds to
+infinity, as IEEE rounding does).
 
 :func:`encode`, :func:`decode` and :func:`accumulate` run compiled (``ext/compress.pyx``) with
 :class:`NumpyBf16` as their reference and fallback; :class:`Wire` names a message format for
