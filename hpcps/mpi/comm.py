@@ -26,12 +26,31 @@ from hpcps.blocks import block_counts, displacements
 from hpcps.compress import bf16
 from hpcps.compress.bf16 import FP32, Wire
 from hpcps.errors import HpcpsError
+from hpcps.mpi.protocol import Tag
 
 
 # Reduction operations and wildcards, so that the layers above name them without mpi4py.
 SUM, MAX, LAND = MPI.SUM, MPI.MAX, MPI.LAND
 ANY_SOURCE, ANY_TAG = MPI.ANY_SOURCE, MPI.ANY_TAG
 REQUEST_NULL = MPI.REQUEST_NULL  # a request with nothing to wait for
+
+
+def _peer_failure_classes() -> frozenset:
+    """The error classes by which an MPI with ULFM (Open MPI 5 under ``mpirun --with-ft
+    ulfm``) reports a dead peer; empty where the MPI has none of its own (mpi4py then gives
+    these names a generic class, which must not be taken for a dead peer)."""
+    generic = {MPI.ERR_UNKNOWN, MPI.ERR_OTHER, MPI.ERR_INTERN}
+    found = (getattr(MPI, n, None) for n in ("ERR_PROC_FAILED", "ERR_PROC_FAILED_PENDING",
+                                             "ERR_REVOKED"))
+    return frozenset(c for c in found if c is not None and c not in generic)
+
+
+PEER_FAILURE = _peer_failure_classes()
+
+
+def peer_failed(exc: BaseException) -> bool:
+    """Whether ``exc`` is MPI reporting that a peer died (ULFM's ``MPI_ERR_PROC_FAILED``)."""
+    return isinstance(exc, MPI.Exception) and exc.Get_error_class() in PEER_FAILURE
 
 
 class PeerTimeout(HpcpsError):
@@ -57,15 +76,26 @@ class Poller:
             time.sleep(min(1e-3, 1e-5 * (self.idle - 199)))
 
 
+def _testall(reqs, what: str) -> bool:
+    try:
+        return MPI.Request.Testall(reqs)
+    except MPI.Exception as exc:
+        if not peer_failed(exc):
+            raise
+        raise PeerTimeout(f"{what}: MPI reports that a rank it waited on died "
+                          f"({exc.Get_error_string()})") from None
+
+
 def wait_all(reqs, timeout: float, what: str) -> None:
-    """Complete every request in ``reqs`` or raise PeerTimeout after ``timeout`` seconds."""
-    if MPI.Request.Testall(reqs):
+    """Complete every request in ``reqs`` or raise PeerTimeout after ``timeout`` seconds (at
+    once where MPI reports the rank waited on dead: ULFM)."""
+    if _testall(reqs, what):
         return
     tr = trace.ACTIVE
     t0 = tr.now() if tr is not None else 0
     deadline = time.monotonic() + timeout
     poll = Poller()
-    while not MPI.Request.Testall(reqs):
+    while not _testall(reqs, what):
         if time.monotonic() > deadline:
             raise PeerTimeout(f"waited {timeout:.0f} s for {what}; that rank is stuck or dead "
                               "(raise --timeout if it is only slow)")
@@ -157,14 +187,42 @@ class Transport:
 
     Buffers are the caller's (preallocated :class:`~hpcps.mpi.protocol.Message` views); this
     class owns no state but the communicator, so a shard and its helpers may share one.
+
+    A dead peer. Without ULFM, MPI says nothing: a send to it may go (eagerly) or wait, a
+    receive from it stays pending, and the roles find the peer by its silence (heartbeats,
+    :mod:`hpcps.ps.liveness`). Under ULFM (Open MPI's ``mpirun --with-ft ulfm``) MPI raises
+    ``MPI_ERR_PROC_FAILED`` instead, from the probe of any source until the failure is
+    acknowledged and from every transfer with the dead rank; here that error becomes the
+    silence the roles already handle: the failure is acknowledged (``MPI_Comm_ack_failed``,
+    so probes go on), a send to the dead rank is dropped as sent, and a receive from it is
+    one that never completes (given up at its deadline, or cancelled when the client
+    re-routes). Any other MPI error is raised.
     """
 
     def __init__(self, comm):
         self.comm = comm
 
+    def _peer_failed(self, exc: BaseException) -> None:
+        """ULFM reported a dead peer: acknowledge it (re-raise any other error)."""
+        if not peer_failed(exc):
+            raise exc
+        try:
+            self.comm.Ack_failed()
+        except MPI.Exception:
+            pass  # acknowledged already, or by another thread at the same time
+
+    def _never(self):
+        """A receive that never completes (from this rank, with a tag no message carries):
+        what a receive from a dead peer is without ULFM. Cancelled like any other."""
+        return self.comm.Irecv(bytearray(1), source=self.comm.Get_rank(), tag=Tag.NEVER)
+
     def probe(self, status, tag: int = MPI.ANY_TAG, source: int = MPI.ANY_SOURCE) -> bool:
         """Whether a message with ``tag`` from ``source`` is waiting (``status`` describes it)."""
-        return self.comm.Iprobe(source, tag, status)
+        try:
+            return self.comm.Iprobe(source, tag, status)
+        except MPI.Exception as exc:
+            self._peer_failed(exc)
+            return False
 
     def take(self, buf, src: int, tag: int) -> None:
         """Receive a message already probed: it has arrived whole in MPI's eager buffer or is
@@ -174,11 +232,20 @@ class Transport:
     def take_by(self, buf, src: int, tag: int, deadline: float) -> bool:
         """Receive a probed message unless its sender dies half-way: False once ``deadline``
         passes (then ``buf`` may still be written to: the caller replaces it)."""
-        return finished_by(self.comm.Irecv(buf, source=src, tag=tag), deadline)
+        try:
+            req = self.comm.Irecv(buf, source=src, tag=tag)
+        except MPI.Exception as exc:
+            self._peer_failed(exc)
+            return False
+        return finished_by(req, deadline)
 
     def post_recv(self, buf, src: int, tag: int):
         """Post a receive for a message asked for; returns the request to wait on."""
-        return self.comm.Irecv(buf, source=src, tag=tag)
+        try:
+            return self.comm.Irecv(buf, source=src, tag=tag)
+        except MPI.Exception as exc:
+            self._peer_failed(exc)
+            return self._never()
 
     def cancel(self, req, deadline: float) -> bool:
         """Cancel a posted receive; False if MPI has not let it go by ``deadline`` (then its
@@ -186,30 +253,47 @@ class Transport:
         req.Cancel()
         return finished_by(req, deadline)
 
+    def _send(self, buf, dest: int, tag: int) -> None:
+        try:
+            self.comm.Send(buf, dest=dest, tag=tag)
+        except MPI.Exception as exc:
+            self._peer_failed(exc)  # to a dead rank: dropped
+
     def send_eager(self, buf, dest: int, tag: int) -> None:
         """Send a header-only message (it goes eagerly: it does not wait for ``dest``, even a
         dead one, as long as few are sent to it: MPICH's shared-memory queue to a rank holds
         about 64, and a send to a dead rank whose queue is full waits forever), or a reply to
         a peer that posted its receive before asking."""
-        self.comm.Send(buf, dest=dest, tag=tag)
+        self._send(buf, dest, tag)
 
     def send_nowait(self, buf, dest: int, tag: int):
         """Start a send; returns the request. ``buf`` must stay untouched until it completes."""
-        return self.comm.Isend(buf, dest=dest, tag=tag)
+        try:
+            return self.comm.Isend(buf, dest=dest, tag=tag)
+        except MPI.Exception as exc:
+            self._peer_failed(exc)
+            return MPI.REQUEST_NULL  # to a dead rank: dropped, as sent
 
     def send(self, buf, dest: int, tag: int) -> None:
         """Send and return once ``buf`` may be reused: at once for a small message, once the
         receiver has matched it for a large one (a peer that serves requests in a loop)."""
-        self.comm.Send(buf, dest=dest, tag=tag)
+        self._send(buf, dest, tag)
 
     def send_obj(self, obj, dest: int, tag: int) -> None:
         """Send a small Python object (pickled; control messages, not data)."""
-        self.comm.send(obj, dest=dest, tag=tag)
+        try:
+            self.comm.send(obj, dest=dest, tag=tag)
+        except MPI.Exception as exc:
+            self._peer_failed(exc)
 
     def send_obj_nowait(self, obj, dest: int, tag: int):
         """Start sending a small Python object; returns the request (pickled by mpi4py,
         which keeps the pickle alive until it completes)."""
-        return self.comm.isend(obj, dest=dest, tag=tag)
+        try:
+            return self.comm.isend(obj, dest=dest, tag=tag)
+        except MPI.Exception as exc:
+            self._peer_failed(exc)
+            return MPI.REQUEST_NULL
 
     def take_obj(self, src: int, tag: int):
         """Receive a small Python object already probed."""
@@ -223,7 +307,12 @@ class Transport:
     def send_by(self, buf, dest: int, tag: int, deadline: float) -> bool:
         """Send, giving up at ``deadline`` (``dest`` died): False then, and ``buf`` must not be
         reused."""
-        return finished_by(self.comm.Isend(buf, dest=dest, tag=tag), deadline)
+        try:
+            req = self.comm.Isend(buf, dest=dest, tag=tag)
+        except MPI.Exception as exc:
+            self._peer_failed(exc)
+            return False
+        return finished_by(req, deadline)
 
 
 def test_obj(req) -> tuple[bool, object]:

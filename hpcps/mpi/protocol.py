@@ -60,6 +60,9 @@ class Tag(IntEnum):
     SHARD_LOST = 43   # shard -> world rank 0: shard PEER is dead (--ps-copies)
     HEAL = 44         # world rank 0 -> shards: shard PEER (a spare) holds dead shard SENDER's sets
     RESTORED = 45     # a spare shard -> world rank 0: it holds set SET whole since CLOCK
+    # no message carries it: a receive posted with it never completes, standing for one from
+    # a peer that MPI reported dead (ULFM, hpcps.mpi.comm.Transport)
+    NEVER = 99
 
 
 class H(IntEnum):
