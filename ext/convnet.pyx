@@ -185,6 +185,23 @@ cdef void _windows_to_kernel(const float *Gt, int OC, int C, int KK, float *G) n
                 G[(<Py_ssize_t> o * C + c) * KK + k] = Gt[(<Py_ssize_t> o * KK + k) * C + c]
 
 
+def swap_outer(const float[:, :, ::1] a, float[:, :, ::1] out):
+    """out[k, j, i] = a[i, j, k]: the first and last axes swapped, without the GIL (a
+    partition's maps between the engine's NHWC and the exchange's (maps, positions, batch))."""
+    cdef Py_ssize_t I = a.shape[0], J = a.shape[1], K = a.shape[2], i, j, k
+    if out.shape[0] != K or out.shape[1] != J or out.shape[2] != I:
+        raise ValueError(f"out has shape {tuple(out.shape)[:3]}, not {(K, J, I)}")
+    if I == 0 or J == 0 or K == 0:
+        return
+    cdef const float *src = &a[0, 0, 0]
+    cdef float *dst = &out[0, 0, 0]
+    with nogil:
+        for j in range(J):
+            for i in range(I):
+                for k in range(K):
+                    dst[(k * J + j) * I + i] = src[(i * J + j) * K + k]
+
+
 cdef class ConvEngine:
     """T threads training one convolutional network's flat float32 parameters.
 

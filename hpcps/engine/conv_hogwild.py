@@ -382,8 +382,13 @@ class ConvHogwild:
         return self.model.loss_and_grad(params, x, y, grad)
 
 
-def _col(table: np.ndarray, i: int, name: str) -> int:
-    return int(table[i, COLUMNS.index(name)])
+def _swap(a: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """``a`` (I, J, K) with its first and last axes swapped, into ``out`` (K, J, I) or a new
+    array: the compiled kernel, which releases the GIL (Hogwild threads overlap there)."""
+    if out is None:
+        out = np.empty(a.shape[::-1], dtype=np.float32)
+    _compiled.swap_outer(np.ascontiguousarray(a, dtype=np.float32), out)
+    return out
 
 
 class CompiledPartition(SoftmaxOutput):
@@ -423,13 +428,15 @@ class CompiledPartition(SoftmaxOutput):
         m = self.model
         self._engine = _compiled.ConvEngine(self.table, m.n_params, m.input_shape, 1, batch,
                                             m.activation, m.dropout)
-        self._ops = self._engine.table()  # with the offsets of every op's output
+        ops = self._engine.table()  # with the offsets of every op's output
+        self._ops = {name: [int(v) for v in ops[:, i]] for i, name in enumerate(COLUMNS)}
         self._batch = batch
 
     def _out(self, i: int, nb: int, dropped: bool) -> np.ndarray:
         """Op i's output (nb, positions, maps): its dropped copy after a training pass."""
-        c, hw = _col(self._ops, i, "oc"), _col(self._ops, i, "oh") * _col(self._ops, i, "ow")
-        off = _col(self._ops, i, "dout" if dropped and _col(self._ops, i, "drop") else "out")
+        ops = self._ops
+        c, hw = ops["oc"][i], ops["oh"][i] * ops["ow"][i]
+        off = ops["dout" if dropped and ops["drop"][i] else "out"][i]
         return self._engine.region(0, off, nb * hw * c).reshape(nb, hw, c)
 
     def _forward(self, flat, x, draw: int | None) -> np.ndarray:
@@ -442,13 +449,12 @@ class CompiledPartition(SoftmaxOutput):
         for k, (lo, hi) in enumerate(self.segments):
             eng.part_forward(0, flat, x, lo, hi, nb, key, draw or 0, train)
             out = self._out(hi - 1, nb, train)      # this partition's maps or units
-            whole = self.exchange.gather(
-                np.ascontiguousarray(out.transpose(2, 1, 0)).reshape(-1, nb), m.widths[k])
+            whole = self.exchange.gather(_swap(out).reshape(-1, nb), m.widths[k])
             if k == last:
                 return np.ascontiguousarray(whole.T)
             nxt = self.segments[k + 1][0]             # its K_EXCH op takes the whole input
-            self._out(nxt, nb, False)[...] = whole.reshape(_col(self._ops, nxt, "oc"), -1,
-                                                          nb).transpose(2, 1, 0)
+            dst = self._out(nxt, nb, False)
+            _swap(whole.reshape(dst.shape[::-1]), dst)
         raise AssertionError("unreachable: a model has at least one segment")
 
     def _check(self, flat, x):
@@ -502,15 +508,13 @@ class CompiledPartition(SoftmaxOutput):
                 break
             # the error at the whole input of op `first`: each partition's share, summed,
             # each keeping its own block (the NumPy path's reduce-scatter)
-            c = _col(self._ops, first, "oc")
-            hw = _col(self._ops, first, "oh") * _col(self._ops, first, "ow")
+            c, hw = self._ops["oc"][first], self._ops["oh"][first] * self._ops["ow"][first]
             err = eng.region(0, off, nb * hw * c).reshape(nb, hw, c)
-            mine = self.exchange.scatter_sum(
-                np.ascontiguousarray(err.transpose(2, 1, 0)).reshape(-1, nb), m.widths[k - 1])
+            mine = self.exchange.scatter_sum(_swap(err).reshape(-1, nb), m.widths[k - 1])
             prev = self.segments[k - 1][1] - 1        # the op whose output that block is
-            cq = _col(self._ops, prev, "oc")
-            eng.region(0, d0, mine.size).reshape(nb, -1, cq)[...] = \
-                mine.reshape(cq, -1, nb).transpose(2, 1, 0)
+            cq = self._ops["oc"][prev]
+            dst = eng.region(0, d0, mine.size).reshape(nb, -1, cq)
+            _swap(mine.reshape(dst.shape[::-1]), dst)
         return loss, grad
 
 
