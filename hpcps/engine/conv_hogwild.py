@@ -13,6 +13,12 @@ from the model by :func:`op_table`. Without the extension (not built, or
 ``HPCPS_NO_EXTENSION=1``) they run the model's NumPy code, the reference the tests compare the
 compiled engine with: NumPy's BLAS releases the GIL during each GEMM and each large
 elementwise operation, so the threads overlap there and serialize in the Python between them.
+
+A partition of a model-parallel ConvNet (``--partitions P``) runs on the same engine:
+:func:`partition_op_table` describes its slice of every layer, with an exchange op before each
+layer that mixes maps, and :class:`CompiledPartition` runs the layers between two exchanges in
+the engine and the exchanges (the model's own) between them; :func:`compiled_partition` picks
+it for a partition when the extension is built.
 """
 from __future__ import annotations
 
