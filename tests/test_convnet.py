@@ -504,6 +504,18 @@ def test_compiled_partition_drops_the_units_the_numpy_partition_drops(parts):
 
 
 @needs_engine
+def test_swap_outer_is_numpys_transpose_of_the_outer_axes():
+    """The kernel between the engine's NHWC blocks and the exchange's (maps, positions,
+    batch): ``a.transpose(2, 1, 0)``, its reference; a wrong output shape is refused."""
+    a = np.random.default_rng(0).random((3, 5, 7), dtype=np.float32)
+    out = np.empty((7, 5, 3), dtype=np.float32)
+    conv_hogwild._compiled.swap_outer(a, out)
+    np.testing.assert_array_equal(out, a.transpose(2, 1, 0))
+    with pytest.raises(ValueError, match="not"):
+        conv_hogwild._compiled.swap_outer(a, np.empty((5, 7, 3), dtype=np.float32))
+
+
+@needs_engine
 def test_partition_op_table_puts_an_exchange_before_every_layer_that_mixes_maps():
     """adam-mnist over 3 partitions: five segments (one per layer with parameters), each
     after the first opening with the exchange of the whole input (pooled maps in NHWC
