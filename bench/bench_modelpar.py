@@ -20,15 +20,19 @@ With ``--conv`` the models are conv models on MNIST's 1x28x28 images instead: Pr
 (conv5x5x64, pool2, conv5x5x128, pool2, fc1024, fc10), partitioned by output maps and units
 (:class:`hpcps.model.convnet.PartitionedConvNet`, whose ``exchange_bytes`` is the same formula with
 n_l the values per example at the input of the l-th layer with parameters, after pooling).
-A partitioned model computes with the NumPy layers, a whole one (P = 1) with the compiled
-engine; so P = 1 runs twice, the second time with ``HPCPS_NO_EXTENSION=1`` (NumPy too), and
-each run's ``engine`` says which: the NumPy P = 1 run is the one to compare partitions with.
+Every P runs twice: on the compiled engine (a whole model on
+:class:`hpcps.engine.conv_hogwild.ConvHogwild`, a partition on
+:class:`hpcps.engine.conv_hogwild.CompiledPartition`) and with ``HPCPS_NO_EXTENSION=1`` on the
+NumPy layers; each run's ``engine`` says which, and ``conv_speedup`` lists per model and P
+both examples/s and their ratio (compiled / NumPy). ``--quick`` with ``--conv`` runs a small
+conv model on digits instead (seconds: a check that the bench runs, not a measurement).
 
 Run::
 
     python bench/bench_modelpar.py            # about 5 minutes on 2 cores
     python bench/bench_modelpar.py --quick    # digits, seconds
     python bench/bench_modelpar.py --conv --data data/mnist.h5
+    python bench/bench_modelpar.py --conv --quick    # digits, seconds
 
 This machine has 2 cores: at N = 4 every configuration is oversubscribed, so absolute
 speed-ups are bounded by 2; the figures to read are the compute per rank and the traffic.
@@ -54,6 +58,7 @@ from hpcps.model.mlp import partition_widths  # noqa: E402
 
 CONV_MODELS = {"adam-mnist": ("conv5x5x10,pool2,conv5x5x20,pool2,fc400,fc400,fc10", 120),
                "wide-conv": ("conv5x5x64,pool2,conv5x5x128,pool2,fc1024,fc10", 12)}
+QUICK_CONV = {"digits-conv": ("conv3x3x8p1,pool2,fc32,fc10", 40)}  # on 1x8x8 digits
 
 
 def predicted_bytes(sizes, parts, part, batch):
@@ -64,6 +69,20 @@ def predicted_bytes(sizes, parts, part, batch):
     fwd = sum(w[l] * batch * 4 * (parts - 1) for l in range(layers))
     bwd = sum((sizes[l] - w[l - 1]) * batch * 4 for l in range(1, layers))
     return fwd + bwd
+
+
+def conv_speedup(runs) -> dict:
+    """``{model: {P: {"numpy": examples/s, "compiled": examples/s, "ratio": compiled /
+    numpy}}}`` from the runs of both engines."""
+    table: dict = {}
+    for r in runs:
+        table.setdefault(r["model"], {}).setdefault(str(r["partitions"]), {})[r["engine"]] = \
+            r["examples_per_s"]
+    for per_p in table.values():
+        for row in per_p.values():
+            if row.get("numpy") and row.get("compiled"):
+                row["ratio"] = round(row["compiled"] / row["numpy"], 2)
+    return table
 
 
 def main(argv=None) -> int:
@@ -78,7 +97,12 @@ def main(argv=None) -> int:
     p.add_argument("--data", help="dataset (with --conv: MNIST with its image_shape)")
     a = p.parse_args(argv)
     mpiexec = bench_train.find_mpiexec()
-    if a.conv:
+    image = (1, 28, 28)
+    if a.conv and a.quick:
+        data = HERE.parent / "data" / "digits.h5"
+        bench_train.ensure_digits(data)
+        models, common, image = dict(QUICK_CONV), ["--data", str(data)], (1, 8, 8)
+    elif a.conv:
         models = {name: (spec, steps) for name, (spec, steps) in CONV_MODELS.items()}
         common = ["--data", a.data] if a.data else []
     elif a.quick:
@@ -95,22 +119,21 @@ def main(argv=None) -> int:
            "runs": []}
     with tempfile.TemporaryDirectory() as tmp:
         for name, (sizes, steps) in models.items():
-            plan = [(int(x), "compiled" if int(x) == 1 else "numpy")
-                    for x in a.parts.split(",")]
-            if a.conv and any(p == 1 for p, _ in plan):
-                plan.insert(1, (1, "numpy"))
+            # conv: each P on both engines, back to back (load from other jobs hits both)
+            plan = [(int(x), engine) for x in a.parts.split(",")
+                    for engine in (("compiled", "numpy") if a.conv else ("default",))]
             for parts, engine in plan:
                 if a.ranks % parts:
                     continue
                 bench_train.log(f"{name} {sizes} P={parts} ({engine})")
-                if engine == "numpy" and parts == 1:
+                if engine == "numpy":
                     os.environ["HPCPS_NO_EXTENSION"] = "1"
                 else:
                     os.environ.pop("HPCPS_NO_EXTENSION", None)
                 work = Path(tempfile.mkdtemp(dir=tmp))
                 if a.conv:
                     shape = ["--model", sizes]
-                    predicted = PartitionedConvNet(sizes, (1, 28, 28), "relu", parts,
+                    predicted = PartitionedConvNet(sizes, image, "relu", parts,
                                                    0).exchange_bytes(a.batch_size)
                 else:
                     shape = ["--layers", ",".join(map(str, sizes))]
@@ -123,7 +146,7 @@ def main(argv=None) -> int:
                                                              a.timeout))
                 out["runs"].append({
                     "model": name, "layers": sizes if a.conv else list(sizes),
-                    "partitions": parts, "engine": engine if a.conv else "default",
+                    "partitions": parts, "engine": engine,
                     "replicas": a.ranks // parts, "steps": s["steps_trained"],
                     "examples_per_s": s["examples_per_s"],
                     "replica_bytes_per_step": s.get("replica_bytes_per_step", 0),
@@ -134,6 +157,9 @@ def main(argv=None) -> int:
                     "compute_s_per_step": s.get("compute_s_per_step"),
                     "exchange_s_per_step": s.get("exchange_s_per_step", 0.0),
                     "allreduce_bytes_per_step": s["bytes_per_step"]})
+    os.environ.pop("HPCPS_NO_EXTENSION", None)
+    if a.conv:
+        out["conv_speedup"] = conv_speedup(out["runs"])
     out["bench_s"] = round(time.perf_counter() - t0, 1)
     text = json.dumps(out, indent=1)
     print(text)

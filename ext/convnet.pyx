@@ -48,6 +48,8 @@ cdef enum:
     K_POOL = 1
     K_FLAT = 2
     K_FC = 3
+    K_EXCH = 4      # a partition's exchange point: its output is the whole input of the next
+                    # layer, written by the caller between part_forward calls
 
 cdef enum:
     MODE_GRAD = 0       # the mean gradient into the caller's buffer, no update
@@ -78,7 +80,9 @@ cdef enum:
     O_DROP = 19         # fc: dropout threshold of its outputs (24 bits; 0: none)
     O_LAYER = 20        # fc: its parameter layer's index (the dropout masks' layer)
     O_DOUT = 21         # fc with dropout: offset of its dropped outputs in a context
-    N_COLS = 22
+    O_ULO = 22          # fc: index of its first unit in the whole layer (a partition's slice)
+    O_UALL = 23         # fc: units of the whole layer (the dropout masks' row length)
+    N_COLS = 24
 
 cdef enum:
     DROP_SHIFT = 40     # 64 - hpcps.model.convnet.DROP_BITS
@@ -91,18 +95,22 @@ cdef inline uint64_t _mix64(uint64_t z) noexcept nogil:
     return z ^ (z >> 31)
 
 
-cdef void _drop(float *z, float *out, int nb, int n, uint64_t key, int64_t draw,
-                int64_t layer, uint64_t thresh, float scale) noexcept nogil:
+cdef void _drop(float *z, float *out, int nb, int n, int width, int lo, uint64_t key,
+                int64_t draw, int64_t layer, uint64_t thresh, float scale) noexcept nogil:
     """out = z * mask (nb x n), or z *= mask in place when out is z: the masks of
-    hpcps.model.convnet.dropout_scale(p, key, draw, layer, nb, n)."""
+    hpcps.model.convnet.dropout_scale(p, key, draw, layer, nb, width, lo, lo + n) (units
+    lo .. lo+n-1 of a layer of ``width``: a partition's slice, or the whole layer)."""
     cdef uint64_t golden = <uint64_t> 0x9E3779B97F4A7C15ULL
     cdef uint64_t base = _mix64(key + golden * (<uint64_t> draw * 256 + <uint64_t> layer + 1))
-    cdef Py_ssize_t i, total = <Py_ssize_t> nb * n
-    for i in range(total):
-        if (_mix64(base + golden * <uint64_t> (i + 1)) >> DROP_SHIFT) >= thresh:
-            out[i] = z[i] * scale
-        else:
-            out[i] = 0.0
+    cdef Py_ssize_t r, j, i
+    for r in range(nb):
+        for j in range(n):
+            i = <Py_ssize_t> r * n + j
+            if (_mix64(base + golden * <uint64_t> (<Py_ssize_t> r * width + lo + j + 1))
+                    >> DROP_SHIFT) >= thresh:
+                out[i] = z[i] * scale
+            else:
+                out[i] = 0.0
 
 cdef void _im2col(const float *a, int nb, int C, int H, int W, int OH, int OW, int KH,
                   int KW, int S, int P, float *cols) noexcept nogil:
@@ -177,6 +185,23 @@ cdef void _windows_to_kernel(const float *Gt, int OC, int C, int KK, float *G) n
                 G[(<Py_ssize_t> o * C + c) * KK + k] = Gt[(<Py_ssize_t> o * KK + k) * C + c]
 
 
+def swap_outer(const float[:, :, ::1] a, float[:, :, ::1] out):
+    """out[k, j, i] = a[i, j, k]: the first and last axes swapped, without the GIL (a
+    partition's maps between the engine's NHWC and the exchange's (maps, positions, batch))."""
+    cdef Py_ssize_t I = a.shape[0], J = a.shape[1], K = a.shape[2], i, j, k
+    if out.shape[0] != K or out.shape[1] != J or out.shape[2] != I:
+        raise ValueError(f"out has shape {tuple(out.shape)[:3]}, not {(K, J, I)}")
+    if I == 0 or J == 0 or K == 0:
+        return
+    cdef const float *src = &a[0, 0, 0]
+    cdef float *dst = &out[0, 0, 0]
+    with nogil:
+        for j in range(J):
+            for i in range(I):
+                for k in range(K):
+                    dst[(k * J + j) * I + i] = src[(i * J + j) * K + k]
+
+
 cdef class ConvEngine:
     """T threads training one convolutional network's flat float32 parameters.
 
@@ -200,7 +225,8 @@ cdef class ConvEngine:
     cdef readonly int64_t[::1] draws     # ... and its next draw
     cdef int64_t[::1] cur                # the draw of the thread's step under way
     cdef float drop_scale
-    cdef Py_ssize_t in_off, d0_off, d1_off, cols_off, dcols_off, gt_off, g_off, sum_off
+    cdef readonly Py_ssize_t d0_off
+    cdef Py_ssize_t in_off, d1_off, cols_off, dcols_off, gt_off, g_off, sum_off
 
     cdef float *p_params
     cdef float *p_delta
@@ -233,6 +259,8 @@ cdef class ConvEngine:
         cols = 0
         wt = []
         for i in range(self.n_ops):
+            if self.ops[i, O_UALL] == 0:   # a whole layer: its units are all of them
+                self.ops[i, O_UALL] = self.ops[i, O_OC]
             n_out = self.ops[i, O_OC] * self.ops[i, O_OH] * self.ops[i, O_OW]
             widest = max(widest, n_out)
             self.ops[i, O_OUT] = off
@@ -293,9 +321,37 @@ cdef class ConvEngine:
         """Gather ``nb`` examples (rows of x/y, or x/y themselves when ``rows`` is NULL) into
         thread t's context and run the forward pass (with dropout when ``train``, the masks
         of draw cur[t]); returns the logits (nb x classes)."""
+        self._load(t, x, y, rows, nb)
+        return self._forward_ops(t, params, 0, self.n_ops, nb, train)
+
+    cdef void _load(self, int t, const float *x, const int64_t *y, const int64_t *rows,
+                    int nb) noexcept nogil:
+        """Examples (rows of x, or x itself when ``rows`` is NULL), C x H x W each, into
+        thread t's input in NHWC, and their labels (unless ``y`` is NULL)."""
+        cdef float *ctx = &self.work[t, 0]
+        cdef int64_t *lab = &self.labels[t, 0]
+        cdef int r, c, C, H, W
+        cdef Py_ssize_t k, j, n_in = self.n_in
+        cdef float *a = ctx + self.in_off
+        C, H, W = self.in_c, self.in_h, self.in_w
+        for r in range(nb):
+            k = rows[r] if rows != NULL else r
+            if y != NULL:
+                lab[r] = y[k]
+            if C == 1:
+                memcpy(a + <Py_ssize_t> r * n_in, x + k * n_in, n_in * sizeof(float))
+            else:
+                for c in range(C):
+                    for j in range(H * W):
+                        a[<Py_ssize_t> r * n_in + j * C + c] = x[k * n_in + c * H * W + j]
+
+    cdef float *_forward_ops(self, int t, const float *params, int lo, int hi, int nb,
+                             bint train) noexcept nogil:
+        """The forward pass of ops lo .. hi-1 in thread t's context, from the loaded input
+        (lo = 0) or op lo-1's output; returns op hi-1's output (its dropped copy when
+        ``train`` drops it). A K_EXCH op computes nothing: its output is the caller's."""
         cdef float *ctx = &self.work[t, 0]
         cdef int32_t *ictx = &self.iwork[t, 0]
-        cdef int64_t *lab = &self.labels[t, 0]
         cdef int i, r, c, oh, ow, p, q, C, H, W, OC, OH, OW, KH, KW, S, P, kind
         cdef int chunk, r0, nr, M, K
         cdef Py_ssize_t k, n_out, j, n_in = self.n_in, base, best_at, at
@@ -307,29 +363,23 @@ cdef class ConvEngine:
         cdef int32_t *arg
         cdef float m, v
         cdef const int64_t *o
+        cdef const int64_t *prev
 
-        # gather the examples, C x H x W rows into NHWC
-        a = ctx + self.in_off
-        C, H, W = self.in_c, self.in_h, self.in_w
-        for r in range(nb):
-            k = rows[r] if rows != NULL else r
-            lab[r] = y[k]
-            if C == 1:
-                memcpy(a + <Py_ssize_t> r * n_in, x + k * n_in, n_in * sizeof(float))
-            else:
-                for c in range(C):
-                    for j in range(H * W):
-                        a[<Py_ssize_t> r * n_in + j * C + c] = x[k * n_in + c * H * W + j]
-
-        # forward
-        for i in range(self.n_ops):
+        if lo == 0:
+            a = ctx + self.in_off
+        else:
+            prev = self.ops_p + (lo - 1) * N_COLS
+            a = ctx + (prev[O_DOUT] if train and prev[O_DROP] else prev[O_OUT])
+        for i in range(lo, hi):
             o = self.ops_p + i * N_COLS
             kind = <int> o[O_KIND]
             C, H, W = <int> o[O_C], <int> o[O_H], <int> o[O_W]
             OC, OH, OW = <int> o[O_OC], <int> o[O_OH], <int> o[O_OW]
             z = ctx + o[O_OUT]
             n_out = <Py_ssize_t> OC * OH * OW
-            if kind == K_CONV:
+            if kind == K_EXCH:
+                pass
+            elif kind == K_CONV:
                 KH, KW, S, P = <int> o[O_KH], <int> o[O_KW], <int> o[O_S], \
                     <int> o[O_P]
                 K = C * KH * KW
@@ -392,8 +442,9 @@ cdef class ConvEngine:
                 if o[O_ACT]:
                     _activate(self.act, z, nb * n_out)
                 if train and o[O_DROP]:   # the next layer reads the dropped copy
-                    _drop(z, ctx + o[O_DOUT], nb, OC, self.keys[t], self.cur[t], o[O_LAYER],
-                          <uint64_t> o[O_DROP], self.drop_scale)
+                    _drop(z, ctx + o[O_DOUT], nb, OC, <int> o[O_UALL], <int> o[O_ULO],
+                          self.keys[t], self.cur[t], o[O_LAYER], <uint64_t> o[O_DROP],
+                          self.drop_scale)
                     z = ctx + o[O_DOUT]
             a = z
 
@@ -404,26 +455,10 @@ cdef class ConvEngine:
         """Forward and backward over ``nb`` examples (rows of x/y, or x/y themselves when
         ``rows`` is NULL) in thread t's context: the mean loss's gradient (the sum's in
         MODE_SUM) into g, the loss sum into loss[t]."""
-        cdef float *ctx = &self.work[t, 0]
-        cdef int32_t *ictx = &self.iwork[t, 0]
         cdef int64_t *lab = &self.labels[t, 0]
-        cdef int i, r, c, C, H, W, OC, OH, OW, KH, KW, S, P, kind
-        cdef int chunk, r0, nr, M, K
-        cdef Py_ssize_t n, n_out, j, base
         cdef float *a
-        cdef float *z
-        cdef float *d
-        cdef float *dp
-        cdef float *Wp
-        cdef float *gW
-        cdef float *gb
-        cdef float *cols = ctx + self.cols_off
-        cdef float *dcols = ctx + self.dcols_off
-        cdef int32_t *arg
         cdef float inv_nb = 1.0 / nb
         cdef double loss = 0.0
-        cdef const int64_t *o
-        cdef const int64_t *prev
 
         if self.run_mode == MODE_SUM:
             inv_nb = 1.0
@@ -434,14 +469,36 @@ cdef class ConvEngine:
         # softmax cross-entropy; the logits become the output error (p - 1_y) / nb
         loss = _softmax_xent(a, lab, nb, self.n_classes, inv_nb)
         self.loss[t] += loss
+        self._backward_ops(t, params, 0, self.n_ops, a, nb, g)
 
-        # backward: d is the error at op i's output; dp receives the error at its input
-        d = a
-        for i in range(self.n_ops - 1, -1, -1):
+    cdef float *_backward_ops(self, int t, float *params, int lo, int hi, float *d, int nb,
+                              float *g) noexcept nogil:
+        """The backward pass of ops hi-1 down to lo in thread t's context, ``d`` the error at
+        op hi-1's output (overwritten): each op's parameters' gradient into g; returns the
+        error at the output of the K_EXCH op where it stops (or the last error computed)."""
+        cdef float *ctx = &self.work[t, 0]
+        cdef int32_t *ictx = &self.iwork[t, 0]
+        cdef int i, r, c, C, H, W, OC, OH, OW, KH, KW, S, P, kind
+        cdef int chunk, r0, nr, M, K
+        cdef Py_ssize_t n, n_out, j, base
+        cdef float *a
+        cdef float *z
+        cdef float *dp
+        cdef float *Wp
+        cdef float *gW
+        cdef float *gb
+        cdef float *cols = ctx + self.cols_off
+        cdef float *dcols = ctx + self.dcols_off
+        cdef int32_t *arg
+        cdef const int64_t *o
+        cdef const int64_t *prev
+
+        # d is the error at op i's output; dp receives the error at its input
+        for i in range(hi - 1, lo - 1, -1):
             o = self.ops_p + i * N_COLS
             kind = <int> o[O_KIND]
-            if (kind == K_FLAT or kind == K_POOL) and not o[O_DX]:
-                break   # nothing below needs an error
+            if kind == K_EXCH or ((kind == K_FLAT or kind == K_POOL) and not o[O_DX]):
+                break   # the caller takes the error from here, or nothing below needs one
             C, H, W = <int> o[O_C], <int> o[O_H], <int> o[O_W]
             OC, OH, OW = <int> o[O_OC], <int> o[O_OH], <int> o[O_OW]
             z = ctx + o[O_OUT]
@@ -455,8 +512,8 @@ cdef class ConvEngine:
             dp = ctx + (self.d0_off if d != ctx + self.d0_off else self.d1_off)
             if kind == K_FC:
                 if o[O_DROP]:   # the error at the dropped copy, through the mask
-                    _drop(d, d, nb, OC, self.keys[t], self.cur[t], o[O_LAYER],
-                          <uint64_t> o[O_DROP], self.drop_scale)
+                    _drop(d, d, nb, OC, <int> o[O_UALL], <int> o[O_ULO], self.keys[t],
+                          self.cur[t], o[O_LAYER], <uint64_t> o[O_DROP], self.drop_scale)
                 if o[O_ACT]:
                     _act_grad(self.act, z, d, nb * n_out)
                 Wp = params + o[O_WOFF]
@@ -517,6 +574,7 @@ cdef class ConvEngine:
                     r0 += nr
                 _windows_to_kernel(gW, OC, C, KH * KW, g + o[O_WOFF])
             d = dp
+        return d
 
     # -- one thread's share of a call ----------------------------------------------------
     cdef void _run(self, int t) noexcept nogil:
@@ -567,6 +625,46 @@ cdef class ConvEngine:
         self.p_y = &y[0]
         self.p_order = &order[0] if order.shape[0] > 0 else NULL
         self.n_order = order.shape[0]
+
+    # -- a partition of a model-parallel replica: the layers between two exchanges ------
+    def table(self):
+        """The op table with the engine's columns filled (each op's output offset, ...)."""
+        return np.array(self.ops)
+
+    def region(self, int t, Py_ssize_t off, Py_ssize_t n):
+        """Floats off .. off+n-1 of thread t's context, as a NumPy view (no copy)."""
+        return np.asarray(self.work[t, off:off + n])
+
+    def part_forward(self, int t, const float[::1] params, x, int lo, int hi, int nb,
+                     uint64_t key, int64_t draw, bint train):
+        """The forward pass of ops lo .. hi-1 over ``nb`` examples in thread t's context:
+        from the rows of ``x`` (float32, C x H x W each) when lo = 0, else from op lo-1's
+        output (a K_EXCH op's, which the caller filled with the whole input). With
+        ``train``, dropout draws the masks of (``key``, ``draw``)."""
+        cdef const float[:, ::1] xv
+        cdef const float *p = &params[0]
+        if lo == 0:
+            xv = x
+            with nogil:
+                self._load(t, &xv[0, 0], NULL, NULL, nb)
+        self.keys[t] = key
+        self.cur[t] = draw
+        with nogil:
+            self._forward_ops(t, p, lo, hi, nb, train)
+
+    def part_backward(self, int t, const float[::1] params, int lo, int hi, int nb,
+                      float[::1] grad):
+        """The backward pass of ops hi-1 down to lo in thread t's context, after
+        :meth:`part_forward` of the same ops (with ``train``), from the error at op hi-1's
+        output, which the caller wrote at ``d0_off``: the gradient of their parameters into
+        ``grad`` (at their offsets). Returns the offset in the context of the error at the
+        output of op lo when it is a K_EXCH op (the whole input's error)."""
+        cdef float *ctx = &self.work[t, 0]
+        cdef float *d
+        with nogil:
+            d = self._backward_ops(t, <float *> &params[0], lo, hi, ctx + self.d0_off, nb,
+                                   &grad[0])
+        return d - ctx
 
     def train(self, float[::1] params, const float[:, ::1] x, const int64_t[::1] y,
               const int64_t[::1] order, float lr, Py_ssize_t steps_per_thread, delta):

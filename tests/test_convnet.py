@@ -421,6 +421,143 @@ def test_partitioned_conv_exchange_bytes_follow_the_formula(parts):
     assert [sum(w) for w in m.widths] == [10 * 12 * 12, 20 * 4 * 4, 40, 10]
 
 
+COMPILED_PARTITIONED = PARTITIONED + [("adam-mnist", (1, 28, 28))]
+needs_engine = pytest.mark.skipif(not conv_hogwild.HAVE_EXTENSION,
+                                  reason="the compiled conv engine is not built")
+
+
+def run_compiled_partitions(spec, shape, activation, parts, fn, dropout=0.0, batch=4):
+    """``fn(compiled, numpy)`` on each of ``parts`` partitions: the compiled partition and
+    the NumPy one it wraps (same exchange, same dropout stream), as threads of this process."""
+    from test_model import run_partitioned
+    return run_partitioned(None, None, parts, lambda m: fn(conv_hogwild.CompiledPartition(
+        m, batch), m), make=lambda p, ex: convnet.PartitionedConvNet(
+        spec, shape, activation, parts, p, ex, dropout))
+
+
+@needs_engine
+@pytest.mark.parametrize("parts", [1, 2, 3, 4])
+@pytest.mark.parametrize("activation", ["relu", "tanh"])
+@pytest.mark.parametrize("spec,shape", COMPILED_PARTITIONED,
+                         ids=["small", "flatten", "fc-only", "conv-conv", "adam-mnist"])
+def test_compiled_partition_equals_the_whole_model_and_the_numpy_partition(spec, shape,
+                                                                           activation, parts):
+    """float32: the compiled partition's loss is the whole model's and its gradient the
+    whole model's slice (to 1e-5), and so are the NumPy partition's; its logits too, also
+    over more rows than the engine's batch (forward passes in chunks)."""
+    whole = ConvNet(spec, shape, activation)
+    rng = np.random.default_rng(2)
+    p = (whole.init_params(4) + rng.normal(size=whole.n_params) * 0.05).astype(np.float32)
+    x = rng.random((6, int(np.prod(shape)))).astype(np.float32)
+    y = rng.integers(0, whole.n_classes, 6)
+    loss, g = whole.loss_and_grad(p, x, y)
+    xe = rng.random((11, x.shape[1])).astype(np.float32)
+    logits = whole.forward(p, xe)[-1]
+
+    def job(compiled, model):
+        local = model.local_from_full(whole.views(p))
+        grad = np.full(model.n_params, np.nan, dtype=np.float32)  # every entry overwritten
+        out = compiled.forward(local, xe)[-1]                      # 11 rows, batch 4
+        l1, g1 = compiled.loss_and_grad(local, x, y, grad)         # 6 rows: the engine grows
+        l2, g2 = model.loss_and_grad(local, x, y)
+        return out, l1, g1, l2, g2
+
+    results = run_compiled_partitions(spec, shape, activation, parts, job)
+    model = convnet.PartitionedConvNet(spec, shape, activation, parts, 0)
+    for q, (out, l1, g1, l2, g2) in enumerate(results):
+        np.testing.assert_allclose(out, logits, rtol=1e-5, atol=1e-5)
+        assert l1 == pytest.approx(loss, abs=1e-5) and l1 == pytest.approx(l2, abs=1e-5)
+        want = model.local_from_full(whole.views(g), q)
+        np.testing.assert_allclose(g1, want, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(g1, g2, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(model.full_from_parts([r[2] for r in results]), g, rtol=1e-5,
+                               atol=1e-5)
+
+
+@needs_engine
+@pytest.mark.parametrize("parts", [2, 3])
+def test_compiled_partition_drops_the_units_the_numpy_partition_drops(parts):
+    """With dropout, the compiled partition's masks for its slice of each hidden fc layer
+    are the NumPy partition's (the whole model's, cut): the same loss and gradient for the
+    same draw, and both take the stream's next draw when none is given."""
+    spec, shape = "conv3x3x6p1,pool2,fc12,fc9,fc4", (1, 6, 6)
+    whole = ConvNet(spec, shape, "relu", dropout=0.4)
+    rng = np.random.default_rng(5)
+    p = whole.init_params(1)
+    x = rng.random((7, 36)).astype(np.float32)
+    y = rng.integers(0, 4, 7)
+    want_loss, want = whole.loss_and_grad(p, x, y, draw=3)
+
+    def job(compiled, model):
+        local = model.local_from_full(whole.views(p))
+        l1, g1 = compiled.loss_and_grad(local, x, y, draw=3)
+        l2, g2 = model.loss_and_grad(local, x, y, draw=3)
+        return l1, g1.copy(), l2, g2
+
+    results = run_compiled_partitions(spec, shape, "relu", parts, job, dropout=0.4, batch=8)
+    model = convnet.PartitionedConvNet(spec, shape, "relu", parts, 0)
+    for q, (l1, g1, l2, g2) in enumerate(results):
+        assert l1 == pytest.approx(want_loss, abs=1e-5) and l1 == pytest.approx(l2, abs=1e-5)
+        np.testing.assert_allclose(g1, g2, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(g1, model.local_from_full(whole.views(want), q), rtol=1e-5,
+                                   atol=1e-5)
+
+
+@needs_engine
+def test_swap_outer_is_numpys_transpose_of_the_outer_axes():
+    """The kernel between the engine's NHWC blocks and the exchange's (maps, positions,
+    batch): ``a.transpose(2, 1, 0)``, its reference; a wrong output shape is refused."""
+    a = np.random.default_rng(0).random((3, 5, 7), dtype=np.float32)
+    out = np.empty((7, 5, 3), dtype=np.float32)
+    conv_hogwild._compiled.swap_outer(a, out)
+    np.testing.assert_array_equal(out, a.transpose(2, 1, 0))
+    with pytest.raises(ValueError, match="not"):
+        conv_hogwild._compiled.swap_outer(a, np.empty((5, 7, 3), dtype=np.float32))
+
+
+@needs_engine
+def test_partition_op_table_puts_an_exchange_before_every_layer_that_mixes_maps():
+    """adam-mnist over 3 partitions: five segments (one per layer with parameters), each
+    after the first opening with the exchange of the whole input (pooled maps in NHWC
+    before conv2, the flattened 20x4x4 maps before fc400, then units); each partition's
+    conv and fc rows hold its own maps and units over every input."""
+    m = convnet.PartitionedConvNet("adam-mnist", (1, 28, 28), "relu", 3, 1)
+    table, segments = conv_hogwild.partition_op_table(m)
+    col = {c: table[:, i] for i, c in enumerate(conv_hogwild.COLUMNS)}
+    assert len(segments) == 5 and segments[0][0] == 0 and segments[-1][1] == len(table)
+    starts = [lo for lo, _ in segments[1:]]
+    assert list(col["kind"][starts]) == [conv_hogwild.K_EXCH] * 4
+    assert [(col["c"][i], col["h"][i]) for i in starts] == [(10, 12), (320, 1), (400, 1),
+                                                            (400, 1)]
+    held = [m.cols[l][1] for l in range(5)]   # (first, one past the last) of partition 1
+    convs = np.flatnonzero(col["kind"] == conv_hogwild.K_CONV)
+    assert list(col["c"][convs]) == [1, 10]
+    assert list(col["oc"][convs]) == [hi - lo for lo, hi in held[:2]]
+    fcs = np.flatnonzero(col["kind"] == conv_hogwild.K_FC)
+    assert list(col["oc"][fcs]) == [hi - lo for lo, hi in held[2:]]
+    assert list(col["ulo"][fcs]) == [lo for lo, _ in held[2:]]
+    assert list(col["uall"][fcs]) == [400, 400, 10]
+    assert conv_hogwild.compiled_partition(m) is not m
+    mlp = convnet.build_partition(config.parse(["--layers", "8,6,4"]), None, 2, 0)
+    assert conv_hogwild.compiled_partition(mlp) is mlp   # an MLP's partition stays NumPy
+
+
+@needs_engine
+@pytest.mark.parametrize("threads", [1, 2])
+def test_compiled_partitions_train_digits_over_two_ranks(digits_h5, tmp_path, threads):
+    """sync with --partitions 2 (and --threads 2: thread t of each rank meets thread t of
+    the other over its own communicator) trains the digits conv model on the compiled
+    partitions to the accuracy the whole model reaches."""
+    r = train(2, "--strategy", "sync", "--model", DIGITS_CONV, "--partitions", "2",
+              "--threads", str(threads), "--steps", "200", "--batch-size", "16", "--lr", "0.05",
+              "--optimizer", "sgd", "--eval-every", "0", "--timeout", "60", "--data",
+              str(digits_h5), "--run-dir", str(tmp_path / "run"), timeout=120)
+    assert r.returncode == 0, r.output[-3000:]
+    acc = [float(line.split("final test accuracy: ")[1].split("%")[0]) for line in
+           r.output.splitlines() if "final test accuracy" in line]
+    assert acc and acc[0] >= 80, r.output[-2000:]
+
+
 def test_partitioned_conv_refuses_a_layer_narrower_than_P():
     with pytest.raises(ConfigError, match="layer fc3 has 3 units, fewer than --partitions 4"):
         convnet.PartitionedConvNet("conv3x3x4,fc3", (1, 5, 5), "relu", 4, 0)

@@ -10,7 +10,9 @@ import numpy as np
 import pytest
 from test_model import ThreadExchange
 
+from hpcps.engine import conv_hogwild
 from hpcps.errors import ConfigError
+from hpcps.model.convnet import ConvNet, PartitionedConvNet
 from hpcps.model.mlp import MLP, PartitionedMLP
 from hpcps.engine.partitioned_hogwild import (
     HogwildThreadTimeout,
@@ -131,6 +133,52 @@ def test_threads_in_partitions_learn():
     final = model.full_from_parts([r[0] for r, _ in out])
     init = teacher.init_params(1)
     assert teacher.loss(final, x, y) < 0.7 * teacher.loss(init, x, y)
+
+
+@pytest.mark.skipif(not conv_hogwild.HAVE_EXTENSION, reason="the compiled conv engine is not built")
+@pytest.mark.parametrize("parts,threads", [(2, 2), (3, 2)])
+def test_compiled_conv_partitions_in_threads_compute_the_whole_models_gradient(parts, threads):
+    """A conv model's partitions on the compiled engine (what ``--model`` with ``--threads``
+    and ``--partitions`` trains), lr = 0: thread t's gradient across the partitions is the
+    whole ConvNet's on its rows."""
+    spec, shape, batch = "conv3x3x6p1,pool2,conv3x3x5,fc7,fc4", (1, 8, 8), 6
+    whole = ConvNet(spec, shape)
+    rng = np.random.default_rng(3)
+    x = rng.random((threads * batch, 64)).astype(np.float32)
+    y = rng.integers(0, 4, threads * batch)
+    full = whole.init_params(2)
+    slots = [ThreadExchange(parts) for _ in range(threads)]
+    out = [None] * parts
+
+    def rank(p):
+        engine = PartitionedHogwild(None, "relu", parts, p, [s.for_part(p) for s in slots],
+                                    30.0, make_model=lambda ex: conv_hogwild.compiled_partition(
+                                        PartitionedConvNet(spec, shape, "relu", parts, p, ex),
+                                        batch))
+        try:
+            assert all(isinstance(m, conv_hogwild.CompiledPartition) for m in engine.models)
+            params = engine.models[0].model.local_from_full(whole.views(full))
+            loss_sum, n = engine.train(params, x, y, 0.0)
+            out[p] = (loss_sum, n, [g.copy() for g in engine.grads])
+        finally:
+            engine.close()
+
+    ranks = [threading.Thread(target=rank, args=(p,), daemon=True) for p in range(parts)]
+    for r in ranks:
+        r.start()
+    for r in ranks:
+        r.join(60)
+    assert all(o is not None for o in out), "a partition rank failed or hung"
+    model = PartitionedConvNet(spec, shape, "relu", parts, 0)
+    expect = 0.0
+    for t in range(threads):
+        rows = slice(t * batch, (t + 1) * batch)
+        loss, grad = whole.loss_and_grad(full, x[rows], y[rows])
+        expect += loss * batch
+        np.testing.assert_allclose(model.full_from_parts([o[2][t] for o in out]), grad,
+                                   rtol=1e-5, atol=1e-5)
+    for loss_sum, n, _ in out:
+        assert n == threads * batch and loss_sum == pytest.approx(expect, rel=1e-5)
 
 
 class FailingSlot:

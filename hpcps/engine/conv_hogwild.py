@@ -13,6 +13,12 @@ from the model by :func:`op_table`. Without the extension (not built, or
 ``HPCPS_NO_EXTENSION=1``) they run the model's NumPy code, the reference the tests compare the
 compiled engine with: NumPy's BLAS releases the GIL during each GEMM and each large
 elementwise operation, so the threads overlap there and serialize in the Python between them.
+
+A partition of a model-parallel ConvNet (``--partitions P``) runs on the same engine:
+:func:`partition_op_table` describes its slice of every layer, with an exchange op before each
+layer that mixes maps, and :class:`CompiledPartition` runs the layers between two exchanges in
+the engine and the exchanges (the model's own) between them; :func:`compiled_partition` picks
+it for a partition when the extension is built.
 """
 from __future__ import annotations
 
@@ -23,17 +29,20 @@ import threading
 import numpy as np
 
 from hpcps.blocks import block_range
-from hpcps.model.convnet import ConvNet, drop_threshold, thread_key
+from hpcps.model.convnet import ConvNet, PartitionedConvNet, SoftmaxOutput, drop_threshold, \
+    thread_key
+from hpcps.model.mlp import MLP
 from hpcps.kernels import blas, load_extension
 
 _compiled, _ = load_extension("_convnet", None, "hpcps.engine.conv_hogwild")
 HAVE_EXTENSION = _compiled is not None
 
 # op kinds and the op table's columns: ext/convnet.pyx's K_* and O_* enums
-K_CONV, K_POOL, K_FLAT, K_FC = range(4)
+K_CONV, K_POOL, K_FLAT, K_FC, K_EXCH = range(5)
 CHUNK_FLOATS = 65536  # ext/convnet.pyx: the largest im2col chunk, in floats
 COLUMNS = ("kind", "c", "h", "w", "oc", "oh", "ow", "kh", "kw", "stride", "pad", "w_off",
-           "b_off", "act", "dx", "out", "arg", "chunk", "wt", "drop", "layer", "dout")
+           "b_off", "act", "dx", "out", "arg", "chunk", "wt", "drop", "layer", "dout", "ulo",
+           "uall")
 
 
 def op_table(model: ConvNet) -> np.ndarray:
@@ -72,9 +81,72 @@ def op_table(model: ConvNet) -> np.ndarray:
         else:
             drop = drop_threshold(model.dropout) if model.dropout and not op.last else 0
             row(K_FC, ins, (s.out, 1, 1), act=int(not op.last), drop=drop, layer=op.param,
-                **params)
+                uall=s.out, **params)
         below = True
     return np.array(rows, dtype=np.int64).reshape(-1, len(COLUMNS))
+
+
+def partition_op_table(model: PartitionedConvNet) -> tuple[np.ndarray, list[tuple[int, int]]]:
+    """The compiled engine's description of partition ``model.part`` of a model-parallel
+    ConvNet, and its segments: the op ranges [lo, hi) between two exchanges.
+
+    Rows as :func:`op_table`'s, for this partition's slice: a conv layer's ``oc`` is its
+    own maps over all ``c`` input maps, an fc layer's its own units (``ulo`` the first, of
+    ``uall``: where its dropout masks start), offsets in the local vector; pooling works
+    on the local maps. Before every layer that mixes maps or units but the first a
+    K_EXCH row stands for the exchange: its output is the whole input of the layer, which
+    the caller writes (the maps in NHWC, or the flattened C, H, W values before an fc
+    layer: what the gathered blocks are, so no flatten row follows a partitioned layer).
+    Every segment but the first starts with a K_EXCH row."""
+    offsets, off = {}, 0
+    for name, shape in model._shapes(model.part):
+        offsets[name] = off
+        off += int(np.prod(shape))
+    rows: list[list[int]] = []
+    starts = [0]
+    shape = tuple(model.input_shape)   # what the engine holds per example, (C, H, W)
+    local, below, l = False, False, -1
+
+    def row(kind, ins, outs, **kw):
+        r = dict.fromkeys(COLUMNS, 0)
+        r.update(kind=kind, c=ins[0], h=ins[1], w=ins[2], oc=outs[0], oh=outs[1], ow=outs[2],
+                 dx=int(below), **kw)
+        rows.append([int(r[c]) for c in COLUMNS])
+
+    for op in model.full.ops:
+        s = op.spec
+        if s.kind == "pool":
+            out = (shape[0],) + tuple(op.out_shape[1:])
+            row(K_POOL, shape, out, kh=s.kh, kw=s.kh, stride=s.stride)
+            shape = out
+            continue
+        if s.kind == "flatten" or (s.kind == "fc" and not local and shape[1:] != (1, 1)):
+            if not local and shape[1:] != (1, 1):   # flatten the whole input's maps
+                n = int(np.prod(shape))
+                row(K_FLAT, shape, (n, 1, 1))
+                shape = (n, 1, 1)
+            if s.kind == "flatten":
+                continue
+        l += 1
+        lo, hi = model.cols[l][model.part]
+        if local:   # every partition's block of the layer's input, gathered by the caller
+            starts.append(len(rows))
+            shape = tuple(op.in_shape) if s.kind == "conv" else (int(np.prod(op.in_shape)), 1, 1)
+            row(K_EXCH, shape, shape)
+        params = dict(w_off=offsets[f"layer{l}/W"], b_off=offsets[f"layer{l}/b"])
+        if s.kind == "conv":
+            out = (hi - lo,) + tuple(op.out_shape[1:])
+            row(K_CONV, shape, out, kh=s.kh, kw=s.kw, stride=s.stride, pad=s.pad, act=1,
+                **params)
+        else:
+            out = (hi - lo, 1, 1)
+            drop = drop_threshold(model.dropout) if model.dropout and not op.last else 0
+            row(K_FC, shape, out, act=int(not op.last), drop=drop, layer=l, ulo=lo,
+                uall=s.out, **params)
+        shape, local, below = out, True, True
+    bounds = starts + [len(rows)]
+    table = np.array(rows, dtype=np.int64).reshape(-1, len(COLUMNS))
+    return table, list(zip(bounds[:-1], bounds[1:]))
 
 
 def conv_shapes(table: np.ndarray, batch: int) -> tuple:
@@ -314,3 +386,148 @@ class ConvHogwild:
             self._order(np.arange(len(x)), x, y)
             return self._engine.loss_and_grad(params, _rows(x), _labels(y), grad), grad
         return self.model.loss_and_grad(params, x, y, grad)
+
+
+def _swap(a: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """``a`` (I, J, K) with its first and last axes swapped, into ``out`` (K, J, I) or a new
+    array: the compiled kernel, which releases the GIL (Hogwild threads overlap there)."""
+    if out is None:
+        out = np.empty(a.shape[::-1], dtype=np.float32)
+    _compiled.swap_outer(np.ascontiguousarray(a, dtype=np.float32), out)
+    return out
+
+
+class CompiledPartition(SoftmaxOutput):
+    """One partition of a model-parallel ConvNet computed by the compiled engine.
+
+    ``model`` (a :class:`~hpcps.model.convnet.PartitionedConvNet`) is the partition: its
+    slices, its exchange, its dropout stream; this computes what its ``loss_and_grad`` and
+    forward pass compute, with the layers between two exchanges run by
+    ``ext/convnet.pyx`` (:meth:`ConvEngine.part_forward` and ``part_backward``, nogil, over
+    the ops of :func:`partition_op_table`) and the exchanges in between unchanged: the
+    same ``gather`` and ``scatter_sum`` of the same (values, batch) blocks. The softmax of
+    the gathered logits is NumPy's (B x classes). Each instance owns one engine context:
+    one per Hogwild thread (:class:`hpcps.engine.partitioned_hogwild.PartitionedHogwild`
+    makes a model per thread). A float64 vector goes to ``model``'s NumPy code.
+
+    Parameters
+    ----------
+    model : the partition.
+    batch : examples per call the engine is sized for (it grows for a larger mini-batch;
+        forward passes alone run in chunks of it).
+    """
+
+    def __init__(self, model: PartitionedConvNet, batch: int = 128):
+        if not HAVE_EXTENSION:
+            raise ValueError("the compiled conv engine is not built")
+        self.model = model
+        self.exchange = model.exchange
+        self.n_params = model.n_params
+        self.input_shape = model.input_shape
+        self.n_features = model.n_features
+        self.table, self.segments = partition_op_table(model)
+        self._engine = None
+        self._batch = 0
+        self._grow(max(1, int(batch)))
+
+    def _grow(self, batch: int) -> None:
+        m = self.model
+        self._engine = _compiled.ConvEngine(self.table, m.n_params, m.input_shape, 1, batch,
+                                            m.activation, m.dropout)
+        ops = self._engine.table()  # with the offsets of every op's output
+        self._ops = {name: [int(v) for v in ops[:, i]] for i, name in enumerate(COLUMNS)}
+        self._batch = batch
+
+    def _out(self, i: int, nb: int, dropped: bool) -> np.ndarray:
+        """Op i's output (nb, positions, maps): its dropped copy after a training pass."""
+        ops = self._ops
+        c, hw = ops["oc"][i], ops["oh"][i] * ops["ow"][i]
+        off = ops["dout" if dropped and ops["drop"][i] else "out"][i]
+        return self._engine.region(0, off, nb * hw * c).reshape(nb, hw, c)
+
+    def _forward(self, flat, x, draw: int | None) -> np.ndarray:
+        """The whole logits of ``x`` (at most the engine's batch), gathered; with dropout
+        (training) when ``draw`` is given."""
+        nb, eng, m = len(x), self._engine, self.model
+        train = draw is not None
+        key = m.full.dropout_key
+        last = len(self.segments) - 1
+        for k, (lo, hi) in enumerate(self.segments):
+            eng.part_forward(0, flat, x, lo, hi, nb, key, draw or 0, train)
+            out = self._out(hi - 1, nb, train)      # this partition's maps or units
+            whole = self.exchange.gather(_swap(out).reshape(-1, nb), m.widths[k])
+            if k == last:
+                return np.ascontiguousarray(whole.T)
+            nxt = self.segments[k + 1][0]             # its K_EXCH op takes the whole input
+            dst = self._out(nxt, nb, False)
+            _swap(whole.reshape(dst.shape[::-1]), dst)
+        raise AssertionError("unreachable: a model has at least one segment")
+
+    def _check(self, flat, x):
+        if flat.shape != (self.n_params,):
+            raise ValueError(f"local vector has shape {flat.shape}, partition "
+                             f"{self.model.part} needs ({self.n_params},)")
+        if x.ndim != 2 or x.shape[1] != self.n_features:
+            raise ValueError(f"x has shape {x.shape}; this model takes (B, {self.n_features})")
+
+    def _run(self, flat, x, keep: bool = False, draw: int | None = None):
+        """(whole logits, None): forward passes only, in chunks of the engine's batch."""
+        if flat.dtype != np.float32:
+            return self.model._run(flat, x, keep, draw)
+        self._check(flat, x)
+        x = _rows(x)
+        chunks = [self._forward(flat, x[lo:lo + self._batch], None)
+                  for lo in range(0, len(x), self._batch)] or [self.model._run(flat, x, False)[0]]
+        return (chunks[0] if len(chunks) == 1 else np.concatenate(chunks)), None
+
+    def forward(self, flat, x) -> list[np.ndarray]:
+        return [x, self._run(flat, x)[0]]
+
+    def loss_and_grad(self, flat: np.ndarray, x: np.ndarray, y: np.ndarray,
+                      grad: np.ndarray | None = None, draw: int | None = None
+                      ) -> tuple[float, np.ndarray]:
+        """As :meth:`PartitionedConvNet.loss_and_grad`: the mean loss of the whole replica
+        and this partition's gradient (``grad`` overwritten), dropout masks of ``draw``
+        (default the stream's next)."""
+        m = self.model
+        if flat.dtype != np.float32:
+            return m.loss_and_grad(flat, x, y, grad, draw)
+        self._check(flat, x)
+        if grad is None:
+            grad = np.empty(self.n_params, dtype=np.float32)
+        if grad.dtype != np.float32 or grad.shape != flat.shape or not grad.flags.c_contiguous:
+            raise ValueError("grad must be a contiguous float32 vector like flat")
+        nb = len(x)
+        if nb > self._batch:
+            self._grow(nb)
+        if m.dropout and draw is None:
+            draw = m.full.next_draw()
+        logits = self._forward(flat, _rows(x), 0 if draw is None else draw)
+        loss, probs = MLP._softmax_xent_grad(logits, np.asarray(y))
+        eng, d0 = self._engine, self._engine.d0_off
+        lo, hi = m.cols[-1][m.part]
+        eng.region(0, d0, nb * (hi - lo)).reshape(nb, hi - lo)[...] = probs[:, lo:hi]
+        for k in range(len(self.segments) - 1, -1, -1):
+            first, end = self.segments[k]
+            off = eng.part_backward(0, flat, first, end, nb, grad)
+            if k == 0:
+                break
+            # the error at the whole input of op `first`: each partition's share, summed,
+            # each keeping its own block (the NumPy path's reduce-scatter)
+            c, hw = self._ops["oc"][first], self._ops["oh"][first] * self._ops["ow"][first]
+            err = eng.region(0, off, nb * hw * c).reshape(nb, hw, c)
+            mine = self.exchange.scatter_sum(_swap(err).reshape(-1, nb), m.widths[k - 1])
+            prev = self.segments[k - 1][1] - 1        # the op whose output that block is
+            cq = self._ops["oc"][prev]
+            dst = eng.region(0, d0, mine.size).reshape(nb, -1, cq)
+            _swap(mine.reshape(dst.shape[::-1]), dst)
+        return loss, grad
+
+
+def compiled_partition(model, batch: int = 128):
+    """``model`` computed by the compiled engine where there is one for it: a
+    :class:`CompiledPartition` of a :class:`PartitionedConvNet` when the extension is built,
+    else ``model`` itself (an MLP's partition, or the NumPy reference)."""
+    if isinstance(model, PartitionedConvNet) and HAVE_EXTENSION:
+        return CompiledPartition(model, batch)
+    return model

@@ -3,8 +3,10 @@
 
 With P = 1 the compiled engine (:mod:`hpcps.engine.hogwild`) trains the whole model in one rank.
 With P > 1 every forward and backward pass needs the other P-1 ranks of the replica at every
-layer, so each of the T threads here runs its own mini-batch through its own
-:class:`~hpcps.model.mlp.PartitionedMLP`, whose exchange is the thread's own: thread t of every
+layer, so each of the T threads here runs its own mini-batch through its own partition (a
+:class:`~hpcps.model.mlp.PartitionedMLP`, or what ``make_model`` builds: for a conv model a
+:class:`hpcps.engine.conv_hogwild.CompiledPartition`, whose layers run in the compiled
+engine without the GIL), whose exchange is the thread's own: thread t of every
 partition rank talks only to thread t of the others (over its own duplicate of the replica
 communicator, see :class:`hpcps.strategies.gradients.GradientSource`), so the collectives of
 different threads never mix. Each partition rank splits the rows it is given the same way
@@ -19,10 +21,10 @@ p's thread t' applied its step while partition q's thread t read q's weights bef
 thread t' did. That is a torn read across the replica instead of across one matrix, of the
 same size (one concurrent step) and tolerated for the same reasons.
 
-NumPy's matmul releases the GIL, so the threads' GEMMs overlap; Python between them does
-not. BLAS must run one thread per calling thread (``OPENBLAS_NUM_THREADS=1``, which
-``train.py`` sets; with ``threadpoolctl`` installed :meth:`PartitionedHogwild.train` also
-limits it for the call).
+NumPy's matmul (and the compiled conv engine) releases the GIL, so the threads' GEMMs
+overlap; Python between them does not. BLAS must run one thread per calling thread
+(``OPENBLAS_NUM_THREADS=1``, which ``train.py`` sets; with ``threadpoolctl`` installed
+:meth:`PartitionedHogwild.train` also limits it for the call).
 
 Failure: the calling thread runs thread 0's mini-batch itself and the T-1 others run in
 daemon worker threads. An exception in any thread is raised by :meth:`train` (annotated
@@ -70,7 +72,8 @@ class PartitionedHogwild:
         it (each exchange wait inside it has its own timeout naming the peer; this is the
         backstop when a thread is stuck elsewhere).
     make_model : ``make_model(exchange)``, the partition of another model to train instead
-        of the MLP of ``sizes`` (a :class:`hpcps.model.convnet.PartitionedConvNet`).
+        of the MLP of ``sizes`` (a :class:`hpcps.engine.conv_hogwild.CompiledPartition`, or a
+        :class:`hpcps.model.convnet.PartitionedConvNet` without the extension).
     """
 
     def __init__(self, sizes, activation: str, parts: int, part: int, exchanges,

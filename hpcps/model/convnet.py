@@ -436,7 +436,10 @@ class PartitionedConvNet(SoftmaxOutput):
     which the first fc layer reads the flattened maps. ``exchange`` is any object with
     ``gather`` and ``scatter_sum`` (:class:`hpcps.mpi.comm.ReplicaExchange` between ranks,
     :class:`hpcps.model.mlp.SingleExchange` for P = 1, a thread exchange in the tests); with
-    ``parts == 1`` this computes what :class:`ConvNet` does.
+    ``parts == 1`` this computes what :class:`ConvNet` does. This is the NumPy reference of
+    a partition; training runs its compiled counterpart where the extension is built
+    (:class:`hpcps.engine.conv_hogwild.CompiledPartition`, which uses this object's slices,
+    exchange and dropout stream).
 
     Bytes one rank p sends per mini-batch of B examples (float32), where n_l is the number of
     values per example at the input of the l-th layer with parameters (l = 1 .. L-1; n_L: the

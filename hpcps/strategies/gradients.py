@@ -44,8 +44,11 @@ class GradientSource(PassTimer):
     (:meth:`hpcps.engine.hogwild.HogwildEngine.loss_and_grad`: BLAS without temporaries, the first
     layer skipping zero inputs; for a conv model
     :meth:`hpcps.engine.conv_hogwild.ConvHogwild.loss_and_grad`) when the model is whole and the
-    engine is built, else through ``model.loss_and_grad`` (NumPy; always so with P > 1).
-    Both compute the same gradient, to float32 rounding.
+    engine is built, else through ``model.loss_and_grad`` (NumPy). A partition of a conv
+    model (P > 1) runs its layers in the compiled engine too
+    (:class:`hpcps.engine.conv_hogwild.CompiledPartition`, the exchanges between them as
+    the NumPy path's); a partition of an MLP runs NumPy's. Both compute the same gradient,
+    to float32 rounding.
 
     The threads each take one SGD step (rate ``--lr``) on a scratch copy of the parameters,
     lock-free, and record the updates they applied; the mean gradient they stand for,
@@ -82,6 +85,7 @@ class GradientSource(PassTimer):
             self.delta = np.empty(n, dtype=np.float32)
             self.lr = float(cfg.lr)
         if self.partitioned:
+            from hpcps.engine.conv_hogwild import compiled_partition
             from hpcps.engine.partitioned_hogwild import PartitionedHogwild
             comms = dup_comm(ctx.grid.replica_comm, self.threads, cfg.timeout,
                              "the other partitions of this replica to duplicate the replica "
@@ -92,9 +96,9 @@ class GradientSource(PassTimer):
             self.engine = PartitionedHogwild(
                 cfg.layers, cfg.activation, ctx.model.parts, ctx.model.part, self.exchanges,
                 timeout=cfg.timeout * 2 * ctx.model.n_layers,
-                make_model=lambda ex: build_partition(cfg, ctx.full_model, ctx.model.parts,
-                                                      ctx.model.part, ex,
-                                                      self.exchanges.index(ex)))
+                make_model=lambda ex: compiled_partition(
+                    build_partition(cfg, ctx.full_model, ctx.model.parts, ctx.model.part, ex,
+                                    self.exchanges.index(ex)), cfg.batch_size))
             self._seen = (0, 0.0)  # the threads' exchange figures already reported
         elif self.threads > 1:
             from hpcps.engine.conv_hogwild import engine_for
@@ -103,7 +107,11 @@ class GradientSource(PassTimer):
             self.order = np.arange(self.batch)
         self.weight_decay = np.float32(cfg.weight_decay or 0.0)
         self.compiled_one = None
-        if self.threads == 1 and not ctx.partitioned:
+        if self.threads == 1 and ctx.partitioned:
+            from hpcps.engine.conv_hogwild import compiled_partition
+            one = compiled_partition(ctx.model, cfg.batch_size)
+            self.compiled_one = one if one is not ctx.model else None
+        elif self.threads == 1:
             from hpcps.engine import conv_hogwild, hogwild
             if cfg.model is None and hogwild.HAVE_EXTENSION:
                 self.compiled_one = hogwild.HogwildEngine(cfg.layers, cfg.activation,
