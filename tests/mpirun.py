@@ -79,16 +79,18 @@ def launch_flags(flavor: str | None = None) -> list[str]:
     return flags
 
 
-def mpiexec_cmd(n: int, *, survive_rank_death: bool = False) -> list[str]:
+def mpiexec_cmd(n: int, *, survive_rank_death: bool = False, ulfm: bool = False) -> list[str]:
     """``[mpiexec, flags..., -n, n]`` for this MPI (:func:`launch_flags`). With
     ``survive_rank_death``, the launcher is told to leave the other ranks running when one
     dies: MPICH's ``-disable-auto-cleanup`` (with ranks started through ``hpcps.keeper``:
     :func:`rank_module`, docs/fault-tolerance.md), Open MPI's ``--enable-recovery``
-    (docs/mpi.md)."""
+    (docs/mpi.md), or with ``ulfm`` Open MPI's ``--with-ft ulfm`` (MPI then reports the
+    death to the survivors as ``MPI_ERR_PROC_FAILED``)."""
     flavor = mpi_flavor()
     survive = []
     if survive_rank_death:
-        survive = ["--enable-recovery"] if flavor == "openmpi" else ["-disable-auto-cleanup"]
+        survive = (["--with-ft", "ulfm"] if ulfm else ["--enable-recovery"]) \
+            if flavor == "openmpi" else ["-disable-auto-cleanup"]
     return [mpiexec(), *launch_flags(flavor), *survive, "-n", str(n)]
 
 

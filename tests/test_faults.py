@@ -10,7 +10,7 @@ import time
 
 import pytest
 from faultinject import find_rank, wait_for_step
-from mpirun import ROOT, end_launch, mpiexec_cmd, rank_module, tagged_env
+from mpirun import ROOT, end_launch, mpi_flavor, mpiexec_cmd, rank_module, tagged_env
 
 from hpcps import config
 from hpcps.errors import ConfigError
@@ -37,6 +37,10 @@ def test_launcher_verdict():
     assert "without --enable-recovery" in launcher_verdict([prterun], {})
     recovery = [prterun[0], "--enable-recovery", *prterun[1:]]
     assert launcher_verdict([recovery, ["bash"]], {}) is None
+    for ulfm in (["--with-ft", "ulfm"], ["--with-ft=ulfm"]):
+        assert launcher_verdict([[prterun[0], *ulfm, *prterun[1:]]], {}) is None
+    assert "without --enable-recovery" in launcher_verdict(
+        [[prterun[0], "--with-ft", "none", *prterun[1:]]], {})
 
 
 def test_liveness_loses_only_the_silent():
@@ -84,11 +88,12 @@ RUN = ["--layers", "784,64,10", "--steps", "2000", "--batch-size", "32", "--eval
 LIMIT_S = 150
 
 
-def launch(run_dir, data_h5, n=4, extra=(), run=RUN):
-    """The job, started; its launch tag is ``proc.tag`` (for :func:`mpirun.end_launch`)."""
+def launch(run_dir, data_h5, n=4, extra=(), run=RUN, ulfm=False):
+    """The job, started; its launch tag is ``proc.tag`` (for :func:`mpirun.end_launch`).
+    ``ulfm``: under Open MPI, ``mpirun --with-ft ulfm`` (deaths reported by MPI)."""
     path = str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")
     env, tag = tagged_env(dict(os.environ, OPENBLAS_NUM_THREADS="1", PYTHONPATH=path))
-    cmd = [*mpiexec_cmd(n, survive_rank_death=True), sys.executable, "-m",
+    cmd = [*mpiexec_cmd(n, survive_rank_death=True, ulfm=ulfm), sys.executable, "-m",
            rank_module(survive_rank_death=True), *run, *extra, "--data", str(data_h5),
            "--run-dir", str(run_dir)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -209,6 +214,31 @@ def test_sigkill_of_a_primary_shard_mid_run(mnist_h5, tmp_path, copies, victim, 
     assert "wrote checkpoint" in out and "at step 1800" in out, out[-3000:]
     assert f"set {shard} taken over by shard {shard + 1} from shard {shard}" in out
     assert abs(s["test_accuracy"] - base["test_accuracy"]) <= 0.005, (s, base)
+
+
+@pytest.mark.openmpi
+@pytest.mark.parametrize("victim", [3, 1], ids=["shard0", "replica1"])
+def test_ulfm_reports_the_death_and_the_run_goes_on(mnist_h5, tmp_path, victim):
+    """Under ``mpirun --with-ft ulfm`` MPI reports a dead rank to the survivors as
+    MPI_ERR_PROC_FAILED (from the probe of any source and from every transfer with it),
+    where without ULFM it says nothing. N = 6 (3 replicas, 3 shards, 2 copies of each set):
+    shard 0 (rank 3) or replica 1 (rank 1) is SIGKILLed a third of the way in; the
+    survivors take the report as the silence they handle, and the run completes with exit
+    code 0, naming the rank, every set applying the pushes the replicas saw committed."""
+    if mpi_flavor() != "openmpi":
+        pytest.skip("ULFM is Open MPI's (mpirun --with-ft ulfm); MPICH's fault-tolerant mode "
+                    "aborts in MPI_Init (docs/mpi.md)")
+    proc = launch(tmp_path, mnist_h5, 6, ["--servers", "3", "--ps-copies", "2"], ulfm=True)
+    kill_at_step(proc, tmp_path, [victim], 600)
+    out = finish(proc, f"run under ULFM with rank {victim} killed")
+    assert proc.returncode == 0, out[-3000:]
+    assert "MPI_ERR_PROC_FAILED" not in out, out[-3000:]
+    s = summary(tmp_path)
+    assert s["lost_ranks"] == [victim], out[-3000:]
+    if victim == 3:
+        assert [t["set"] for t in s["takeovers"]] == [0], s["takeovers"]
+    assert s["ps_applied"] == [s["pushes_committed"]] * 3, s
+    assert s["step"] >= 2000 and s["test_accuracy"] >= 0.85, s
 
 
 # -- a sandblaster replica killed mid-run --------------------------------------------------------

@@ -42,6 +42,16 @@ OPEN_MPI_LAUNCHER = "prterun"
 RECOVERY = ("--enable-recovery",)
 
 
+def _recovers(argv: list[str]) -> bool:
+    """Whether Open MPI's launcher leaves the others running when a rank dies: with
+    ``--enable-recovery``, or ``--with-ft ulfm`` (ULFM: MPI then also reports the death,
+    ``MPI_ERR_PROC_FAILED``, which :class:`hpcps.mpi.comm.Transport` handles)."""
+    args = argv[1:]
+    ulfm = any(a == "--with-ft=ulfm" or (a == "--with-ft" and b == "ulfm")
+               for a, b in zip(args, args[1:] + [""]))
+    return ulfm or any(a in RECOVERY for a in args)
+
+
 def ancestry(pid: int | None = None, depth: int = 4) -> list[list[str]]:
     """Command lines (argv lists) of this process's parent, grandparent, ... (Linux /proc;
     empty where it cannot be read)."""
@@ -70,8 +80,9 @@ def launcher_verdict(ancestors: list[list[str]], environ) -> str | None:
     """
     for argv in ancestors:
         if argv and Path(argv[0]).name == OPEN_MPI_LAUNCHER:
-            if not any(a in RECOVERY for a in argv[1:]):
-                return ("Open MPI's mpirun was started without --enable-recovery: it kills "
+            if not _recovers(argv):
+                return ("Open MPI's mpirun was started without --enable-recovery (or "
+                        "--with-ft ulfm): it kills "
                         "every rank when one dies, so --heartbeat-timeout cannot keep the run "
                         "going (start it with mpirun --enable-recovery -n N python -m "
                         "hpcps.train ...)")
