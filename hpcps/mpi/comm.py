@@ -77,13 +77,18 @@ class Poller:
 
 
 def _testall(reqs, what: str) -> bool:
+    statuses = [MPI.Status() for _ in reqs]
     try:
-        return MPI.Request.Testall(reqs)
+        return MPI.Request.Testall(reqs, statuses)
     except MPI.Exception as exc:
-        if not peer_failed(exc):
+        # a request's own error is in its status when Testall reports ERR_IN_STATUS
+        errors = [exc] if exc.Get_error_class() != MPI.ERR_IN_STATUS else \
+            [MPI.Exception(st.Get_error()) for st in statuses if st.Get_error() != MPI.SUCCESS]
+        failed = [e for e in errors if peer_failed(e)]
+        if not failed:
             raise
         raise PeerTimeout(f"{what}: MPI reports that a rank it waited on died "
-                          f"({exc.Get_error_string()})") from None
+                          f"({failed[0].Get_error_string()})") from None
 
 
 def wait_all(reqs, timeout: float, what: str) -> None:

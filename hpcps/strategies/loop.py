@@ -268,7 +268,8 @@ class ReplicaLoop(ABC):
         return stop.poll()
 
     def _collective_lost(self, exc: PeerTimeout) -> Exception:
-        """A lockstep collective timed out (a peer died or hangs): what this rank raises.
+        """A lockstep collective timed out or MPI reported a member dead (ULFM): what this rank
+        raises.
 
         With P = 1 the chief holds the whole model as of the last iteration every replica
         completed (the failed collective changed nothing), writes it as the checkpoint and
@@ -283,7 +284,7 @@ class ReplicaLoop(ABC):
             saved = save_checkpoint(ctx, self.params, self.checkpoint_state(), step,
                                     {"train_loss": self.last_loss, **self.checkpoint_metrics()})
             ctx.metrics.record("stop", echo=False, step=step, signal=None,
-                               reason=f"a collective timed out: {exc}")
+                               reason=f"a collective failed: {exc}")
             return CollectiveLost(f"{exc}; without ULFM a collective cannot go on without a "
                                   f"member: checkpoint written at step {step} ({saved}); "
                                   "exit code 75: resume with --resume auto on the ranks that "
