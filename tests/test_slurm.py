@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
-from mpirun import ROOT
+from mpirun import ROOT, mpi_flavor
 
 from hpcps.io import checkpoint
 from hpcps.errors import PREEMPTED_EXIT
@@ -142,6 +142,31 @@ def test_train_job(cluster, digits_h5, tmp_path):
     start = records(run_dir, "start")[0]
     assert start["ranks"] == 3 and start["slurm"]["job_id"] == job, start
     assert start["config"]["threads"] == 2 and start["slurm"]["cpus_per_task"] == "2", start
+    assert records(run_dir, "summary")[0]["test_accuracy"] > 0.8
+
+
+@pytest.mark.openmpi
+def test_train_job_under_open_mpi_with_srun_pmix(cluster, digits_h5, tmp_path):
+    """Open MPI 5 speaks PMIx only: train.sbatch with HPCPS_SRUN_MPI=pmix starts its 3 tasks
+    as one MPI job of 3 ranks (not 3 singletons), and it trains."""
+    if mpi_flavor() != "openmpi":
+        pytest.skip("runs with an Open MPI build of mpi4py (CI's Open MPI step, "
+                    ".ci/openmpi-smoke)")
+    probe = _sh("srun", "--mpi=pmix", "-n", "1", "true", timeout=60)
+    if probe.returncode != 0:
+        pytest.skip("this Slurm cannot start a PMIx step (srun --mpi=pmix: "
+                    f"{probe.stderr.strip().splitlines()[-1] if probe.stderr.strip() else '?'}"
+                    "); its mpi/pmix plugin needs libpmix.so: apt-get install libpmix-dev, "
+                    "then restart slurmd")
+    job = submit(tmp_path, "train.sbatch", ["--ntasks-per-node=3"],
+                 ["--data", digits_h5, "--steps", "300", *SMALL], HPCPS_SRUN_MPI="pmix")
+    (state,) = wait_for(job, finished, 120, tmp_path, "finish")
+    out = (tmp_path / f"hpcps-{job}.out").read_text()
+    assert state["JobState"] == "COMPLETED" and state["ExitCode"] == "0:0", out
+    assert "srun --mpi=pmix" in out, out
+    run_dir = tmp_path / "runs" / f"slurm-{job}"
+    start = records(run_dir, "start")[0]
+    assert start["ranks"] == 3, start
     assert records(run_dir, "summary")[0]["test_accuracy"] > 0.8
 
 

@@ -56,6 +56,18 @@ install() {
     fi
 }
 
+install_pmix() {
+    # The PMIx library Slurm's mpi/pmix plugin loads (srun --mpi=pmix, which Open MPI 5 needs);
+    # the plugin looks for the unversioned libpmix.so, which libpmix-dev provides. Optional:
+    # without it srun --mpi=pmix fails ("Cannot create context for mpi/pmix") and the test
+    # that uses it skips. Before the daemons start: slurmd loads the plugin once, at start.
+    if ls /usr/lib/*/pmix2/lib/libpmix.so >/dev/null 2>&1; then return 0; fi
+    command -v apt-get >/dev/null || return 0
+    say "installing libpmix-dev (for srun --mpi=pmix) with apt-get"
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -q libpmix-dev >>"$STATE/apt.log" 2>&1 \
+        || say "libpmix-dev not installed: srun --mpi=pmix will not work (log: $STATE/apt.log)"
+}
+
 write_conf() {
     # The configuration this script wants; rewritten (and the daemons restarted) if it differs.
     local mem
@@ -161,7 +173,7 @@ fail_with_logs() {
 start() {
     need_root
     mkdir -p "$STATE/ctld" "$STATE/d"
-    if [ "${1:-}" = "--install" ]; then install; fi
+    if [ "${1:-}" = "--install" ]; then install; install_pmix; fi
     if ! installed; then
         say "slurm-wlm and munge are not installed (start --install installs them with apt-get)"
         exit 2
