@@ -180,6 +180,9 @@ def test_what_streams():
     assert d.train and d.evaluation
     d = decide(0, 50, 40, 10)  # a rank that holds only the evaluation splits
     assert not d.train and d.evaluation
+    # a training block that may not stream: the evaluation splits make room, or it is refused
+    assert decide(100, 50, 120, 10, train_may_stream=False) == (False, True)
+    assert decide(100, 50, 90, 10, train_may_stream=False) == (True, True)
 
 
 def test_the_budget_rule():

@@ -37,8 +37,8 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
-import h5py
 import numpy as np
 
 from hpcps.errors import DataError
@@ -124,8 +124,7 @@ def plan_stream(n_features: int, rows: int, budget: int,
     return int(chunk), int(window)
 
 
-@dataclass(frozen=True)
-class Decision:
+class Decision(NamedTuple):
     """Which of a rank's splits stream: ``train`` (its training block) and ``evaluation``
     (the test and validation splits, which only the chief holds)."""
 
@@ -133,12 +132,17 @@ class Decision:
     evaluation: bool
 
 
-def decide(train_bytes: int, eval_bytes: int, budget: int, stream_cost: int) -> Decision:
+def decide(train_bytes: int, eval_bytes: int, budget: int, stream_cost: int,
+           train_may_stream: bool = True) -> Decision:
     """Which of one rank's splits stream under ``budget`` bytes. All of them stay in memory
     when they fit together; otherwise the training block streams (costing ``stream_cost``),
-    and the evaluation splits stream too when they do not fit beside it."""
+    and the evaluation splits stream too when they do not fit beside it. A training block
+    that may not stream stays (the caller refuses it if it does not fit alone), and the
+    evaluation splits stream when they do not fit beside it."""
     if train_bytes + eval_bytes <= budget:
         return Decision(False, False)
+    if not train_may_stream:
+        return Decision(train_bytes > budget, eval_bytes > 0)
     train = train_bytes > 0
     left = budget - (min(stream_cost, train_bytes) if train else 0)
     return Decision(train, eval_bytes > 0 and eval_bytes > left)
@@ -161,7 +165,7 @@ class _Reader:
             self.dx, self.dy = self.f[f"{source.split}/x"], self.f[f"{source.split}/y"]
             self.n = self.dx.shape[0]
             self._fd = -1
-            self._x_at = self._y_at = None
+            self._x_at = self._y_at = 0
             x_at, y_at = self.dx.id.get_offset(), self.dy.id.get_offset()
             if (x_at is not None and y_at is not None and self.dx.dtype == np.dtype("<f4")
                     and self.dy.dtype == np.dtype("<i8") and not self.dx.compression):
@@ -173,7 +177,7 @@ class _Reader:
 
     def _range(self, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
         d = self.dx.shape[1]
-        if self._fd >= 0:
+        if self._fd >= 0:  # offsets of contiguous datasets: see __init__
             x = np.empty((hi - lo, d), dtype=np.float32)
             y = np.empty(hi - lo, dtype=np.int64)
             _pread_into(self._fd, x, self._x_at + lo * d * 4)
@@ -214,7 +218,7 @@ class _Reader:
 
 
 def _pread_into(fd: int, out: np.ndarray, offset: int) -> None:
-    view = memoryview(out).cast("B")
+    view = memoryview(out.data).cast("B")  # type: ignore[arg-type]
     done = 0
     while done < len(view):
         got = os.preadv(fd, [view[done:]], offset + done)
