@@ -21,10 +21,9 @@ enter it). When an epoch runs out mid-batch, the batch is completed from the nex
 
 Reading ahead
 -------------
-A background thread reads the chunks in the order the epochs will use them and keeps up to
-``window`` of them ready: while the trainer works through one window, the next is being read.
-In memory at once: the window being served (a copy of its chunks), up to ``window`` chunks
-read ahead and the chunk being read: :func:`stream_bytes`. Contiguous little-endian float32
+A background thread reads the chunks in the order the epochs will use them, a window at a
+time, into one of two window buffers allocated once: while the trainer draws batches from one
+window, the next is read into the other (:func:`stream_bytes`). Contiguous little-endian float32
 datasets (what :func:`~hpcps.io.data.h5format.write_dataset` writes) are read with ``pread``,
 which releases the GIL; other layouts (chunked, float64) through h5py, which holds its lock
 (and the GIL) during a read.
@@ -105,9 +104,9 @@ def row_bytes(n_features: int) -> int:
 
 
 def stream_bytes(chunk_rows: int, window: int, n_features: int) -> int:
-    """What a :class:`StreamBatches` holds at most: the window being served, a window read
-    ahead and the chunk being read."""
-    return (2 * window + 1) * chunk_rows * row_bytes(n_features)
+    """What a :class:`StreamBatches` holds: the window being served and the window being
+    read ahead (two buffers of ``window`` chunks)."""
+    return 2 * window * chunk_rows * row_bytes(n_features)
 
 
 def plan_stream(n_features: int, rows: int, budget: int,
@@ -117,7 +116,7 @@ def plan_stream(n_features: int, rows: int, budget: int,
     :data:`CHUNK_BYTES` and at least :data:`MIN_CHUNK_ROWS` rows (so a very small budget is
     exceeded rather than read a few rows at a time), and no more than the rows there are."""
     rb = row_bytes(n_features)
-    fit = budget // ((2 * window + 1) * rb)
+    fit = budget // (2 * window * rb)
     chunk = max(MIN_CHUNK_ROWS, min(fit, max(1, CHUNK_BYTES // rb)))
     chunk = max(1, min(chunk, rows))
     window = max(1, min(window, -(-rows // chunk)))
@@ -210,6 +209,20 @@ class _Reader:
             i = j
         return np.concatenate(xs), np.concatenate(ys)
 
+    def read_into(self, rows: np.ndarray, out_x: np.ndarray, out_y: np.ndarray) -> int:
+        """Rows ``rows`` (sorted) into the first ``len(rows)`` rows of ``out_x``, ``out_y``;
+        consecutive rows of a contiguous file straight from the file. Returns their count."""
+        k = len(rows)
+        if k and self._fd >= 0 and rows[-1] - rows[0] + 1 == k and rows[-1] < self.n \
+                and rows[0] >= 0:
+            lo, d = int(rows[0]), self.dx.shape[1]
+            _pread_into(self._fd, out_x[:k], self._x_at + lo * d * 4)
+            _pread_into(self._fd, out_y[:k], self._y_at + lo * 8)
+            check_finite_rows(out_x[:k], self.path, self.source.split, lo, self.dx.dtype)
+        elif k:
+            out_x[:k], out_y[:k] = self.read(rows)
+        return k
+
     def close(self) -> None:
         if self._fd >= 0:
             os.close(self._fd)
@@ -255,15 +268,21 @@ class StreamBatches:
     batch, reproducible from ``seed``) with at most :func:`stream_bytes` of the block in
     memory. The shuffle is described in the module docstring.
 
+    Two window buffers are allocated once: the thread reads the next window's chunks into
+    one (straight from the file when it can) while batches are drawn from the other, so no
+    memory is allocated per chunk (fresh pages cost a fault each, as much as the read).
+
     Attributes
     ----------
     epoch : int
         Completed passes over the source.
     epochs_done : float
         Rows served / rows of the source.
+    read_s, wait_s : float
+        Seconds the thread spent reading; seconds :meth:`__next__` waited for a window.
     """
 
-    _END = "end"
+    _END = -1
 
     def __init__(self, source: RowSource, batch_size: int, seed: int, chunk_rows: int,
                  window: int = WINDOW):
@@ -281,64 +300,64 @@ class StreamBatches:
         self.chunk_rows = int(chunk_rows)
         self.window = int(window)
         self.n_chunks = source.n_chunks(self.chunk_rows)
+        rows = min(self.window, self.n_chunks) * self.chunk_rows
+        self._bx = [np.empty((rows, source.n_features), np.float32) for _ in range(2)]
+        self._by = [np.empty(rows, np.int64) for _ in range(2)]
         self._served = 0
         self._rng = np.random.default_rng([int(seed), 2])  # rows within a window
-        self._x = np.empty((0, source.n_features), np.float32)
-        self._y = np.empty(0, np.int64)
+        self._slot = -1  # the buffer batches are drawn from (-1: none yet)
+        self._x, self._y = self._bx[0][:0], self._by[0][:0]
         self._idx = np.empty(0, np.int64)
         self._pos = 0
         self._stop = threading.Event()
-        self._queue: queue.Queue = queue.Queue(maxsize=self.window)
-        self.read_s = 0.0  # seconds the reading thread spent reading
-        self.wait_s = 0.0  # seconds the trainer waited for a chunk
+        self._free = threading.Semaphore(2)  # buffers the thread may fill
+        self._ready: queue.Queue = queue.Queue()  # (slot, rows) of each window read
+        self.read_s = 0.0
+        self.wait_s = 0.0
         self._reader = _Reader(source, self.chunk_rows)
         self._thread = threading.Thread(target=self._read, args=(int(seed),),
                                         name="hpcps-stream", daemon=True)
         self._thread.start()
 
     # -- the reading thread --------------------------------------------------------------------
-    def _put(self, item) -> bool:
-        while not self._stop.is_set():
-            try:
-                self._queue.put(item, timeout=0.1)
-                return True
-            except queue.Full:
-                continue
-        return False
-
     def _read(self, seed: int) -> None:
         order_rng = np.random.default_rng([seed, 1])  # chunk order, epoch after epoch
+        slot = 0
         try:
             while not self._stop.is_set():
                 order = order_rng.permutation(self.n_chunks)
-                for k, c in enumerate(order):
+                for w0 in range(0, self.n_chunks, self.window):
+                    while not self._free.acquire(timeout=0.1):
+                        if self._stop.is_set():
+                            return
                     t = time.perf_counter()
-                    x, y = self._reader.read(self.source.chunk(int(c), self.chunk_rows))
+                    filled = 0
+                    for c in order[w0:w0 + self.window]:
+                        filled += self._reader.read_into(
+                            self.source.chunk(int(c), self.chunk_rows),
+                            self._bx[slot][filled:], self._by[slot][filled:])
                     self.read_s += time.perf_counter() - t
-                    last = k + 1 == len(order)
-                    if not self._put((x, y, last or (k + 1) % self.window == 0, last)):
-                        return
+                    self._ready.put((slot, filled))
+                    slot ^= 1
         except BaseException as exc:  # handed to the consumer, not lost in the thread
-            self._put((self._END, exc, True, True))
+            self._ready.put((self._END, exc))
 
     # -- the trainer's side --------------------------------------------------------------------
     def _next_window(self) -> None:
-        """Take the chunks of the next window (they end with one marked ``window end``) and
+        """Hand the buffer served so far back to the thread, take the next window read and
         draw the order its rows are served in."""
-        xs, ys = [], []
-        while True:
-            t = time.perf_counter()
-            x, y, end, _ = self._queue.get()
-            self.wait_s += time.perf_counter() - t
-            if isinstance(x, str) and x == self._END:
-                raise y
-            xs.append(x)
-            ys.append(y)
-            if end:
-                break
-        self._x = xs[0] if len(xs) == 1 else np.concatenate(xs)
-        self._y = ys[0] if len(ys) == 1 else np.concatenate(ys)
-        self._idx = self._rng.permutation(len(self._y))
+        if self._slot >= 0:
+            self._free.release()
+        t = time.perf_counter()
+        slot, filled = self._ready.get()
+        self.wait_s += time.perf_counter() - t
+        if slot == self._END:
+            self._slot = -1
+            self._free.release()  # (a stopped thread waits for nothing)
+            raise filled
+        self._slot = slot
+        self._x, self._y = self._bx[slot], self._by[slot]
+        self._idx = self._rng.permutation(filled)
         self._pos = 0
 
     @property
@@ -362,7 +381,7 @@ class StreamBatches:
             take = self._idx[self._pos:self._pos + need]
             self._pos += len(take)
             need -= len(take)
-            xs.append(self._x[take])
+            xs.append(self._x[take])  # copies: the buffer is refilled once handed back
             ys.append(self._y[take])
         self._served += self.batch_size
         if len(xs) == 1:
@@ -372,11 +391,6 @@ class StreamBatches:
     def close(self) -> None:
         """Stop the reading thread and close the file."""
         self._stop.set()
-        try:
-            while True:
-                self._queue.get_nowait()
-        except queue.Empty:
-            pass
         self._thread.join(timeout=5)
         if not self._thread.is_alive():
             self._reader.close()
