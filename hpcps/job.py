@@ -393,6 +393,8 @@ def _summary(ctx: Context, results: list[dict], wall_s: float, stopped: bool = F
         m.message(f"  final validation accuracy: {100 * rec['val_accuracy']:.2f}% "
                   f"(validation loss {rec['val_loss']:.4f}, {rec['val_rows']} rows; the "
                   "periodic evaluations scored this split)")
+    if ctx.feed is not None and (ctx.feed.train or ctx.feed.evaluation):
+        m.message("  " + ctx.feed.describe())
     m.message(f"  checkpoint: {rec['checkpoint']}   metrics: {m.path}")
     if stopped:
         m.message(f"  stopped early at step {step} of {ctx.total_steps} on a signal: exit code "

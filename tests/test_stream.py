@@ -194,3 +194,49 @@ def test_the_budget_rule():
     # an address-space limit per process (RLIMIT_AS) wins when smaller: half of what is left
     assert data_budget(1, 16 * gib, rlimit_as=600 * MIB, vm_size=400 * MIB) == 100 * MIB
     assert data_budget(1, 16 * gib, rlimit_as=300 * MIB, vm_size=400 * MIB) == 0
+
+
+# -- the job's decision (hpcps.strategies.feed.plan), as every rank computes it --------------
+def _plan(argv, n, budgets, n_train=60000, n_test=10000, d=784, val=0, dense=True):
+    from hpcps import config
+    from hpcps.job import plan as layout_plan
+    from hpcps.strategies.feed import plan
+    cfg = config.parse(argv)
+    layout = layout_plan(cfg, n)
+    return plan(cfg, layout, n_train, n_test, d, val, [int(b * MIB) for b in budgets],
+                "test budget", dense)
+
+
+def test_the_job_streams_when_any_replica_block_does_not_fit():
+    rb = 784 * 4 + 8
+    block = 30000 * rb / MIB  # MNIST over 2 replicas: 89.9 MiB each
+    f = _plan(["--strategy", "sync"], 2, [1000, 1000])
+    assert not f.train and not f.evaluation and "data in memory" in f.describe()
+    # rank 1 has less memory: every replica streams (the partitions of a replica must draw
+    # the same batches), with the chunk plan of the smallest budget
+    f = _plan(["--strategy", "sync"], 2, [1000, 60])
+    assert f.train and not f.evaluation and f.budget == 60 * MIB
+    assert stream_bytes(f.chunk_rows, f.window, 784) <= 60 * MIB
+    assert "stream from the file in chunks of" in f.describe()
+    # the chief's test set beside its block: the block streams, the test set fits beside it
+    f = _plan(["--strategy", "sync"], 2, [block + 10, 1000])
+    assert f.train and not f.evaluation
+    f = _plan(["--strategy", "sync"], 2, [20, 1000])
+    assert f.train and f.evaluation and 256 <= f.eval_rows <= 8192
+    # a server shard holds no data; downpour with 1 shard and 2 replicas
+    f = _plan(["--strategy", "downpour", "--servers", "1"], 3, [1000, 1000, 1])
+    assert not f.train and not f.evaluation
+
+
+def test_strategies_that_cannot_stream_refuse_with_the_way_out():
+    from hpcps.errors import ConfigError
+    with pytest.raises(ConfigError) as err:
+        _plan(["--strategy", "sandblaster"], 4, [100] * 4)
+    text = str(err.value)
+    assert "holds the whole training set" in text and "--data-memory 180 or more" in text
+    assert "downpour" in text and "sync" in text and "sandblaster" not in text.split(":")[-1]
+    # its test set may stream while the training set fits alone
+    f = _plan(["--strategy", "sandblaster"], 4, [190] * 4)
+    assert not f.train and f.evaluation
+    with pytest.raises(ConfigError, match="categorical dataset, which is read whole"):
+        _plan(["--strategy", "downpour", "--servers", "1"], 3, [1] * 3, d=40, dense=False)
