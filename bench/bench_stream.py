@@ -10,7 +10,10 @@ the disk instead, which in-memory runs pay once at start and streaming runs all 
 
 Reported per model: training examples/s of each run, their medians, the ratio streamed / in
 memory (the target: 0.9 or more), the chunk plan the streamed runs used and their final test
-accuracy (a throughput counts only for a run that learned).
+accuracy (a throughput counts only for a run that learned). Then, in this process,
+``reader_interference``: how much a thread reading the file slows a thread computing
+gradients, for the ``pread`` path and the h5py one (h5py holds a lock and the GIL while it
+reads).
 
 Usage::
 
@@ -28,6 +31,7 @@ import json
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from bench_train import RunError, find_mpiexec, log, machine, summary_of, train
@@ -52,6 +56,63 @@ def warm(path: Path) -> None:
     with open(path, "rb") as fh:
         while fh.read(1 << 24):
             pass
+
+
+def reader_interference(data: Path, seconds: float, repeats: int) -> dict:
+    """Gradient steps/s of one thread (784-128-10, batch 32) while another thread reads the
+    file as fast as it can: none, ``pread`` (the streaming reader's path for contiguous
+    float32 files; no lock held during the read) or h5py (chunked or float64 files; h5py
+    holds its lock, and the GIL, while it reads). The worst case: a streaming run reads only
+    as fast as it trains. Kinds alternate, ``repeats`` times; medians and every value."""
+    import threading
+
+    import h5py
+    import numpy as np
+
+    from hpcps.io.data.stream import RowSource, _Reader
+    from hpcps.model.mlp import MLP
+
+    with h5py.File(data, "r") as f:
+        n, d = f["train/x"].shape
+    model = MLP([d, 128, 10], "relu")
+    params = model.init_params(0)
+    x = np.random.default_rng(0).random((32, d), dtype=np.float32)
+    y = np.zeros(32, np.int64)
+    rows = min(n, max(1, (4 << 20) // (4 * d)))
+
+    def read(kind: str, stop: threading.Event) -> None:
+        if kind == "pread":
+            r = _Reader(RowSource(str(data), "train", d, 0, n), rows)
+            bx, by = np.empty((rows, d), np.float32), np.empty(rows, np.int64)
+            while not stop.is_set():
+                for lo in range(0, n - rows + 1, rows):
+                    r.read_into(np.arange(lo, lo + rows), bx, by)
+            r.close()
+        else:
+            with h5py.File(data, "r") as f:
+                dx = f["train/x"]
+                while not stop.is_set():
+                    for lo in range(0, n - rows + 1, rows):
+                        dx[lo:lo + rows]
+
+    rates: dict[str, list[float]] = {"none": [], "pread": [], "h5py": []}
+    for _ in range(repeats):
+        for kind in rates:
+            stop = threading.Event()
+            th = None if kind == "none" else threading.Thread(target=read, args=(kind, stop))
+            if th is not None:
+                th.start()
+            steps, t0 = 0, time.perf_counter()
+            while time.perf_counter() - t0 < seconds:
+                model.loss_and_grad(params, x, y)
+                steps += 1
+            rates[kind].append(round(steps / (time.perf_counter() - t0), 1))
+            stop.set()
+            if th is not None:
+                th.join()
+    med = {k: statistics.median(v) for k, v in rates.items()}
+    return {"steps_per_s": rates, "median": med,
+            "relative": {k: round(v / med["none"], 3) for k, v in med.items()}}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -120,6 +181,9 @@ def main(argv: list[str] | None = None) -> int:
                                  else round(ratio, 3),
                                  "within_10pct": None if ratio is None else ratio >= 0.9,
                                  "stream_plan": chunk}
+    log("reading thread against a training thread")
+    out["reader_interference"] = reader_interference(Path(data), 0.5 if args.quick else 3.0,
+                                                     1 if args.quick else args.repeats)
     print(json.dumps(out, indent=1))
     save("bench_stream", out)
     if tmp is not None:
