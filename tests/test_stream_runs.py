@@ -5,11 +5,14 @@ stream refuses with the options that help."""
 from __future__ import annotations
 
 import json
+import signal
 
 import h5py
 import numpy as np
 import pytest
-from mpirun import ROOT, run_mpi, train
+from faultinject import kill_rank, wait_for_step
+from mpirun import ROOT, end_launch, run_mpi, train
+from test_faults import finish, launch
 
 from hpcps.io.data import RowSource, load_split
 from hpcps.model.mlp import MLP
@@ -146,3 +149,26 @@ def test_a_dataset_larger_than_the_ranks_memory_trains_and_is_evaluated(big_h5, 
     assert s["data_streams"] and s["eval_streams"], s
     assert s["test_accuracy"] > 0.9, s  # scored over all 200,000 test rows
     assert max(s["peak_rss_mib"].values()) < AS_LIMIT_MIB, s
+
+
+def test_a_spare_streams_the_data_shard_it_takes_over(digits_h5, tmp_path):
+    """downpour, 1 shard, 2 replicas, 1 spare (rank 3), data streamed: replica 1 leaves on
+    SIGTERM, the spare takes its data shard and streams it as replica 2 to the end."""
+    run = ["--layers", "64,32,10", "--steps", "6000", "--batch-size", "16", "--eval-every",
+           "0", "--checkpoint-every", "0", "--progress-every", "0.1", "--timeout", "30",
+           "--heartbeat-timeout", "2", "--spares", "1", *FORCE]
+    proc = launch(tmp_path, digits_h5, n=4, run=run)
+    try:
+        wait_for_step(tmp_path / "metrics.jsonl", 600, 60)
+        kill_rank(proc.pid, 1, signal.SIGTERM)
+    except BaseException:
+        end_launch(proc.pid, proc.tag)
+        proc.communicate()
+        raise
+    out = finish(proc, "streamed run with a spare")
+    assert proc.returncode == 0, out[-4000:]
+    s = records(tmp_path, "summary")[-1]
+    reps = s["replacements"]
+    assert [(r["replica"], r["spare"], r["data_shard"]) for r in reps] == [(1, 0, 1)], reps
+    assert reps[0]["training_again_s"] is not None, reps
+    assert s["data_streams"] and s["test_accuracy"] > 0.85, s
