@@ -174,7 +174,7 @@ class _Reader:
             self.f.close()
             raise
 
-    def _range(self, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
+    def _range(self, lo: int, hi: int, check: bool = True) -> tuple[np.ndarray, np.ndarray]:
         d = self.dx.shape[1]
         if self._fd >= 0:  # offsets of contiguous datasets: see __init__
             x = np.empty((hi - lo, d), dtype=np.float32)
@@ -185,42 +185,46 @@ class _Reader:
             with np.errstate(over="ignore"):  # float64 beyond float32: inf, refused below
                 x = np.ascontiguousarray(self.dx[lo:hi], dtype=np.float32)
             y = np.asarray(self.dy[lo:hi], dtype=np.int64)
-        check_finite_rows(x, self.path, self.source.split, lo, self.dx.dtype)
+        if check:
+            check_finite_rows(x, self.path, self.source.split, lo, self.dx.dtype)
         return x, y
 
-    def read(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def read(self, rows: np.ndarray, check: bool = True) -> tuple[np.ndarray, np.ndarray]:
         """Rows ``rows`` (sorted), read in ranges of at most ``window_rows`` rows of the file
-        that hold some of them."""
+        that hold some of them; ``check``: refuse NaN and infinity in them."""
         if not len(rows):
             return np.empty((0, self.dx.shape[1]), np.float32), np.empty(0, np.int64)
         if rows[0] < 0 or rows[-1] >= self.n:
             raise DataError(f"{self.path}: rows {rows[0]}..{rows[-1]} are outside "
                             f"/{self.source.split} ({self.n} rows)")
         if rows[-1] - rows[0] + 1 == len(rows) and len(rows) <= 2 * self.window_rows:
-            return self._range(int(rows[0]), int(rows[-1]) + 1)  # consecutive: one read
+            return self._range(int(rows[0]), int(rows[-1]) + 1, check)  # consecutive: one read
         xs, ys, i = [], [], 0
         while i < len(rows):
             lo = int(rows[i])
             hi = min(lo + self.window_rows, self.n)
             j = int(np.searchsorted(rows, hi))
-            x, y = self._range(lo, int(rows[j - 1]) + 1)
+            x, y = self._range(lo, int(rows[j - 1]) + 1, check)
             xs.append(x[rows[i:j] - lo])
             ys.append(y[rows[i:j] - lo])
             i = j
         return np.concatenate(xs), np.concatenate(ys)
 
-    def read_into(self, rows: np.ndarray, out_x: np.ndarray, out_y: np.ndarray) -> int:
+    def read_into(self, rows: np.ndarray, out_x: np.ndarray, out_y: np.ndarray,
+                  check: bool = True) -> int:
         """Rows ``rows`` (sorted) into the first ``len(rows)`` rows of ``out_x``, ``out_y``;
-        consecutive rows of a contiguous file straight from the file. Returns their count."""
+        consecutive rows of a contiguous file straight from the file. ``check``: refuse NaN
+        and infinity in them. Returns their count."""
         k = len(rows)
         if k and self._fd >= 0 and rows[-1] - rows[0] + 1 == k and rows[-1] < self.n \
                 and rows[0] >= 0:
             lo, d = int(rows[0]), self.dx.shape[1]
             _pread_into(self._fd, out_x[:k], self._x_at + lo * d * 4)
             _pread_into(self._fd, out_y[:k], self._y_at + lo * 8)
-            check_finite_rows(out_x[:k], self.path, self.source.split, lo, self.dx.dtype)
+            if check:
+                check_finite_rows(out_x[:k], self.path, self.source.split, lo, self.dx.dtype)
         elif k:
-            out_x[:k], out_y[:k] = self.read(rows)
+            out_x[:k], out_y[:k] = self.read(rows, check)
         return k
 
     def close(self) -> None:
@@ -323,6 +327,7 @@ class StreamBatches:
     def _read(self, seed: int) -> None:
         order_rng = np.random.default_rng([seed, 1])  # chunk order, epoch after epoch
         slot = 0
+        checked = np.zeros(self.n_chunks, dtype=bool)  # each chunk is checked once
         try:
             while not self._stop.is_set():
                 order = order_rng.permutation(self.n_chunks)
@@ -335,7 +340,8 @@ class StreamBatches:
                     for c in order[w0:w0 + self.window]:
                         filled += self._reader.read_into(
                             self.source.chunk(int(c), self.chunk_rows),
-                            self._bx[slot][filled:], self._by[slot][filled:])
+                            self._bx[slot][filled:], self._by[slot][filled:], not checked[c])
+                        checked[c] = True
                     self.read_s += time.perf_counter() - t
                     self._ready.put((slot, filled))
                     slot ^= 1
