@@ -172,3 +172,14 @@ def test_a_spare_streams_the_data_shard_it_takes_over(digits_h5, tmp_path):
     assert [(r["replica"], r["spare"], r["data_shard"]) for r in reps] == [(1, 0, 1)], reps
     assert reps[0]["training_again_s"] is not None, reps
     assert s["data_streams"] and s["test_accuracy"] > 0.85, s
+
+
+def test_categorical_data_over_the_budget_are_refused(ctr_h5, tmp_path):
+    run = train(3, "--model", "embed8,fc16,fc1", "--data", str(ctr_h5), "--servers", "1",
+                "--data-memory", "0.01", "--timeout", "30", "--run-dir", str(tmp_path),
+                timeout=60)
+    assert run.returncode == 2, run.output[-3000:]
+    errors = [line for line in run.stderr.splitlines() if line.startswith("hpcps: error")]
+    assert len(errors) == 1 and "categorical dataset, which is read whole" in errors[0], \
+        run.stderr
+    assert "--data-memory" in errors[0] and not (tmp_path / "checkpoint.h5").exists()
