@@ -2,7 +2,8 @@
 rank's role in the strategy -> summary. Started by :mod:`hpcps.train` (the command), which
 answers ``--help`` and ``--version`` before MPI is loaded.
 
-Start-up checks (options, layout, dataset, checkpoint, run directory) run on every rank and
+Start-up checks (options, layout, dataset, checkpoint, run directory, whether the data fit
+each rank's memory budget or stream: :mod:`hpcps.strategies.feed`) run on every rank and
 end in one collective vote: if any rank refused its input, the lowest such rank prints the
 reason once and every rank exits with the same code (2 config and run directory, 3 data, 4
 checkpoint), never a hang. Once training runs, a rank that fails prints its rank, host and
