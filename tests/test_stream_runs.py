@@ -123,7 +123,8 @@ def big_h5(tmp_path_factory):
                 dx[lo:lo + 100_000] = 0.5 * x
                 dy[lo:lo + 100_000] = y
     assert path.stat().st_size > AS_LIMIT_MIB << 20
-    return path
+    yield path
+    path.unlink()  # pytest keeps the last runs' temporary directories: not 1 GB each
 
 
 def limited(n, args, tmp_path):
