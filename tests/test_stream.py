@@ -240,3 +240,10 @@ def test_strategies_that_cannot_stream_refuse_with_the_way_out():
     assert not f.train and f.evaluation
     with pytest.raises(ConfigError, match="categorical dataset, which is read whole"):
         _plan(["--strategy", "downpour", "--servers", "1"], 3, [1] * 3, d=40, dense=False)
+
+
+def test_this_machines_budget_is_read_and_explained():
+    from hpcps.runtime.memory import system_data_budget
+    budget, why = system_data_budget(4)
+    assert budget > 0 and "MemAvailable" in why and "4 rank(s) on the node" in why
+    assert system_data_budget(1)[0] >= budget
