@@ -98,6 +98,11 @@ COMMON = (
            "periodic evaluations; a dataset file with /val uses that instead; the test set is "
            "then scored once, at the end (default 0: none, evaluations on the test set)",
            default=0.0, check="fraction"),
+    Option("data_memory", float, "MiB of data each rank may hold in memory; a replica whose "
+           "training block (or the chief, whose evaluation splits) would take more streams it "
+           "from the file in chunks instead (default: half the node's available memory shared "
+           "by the job's ranks on it, or of a per-process address-space limit; docs/formats.md)",
+           check="positive"),
     Option("resume", str, "continue from this checkpoint (any number of ranks or shards may "
            "have written it); 'auto': from the newest valid checkpoint in the run directory "
            "if there is one, else start fresh (for jobs that are requeued: needs --run-dir, "

@@ -2,7 +2,8 @@
 rank's role in the strategy -> summary. Started by :mod:`hpcps.train` (the command), which
 answers ``--help`` and ``--version`` before MPI is loaded.
 
-Start-up checks (options, layout, dataset, checkpoint, run directory) run on every rank and
+Start-up checks (options, layout, dataset, checkpoint, run directory, whether the data fit
+each rank's memory budget or stream: :mod:`hpcps.strategies.feed`) run on every rank and
 end in one collective vote: if any rank refused its input, the lowest such rank prints the
 reason once and every rank exits with the same code (2 config and run directory, 3 data, 4
 checkpoint), never a hang. Once training runs, a rank that fails prints its rank, host and
@@ -45,6 +46,9 @@ from hpcps.model.mlp import InitialWeights, SingleExchange
 from hpcps.runtime.stacks import StackDumper
 from hpcps.runtime.stop import SignalFlag, StopVote
 from hpcps.strategies.registry import strategies
+from hpcps.io.data import RowSource
+from hpcps.strategies.feed import Feed
+from hpcps.strategies.feed import plan as feed_plan
 from hpcps.strategies.context import (VAL_FILE, VAL_HELD_OUT, Context, explain_nonfinite,
                                       make_optimizer, state_from_checkpoint, train_shard,
                                       without)
@@ -187,7 +191,8 @@ def check_run_dir(run_dir: Path, given: bool) -> None:
                           "--run-dir a directory you can write to") from None
 
 
-def _setup(cfg: config.Config, world, layout: Layout, info, ckpt, run_dir: Path) -> Context:
+def _setup(cfg: config.Config, world, layout: Layout, info, ckpt, run_dir: Path,
+           stream: Feed) -> Context:
     full = convnet.build(cfg, info)
     P = layout.partitions
     if P > 1:  # refuse a layer narrower than P on every rank before any communication
@@ -244,7 +249,7 @@ def _setup(cfg: config.Config, world, layout: Layout, info, ckpt, run_dir: Path)
                   total_steps=cfg.total_steps(info.n_train - len(held)), run_dir=run_dir,
                   metrics=metrics, reporter=reporter,
                   resumed=ckpt.metrics if ckpt is not None else None,
-                  val_source=val_source, val_rows=val_rows, held_out=len(held))
+                  val_source=val_source, val_rows=val_rows, held_out=len(held), feed=stream)
     if categorical:  # ids (and dense features) per row, checked as they are read
         if grid.role.is_replica:
             block = data.load_block(cfg.data, "train", grid.role.replica, layout.replicas)
@@ -256,19 +261,56 @@ def _setup(cfg: config.Config, world, layout: Layout, info, ckpt, run_dir: Path)
             block = data.load_block(cfg.data, "test")
             ctx.test_x, ctx.test_y = block.features, block.y
     elif grid.role.is_replica and cfg.spec.replica_data == "whole":
-        # any replica may be handed any portion: each holds the whole training set
+        # any replica may be handed any portion: each holds the whole training set (in
+        # memory: feed.plan refused a set that does not fit)
         ctx.train_x, ctx.train_y = without(data.load_split(cfg.data, "train"), 0, held)
     elif grid.role.is_replica:
         # every partition of a replica reads the same shard and draws the same batches
-        ctx.train_x, ctx.train_y = train_shard(cfg, info, grid.role.replica, layout.replicas,
-                                               held)
-    if grid.is_chief and not categorical:
+        for name, value in train_shard(cfg, info, grid.role.replica, layout.replicas, held,
+                                       stream).items():
+            setattr(ctx, name, value)
+    if grid.is_chief and not categorical and stream.evaluation:  # scored in chunks
+        D = info.n_features
+        ctx.test_stream = RowSource(cfg.data, "test", D, 0, info.n_test)
+        if ctx.val_source == VAL_FILE:
+            ctx.val_stream = RowSource(cfg.data, "val", D, 0, val_rows)
+        elif ctx.val_source == VAL_HELD_OUT:
+            ctx.val_stream = RowSource(cfg.data, "train", D, rows=held)
+    elif grid.is_chief and not categorical:
         ctx.test_x, ctx.test_y = data.load_split(cfg.data, "test")
         if ctx.val_source == VAL_FILE:
             ctx.val_x, ctx.val_y = data.load_split(cfg.data, "val")
         elif ctx.val_source == VAL_HELD_OUT:
             ctx.val_x, ctx.val_y = data.load_rows(cfg.data, "train", held)
     return ctx
+
+
+def _data_budget(cfg: config.Config, ranks_on_node: int) -> tuple[int, str]:
+    """This rank's data budget in bytes and how it was set."""
+    if cfg.data_memory is not None:
+        return int(cfg.data_memory * memory.MIB), f"--data-memory {cfg.data_memory:g}"
+    return memory.system_data_budget(ranks_on_node)
+
+
+def _plan_feed(cfg: config.Config, info, layout: Layout, budgets: list) -> Feed:
+    """Whether data stream (:mod:`hpcps.strategies.feed`), from every rank's budget."""
+    categorical = is_embedding_spec(cfg.model)
+    n_features = getattr(info, "n_features", None) or _categorical_width(info)
+    val = 0
+    if not categorical:
+        val = data.val_rows(cfg.data) or (
+            len(data.holdout_rows(info.n_train, cfg.validation_fraction, cfg.seed))
+            if cfg.validation_fraction > 0 else 0)
+    lowest = min(range(len(budgets)), key=lambda r: budgets[r][0])
+    why = budgets[lowest][1] + (f" on rank {lowest}" if len(budgets) > 1 else "")
+    return feed_plan(cfg, layout, info.n_train, info.n_test, n_features, val,
+                     [b for b, _ in budgets], why, dense=not categorical)
+
+
+def _categorical_width(info) -> int:
+    """Float32-sized numbers per row of a categorical file (an int64 id counts two), for the
+    memory plan."""
+    return 2 * info.n_columns + info.n_dense
 
 
 def _validation_note(ctx: Context) -> str:
@@ -336,7 +378,8 @@ def _summary(ctx: Context, results: list[dict], wall_s: float, stopped: bool = F
                    **_split_figures(ctx, mine, results),
                    stopped_early=stopped, total_steps=ctx.total_steps,
                    checkpoint=mine.get("checkpoint"), **memory.by_role(results),
-                   **_blas_in_use(results), **_step_times(results), **figures)
+                   **_blas_in_use(results), **_step_times(results),
+                   **(ctx.feed.record() if ctx.feed is not None else {}), **figures)
     m.message(f"finished {_describe(cfg, ctx.grid.layout)}")
     m.message(f"  {trained} steps this run (global step {step}, {rec['epoch']:.2f} epochs) in "
               f"{rec['train_s']:.1f} s: {rec['examples_per_s']:.0f} examples/s, "
@@ -353,6 +396,8 @@ def _summary(ctx: Context, results: list[dict], wall_s: float, stopped: bool = F
         m.message(f"  final validation accuracy: {100 * rec['val_accuracy']:.2f}% "
                   f"(validation loss {rec['val_loss']:.4f}, {rec['val_rows']} rows; the "
                   "periodic evaluations scored this split)")
+    if ctx.feed is not None and (ctx.feed.train or ctx.feed.evaluation):
+        m.message("  " + ctx.feed.describe())
     m.message(f"  checkpoint: {rec['checkpoint']}   metrics: {m.path}")
     if stopped:
         m.message(f"  stopped early at step {step} of {ctx.total_steps} on a signal: exit code "
@@ -377,9 +422,9 @@ def _train_rows(ctx: Context) -> int | None:
     """The training rows this rank trains on: a replica's (partition 0 of it, so that a
     replica counts once), None on the other ranks."""
     role = ctx.grid.role
-    if not role.is_replica or ctx.train_x is None or (ctx.partitioned and role.partition):
+    if not role.is_replica or (ctx.partitioned and role.partition):
         return None
-    return len(ctx.train_x)
+    return ctx.train_rows
 
 
 def _split_figures(ctx: Context, mine: dict, results: list[dict]) -> dict:
@@ -488,7 +533,11 @@ def main(argv: list[str] | None = None) -> int:
         for w in warnings:
             print(f"[hpcps] warning: {w}", flush=True)
     vote_comm = dup_comm(world, 1, cfg.timeout, "every rank to set up the stop vote")[0]
-    ctx = _agree(world, _setup, cfg, world, layout, info, ckpt, run_dir)
+    # how much data each rank may hold, and so what streams: the same decision on every rank
+    on_node = allgather_obj(world, host()).count(host())
+    budgets = allgather_obj(world, _agree(world, _data_budget, cfg, on_node))
+    stream = _agree(world, _plan_feed, cfg, info, layout, budgets)
+    ctx = _agree(world, _setup, cfg, world, layout, info, ckpt, run_dir, stream)
     may_lose = cfg.heartbeat_timeout is not None  # replicas may die (hpcps.runtime.faults)
     if may_lose:  # no world-wide vote with ranks that may die: signals act as usual
         flag.uninstall()
@@ -503,13 +552,13 @@ def main(argv: list[str] | None = None) -> int:
     m.message(_describe(cfg, layout) + f"; model {convnet.describe_model(ctx.full_model)} "
               f"({ctx.full_model.n_params} parameters), {how}, {ctx.total_steps} steps "
               f"({ctx.epochs(ctx.total_steps):.2f} epochs) of {info.name}; "
-              f"{_validation_note(ctx)}")
+              f"{_validation_note(ctx)}; {stream.describe()}")
     if ckpt is not None:
         m.message(f"resumed from {cfg.resume}{' (--resume auto)' if auto else ''} at step "
                   f"{ckpt.step}")
     m.record("start", echo=False, config=cfg.to_dict(), dataset=info.to_dict(),
              start_step=ctx.start_step, total_steps=ctx.total_steps, ranks=size,
-             resume_auto=auto, slurm=slurm.describe(os.environ))
+             resume_auto=auto, slurm=slurm.describe(os.environ), **stream.record())
 
     def train_and_report(tl: timeline.Timeline | None) -> int:
         try:

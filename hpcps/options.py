@@ -47,6 +47,7 @@ class RunConfig(Protocol):
     trace: bool
     config: str | None
     validation_fraction: float
+    data_memory: float | None
 
     def __getattr__(self, name: str) -> Any: ...
 

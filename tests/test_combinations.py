@@ -11,6 +11,10 @@ here; its own option values go in ``OWN`` below):
 * the update options of the strategies built on the replica loop: none, or ``--weight-decay
   1e-4 --lr-schedule cosine`` (sandblaster and downpour's ``--push activations`` refuse both;
   ``tests/test_config.py`` checks each refusal alone);
+* the data: in memory, or streamed from the file (``--data-memory 0.01``), for every strategy
+  whose replicas read a block of the training set (sandblaster's replicas hold all of it and
+  refuse a set over the budget, a refusal that depends on the data's size, not on the command
+  line: ``tests/test_stream_runs.py`` checks it and its message);
 * the strategy's own options (``OWN``), defaults included (downpour's warm start stays on
   unless the row says ``--warmup-steps 0``);
 * the model (``MODELS``): the MLP of ``--layers``, a conv model (``--model``; with ``--push
@@ -75,6 +79,9 @@ LAYERS = "64,32,10"
 CONV = "conv3x3x8p1,pool2,fc32,fc10"  # digits: 8x8 -> 8x8x8 -> 4x4x8 -> 32 -> 10
 MODELS = [["--layers", LAYERS], ["--model", CONV], ["--model", CONV, "--dropout", "0.25"]]
 UPDATES = [[], ["--weight-decay", "1e-4", "--lr-schedule", "cosine"]]
+# the data in memory, or a budget so small (10 KiB) that every replica streams its block and
+# the chief its evaluation splits (hpcps.strategies.feed)
+DATA = [[], ["--data-memory", "0.01"]]
 COMMON = ["--eval-every", "0", "--checkpoint-every", "0",
           "--progress-every", "0.5", "--timeout", "60"]
 # run length: SGD steps are global mini-batches (enough for downpour's 200-step warm start to
@@ -130,6 +137,9 @@ def dimensions(name: str, spec) -> tuple[list[str], list[list]]:
     names = ["P", "R", "S", "T", "model", "trace", "update"]
     dims = [[1, 2, 3], [1, 2, 3], [1, 2, 3] if spec.uses_servers else [0], [1, 2], MODELS,
             [[], ["--trace"]], UPDATES]
+    if spec.replica_data == "shard":  # replicas that may stream their block
+        names.append("data")
+        dims.append(DATA)
     for option, values in OWN.get(name, {}).items():
         names.append(option)
         dims.append(values)

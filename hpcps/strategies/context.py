@@ -25,7 +25,7 @@ import numpy as np
 from hpcps.blocks import block_range
 from hpcps.errors import ConfigError, NonFiniteError
 from hpcps.io import checkpoint, data
-from hpcps.io.data import DatasetInfo
+from hpcps.io.data import DatasetInfo, RowSource
 from hpcps.model import optim
 from hpcps.model.mlp import MLP
 from hpcps.mpi.comm import ReplicaExchange, gather_to_root
@@ -33,6 +33,8 @@ from hpcps.mpi.topology import Grid
 from hpcps.options import RunConfig
 from hpcps.runtime.metrics import Metrics
 from hpcps.runtime.stop import StopVote
+from hpcps.strategies import feed
+from hpcps.strategies.feed import Feed
 
 CHECKPOINT_NAME = "checkpoint.h5"
 TEST, VAL = "test", "val"  # the splits an evaluation scores (the ``split`` of eval records)
@@ -54,7 +56,10 @@ class Context:
     shard with the same seed, so they see the same batches without sending them);
     ``test_x/test_y`` are loaded on the chief only, and so are ``val_x/val_y``, the validation
     split (the file's /val, or the rows ``--validation-fraction`` holds out of /train), when
-    ``val_source`` says there is one (every rank knows that).
+    ``val_source`` says there is one (every rank knows that). Data larger than the rank's
+    memory budget stream instead (``feed``, :mod:`hpcps.strategies.feed`): the arrays are
+    then None and ``train_stream``, ``test_stream``, ``val_stream`` name the rows; roles draw
+    batches with :meth:`train_batches` and score with :func:`evaluate`, which serve both.
     """
 
     cfg: RunConfig
@@ -75,6 +80,12 @@ class Context:
     test_y: np.ndarray | None = None
     val_x: np.ndarray | None = None    # the validation split, on the chief only
     val_y: np.ndarray | None = None
+    # data that stream from the file instead (hpcps.strategies.feed): then the arrays above
+    # are None and these name the rows
+    feed: Feed | None = None
+    train_stream: RowSource | None = None
+    test_stream: RowSource | None = None
+    val_stream: RowSource | None = None
     val_source: str | None = None      # where it comes from (VAL_FILE, VAL_HELD_OUT), None: none
     val_rows: int = 0                  # its rows (known on every rank)
     held_out: int = 0                  # of them, rows of /train (--validation-fraction)
@@ -85,6 +96,31 @@ class Context:
     # scores a model whose evaluation needs more than its parameters (an embedding model's
     # rows live on the server shards); None: loss and accuracy of the forward pass
     evaluator: Callable[[np.ndarray, str], dict] | None = None
+
+    def train_batches(self, batch: int, seed: int):
+        """This replica's endless mini-batches of ``batch`` rows, drawn from ``seed``: from
+        its block in memory, or streamed from the file."""
+        return feed.batches(self.train_x, self.train_y, self.train_stream, self.feed, batch,
+                            seed)
+
+    @property
+    def train_rows(self) -> int | None:
+        """Rows of this rank's training block (None: it holds none)."""
+        if self.train_stream is not None:
+            return len(self.train_stream)
+        return None if self.train_x is None else len(self.train_x)
+
+    def score(self, model, params: np.ndarray, split: str = TEST) -> tuple[float, float]:
+        """(loss, accuracy) of ``model`` with ``params`` on this rank's ``split`` (``test``
+        or ``val``), in memory or read in chunks."""
+        if split == VAL:
+            x, y, source = self.val_x, self.val_y, self.val_stream
+        else:
+            x, y, source = self.test_x, self.test_y, self.test_stream
+        if x is None and source is None:
+            raise ValueError(f"no {split} split loaded on this rank")
+        return feed.score(model, params, x, y, source,
+                          self.feed.eval_rows if self.feed is not None else feed.EVAL_ROWS)
 
     def stop_requested(self) -> bool:
         """At a safe point of a rank that runs at its own pace: poll the stop vote (never
@@ -167,18 +203,27 @@ def without(xy: tuple[np.ndarray, np.ndarray], lo: int,
 
 
 def train_shard(cfg: RunConfig, info: DatasetInfo, index: int, replicas: int,
-                held: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+                held: np.ndarray, stream: Feed | None = None) -> dict:
     """Data shard ``index`` of ``replicas`` of /train (a dense dataset), less the rows
-    ``held`` out for validation; ConfigError if it cannot fill one step's mini-batches."""
-    lo = block_range(info.n_train, replicas, index)[0]
-    x, y = without(data.load_split(cfg.data, "train", index, replicas), lo, held)
+    ``held`` out for validation, as the Context fields that hold it: ``train_x``,
+    ``train_y`` read into memory, or, when ``stream`` says the training data stream,
+    ``train_stream`` naming the rows. ConfigError if it cannot fill one step's
+    mini-batches."""
+    lo, hi = block_range(info.n_train, replicas, index)
+    if stream is not None and stream.train:
+        source = RowSource(cfg.data, "train", info.n_features, lo, hi, held)
+        fields: dict = {"train_x": None, "train_y": None, "train_stream": source}
+        rows = len(source)
+    else:
+        x, y = without(data.load_split(cfg.data, "train", index, replicas), lo, held)
+        fields, rows = {"train_x": x, "train_y": y, "train_stream": None}, len(x)
     need = cfg.batch_size * cfg.threads  # a step draws one mini-batch per thread
-    if len(x) < need:
+    if rows < need:
         what = (f"one step's {need} (--batch-size {cfg.batch_size} x --threads "
                 f"{cfg.threads})" if cfg.threads > 1 else f"--batch-size {cfg.batch_size}")
-        raise ConfigError(f"replica {index} holds {len(x)} training examples, fewer than "
+        raise ConfigError(f"replica {index} holds {rows} training examples, fewer than "
                           f"{what}")
-    return x, y
+    return fields
 
 
 def gather_state(ctx: Context, params: np.ndarray, state: dict) -> tuple:
@@ -242,11 +287,7 @@ def evaluate(ctx: Context, params: np.ndarray, step: int,
     Raises NonFiniteError when the loss is NaN or infinite: the data are finite
     (checked at load), so the parameters overflow the forward pass, finite or not.
     """
-    from hpcps.engine import conv_hogwild  # the compiled forward pass for conv models
-    x, y = (ctx.val_x, ctx.val_y) if split == VAL else (ctx.test_x, ctx.test_y)
-    if x is None:
-        raise ValueError(f"no {split} split loaded on this rank")
-    loss, acc = conv_hogwild.evaluate(ctx.full_model, params, x, y)
+    loss, acc = ctx.score(ctx.full_model, params, split)
     check_test_loss(loss, step, split)
     return loss, acc
 

@@ -2,9 +2,10 @@
 
 sync, downpour and deadreckon replicas differ only in what happens around one mini-batch's
 gradient (allreduce it; push it to the shards; threshold it and send it to the peers). The rest
-is here, once: drawing batches with background prefetch, Hogwild threads (T mini-batches per
-iteration), the progress record, evaluation and periodic checkpoints on replica 0, and the
-final figures. A strategy subclasses :class:`ReplicaLoop` and fills in the hooks.
+is here, once: drawing batches (from memory or streamed from the file: ``Context.train_batches``)
+with background prefetch, Hogwild threads (T mini-batches per iteration), the progress record,
+evaluation and periodic checkpoints on replica 0, and the final figures. A strategy subclasses
+:class:`ReplicaLoop` and fills in the hooks.
 
 Numerical health, checked here for every strategy built on the loop: the training loss, a
 scalar, every step (a non-finite one stops the job: :class:`~hpcps.errors.NonFiniteError`);
@@ -43,7 +44,7 @@ from hpcps import trace
 from hpcps.io import checkpoint
 
 from hpcps.model import optim
-from hpcps.io.data import Batches, Prefetcher
+from hpcps.io.data import Prefetcher
 from hpcps.errors import CollectiveLost, NonFiniteError
 from hpcps.runtime.metrics import DivergenceWatch
 from hpcps.options import (parse_inject_slow)
@@ -122,8 +123,8 @@ class ReplicaLoop(ABC):
         R = grid.layout.replicas
         self.eval_local = per_replica(cfg.eval_every, R)
         self.ckpt_local = per_replica(cfg.checkpoint_every, R) if self.saves_checkpoints else 0
-        self.batches = Prefetcher(Batches(ctx.train_x, ctx.train_y, self.source.batch,
-                                          ctx.batch_seed(self.replica)), cfg.prefetch)
+        self.batches = Prefetcher(ctx.train_batches(self.source.batch,
+                                                    ctx.batch_seed(self.replica)), cfg.prefetch)
         self.slow = 1.0         # --inject-slow: this rank's steps take this many times longer
         if cfg.inject_slow is not None:
             who, factor = parse_inject_slow(cfg.inject_slow)

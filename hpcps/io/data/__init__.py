@@ -48,6 +48,7 @@ from hpcps.io.data.h5format import (
     open_dataset,
     write_dataset,
 )
+from hpcps.io.data.stream import RowSource, StreamBatches
 
 if TYPE_CHECKING:  # what a type checker reads; at run time, __getattr__ below
     from hpcps.io.data.categorical import (
@@ -111,6 +112,8 @@ __all__ = [
     "MNIST_WHEEL_NAME",
     "NumpyOnlyUnpickler",
     "Prefetcher",
+    "RowSource",
+    "StreamBatches",
     "SPLITS",
     "block_range",
     "val_rows",

@@ -1,8 +1,9 @@
 """Mini-batches over one shard: :class:`Batches` (reproducible epochs) and :class:`Prefetcher`
 (the next batches prepared in a background thread, Project Adam's data serving inside a rank).
 
-Both work on arrays already in memory (a shard from :func:`hpcps.io.data.h5format.load_split`)
-and know nothing of files or MPI.
+:class:`Batches` works on arrays already in memory (a shard from
+:func:`hpcps.io.data.h5format.load_split`) and knows nothing of files or MPI; its streaming twin,
+for blocks larger than memory, is :class:`hpcps.io.data.stream.StreamBatches`.
 """
 
 from __future__ import annotations
@@ -137,3 +138,6 @@ class Prefetcher:
             except queue.Empty:
                 pass
             self._thread.join(timeout=5)
+        inner = getattr(self.batches, "close", None)
+        if inner is not None:  # a streaming iterator: its reading thread and file
+            inner()

@@ -44,11 +44,11 @@ def as_replica(ctx: Context, replica: int, shard: int) -> Context:
     held = np.empty(0, dtype=np.int64)
     if ctx.val_source == VAL_HELD_OUT:  # the same rows every rank holds out
         held = data.holdout_rows(ctx.dataset.n_train, cfg.validation_fraction, cfg.seed)
-    x, y = train_shard(cfg, ctx.dataset, shard, layout.replicas, held)
+    fields = train_shard(cfg, ctx.dataset, shard, layout.replicas, held, ctx.feed)
     if isinstance(ctx.full_model, convnet.ConvNet):  # dropout masks of its own
         ctx.full_model.seed_dropout(convnet.dropout_key(cfg.seed, replica, ctx.start_step))
     grid = dataclasses.replace(ctx.grid, role=Role("replica", replica=replica, partition=0))
-    return dataclasses.replace(ctx, grid=grid, train_x=x, train_y=y)
+    return dataclasses.replace(ctx, grid=grid, **fields)
 
 
 def run_spare(ctx: Context) -> dict:

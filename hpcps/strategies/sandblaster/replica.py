@@ -35,7 +35,6 @@ def run_replica(ctx: Context) -> dict:
         slow = factor if who == grid.rank else 1.0
     task = np.zeros(TASK_SLOTS, dtype=np.int64)
     result = np.zeros(RESULT_SLOTS, dtype=np.float64)
-    from hpcps.engine import conv_hogwild
     from hpcps.engine.conv_hogwild import engine_for
     engine = engine_for(ctx.full_model, cfg.activation, threads=cfg.threads,
                         batch=PORTION_CHUNK)   # see the module docstring
@@ -61,8 +60,7 @@ def run_replica(ctx: Context) -> dict:
         if kind == Task.EVALUATE:
             _fetch(net, layout, plan, fetch, ask, vec, x, cfg.timeout)
             moved += fetch_bytes
-            ex, ey = (ctx.val_x, ctx.val_y) if portion == 1 else (ctx.test_x, ctx.test_y)
-            loss, accuracy = conv_hogwild.evaluate(model, x, ex, ey)
+            loss, accuracy = ctx.score(model, x, "val" if portion == 1 else "test")
             result[:] = (int(Task.EVALUATE), batch, 0, loss, accuracy, 0)
             net.send(result, coord, SandblasterTag.RESULT)
             continue
