@@ -267,3 +267,14 @@ def test_copies_that_run_ssp_on_the_same_pushes_hold_the_same_clocks():
     header = np.zeros(HEADER_SLOTS)
     a.policy.on_answer(a, 0, header)
     assert header[H.SET] == 5 and header[H.CLOCK] == 3
+
+
+def test_staleness_lr_alone_combines_half_the_replicas():
+    """--staleness-lr on without --softsync: groups of R/2 pushes (the paper's recipe; the
+    rate rule alone fell short at R = 8); --softsync given wins; off: each push alone."""
+    from hpcps import config
+    from hpcps.strategies.downpour import softsync_group
+    on = config.new(strategy="downpour", staleness_lr="on")
+    assert [softsync_group(on, r) for r in (1, 2, 3, 8, 9)] == [1, 1, 1, 4, 4]
+    assert softsync_group(config.new(strategy="downpour", staleness_lr="on", softsync=3), 8) == 3
+    assert softsync_group(config.new(strategy="downpour"), 8) == 1

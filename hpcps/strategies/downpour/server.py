@@ -22,7 +22,7 @@ from hpcps.strategies.embedding import row_shard, tables_path
 from hpcps.ps.serve import serve
 from hpcps.model.spec import is_embedding_spec
 from hpcps.strategies.downpour import Tag as DownpourTag
-from hpcps.strategies.downpour import momentum_corrected
+from hpcps.strategies.downpour import momentum_corrected, softsync_group
 from hpcps.strategies.downpour.plan import (TAU_BYTES, clock_offsets, epochs_of, final_message,
                                            partition_plan, shard_locals)
 from hpcps.strategies.context import (
@@ -63,7 +63,8 @@ def shard_policy(ctx: Context, n: int):
         return StaleSynchronous(cfg.staleness_bound, ctx.grid.layout.replicas,
                                 clock_offsets(ctx))
     if cfg.softsync is not None or cfg.staleness_lr == "on":
-        return SoftSync(n, cfg.softsync or 1, cfg.staleness_lr == "on")
+        return SoftSync(n, softsync_group(cfg, ctx.grid.layout.replicas),
+                        cfg.staleness_lr == "on")
     return None
 
 

@@ -34,8 +34,10 @@ def summarize(ctx: Context, results: list[dict]) -> dict:
                    ssp_held_fetches=sum(s["held_fetches"] for s in shards) / len(shards),
                    ssp_held_s=sum(s["held_s"] for s in shards) / len(shards))
     if shards and isinstance(shards[0].get("combined_updates"), int):
+        from hpcps.strategies.downpour import softsync_group  # the package imports this module
         updates = sum(s["combined_updates"] for s in shards)
-        out.update(softsync=cfg.softsync or 1, staleness_lr=cfg.staleness_lr or "off",
+        out.update(softsync=softsync_group(cfg, ctx.grid.layout.replicas),
+                   staleness_lr=cfg.staleness_lr or "off",
                    pushes_per_update=sum(s["combined_pushes"] for s in shards) / max(1, updates))
     if cfg.epoch_quorum is not None:
         keeper = next(s["epochs"] for s in shards if s["shard"] == 0)
