@@ -17,6 +17,7 @@ import shutil
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -369,7 +370,14 @@ def _kill_rank_2_under_srun(digits_h5, run_dir: Path, steps: int):
     output), or None when the kill came after the training had ended (the job is killed)."""
     from faultinject import wait_for_step
 
-    cmd = ["srun", "--mpi=pmi2", "-n", "4", "--overcommit", "--kill-on-bad-exit=1",
+    name = f"hpcps-test-{uuid.uuid4().hex[:12]}"  # this job step's own name, to end it
+
+    def end() -> None:  # srun killed, and its step: killing srun leaves the tasks running
+        os.killpg(proc.pid, 9)
+        _sh("scancel", "--name", name)
+
+    cmd = ["srun", f"--job-name={name}", "--mpi=pmi2", "-n", "4", "--overcommit",
+           "--kill-on-bad-exit=1",
            "--wait=0", sys.executable, "-m", "hpcps.keeper", "--data", str(digits_h5),
            *SMALL, "--steps", str(steps), "--heartbeat-timeout", "2", "--eval-every", "0",
            "--run-dir", str(run_dir)]
@@ -383,18 +391,18 @@ def _kill_rank_2_under_srun(digits_h5, run_dir: Path, steps: int):
         at = max(json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text()
                  .splitlines() if '"progress"' in x)
         if at >= steps:  # too late: training had ended
-            os.killpg(proc.pid, 9)
+            end()
             proc.communicate()
             return None
         out, _ = proc.communicate(timeout=120)
     except subprocess.TimeoutExpired:
         where = _where_ranks_are(run_dir)
-        os.killpg(proc.pid, 9)
+        end()
         out, _ = proc.communicate()
         raise AssertionError(f"no end within 120 s after rank 2 was killed\n{where}\n"
                              f"--- output\n{out[-3000:]}") from None
     except BaseException:
-        os.killpg(proc.pid, 9)
+        end()
         raise
     return proc.returncode, out
 
