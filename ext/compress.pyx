@@ -466,3 +466,25 @@ def bf16_accumulate(const uint16_t[::1] b, float[::1] acc):
             bits = (<uint32_t>s[i]) << 16
             v = (<float*>&bits)[0]
             a[i] += v
+
+
+def bf16_sum(const uint16_t[::1] words, Py_ssize_t parts, uint16_t[::1] out):
+    """out[i] = the sum, in float32 and in order p = 0, 1, ..., of the bfloat16 values
+    words[p * m + i] over the ``parts`` blocks of m = len(out) values, rounded to bfloat16:
+    a reduce-scatter's own block, summed and ready for the allgather in one pass."""
+    cdef Py_ssize_t i, p, m = out.shape[0]
+    if parts < 1 or words.shape[0] < parts * m:
+        raise ValueError("words holds fewer than parts x len(out) values")
+    if m == 0:
+        return
+    cdef const uint16_t* s = &words[0]
+    cdef uint16_t* o = &out[0]
+    cdef uint32_t bits
+    cdef float acc
+    with nogil:
+        for i in range(m):
+            acc = 0.0
+            for p in range(parts):
+                bits = (<uint32_t>s[p * m + i]) << 16
+                acc = acc + (<float*>&bits)[0]
+            o[i] = _to_bf16((<uint32_t*>&acc)[0])

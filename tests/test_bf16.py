@@ -141,3 +141,30 @@ def test_a_message_carries_its_values_in_the_wires_format(wire):
 def test_wire_names():
     assert Wire.named(None) is FP32 and Wire.named("fp32") is FP32 and Wire.named("bf16") is BF16
     assert BF16.dtype == np.uint16 and FP32.dtype == np.float32
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+@pytest.mark.parametrize("parts", [1, 2, 3, 5])
+def test_sum_of_blocks_adds_in_float32_in_block_order_then_rounds(impl, parts):
+    rng = np.random.default_rng(parts)
+    m = 1001
+    values = rng.standard_normal(parts * m).astype(np.float32) * 100
+    words = np.empty(parts * m, np.uint16)
+    NumpyBf16.bf16_encode(values, words)
+    acc = np.zeros(m, np.float32)
+    for p in range(parts):  # float32 additions, block 0 first: the order the kernel keeps
+        acc = acc + (words[p * m:(p + 1) * m].astype(np.uint32) << 16).view(np.float32)
+    want = nearest_bf16(acc)
+    got = np.empty(m, np.uint16)
+    impl.bf16_sum(words, parts, got)
+    np.testing.assert_array_equal(got, want)
+
+
+def test_sum_blocks_checks_its_arguments():
+    words = np.zeros(6, np.uint16)
+    with pytest.raises(ValueError, match="parts x len"):
+        bf16.sum_blocks(words, 4, np.empty(2, np.uint16))
+    with pytest.raises(ValueError, match="positive integer"):
+        bf16.sum_blocks(words, 0, np.empty(2, np.uint16))
+    with pytest.raises(ValueError, match="overlap"):
+        bf16.sum_blocks(words, 3, words[:2])

@@ -200,7 +200,8 @@ def test_strom_table2_shape_within_a_quarter():
 @pytest.mark.parametrize("strategy,extra", [
     ("sync", []), ("downpour", ["--warmup-steps", "0"]),
     ("sync", ["--wire-dtype", "bf16"]), ("downpour", ["--warmup-steps", "0", "--wire-dtype",
-                                                      "bf16"])])
+                                                      "bf16"]),
+    ("averaging", []), ("averaging", ["--wire-dtype", "bf16"])])
 def test_bytes_per_step_are_what_the_run_reports(strategy, extra, digits_h5, tmp_path):
     """The model's bytes per step equal the summary's of a real 3-rank run (bf16 on the
     wire: 2 bytes a value)."""
@@ -210,8 +211,10 @@ def test_bytes_per_step_are_what_the_run_reports(strategy, extra, digits_h5, tmp
     assert run.returncode == 0, run.output
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
     summary = [r for r in map(json.loads, lines) if r["kind"] == "summary"][-1]
+    # run_steps: each replica's iterations (averaging's last average, at the end, counts)
     w = Workload(n_params=64 * 32 + 32 + 32 * 10 + 10, batch=32, compute_s=1.0,
-                 value_bytes=2 if "bf16" in extra else 4)
+                 value_bytes=2 if "bf16" in extra else 4,
+                 run_steps=round(summary["steps_trained"] / summary["replicas"]))
     want = bytes_per_step(strategy, w, summary["replicas"])
     assert summary["bytes_per_step"] == pytest.approx(want, rel=0.01, abs=2)
 

@@ -38,6 +38,14 @@ class NumpyBf16:
     def bf16_accumulate(b: np.ndarray, acc: np.ndarray) -> None:
         acc[:len(b)] += (b.astype(np.uint32) << 16).view(np.float32)
 
+    @staticmethod
+    def bf16_sum(words: np.ndarray, parts: int, out: np.ndarray) -> None:
+        m = len(out)
+        acc = np.zeros(m, np.float32)
+        for p in range(parts):
+            acc += (words[p * m:(p + 1) * m].astype(np.uint32) << 16).view(np.float32)
+        NumpyBf16.bf16_encode(acc, out)
+
 
 _impl, HAVE_EXTENSION = load_extension("_compress", NumpyBf16, "hpcps.compress.bf16")
 
@@ -82,6 +90,23 @@ def accumulate(b: np.ndarray, acc: np.ndarray) -> np.ndarray:
     _check_pair(("b", b, np.uint16), ("acc", acc, np.float32))
     _impl.bf16_accumulate(b, acc)
     return acc
+
+
+def sum_blocks(words: np.ndarray, parts: int, out: np.ndarray) -> np.ndarray:
+    """The sum of the ``parts`` consecutive blocks of bfloat16 ``words`` (uint16, each block
+    ``len(out)`` values), added in float32 in block order and rounded to bfloat16 into
+    ``out`` (uint16); returns ``out``. A reduce-scatter's block in one pass."""
+    _check("words", words, np.uint16, writable=False)
+    _check("out", out, np.uint16, writable=True)
+    if isinstance(parts, bool) or not isinstance(parts, (int, np.integer)) or parts < 1:
+        raise ValueError(f"parts must be a positive integer, got {parts!r}")
+    if len(words) != parts * len(out):
+        raise ValueError(f"words has {len(words)} values, not parts x len(out) = "
+                         f"{parts} x {len(out)}")
+    if np.may_share_memory(words, out):
+        raise ValueError("words and out overlap in memory; pass separate arrays")
+    _impl.bf16_sum(words, int(parts), out)
+    return out
 
 
 def round_trip(x: np.ndarray) -> np.ndarray:

@@ -383,19 +383,18 @@ def allreduce(comm, buf, op, timeout: float, what: str) -> None:
 
 
 def _reduce_scatter_bf16(comm, send: np.ndarray, counts, recv: np.ndarray, out: np.ndarray,
-                        timeout: float, what: str, more=()) -> None:
+                        timeout: float, what: str) -> None:
     """The sum over ``comm`` of every rank's bfloat16 block for this rank, in float32.
 
     ``send`` (uint16) holds this rank's contributions to every rank's block, in rank order,
     ``counts`` values each; ``recv`` (uint16, size x counts[me]) receives the others'
     contributions to this rank's block, and ``out`` (float32, counts[me]) their sum, added in
-    rank order so every run gives the same bits. ``more``: other requests to wait on with
-    this one (an exact float32 allreduce riding beside it)."""
+    rank order so every run gives the same bits."""
     size, me = comm.Get_size(), comm.Get_rank()
     mine = counts[me]
     req = comm.Ialltoallv([send, counts, displacements(counts), MPI.UINT16_T],
                           [recv, [mine] * size, [mine * r for r in range(size)], MPI.UINT16_T])
-    wait_all([req, *more], timeout, what)
+    wait_all([req], timeout, what)
     out[:] = 0.0
     for r in range(size):
         bf16.accumulate(recv[r * mine:(r + 1) * mine], out)
@@ -425,7 +424,6 @@ class SumAllreduce:
             mine = self.counts[comm.Get_rank()]
             self._send = np.empty(self.n, np.uint16)
             self._recv = np.empty(mine * size, np.uint16)
-            self._sum = np.empty(mine, np.float32)
             self._out = np.empty(self.n, np.uint16)
 
     def bytes_sent(self) -> float:
@@ -440,14 +438,20 @@ class SumAllreduce:
         if op is not MPI.SUM:
             raise ValueError("the bfloat16 wire sums; other reductions travel as float32")
         n, comm = self.n, self.comm
+        size, me = comm.Get_size(), comm.Get_rank()
+        mine, lo = self.counts[me], displacements(self.counts)[me]
         more = []
         if self.exact:
             more.append(comm.Iallreduce(MPI.IN_PLACE, buf[n:], op=MPI.SUM))
         bf16.encode(buf[:n], self._send)
-        _reduce_scatter_bf16(comm, self._send, self.counts, self._recv, self._sum, timeout,
-                             what, more)
-        lo = displacements(self.counts)[comm.Get_rank()]
-        bf16.encode(self._sum, self._out[lo:lo + len(self._sum)])
+        req = comm.Ialltoallv([self._send, self.counts, displacements(self.counts),
+                               MPI.UINT16_T],
+                              [self._recv, [mine] * size, [mine * r for r in range(size)],
+                               MPI.UINT16_T])
+        wait_all([req, *more], timeout, what)
+        # this rank's block: the R contributions summed in float32, in rank order, and
+        # rounded in one pass, straight into the allgather's buffer
+        bf16.sum_blocks(self._recv, size, self._out[lo:lo + mine])
         wait_all([comm.Iallgatherv(MPI.IN_PLACE, [self._out, self.counts,
                                                   displacements(self.counts), MPI.UINT16_T])],
                  timeout, what)

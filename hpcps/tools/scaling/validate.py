@@ -131,6 +131,9 @@ def validate_cluster(path: str, repeats: int = 15, background: float | None = No
                 computing = model.computing_beside(w, run["ranks"],
                                                    lambda c: pair_link(net, c))
                 pp = dict(zip(("alpha_s", "beta_s_per_byte"), pair_link(net, computing)))
+            if run.get("steps_trained") and run.get("replicas"):
+                # costs paid once per run (averaging's last average) over the run's steps
+                w = replace(w, run_steps=max(1, round(run["steps_trained"] / run["replicas"])))
             w = model.from_run(w, run)
             link = (run["ranks"], pp["alpha_s"], pp["beta_s_per_byte"])
             pred = predict(model, w, *link, allreduce=allreduce)
