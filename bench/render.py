@@ -217,10 +217,77 @@ def wire_view(figures: dict) -> dict:
     return out
 
 
+def check_view(figures: dict) -> dict:
+    """bench_cluster --check-model: the scaling model against this machine's runs
+    (``speed``: 2 ranks, a core each; ``bytes``: every rank count)."""
+    rows = []
+    for r in figures["rows"]:
+        if r["check"] != "speed" or "predicted" not in r:
+            continue
+        rows.append([r["layers"], r["network"], r["strategy"], f"{r['measured']:,.0f}",
+                     f"{r['predicted']:,.0f}", f"{r['relative_difference']:+.0%}"])
+    speed = {"columns": ["model", "network", "strategy", "measured examples/s",
+                         "predicted", "difference"], "rows": rows}
+    rows = []
+    for r in figures["rows"]:
+        if "bytes_relative_difference" not in r:
+            continue
+        rows.append([r["check"], r["layers"], r["strategy"], str(r["ranks"]),
+                     f"{r['bytes_measured']:,.0f}", f"{r['bytes_model']:,.0f}",
+                     f"{r['bytes_relative_difference']:+.1%}"])
+    sizes = {"columns": ["run", "model", "strategy", "ranks", "bytes per step counted",
+                         "predicted", "difference"], "rows": rows}
+    w, b = figures["within_15pct"], figures["bytes_within_5pct"]
+    verdict = {"columns": ["check", "passed"],
+               "rows": [["examples/s within 15%", f"{w['passed']} of {w['of']}"],
+                        ["bytes per step within 5%", f"{b['passed']} of {b['of']}"]]}
+    return {"speed": speed, "bytes": sizes, "verdict": verdict}
+
+
+def stream_view(figures: dict) -> dict:
+    """bench_stream: streamed against in-memory training (``examples``), and what a reading
+    thread does to a training thread (``interference``)."""
+    rows = []
+    for model, m in figures["models"].items():
+        med = m["median_examples_per_s"]
+        runs = m["runs"]
+        rows.append([model, f"{med['memory']:,.0f} ("
+                     + ", ".join(f"{r['examples_per_s']:,.0f}" for r in runs["memory"]) + ")",
+                     f"{med['stream']:,.0f} ("
+                     + ", ".join(f"{r['examples_per_s']:,.0f}" for r in runs["stream"]) + ")",
+                     f"{m['stream_over_memory']:.2f}x",
+                     f"{runs['memory'][0]['test_accuracy']:.2%} / "
+                     f"{runs['stream'][0]['test_accuracy']:.2%}"])
+    out = {"examples": {"columns": ["model", "in memory: median (runs)",
+                                    "streamed: median (runs)", "streamed / in memory",
+                                    "test accuracy, memory / streamed"], "rows": rows}}
+    ri = figures.get("reader_interference")
+    if ri:
+        out["interference"] = {"columns": ["beside the training thread", "steps/s (median)",
+                                           "relative"],
+                               "rows": [[k, f"{ri['median'][k]:,.0f}", f"{ri['relative'][k]:.2f}"]
+                                        for k in ri["median"]]}
+    return out
+
+
+def modelpar_conv_view(figures: dict) -> dict:
+    """bench_modelpar --conv: a partitioned conv net on the compiled engine against NumPy."""
+    rows = []
+    for model, per_p in (figures.get("conv_speedup") or {}).items():
+        for P, e in per_p.items():
+            rows.append([model, P, f"{e['numpy']:,.0f}", f"{e['compiled']:,.0f}",
+                         f"{e['ratio']:.2f}x"])
+    return {"conv_speedup": {"columns": ["model", "P", "NumPy examples/s",
+                                         "compiled examples/s", "compiled / NumPy"],
+                             "rows": rows}} if rows else {}
+
+
 # bench name -> figures -> {table name: table}; a bench without a view renders only the
 # tables its files carry ready-made
 VIEWS = {"bench_hogwild": hogwild_view, "bench_embeddings": embeddings_view,
-         "bench_peers": peers_view, "soak_elastic": soak_view, "bench_wire": wire_view}
+         "bench_peers": peers_view, "soak_elastic": soak_view, "bench_wire": wire_view,
+         "bench_cluster_check": check_view, "bench_stream": stream_view,
+         "bench_modelpar": modelpar_conv_view}
 
 
 def load(stem: str) -> dict:
