@@ -63,9 +63,10 @@ class Poller:
     """Back-off between polls: yield at first, then sleep a little longer each idle round.
 
     ``spin_s``: yield (never sleep) for this many seconds first. MPI moves a non-blocking
-    collective on only inside MPI calls, and MPICH's shared memory a cell of a large
-    ``Ialltoallv`` or ``Iallgatherv`` per call: polled once a millisecond, a 4 MB exchange took
-    60 times longer than polled at once (the bfloat16 wire's collectives use it)."""
+    collective on only inside MPI calls (MPICH's shared memory a cell of a large
+    ``Ialltoallv`` per call): the averaging replica's bfloat16 round on 2 ranks ran 6x slower
+    polled once a millisecond than polled at once. The large collectives use it
+    (:class:`SumAllreduce`, :class:`ReplicaExchange`)."""
 
     def __init__(self, spin_s: float = 0.0):
         self.idle = 0
@@ -388,9 +389,10 @@ def allreduce(comm, buf, op, timeout: float, what: str) -> None:
     wait_all([comm.Iallreduce(MPI.IN_PLACE, buf, op=op)], timeout, what)
 
 
-# seconds a wait on the bfloat16 wire's Ialltoallv and Iallgatherv polls without sleeping
-# (Poller): long enough for a large exchange over shared memory
-BF16_SPIN_S = 0.05
+# seconds a wait on a large collective (the gradient's or the parameters' allreduce, the
+# bfloat16 wire's Ialltoallv and Iallgatherv) polls without sleeping (Poller): MPI moves it on
+# only inside MPI calls
+SPIN_S = 0.05
 
 
 def _reduce_scatter_bf16(comm, send: np.ndarray, counts, recv: np.ndarray, out: np.ndarray,
@@ -405,7 +407,7 @@ def _reduce_scatter_bf16(comm, send: np.ndarray, counts, recv: np.ndarray, out: 
     mine = counts[me]
     req = comm.Ialltoallv([send, counts, displacements(counts), MPI.UINT16_T],
                           [recv, [mine] * size, [mine * r for r in range(size)], MPI.UINT16_T])
-    wait_all([req], timeout, what, BF16_SPIN_S)
+    wait_all([req], timeout, what, SPIN_S)
     out[:] = 0.0
     for r in range(size):
         bf16.accumulate(recv[r * mine:(r + 1) * mine], out)
@@ -444,7 +446,7 @@ class SumAllreduce:
 
     def __call__(self, buf: np.ndarray, op, timeout: float, what: str) -> None:
         if not self.wire.bf16 or self.comm.Get_size() == 1:
-            allreduce(self.comm, buf, op, timeout, what)
+            wait_all([self.comm.Iallreduce(MPI.IN_PLACE, buf, op=op)], timeout, what, SPIN_S)
             return
         if op is not MPI.SUM:
             raise ValueError("the bfloat16 wire sums; other reductions travel as float32")
@@ -459,13 +461,13 @@ class SumAllreduce:
                                MPI.UINT16_T],
                               [self._recv, [mine] * size, [mine * r for r in range(size)],
                                MPI.UINT16_T])
-        wait_all([req, *more], timeout, what, BF16_SPIN_S)
+        wait_all([req, *more], timeout, what, SPIN_S)
         # this rank's block: the R contributions summed in float32, in rank order, and
         # rounded in one pass, straight into the allgather's buffer
         bf16.sum_blocks(self._recv, size, self._out[lo:lo + mine])
         wait_all([comm.Iallgatherv(MPI.IN_PLACE, [self._out, self.counts,
                                                   displacements(self.counts), MPI.UINT16_T])],
-                 timeout, what, BF16_SPIN_S)
+                 timeout, what, SPIN_S)
         bf16.decode(self._out, buf[:n])
 
 
@@ -537,7 +539,7 @@ class ReplicaExchange:
     def _run(self, req, what: str) -> None:
         t = time.perf_counter()
         wait_all([req], self.timeout, f"the other partitions of this replica ({what})",
-                 BF16_SPIN_S if self.wire.bf16 else 0.0)
+                 SPIN_S)
         self.wait_s += time.perf_counter() - t
 
     def gather(self, local_t: np.ndarray, widths) -> np.ndarray:
