@@ -439,6 +439,10 @@ class SumAllreduce:
             self._recv = np.empty(mine * size, np.uint16)
             self._out = np.empty(self.n, np.uint16)
 
+    def payload_bytes(self) -> int:
+        """Bytes of this rank's values as the wire carries them (what a trace records)."""
+        return self.n * self.wire.itemsize + 4 * self.exact
+
     def bytes_sent(self) -> float:
         """Bytes this rank sends per call (the ring's figure: 2 (R-1)/R per value)."""
         size = self.comm.Get_size()

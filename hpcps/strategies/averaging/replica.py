@@ -66,7 +66,7 @@ class AveragingReplica(AllReplicasLoop):
         self.reduce(buf[:-1], SUM, self.cfg.timeout, "the parameter average with the other "
                     f"replicas (ranks of the partition communicator, size {self.R})")
         if tr is not None:
-            tr.message("allreduce parameters", self.reduce.bytes_sent(), t0)
+            tr.message("allreduce parameters", self.reduce.payload_bytes(), t0)
         buf[-1] = to_mean(buf, self.params, self.R, self.anchor)
         allreduce(self.comm, buf[-1:], SUM, self.cfg.timeout,
                   "the replicas' spread before averaging")

@@ -32,7 +32,7 @@ def sync_step(comm, gradient, optimizer, params, state, x, y, buf, timeout: floa
         reduce(buf, SUM, timeout, "the gradient allreduce with the other replicas "
                f"(ranks of the partition communicator, size {comm.Get_size()})")
         if tr is not None:
-            tr.message("allreduce gradient", reduce.bytes_sent(), t0)
+            tr.message("allreduce gradient", reduce.payload_bytes(), t0)
         buf *= np.float32(1.0 / comm.Get_size())
     optimizer.apply(params, buf[:n], state, step_scale=step_scale)
     return float(buf[n])
