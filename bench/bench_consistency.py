@@ -15,7 +15,8 @@ Methods (``--methods``; each a list of ``hpcps.train`` options)
 ``downpour-ssp0|ssp2|ssp8``    downpour with ``--staleness-bound`` s (stale-synchronous)
 ``downpour-softsync2``         a shard applies the mean of every 2 pushes (2, not R: the same
                                rule at every R, and s = R at R = 2)
-``downpour-stalelr``           ``--staleness-lr on``: a push of staleness tau steps lr/tau
+``downpour-stalelr``           ``--staleness-lr on``: an update of staleness tau steps lr/tau,
+                               over groups of R/2 pushes (its default softsync)
 ``downpour-softsync2-stalelr`` both
 ``deadreckon``                 Strom's thresholded 1-bit deltas, peer to peer
 
