@@ -118,8 +118,8 @@ def round_trip(x: np.ndarray) -> np.ndarray:
 class Wire:
     """How float32 payloads travel: ``fp32`` as they are, or ``bf16`` (2 bytes a value).
 
-    ``itemsize`` is the bytes per value on the wire; :meth:`encode` and :meth:`decode` move
-    between a float32 array and the wire's array (``np.uint16`` words for bf16).
+    ``itemsize`` is the bytes per value on the wire; :meth:`to_bytes` and :meth:`from_bytes`
+    move between float32 values and a message body.
     """
 
     def __init__(self, name: str = "fp32"):
@@ -143,18 +143,6 @@ class Wire:
 
     def __hash__(self) -> int:
         return hash(self.name)
-
-    def encode(self, x: np.ndarray, out: np.ndarray) -> None:
-        if self.bf16:
-            encode(x, out)
-        else:
-            out[...] = x
-
-    def decode(self, w: np.ndarray, out: np.ndarray) -> None:
-        if self.bf16:
-            decode(w, out)
-        else:
-            out[...] = w
 
     def to_bytes(self, x: np.ndarray) -> np.ndarray:
         """The message body (uint8) of float32 values ``x``: a view on the float32 wire."""
