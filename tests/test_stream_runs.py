@@ -5,7 +5,10 @@ stream refuses with the options that help."""
 from __future__ import annotations
 
 import json
+import os
 import signal
+import subprocess
+import sys
 
 import h5py
 import numpy as np
@@ -155,6 +158,16 @@ def test_a_dataset_larger_than_the_ranks_memory_trains_and_is_evaluated(big_h5, 
     assert s["data_streams"] and s["eval_streams"], s
     assert s["test_accuracy"] > 0.9, s  # scored over all 200,000 test rows
     assert max(s["peak_rss_mib"].values()) < AS_LIMIT_MIB, s
+    # hpcps.evaluate reads a split in chunks: the training split (826 MB) under the same limit
+    ckpt = tmp_path / "stream" / "checkpoint.h5"
+    ev = subprocess.run([sys.executable, str(ROOT / "tests" / "scripts" / "limited_train.py"),
+                         "-m", "hpcps.evaluate", str(ckpt), "--split", "train", "--json"],
+                        capture_output=True, text=True, timeout=120,
+                        env={**os.environ, "HPCPS_TEST_AS_MIB": str(AS_LIMIT_MIB),
+                             "MALLOC_ARENA_MAX": "2"})
+    assert ev.returncode == 0, ev.stderr[-3000:]
+    figures = json.loads(ev.stdout)
+    assert figures["n"] == TRAIN and figures["accuracy"] > 0.9, figures
 
 
 def test_a_spare_streams_the_data_shard_it_takes_over(digits_h5, tmp_path):

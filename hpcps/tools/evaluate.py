@@ -12,8 +12,11 @@ One process, no MPI launcher (mpi4py is not even imported): every checkpoint hol
 model, whatever layout of servers, replicas and partitions wrote it, so the network is rebuilt
 on one process (an :class:`hpcps.model.mlp.MLP`, or for a run with ``--model`` the
 :class:`hpcps.model.convnet.ConvNet` its saved config names, on the image shape of its
-dataset) and run over the split in batches. The test split's accuracy and loss are what
-training reports for the same checkpoint (the same rows, the same forward pass). Without
+dataset) and run over the split in batches. The split is read from the file in chunks of
+8,192 rows (or ``--batch``, when larger), so a split larger than memory is scored in the
+memory of one chunk plus, for each row, its label, predicted class and class probabilities.
+The test split's accuracy and loss are what training reports for the same checkpoint (the
+same rows, the same forward pass). Without
 ``--data``, the dataset is the one in the checkpoint's config (``data``), as the run named it.
 
 Predictions (``--predict OUT``), one row per example of the split (or of ``--input``), in its
@@ -66,6 +69,7 @@ import numpy as np
 from hpcps.io import checkpoint, data
 from hpcps.io.data.convert import read_unlabelled_csv
 from hpcps.io.data.h5format import check_finite_rows
+from hpcps.io.data.stream import EVAL_ROWS, RowSource, chunks
 from hpcps.errors import CheckpointError, ConfigError, DataError, HpcpsError
 from hpcps.io import tables
 from hpcps.model.convnet import ConvNet
@@ -191,29 +195,42 @@ def predict(model: MLP | ConvNet, flat: np.ndarray, blocks) -> tuple[np.ndarray,
 
 def evaluate(model: MLP | ConvNet, flat: np.ndarray, x: np.ndarray, y: np.ndarray,
              batch: int = 2000) -> Evaluation:
-    """Run ``model`` over ``x`` in batches of ``batch`` rows and score it against ``y``.
+    """Run ``model`` over ``x`` in batches of ``batch`` rows and score it against ``y``
+    (:func:`evaluate_pieces` on one piece)."""
+    return evaluate_pieces(model, flat, [(x, y)], batch)
+
+
+def evaluate_pieces(model: MLP | ConvNet, flat: np.ndarray, pieces, batch: int = 2000
+                    ) -> Evaluation:
+    """Score ``model`` on the rows of ``pieces`` (an iterable of ``(x, y)``: a split read in
+    chunks, so only one chunk's features are in memory at a time), in batches of ``batch``.
 
     The predicted class is the argmax of the logits and the loss is computed as
     :meth:`MLP.evaluate` does (the probability of the true class floored at 1e-30), so
-    accuracy and loss are exactly what training reports.
+    accuracy and loss are exactly what training reports. What is kept for every row is its
+    label, predicted class and C probabilities.
     """
     n_classes = model.sizes[-1]
-    probs = np.empty((len(y), n_classes), dtype=np.float32)
-    predicted = np.empty(len(y), dtype=np.int64)
+    labels, predicted, probs = [], [], []
     total = 0.0
-    for lo in range(0, len(y), batch):
-        logits, p = probabilities(model, flat, x[lo:lo + batch])
-        hi = lo + len(logits)
-        predicted[lo:hi] = np.argmax(logits, axis=1)
-        probs[lo:hi] = p
-        total += float(-np.sum(np.log(np.maximum(p[np.arange(hi - lo), y[lo:hi]], 1e-30)),
-                               dtype=np.float64))
+    for x, y in pieces:
+        for lo in range(0, len(y), batch):
+            yb = np.asarray(y[lo:lo + batch], dtype=np.int64)
+            logits, p = probabilities(model, flat, x[lo:lo + batch])
+            labels.append(yb)
+            predicted.append(np.argmax(logits, axis=1).astype(np.int64))
+            probs.append(p.astype(np.float32, copy=False))
+            total += float(-np.sum(np.log(np.maximum(p[np.arange(len(yb)), yb], 1e-30)),
+                                   dtype=np.float64))
+    y_all = np.concatenate(labels) if labels else np.empty(0, np.int64)
+    pred_all = np.concatenate(predicted) if predicted else np.empty(0, np.int64)
     confusion = np.zeros((n_classes, n_classes), dtype=np.int64)
-    np.add.at(confusion, (y, predicted), 1)
-    n = max(1, len(y))
+    np.add.at(confusion, (y_all, pred_all), 1)
+    n = max(1, len(y_all))
     return Evaluation(accuracy=int(np.trace(confusion)) / n, loss=total / n, confusion=confusion,
-                      labels=np.asarray(y, dtype=np.int64), predicted=predicted,
-                      probabilities=probs)
+                      labels=y_all, predicted=pred_all,
+                      probabilities=(np.concatenate(probs) if probs else
+                                     np.empty((0, n_classes), np.float32)))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -457,8 +474,8 @@ def run(args: argparse.Namespace) -> tuple[Evaluation, dict[str, Any], list[str]
     path = data_path(args, ckpt)
     info = data.open_dataset(path)
     notes = check_fits(ckpt, list(model.sizes), info)
-    x, y = data.load_split(path, args.split)
-    ev = evaluate(model, flat, x, y, args.batch)
+    source = RowSource(path, args.split, info.n_features, 0, data.split_rows(path, args.split))
+    ev = evaluate_pieces(model, flat, chunks(source, max(args.batch, EVAL_ROWS)), args.batch)
     facts = model_facts(args, ckpt, model)
     facts.update(dataset=str(path), dataset_name=info.name, split=args.split)
     if args.predict is not None:

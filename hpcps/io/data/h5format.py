@@ -614,6 +614,23 @@ def check_finite_rows(x: np.ndarray, path, split: str, lo: int = 0, stored=np.fl
 # The validation split
 
 
+def split_rows(path: str | os.PathLike, split: str) -> int:
+    """Rows of ``split`` (train, test or val), the file and split checked as
+    :func:`load_split` checks them (layout, shapes, labels), without reading x: what an
+    evaluation that reads the split in chunks needs first."""
+    if split not in SPLITS + (VAL,):
+        raise DataError(f"unknown split {split!r}; known: {', '.join(SPLITS + (VAL,))}")
+    path = Path(path)
+    with _open_h5(path) as f:
+        try:
+            splits, n_classes = _check_layout(f, path)
+            if split == VAL:
+                splits[VAL] = _check_val(f, path, splits["train"][0][1], n_classes)
+        except OSError as exc:
+            raise DataError(f"cannot read dataset {path}: {exc} (truncated or corrupt?)") from exc
+    return int(splits[split][0][0])
+
+
 def val_rows(path: str | os.PathLike) -> int:
     """Rows of the optional validation split /val in the dataset file, 0 when it has none
     (its contents are checked only when read: :func:`load_split` with ``split="val"``)."""
