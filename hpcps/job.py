@@ -42,6 +42,7 @@ from hpcps.options import parse_inject_slow
 from hpcps.errors import (PREEMPTED_EXIT, CheckpointError, CollectiveLost, ConfigError, HpcpsError,
                           NonFiniteError)
 from hpcps.runtime.metrics import Metrics
+from hpcps.ps.liveness import Dismissed
 from hpcps.model.mlp import InitialWeights, SingleExchange
 from hpcps.runtime.stacks import StackDumper
 from hpcps.runtime.stop import SignalFlag, StopVote
@@ -490,6 +491,10 @@ def guarded(world, role: str, fn, *args, stacks: StackDumper | None = None,
     """
     try:
         return fn(*args)
+    except Dismissed as exc:  # the others went on without this rank: it leaves, they do not end
+        print(f"hpcps: rank {world.Get_rank()} of {world.Get_size()} on {host()} ({role}): "
+              f"{exc}", file=sys.stderr, flush=True)
+        faults.leave(0)
     except BaseException as exc:
         code = exc.exit_code if isinstance(exc, HpcpsError) else 1
         if isinstance(exc, KeyboardInterrupt):

@@ -127,3 +127,85 @@ def test_a_spare_dead_while_idle_and_a_replica_dropped_alive(mnist_h5, tmp_path)
     assert s["test_accuracy"] > 0.9, s["test_accuracy"]
     assert "spare 0 (rank 4) took data shard 2 as replica 3 and did not start training" in out
     assert "rank(s) [2] were alive but silent past the heartbeat timeout" in out
+
+
+def test_a_spare_killed_taking_over_and_a_primary_killed_copying_to_the_next(mnist_h5,
+                                                                              tmp_path):
+    """3 shards holding every set (--ps-copies 3), 2 spares (ranks 6, 7), both stopped
+    (SIGSTOP) before they are handed anything, so the copies sent to them stay in flight.
+    Shard 0 (rank 3) is SIGKILLed: spare 0 becomes shard 3, and is SIGKILLed while the
+    primaries are copying the sets to it. The shards lose it by its silence and spare 1
+    becomes shard 4; its first primary, shard 1 (rank 4, primary of sets 0 and 1), is
+    SIGKILLed while copying them, and spare 1 continues (SIGCONT). Shard 2 takes sets 0 and
+    1 over and copies them to shard 4 itself. The run completes with every set on its two
+    live holders, and every set applied exactly the pushes committed."""
+    args = ["--servers", "3", "--ps-copies", "3", "--spares", "2", "--steps", "6000"]
+    proc = launch(tmp_path, mnist_h5, n=8, extra=args)
+
+    def stalled(exc):  # where every rank is, in the failure
+        asked = subprocess.run([sys.executable, "-m", "hpcps.stacks", str(tmp_path)],
+                               capture_output=True, text=True, timeout=90)
+        return AssertionError(f"{exc}\n{asked.stdout[-6000:]}")
+
+    try:
+        wait_for_step(tmp_path / "metrics.jsonl", 300, 120)
+        kill_rank(proc.pid, 6, signal.SIGSTOP)
+        kill_rank(proc.pid, 7, signal.SIGSTOP)
+        kill_rank(proc.pid, 3)
+        try:
+            _wait_records(tmp_path, 1, 60)  # spare 0 handed shard 0's sets
+            time.sleep(0.5)  # the primaries' copies are posted, and cannot complete
+            kill_rank(proc.pid, 6)
+            _wait_records(tmp_path, 2, 60)  # spare 0 lost (by its silence): spare 1 handed it
+            time.sleep(0.3)
+            kill_rank(proc.pid, 4)  # shard 1, copying sets 0 and 1 to the stopped spare
+            time.sleep(0.5)  # (within --heartbeat-timeout 2 of its assignment: not lost)
+            kill_rank(proc.pid, 7, signal.SIGCONT)
+        except AssertionError as exc:
+            raise stalled(exc) from None
+    except BaseException:
+        end_launch(proc.pid, proc.tag)
+        proc.communicate()
+        raise
+    out = finish(proc, "run with a spare and a primary killed mid-copy")
+    assert proc.returncode == 0, out[-4000:]
+    s = summary(tmp_path)
+    assert s["lost_ranks"] == [3, 4, 6], out[-3000:]
+    healed = s["shard_replacements"]
+    assert [(r["shard"], r["spare"], r["as_shard"]) for r in healed] == \
+        [(0, 0, 3), (3, 1, 4), (1, None, None)], healed
+    assert healed[0]["sets_restored"] == [] and healed[0]["copies_again_s"] is None, healed
+    assert healed[1]["sets_restored"] == [0, 1, 2], healed
+    assert {(t["set"], t["by_shard"]) for t in s["takeovers"]} >= {(0, 2), (1, 2)}, \
+        s["takeovers"]
+    assert s["copies_at_end"] == {"0": 2, "1": 2, "2": 2}, s["copies_at_end"]
+    assert s["committed_equals_applied"], s
+    assert s["test_accuracy"] > 0.9, s["test_accuracy"]
+
+
+def test_a_primary_stopped_past_the_timeout_leaves_when_it_resumes(mnist_h5, tmp_path):
+    """2 shards, 2 copies of each set, no spare. Shard 0 (rank 3, primary of set 0) is
+    stopped (SIGSTOP) past --heartbeat-timeout: shard 1 takes set 0 over and the replicas
+    re-route. Shard 0 then continues (SIGCONT), still holding both sets: the first message it
+    sends is answered "you were found dead", and it leaves the run (exit 0, a line saying
+    why) instead of serving beside its successor. The run completes, every set applied
+    exactly the pushes committed."""
+    proc = launch(tmp_path, mnist_h5, n=5, extra=["--servers", "2", "--ps-copies", "2",
+                                                  "--steps", "6000"])
+    try:
+        wait_for_step(tmp_path / "metrics.jsonl", 300, 120)
+        kill_rank(proc.pid, 3, signal.SIGSTOP)
+        time.sleep(4.0)  # twice the timeout: shard 1 has taken set 0 over
+        kill_rank(proc.pid, 3, signal.SIGCONT)
+    except BaseException:
+        end_launch(proc.pid, proc.tag)
+        proc.communicate()
+        raise
+    out = finish(proc, "run with a primary stopped past the timeout")
+    assert proc.returncode == 0, out[-4000:]
+    assert "found this shard 0 dead" in out and "it leaves the run" in out, out[-3000:]
+    s = summary(tmp_path)
+    assert s["lost_ranks"] == [3], out[-3000:]
+    assert [(t["set"], t["by_shard"]) for t in s["takeovers"]] == [(0, 1)], s["takeovers"]
+    assert s["committed_equals_applied"], s
+    assert s["test_accuracy"] > 0.9, s["test_accuracy"]

@@ -155,6 +155,23 @@ def finished_by(req, deadline: float) -> bool:
     return True
 
 
+_GIVEN_UP: list = []  # (request, buffer) of transfers given up before MPI finished them
+
+
+def abandon(req, buf) -> None:
+    """Stop waiting for ``req`` but keep ``buf`` alive until MPI is done with it.
+
+    A transfer given up on (its peer found dead) may still happen: a peer that was only
+    stopped or starved takes a send later, straight from this memory (MPICH copies large
+    messages from the sender's pages, ``process_vm_readv``), and a receive may still be
+    written into. Freed and reused, the buffer would send, or be overwritten with, another
+    message's bytes. So every buffer given up stays referenced here until its request has
+    completed or failed (checked each time another is given up)."""
+    _GIVEN_UP[:] = [(r, b) for r, b in _GIVEN_UP if test(r) is False]
+    if req != MPI.REQUEST_NULL and test(req) is False:
+        _GIVEN_UP.append((req, buf))
+
+
 def test(req) -> bool | None:
     """Whether a request has completed (a null request has): True, False while pending, None
     if it failed (MPICH fails some transfers with a dead rank)."""
@@ -249,7 +266,10 @@ class Transport:
         except MPI.Exception as exc:
             self._peer_failed(exc)
             return False
-        return finished_by(req, deadline)
+        if finished_by(req, deadline):
+            return True
+        abandon(req, buf)
+        return False
 
     def post_recv(self, buf, src: int, tag: int):
         """Post a receive for a message asked for; returns the request to wait on."""
@@ -259,11 +279,15 @@ class Transport:
             self._peer_failed(exc)
             return self._never()
 
-    def cancel(self, req, deadline: float) -> bool:
-        """Cancel a posted receive; False if MPI has not let it go by ``deadline`` (then its
-        buffer may still be written to: the caller replaces it)."""
+    def cancel(self, req, deadline: float, buf=None) -> bool:
+        """Cancel a posted receive into ``buf``; False if MPI has not let it go by
+        ``deadline`` (then the buffer may still be written to: the caller replaces it, and
+        :func:`abandon` keeps the old one alive)."""
         req.Cancel()
-        return finished_by(req, deadline)
+        if finished_by(req, deadline):
+            return True
+        abandon(req, buf)
+        return False
 
     def _send(self, buf, dest: int, tag: int) -> None:
         try:
@@ -324,7 +348,10 @@ class Transport:
         except MPI.Exception as exc:
             self._peer_failed(exc)
             return False
-        return finished_by(req, deadline)
+        if finished_by(req, deadline):
+            return True
+        abandon(req, buf)
+        return False
 
 
 def test_obj(req) -> tuple[bool, object]:

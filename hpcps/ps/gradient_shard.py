@@ -41,7 +41,7 @@ import numpy as np
 
 from hpcps import trace
 from hpcps.compress.bf16 import FP32, Wire
-from hpcps.mpi.comm import PeerTimeout, Poller, Transport, size_of, status, test
+from hpcps.mpi.comm import PeerTimeout, Poller, Transport, abandon, size_of, status, test
 from hpcps.errors import NonFiniteError
 from hpcps.mpi.protocol import HEADER_BYTES, ByteMessage, H, Message, Tag
 from hpcps.ps.liveness import Liveness, send_dropped, take_heartbeats
@@ -214,7 +214,8 @@ class GradientShard:
             serve(self.comm, handlers, self.timeout, lambda: (
                 f"{self.n_replicas - len(self.done)} replica(s) to finish (done: "
                 f"{sorted(self.done)}; held fetches from ranks {[h[0] for h in self.held]})"),
-                self._tick)
+                self._tick, stalled=self.excuse if self.liveness is not None else None,
+                stall_s=self.liveness.timeout if self.liveness is not None else 0.0)
         self.drain_replies()
         if self.epochs is not None:
             self.epochs.close(self.timeout)
@@ -488,16 +489,25 @@ class GradientShard:
         self.stats.fetches += 1
         self.stats.bytes_out += r.buf.nbytes
 
+    def excuse(self, gap: float) -> None:
+        """The serving loop did not run for ``gap`` seconds (the rank was stopped or
+        starved): the replicas' silence meanwhile and the time do not count against them."""
+        self._sending = [(req, msg, sender, deadline + gap)
+                         for req, msg, sender, deadline in self._sending]
+        if self.liveness is not None:
+            self.liveness.heard_all()
+
     def reap_replies(self) -> None:
         """Replies in flight (replicas may die): keep the buffers of those that completed;
         lose the replica of one that failed or is past its deadline (its buffer is left to
-        MPI, which may still read it)."""
+        MPI, which may still read it: :func:`abandon`)."""
         still, now = [], time.monotonic()
         for req, msg, sender, deadline in self._sending:
             ok = test(req)
             if ok:
                 self._spare_replies.append(msg)
             elif ok is None or now > deadline:
+                abandon(req, msg.buf)
                 self.lose(sender, "it died waiting for parameters")
             else:
                 still.append((req, msg, sender, deadline))

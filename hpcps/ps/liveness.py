@@ -31,6 +31,11 @@ class Dropped(Exception):
     (starved, not dead), the shards lost it and discard its pushes, so it leaves the run."""
 
 
+class Dismissed(Exception):
+    """The other shards found this shard dead (silent past the timeout: stopped or starved,
+    not dead) and took its chunk sets over: it leaves the run, which goes on without it."""
+
+
 def send_dropped(net: Transport, dest: int, h: int = 0) -> None:
     """On a shard: answer a fetch from a replica it lost with DROPPED (header only)."""
     msg = Message(0)
@@ -120,6 +125,12 @@ class Liveness:
         now = self.clock()
         return [r for r in expected
                 if r not in self.lost and now - self.last[r] > self.timeout]
+
+    def heard_all(self) -> None:
+        """Count everyone as heard now: the listener itself did not run for a while (stopped
+        or starved), so their silence meanwhile says nothing about them."""
+        now = self.clock()
+        self.last = [now] * len(self.last)
 
     def drop(self, replica: int) -> None:
         self.lost[replica] = round(self.clock() - self.last[replica], 3)

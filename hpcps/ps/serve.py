@@ -36,7 +36,8 @@ def _tag_name(tag: int) -> str:
 
 
 def serve(comm, handlers: Mapping[int, Handler], timeout: float,
-          waiting_for: Callable[[], str], tick: Tick | None = None) -> None:
+          waiting_for: Callable[[], str], tick: Tick | None = None,
+          stalled: Callable[[float], None] | None = None, stall_s: float = 0.0) -> None:
     """Dispatch messages on ``comm`` to ``handlers[tag]`` until a handler returns True.
 
     Parameters
@@ -47,13 +48,23 @@ def serve(comm, handlers: Mapping[int, Handler], timeout: float,
     waiting_for : called for the timeout message: who and what the loop still waits for.
     tick : called when idle and every ``TICK_EVERY`` messages (cheap: it must not wait);
         returning True ends the loop.
+    stalled : ``stalled(gap)``, called first when the loop itself did not come round for
+        more than ``stall_s`` seconds (the rank was stopped, or starved of CPU): what it
+        judges by silence must not count that time against the others.
     """
     net = Transport(comm)
     st = status()
     poll = Poller()
     last = time.monotonic()
     handled = 0
+    came_round = last
     while True:
+        if stalled is not None:
+            now = time.monotonic()
+            if now - came_round > stall_s:
+                stalled(now - came_round)
+                last = now  # nor is it this loop's own silence
+            came_round = now
         if not net.probe(st):
             if tick is not None and tick():
                 return

@@ -8,7 +8,8 @@ import time
 import numpy as np
 
 from hpcps.compress.bf16 import FP32, Wire
-from hpcps.mpi.comm import REQUEST_NULL, done, size_of, status, test, Transport, wait_until
+from hpcps.mpi.comm import (REQUEST_NULL, Transport, abandon, done, size_of, status, test,
+                             wait_until)
 from hpcps.mpi.protocol import HEADER_BYTES, ByteMessage, H, Message, Tag
 from hpcps.ps.client import fill_packed
 from hpcps.ps.liveness import DROPPED, Dropped, HeartbeatThread
@@ -88,6 +89,8 @@ class ReplicatedClient:
         return moved
 
     def _reroute(self, h: int, a: int, d: int) -> bool:
+        if a in self.dead or h < 0:  # from a shard found dead that serves on (it will leave)
+            return False
         self.dead.add(d)
         self.members.add(a)
         if self.heartbeat is not None:
@@ -100,7 +103,8 @@ class ReplicatedClient:
         req = self._fetch_req[h]
         state = test(req) if req != REQUEST_NULL else True
         if state is not True:  # a fetch of h in flight, or one that failed (its sender died)
-            if state is None or not self.net.cancel(req, time.monotonic() + 1.0):
+            if state is None or not self.net.cancel(req, time.monotonic() + 1.0,
+                                                    self._params[h].buf):
                 self._params[h] = self._params[h].fresh()  # MPI may still write there
             self._fetch_req[h] = self.net.post_recv(self._params[h].buf, new, Tag.PARAMS)
             self.net.send_eager(self._ask[h].buf, new, Tag.FETCH)
@@ -111,6 +115,7 @@ class ReplicatedClient:
             req = self._push_req[h][slot]
             if req != REQUEST_NULL and not done(req):  # to the dead: its buffer stays
                 old = self._push[h][slot]
+                abandon(req, old.buf)
                 fresh = old.fresh() if isinstance(old, Message) else \
                     ByteMessage(len(old.body))
                 fresh.buf[:len(data)] = data

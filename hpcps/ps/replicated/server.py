@@ -10,11 +10,11 @@ import numpy as np
 
 from hpcps.compress import bf16
 from hpcps.compress.bf16 import FP32, Wire
-from hpcps.mpi.comm import PeerTimeout, size_of, status, test, Transport
+from hpcps.mpi.comm import PeerTimeout, Transport, abandon, size_of, status, test
 from hpcps.mpi.protocol import HEADER_BYTES, ByteMessage, H, Message, Tag
 from hpcps.ps.gradient_shard import ShardPolicy
-from hpcps.ps.liveness import (HEARTBEATS_PER_TIMEOUT, HeartbeatThread, Liveness, send_dropped,
-                                take_heartbeats)
+from hpcps.ps.liveness import (HEARTBEATS_PER_TIMEOUT, Dismissed, HeartbeatThread, Liveness,
+                               send_dropped, take_heartbeats)
 from hpcps.ps.serve import serve
 from hpcps.ps.replicated.placement import holders, primary, state_size
 
@@ -103,6 +103,7 @@ class ReplicatedServer:
         self.members = set(range(self.S)) | {me}  # shard indices that serve (or served)
         self.heals: list[dict] = []  # sets this shard, as primary, sent to a spare
         self.filled = set(sets)  # sets whose whole state this copy holds
+        self._dismissed: set[int] = set()  # shards found dead and told so
         self.filled_at: dict[int, float] = {}  # a spare's: when each set's state came
         self.keys = list(keys)
         self.hb = heartbeat_timeout
@@ -185,7 +186,8 @@ class ReplicatedServer:
                     Tag.HEAL: self._recv_heal}
         self.heartbeat.start()
         try:
-            serve(self.comm, handlers, self.timeout, self._waiting_for, self._tick)
+            serve(self.comm, handlers, self.timeout, self._waiting_for, self._tick,
+                  stalled=self._excuse, stall_s=self.hb)
             for cs in self.sets.values():
                 cs.drain_replies()
         finally:
@@ -198,6 +200,16 @@ class ReplicatedServer:
     def _finished(self) -> bool:
         self._reap()
         return self.ended
+
+    def _excuse(self, gap: float) -> None:
+        """This loop did not run for ``gap`` seconds (the rank was stopped or starved): the
+        others' silence meanwhile says nothing of them, and the time does not count against
+        the replies in flight. If the others found this shard dead meanwhile, they say so
+        (NEW_PRIMARY naming it) as soon as they hear from it, and it leaves."""
+        self.peers.heard_all()
+        self.replicas.heard_all()
+        for cs in self.sets.values():
+            cs.excuse(gap)
 
     def _tick(self) -> bool:
         for cs in self.sets.values():  # fetch replies in flight: done, or their replica lost
@@ -223,7 +235,8 @@ class ReplicatedServer:
             if finished is None:  # failed: its destination died
                 self.abandoned += 1
                 continue
-            if self._dest_dead(dest):
+            if self._dest_dead(dest):  # (MPI may still read the buffer: abandon keeps it)
+                abandon(req, buf)
                 self.abandoned += 1
                 continue
             still.append((req, buf, dest))
@@ -345,11 +358,15 @@ class ReplicatedServer:
         header, body, dense, _ = got
         q, h = self.shard_of.get(src), int(header[H.SET])
         if q is None or q in self.dead:
+            if q is not None:
+                self._dismiss(q)
             return False  # a late message from a shard found dead
         self.peers.heard(q)
         if h not in self.sets or self.primary_of(h) != q:
             raise RuntimeError(f"shard {q} forwarded a push of set {h} to shard {self.me}, "
                                f"whose primary for it is {self.primary_of(h)}")
+        if h not in self.filled:  # a spare whose copy of h never came (the others found
+            return False          # this shard dead meanwhile): nothing to apply it to
         if self._apply(h, header, body, dense):
             self.replicated += 1
         self._send_small(src, Tag.REPL_ACK, SET=h, PEER=self.applied[h])
@@ -358,7 +375,10 @@ class ReplicatedServer:
     def _recv_repl_ack(self, src: int, status) -> bool:
         self.net.take(self._small.buf, src, Tag.REPL_ACK)
         q, h = self.shard_of[src], int(self._small.header[H.SET])
-        if q in self.dead or h not in self.sets:
+        if q in self.dead:
+            self._dismiss(q)
+            return False
+        if h not in self.sets:
             return False
         self.peers.heard(q)
         if self.acked[h].get(q, 0) < 0:  # a spare holds its copy now: C copies again
@@ -428,6 +448,9 @@ class ReplicatedServer:
     def _recv_heartbeat(self, src: int, status) -> bool:
         self.net.take(self._small.buf, src, Tag.HEARTBEAT)
         if src in self.shard_of:
+            if self.shard_of[src] in self.dead:
+                self._dismiss(self.shard_of[src])
+                return False
             self.peers.heard(self.shard_of[src])
         else:
             self.replicas.heard(int(self._small.header[H.SENDER]))
@@ -448,17 +471,28 @@ class ReplicatedServer:
         return False
 
     def _recv_new_primary(self, src: int, status) -> bool:
+        """NEW_PRIMARY from shard SENDER: it holds set SET as primary now, shard PEER being
+        dead; with PEER this shard (and SET -1 when it only answers a message of ours), the
+        others found this shard dead: it leaves (they hold what it held)."""
         self.net.take(self._small.buf, src, Tag.NEW_PRIMARY)
         hd = self._small.header
-        a, h, d = int(hd[H.SENDER]), int(hd[H.SET]), int(hd[H.PEER])
-        if a in self.dead:
-            return False
+        a, d = int(hd[H.SENDER]), int(hd[H.PEER])
         if d == self.me:
-            raise PeerTimeout(f"shard {a} took over set {h} from this shard {self.me}: it heard "
-                              f"nothing from it for {self.hb:g} s (--heartbeat-timeout); this "
-                              "shard leaves the run")
+            raise Dismissed(f"shard {a} found this shard {self.me} dead (nothing heard from it "
+                            f"for {self.hb:g} s, --heartbeat-timeout: it was stopped or "
+                            "starved) and the others hold its chunk sets; it leaves the run")
+        if a in self.dead:
+            self._dismiss(a)
+            return False
         self._shard_lost(d, f"shard {a} found it dead")
         return self._finished()
+
+    def _dismiss(self, q: int) -> None:
+        """A message came from shard ``q``, which this shard found dead: tell it so, once (a
+        shard that was only stopped past the timeout would serve on beside its successors)."""
+        if q not in self._dismissed and q != self.me:
+            self._dismissed.add(q)
+            self._send_small(self.shard_ranks[q], Tag.NEW_PRIMARY, SET=-1, PEER=q)
 
     def _recv_set_state(self, src: int, status) -> bool:
         size = size_of(status)
@@ -470,6 +504,7 @@ class ReplicatedServer:
         payload = msg[HEADER_BYTES:].view(np.float32)
         h = int(header[H.SET])
         if q in self.dead:
+            self._dismiss(q)
             return False
         if h not in self.sets and self.make_set is not None:  # a spare's first copy of h
             self._add_set(h)
