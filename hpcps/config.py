@@ -20,7 +20,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
 from hpcps.errors import ConfigError
-from hpcps.model.spec import CTR_PRESETS, PRESETS, is_embedding_spec, parse_ctr_spec, parse_spec
+from hpcps.model.spec import (CTR_PRESETS, PRESETS, is_embedding_spec, parse_ctr_spec, parse_spec,
+                              recipe)
 from hpcps.options import TAU_TYPE, Option, RunConfig, flag, parse_tau
 from hpcps.strategies.registry import DEFAULT, Strategy, strategies
 
@@ -54,7 +55,8 @@ COMMON = (
            default=(784, 512, 512, 10)),
     Option("model", str, "the network as a spec of conv, pool and fc layers instead of an MLP "
            "(docs/conv.md), e.g. conv5x5x10,pool2,conv5x5x20,pool2,fc400,fc400,fc10, or a "
-           f"preset: {', '.join(PRESETS)}; needs a dataset with an image_shape; not with "
+           f"preset: {', '.join(PRESETS)} (with downpour a preset brings the options it was "
+           "tuned with, where not given); needs a dataset with an image_shape; not with "
            "--layers. An embedding model on a categorical dataset (docs/ctr.md): "
            f"embedD[:sum|:mean],fcN,...,fc1 or {', '.join(CTR_PRESETS)}"),
     Option("activation", str, "hidden-layer activation: relu, tanh or sigmoid", default="relu",
@@ -378,18 +380,62 @@ def _check_generic(cfg, spec: Strategy) -> None:
         parse_spec(cfg.model)
 
 
+def _check(cfg, spec: Strategy) -> None:
+    """Refuse what the options given (None: not given) do not allow, alone or together."""
+    given = vars(cfg)
+    for o in OPTIONS.values():
+        if given[o.name] is not None:  # None: not given, never refused
+            o.check_value(given[o.name])
+    _check_generic(cfg, spec)
+    spec.validate(cfg)
+
+
+def _with_recipe(cfg, spec: Strategy):
+    """``--model PRESET``: the options the preset was tuned with (:data:`RECIPES`) added as if
+    given, where they were not and the options given accept them (an item they refuse, such
+    as --weight-decay beside --push activations, is left out); --epochs only without
+    --steps. The options given are checked first, so their own refusals come unchanged."""
+    options = recipe(cfg.model, cfg.strategy)
+    if not options:
+        return cfg
+    _check(cfg, spec)
+    given = vars(cfg)
+    kept: dict[str, Any] = {}
+    for name, value in options.items():
+        if given[name] is not None or (name == "epochs" and cfg.steps is not None):
+            continue
+        try:
+            _check(_Config(**{**given, **kept, name: value}), spec)
+        except ConfigError:
+            continue
+        kept[name] = value
+    return _Config(**{**given, **kept})
+
+
+def recipe_note(cfg) -> str | None:
+    """For the start line: the recipe ``--model`` brought, as options (those given on the
+    command line in their place), or None."""
+    options = recipe(cfg.model, cfg.strategy)
+    if not options:
+        return None
+    def show(v: Any) -> str:
+        return f"{v:g}" if isinstance(v, float) else _show(v)
+    used = [f"{flag(k)} {show(v)}" for k, v in options.items() if getattr(cfg, k) == v]
+    other = [f"{flag(k)} {show(getattr(cfg, k))}" for k, v in options.items()
+             if getattr(cfg, k) not in (v, None)]
+    text = f"--model {cfg.model}'s recipe (docs/conv.md): {' '.join(used) or 'none of it'}"
+    return text + (f"; in effect instead: {' '.join(other)}" if other else "")
+
+
 def validate(cfg):
     """Check values and fill strategy-dependent defaults. Returns the completed config."""
     names = _strategy_names()
     if cfg.strategy not in names:
         raise ConfigError(f"unknown strategy {cfg.strategy!r}; choose one of {', '.join(names)}")
-    given = vars(cfg)  # the fields by name (a plain dataclass: no slots)
-    for o in OPTIONS.values():
-        if given[o.name] is not None:  # None: not given, never refused
-            o.check_value(given[o.name])
     spec = strategies()[cfg.strategy]
-    _check_generic(cfg, spec)
-    spec.validate(cfg)
+    cfg = _with_recipe(cfg, spec)
+    _check(cfg, spec)
+    given = vars(cfg)  # the fields by name (a plain dataclass: no slots)
     defaults = {"servers": 0, **spec.default_values(cfg)}
     if (cfg.optimizer or defaults["optimizer"]) == "momentum":
         defaults.update(momentum=0.9, nesterov="off")

@@ -558,6 +558,9 @@ def main(argv: list[str] | None = None) -> int:
               f"({ctx.full_model.n_params} parameters), {how}, {ctx.total_steps} steps "
               f"({ctx.epochs(ctx.total_steps):.2f} epochs) of {info.name}; "
               f"{_validation_note(ctx)}; {stream.describe()}")
+    note = config.recipe_note(cfg)
+    if note is not None:
+        m.message(f"{note}; options given on the command line win")
     if ckpt is not None:
         m.message(f"resumed from {cfg.resume}{' (--resume auto)' if auto else ''} at step "
                   f"{ckpt.step}")

@@ -161,6 +161,31 @@ def test_config_takes_model_and_refuses_what_it_cannot_run():
         config.parse(["--model", "conv5,fc10"])
 
 
+def test_a_preset_brings_its_recipe_and_options_given_win():
+    """--model adam-mnist under downpour (the default strategy) brings the options it reached
+    99.3% with (docs/conv.md); options given win, an item the options given refuse is left
+    out (--weight-decay and the cosine schedule beside --push activations), --steps keeps
+    the recipe's --epochs out, and another strategy keeps its own defaults."""
+    cfg = config.parse(["--model", "adam-mnist"])
+    assert (cfg.optimizer, cfg.lr, cfg.batch_size, cfg.weight_decay, cfg.dropout,
+            cfg.lr_schedule, cfg.epochs, cfg.momentum) == \
+        ("momentum", 0.01, 64, 1e-3, 0.3, "cosine", 50.0, 0.9)
+    assert config.recipe_note(cfg) == (
+        "--model adam-mnist's recipe (docs/conv.md): --optimizer momentum --lr 0.01 "
+        "--batch-size 64 --weight-decay 0.001 --dropout 0.3 --lr-schedule cosine --epochs 50")
+    cfg = config.parse(["--model", "adam-mnist", "--lr", "0.02", "--optimizer", "adagrad",
+                        "--steps", "100"])
+    assert (cfg.optimizer, cfg.lr, cfg.epochs, cfg.steps, cfg.dropout) == \
+        ("adagrad", 0.02, None, 100, 0.3)
+    assert config.recipe_note(cfg).endswith("in effect instead: --optimizer adagrad --lr 0.02")
+    cfg = config.parse(["--model", "adam-mnist", "--push", "activations"])
+    assert (cfg.weight_decay, cfg.lr_schedule, cfg.dropout, cfg.optimizer) == \
+        (None, None, 0.3, "momentum"), cfg
+    cfg = config.parse(["--model", "adam-mnist", "--strategy", "sync"])
+    assert cfg.dropout is None and config.recipe_note(cfg) is None
+    assert config.recipe_note(config.parse(["--model", DIGITS_CONV])) is None
+
+
 def test_config_file_takes_model(tmp_path):
     f = tmp_path / "c.toml"
     f.write_text('model = "conv3x3x8p1,pool2,fc32,fc10"\nstrategy = "sync"\n')
