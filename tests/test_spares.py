@@ -43,19 +43,23 @@ def _wait_records(run_dir, n: int, limit: float) -> None:
 
 
 def _run(tmp_path, mnist_h5, n, args, schedule, steps=STEPS):
-    """Launch, then at each (step, rank, signal, records) of ``schedule`` signal that rank
-    and wait until rank 0 has made that many replacement records; the output and summary."""
+    """Launch, then for each (step, rank, signal, records[, pause]) of ``schedule``: wait for
+    ``step`` (None: at once), signal that rank, wait until rank 0 has made ``records``
+    replacement records (0: not at all) and sleep ``pause`` seconds; the output and summary.
+    A wait that runs out adds where every rank was to the failure."""
     proc = launch(tmp_path, mnist_h5, n=n, extra=[*steps, *args])
     try:
-        for step, rank, sig, handled in schedule:
+        for step, rank, sig, handled, *pause in schedule:
             try:
-                wait_for_step(tmp_path / "metrics.jsonl", step, 120)
+                if step is not None:
+                    wait_for_step(tmp_path / "metrics.jsonl", step, 120)
+                kill_rank(proc.pid, rank, sig)
+                _wait_records(tmp_path, handled, 60)
             except AssertionError as exc:  # a stall: where every rank is, in the failure
                 asked = subprocess.run([sys.executable, "-m", "hpcps.stacks", str(tmp_path)],
                                        capture_output=True, text=True, timeout=90)
                 raise AssertionError(f"{exc}\n{asked.stdout[-6000:]}") from None
-            kill_rank(proc.pid, rank, sig)
-            _wait_records(tmp_path, handled, 60)
+            time.sleep(pause[0] if pause else 0)
     except BaseException:
         end_launch(proc.pid, proc.tag)
         proc.communicate()
@@ -139,37 +143,15 @@ def test_a_spare_killed_taking_over_and_a_primary_killed_copying_to_the_next(mni
     SIGKILLed while copying them, and spare 1 continues (SIGCONT). Shard 2 takes sets 0 and
     1 over and copies them to shard 4 itself. The run completes with every set on its two
     live holders, and every set applied exactly the pushes committed."""
-    args = ["--servers", "3", "--ps-copies", "3", "--spares", "2", "--steps", "6000"]
-    proc = launch(tmp_path, mnist_h5, n=8, extra=args)
-
-    def stalled(exc):  # where every rank is, in the failure
-        asked = subprocess.run([sys.executable, "-m", "hpcps.stacks", str(tmp_path)],
-                               capture_output=True, text=True, timeout=90)
-        return AssertionError(f"{exc}\n{asked.stdout[-6000:]}")
-
-    try:
-        wait_for_step(tmp_path / "metrics.jsonl", 300, 120)
-        kill_rank(proc.pid, 6, signal.SIGSTOP)
-        kill_rank(proc.pid, 7, signal.SIGSTOP)
-        kill_rank(proc.pid, 3)
-        try:
-            _wait_records(tmp_path, 1, 60)  # spare 0 handed shard 0's sets
-            time.sleep(0.5)  # the primaries' copies are posted, and cannot complete
-            kill_rank(proc.pid, 6)
-            _wait_records(tmp_path, 2, 60)  # spare 0 lost (by its silence): spare 1 handed it
-            time.sleep(0.3)
-            kill_rank(proc.pid, 4)  # shard 1, copying sets 0 and 1 to the stopped spare
-            time.sleep(0.5)  # (within --heartbeat-timeout 2 of its assignment: not lost)
-            kill_rank(proc.pid, 7, signal.SIGCONT)
-        except AssertionError as exc:
-            raise stalled(exc) from None
-    except BaseException:
-        end_launch(proc.pid, proc.tag)
-        proc.communicate()
-        raise
-    out = finish(proc, "run with a spare and a primary killed mid-copy")
-    assert proc.returncode == 0, out[-4000:]
-    s = summary(tmp_path)
+    kill, stop, cont = signal.SIGKILL, signal.SIGSTOP, signal.SIGCONT
+    args = ["--servers", "3", "--ps-copies", "3", "--spares", "2"]
+    out, s = _run(tmp_path, mnist_h5, 8, args, [
+        (300, 6, stop, 0), (None, 7, stop, 0),
+        (None, 3, kill, 1, 0.5),  # spare 0 handed shard 0's sets; the copies stay in flight
+        (None, 6, kill, 2, 0.3),  # spare 0 lost by its silence: spare 1 handed its sets
+        (None, 4, kill, 0, 0.5),  # shard 1, copying sets 0 and 1 to the stopped spare
+        (None, 7, cont, 0)],      # (within --heartbeat-timeout 2 of its assignment)
+        steps=["--steps", "6000"])
     assert s["lost_ranks"] == [3, 4, 6], out[-3000:]
     healed = s["shard_replacements"]
     assert [(r["shard"], r["spare"], r["as_shard"]) for r in healed] == \
@@ -190,21 +172,10 @@ def test_a_primary_stopped_past_the_timeout_leaves_when_it_resumes(mnist_h5, tmp
     sends is answered "you were found dead", and it leaves the run (exit 0, a line saying
     why) instead of serving beside its successor. The run completes, every set applied
     exactly the pushes committed."""
-    proc = launch(tmp_path, mnist_h5, n=5, extra=["--servers", "2", "--ps-copies", "2",
-                                                  "--steps", "6000"])
-    try:
-        wait_for_step(tmp_path / "metrics.jsonl", 300, 120)
-        kill_rank(proc.pid, 3, signal.SIGSTOP)
-        time.sleep(4.0)  # twice the timeout: shard 1 has taken set 0 over
-        kill_rank(proc.pid, 3, signal.SIGCONT)
-    except BaseException:
-        end_launch(proc.pid, proc.tag)
-        proc.communicate()
-        raise
-    out = finish(proc, "run with a primary stopped past the timeout")
-    assert proc.returncode == 0, out[-4000:]
+    out, s = _run(tmp_path, mnist_h5, 5, ["--servers", "2", "--ps-copies", "2"],
+                  [(300, 3, signal.SIGSTOP, 0, 4.0),  # twice the timeout: set 0 taken over
+                   (None, 3, signal.SIGCONT, 0)], steps=["--steps", "6000"])
     assert "found this shard 0 dead" in out and "it leaves the run" in out, out[-3000:]
-    s = summary(tmp_path)
     assert s["lost_ranks"] == [3], out[-3000:]
     assert [(t["set"], t["by_shard"]) for t in s["takeovers"]] == [(0, 1)], s["takeovers"]
     assert s["committed_equals_applied"], s

@@ -531,15 +531,10 @@ reads and no rank reads the whole file to check it.
         Unknown split, a bad file (see :func:`open_dataset`), more shards than rows (a
         rank with no data would have nothing to train on), or non-finite features.
     """
-    if split not in SPLITS + (VAL,):
-        raise DataError(f"unknown split {split!r}; known: {', '.join(SPLITS + (VAL,))}")
     path = Path(path)
     with _open_h5(path) as f:
         try:
-            splits, n_classes = _check_layout(f, path)
-            if split == VAL:
-                splits[VAL] = _check_val(f, path, splits["train"][0][1], n_classes)
-            x_shape, y = splits[split]
+            x_shape, y = _checked_split(f, path, split)
             n = x_shape[0]
             lo, hi = block_range(n, n_shards, shard)
             if lo == hi:
@@ -553,6 +548,16 @@ reads and no rank reads the whole file to check it.
             raise DataError(f"cannot read dataset {path}: {exc} (truncated or corrupt?)") from exc
     check_finite_rows(x, path, split, lo, stored)
     return x, np.ascontiguousarray(y[lo:hi])
+
+
+def _checked_split(f: h5py.File, path: Path, split: str) -> tuple:
+    """(x shape, labels) of ``split`` (train, test or val), the file's layout checked."""
+    if split not in SPLITS + (VAL,):
+        raise DataError(f"unknown split {split!r}; known: {', '.join(SPLITS + (VAL,))}")
+    splits, n_classes = _check_layout(f, path)
+    if split == VAL:
+        return _check_val(f, path, splits["train"][0][1], n_classes)
+    return splits[split]
 
 
 def _check_val(f: h5py.File, path: Path, n_features: int, n_classes: int) -> tuple:
@@ -618,17 +623,13 @@ def split_rows(path: str | os.PathLike, split: str) -> int:
     """Rows of ``split`` (train, test or val), the file and split checked as
     :func:`load_split` checks them (layout, shapes, labels), without reading x: what an
     evaluation that reads the split in chunks needs first."""
-    if split not in SPLITS + (VAL,):
-        raise DataError(f"unknown split {split!r}; known: {', '.join(SPLITS + (VAL,))}")
     path = Path(path)
     with _open_h5(path) as f:
         try:
-            splits, n_classes = _check_layout(f, path)
-            if split == VAL:
-                splits[VAL] = _check_val(f, path, splits["train"][0][1], n_classes)
+            x_shape, _ = _checked_split(f, path, split)
         except OSError as exc:
             raise DataError(f"cannot read dataset {path}: {exc} (truncated or corrupt?)") from exc
-    return int(splits[split][0][0])
+    return int(x_shape[0])
 
 
 def val_rows(path: str | os.PathLike) -> int:
