@@ -17,9 +17,9 @@ reads).
 
 Usage::
 
-    python bench/bench_stream.py                           # MNIST, sync on 2 ranks, ~4 min
+    python bench/bench_stream.py                           # MNIST, sync on 2 ranks, ~6 min
     python bench/bench_stream.py --quick                   # digits, a smoke test, ~15 s
-    python bench/bench_stream.py --data /work/main/data/mnist.h5 --repeats 5 --ranks 2
+    python bench/bench_stream.py --data data/mnist.h5 --repeats 7 --ranks 2
 
 On a 2-core machine, run it alone: the reading thread shares the cores with the ranks, and
 other load skews every figure.
@@ -40,7 +40,7 @@ from machine import git_commit, save
 ROOT = Path(__file__).resolve().parents[1]
 
 FULL = {"data": ROOT / "data" / "mnist.h5", "models": ["784,512,512,10", "784,128,10"],
-        "steps": 3000, "batch": 32, "stream_mib": 64, "learned": 0.85}
+        "steps": 6000, "batch": 32, "stream_mib": 64, "learned": 0.85}
 QUICK = {"data": None, "models": ["64,32,10"], "steps": 300, "batch": 16,
          "stream_mib": 0.01, "learned": 0.7}
 
@@ -121,7 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--data", type=Path, help="dataset (default data/mnist.h5; --quick: digits)")
     p.add_argument("--ranks", type=int, default=2, help="mpiexec -n (default 2)")
     p.add_argument("--strategy", default="sync")
-    p.add_argument("--repeats", type=int, default=3, help="runs of each kind per model")
+    p.add_argument("--repeats", type=int, default=5, help="runs of each kind per model "
+                   "(default 5: runs of a small model differ by up to 30% on shared cores)")
     p.add_argument("--steps", type=int, help="global mini-batches per run")
     p.add_argument("--models", help="comma-separated --layers specs, separated by ';'")
     p.add_argument("--stream-mib", type=float, help="--data-memory of the streamed runs")
