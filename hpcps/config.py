@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 from hpcps.errors import ConfigError
 from hpcps.model.spec import (CTR_PRESETS, PRESETS, is_embedding_spec, parse_ctr_spec, parse_spec,
-                              recipe)
+                              preset_name)
 from hpcps.options import TAU_TYPE, Option, RunConfig, flag, parse_tau
 from hpcps.strategies.registry import DEFAULT, Strategy, strategies
 
@@ -390,12 +390,20 @@ def _check(cfg, spec: Strategy) -> None:
     spec.validate(cfg)
 
 
+def _recipe(cfg) -> dict | None:
+    """The options ``--model``'s preset was tuned with under the strategy (its declaration's
+    ``recipes``), or None."""
+    found = strategies()[cfg.strategy].recipes.get(preset_name(cfg.model) or "")
+    return dict(found) if found else None
+
+
 def _with_recipe(cfg, spec: Strategy):
-    """``--model PRESET``: the options the preset was tuned with (:data:`RECIPES`) added as if
-    given, where they were not and the options given accept them (an item they refuse, such
-    as --weight-decay beside --push activations, is left out); --epochs only without
-    --steps. The options given are checked first, so their own refusals come unchanged."""
-    options = recipe(cfg.model, cfg.strategy)
+    """``--model PRESET``: the options the preset was tuned with under this strategy (its
+    ``recipes``) added as if given, where they were not and the options given accept them
+    (an item they refuse, such as --weight-decay beside --push activations, is left out);
+    --epochs only without --steps. The options given are checked first, so their own
+    refusals come unchanged."""
+    options = _recipe(cfg)
     if not options:
         return cfg
     _check(cfg, spec)
@@ -415,7 +423,7 @@ def _with_recipe(cfg, spec: Strategy):
 def recipe_note(cfg) -> str | None:
     """For the start line: the recipe ``--model`` brought, as options (those given on the
     command line in their place), or None."""
-    options = recipe(cfg.model, cfg.strategy)
+    options = _recipe(cfg)
     if not options:
         return None
     def show(v: Any) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import pytest
 from mpi4py import MPI
 
@@ -58,3 +59,17 @@ def test_a_posted_receive_is_pending_until_its_message_arrives():
         assert bytes(buf) == b"x"
     finally:
         comm.Free()
+
+
+def test_a_receive_given_up_keeps_its_buffer_until_mpi_is_done_with_it():
+    """take_by gives up at its deadline; its buffer stays referenced while the receive is
+    still posted (a peer only stopped may send later), and the late message lands in it,
+    not in memory freed and reused. Once MPI is done, the next abandon lets it go."""
+    net = mpicomm.Transport(MPI.COMM_SELF)
+    buf = np.zeros(4)
+    assert not net.take_by(buf, 0, 77, time.monotonic() + 0.01)
+    assert any(kept is buf for _, kept in mpicomm._GIVEN_UP)
+    MPI.COMM_SELF.Send(np.arange(4.0), dest=0, tag=77)  # the late message
+    mpicomm.abandon(mpicomm.REQUEST_NULL, None)  # (prunes what has finished)
+    assert not any(kept is buf for _, kept in mpicomm._GIVEN_UP)
+    assert buf.tolist() == [0.0, 1.0, 2.0, 3.0]

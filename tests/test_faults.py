@@ -244,7 +244,9 @@ def test_ulfm_reports_the_death_and_the_run_goes_on(mnist_h5, tmp_path, victim):
 # -- a sandblaster replica killed mid-run --------------------------------------------------------
 SB_RUN = ["--strategy", "sandblaster", "--layers", "784,64,10", "--steps", "40", "--portions",
           "24", "--eval-every", "0", "--checkpoint-every", "0", "--progress-every", "0.2",
-          "--timeout", "30", "--heartbeat-timeout", "2", "--replica-timeout", "2"]
+          "--timeout", "30", "--heartbeat-timeout", "2", "--replica-timeout", "5"]
+# (--replica-timeout above --heartbeat-timeout: a shard may wait that long on a transfer with
+# the killed replica, and the replicas fetching from it meanwhile must not be taken for lost)
 
 
 def test_sigkill_of_a_sandblaster_replica_mid_run(mnist_h5, tmp_path):

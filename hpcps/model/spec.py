@@ -25,24 +25,10 @@ PRESETS = {
     "adam-mnist": "conv5x5x10,pool2,conv5x5x20,pool2,fc400,fc400,fc10",
 }
 
-# What a preset was tuned with (docs/conv.md, "Accuracy"): ``--model NAME`` under the strategy
-# named brings these options, where they were not given and the options given accept them.
-# adam-mnist: 99.30%, 99.31% and 99.38% on MNIST in three 50-epoch runs on 4 ranks.
-RECIPES = {
-    "adam-mnist": {"strategy": "downpour",
-                   "options": {"optimizer": "momentum", "lr": 0.01, "batch_size": 64,
-                               "weight_decay": 1e-3, "dropout": 0.3, "lr_schedule": "cosine",
-                               "epochs": 50.0}},
-}
-
-
-def recipe(model: str | None, strategy: str) -> dict | None:
-    """The options preset ``model`` was tuned with under ``strategy`` (by option name), or
-    None: not a preset, no recipe, or another strategy."""
-    found = RECIPES.get(str(model).strip().lower()) if model is not None else None
-    if found is None or found["strategy"] != strategy:
-        return None
-    return dict(found["options"])
+def preset_name(model: str | None) -> str | None:
+    """``model`` (``--model``) as a preset's name, or None when it is not one."""
+    name = str(model).strip().lower() if model is not None else None
+    return name if name in PRESETS or name in CTR_PRESETS else None
 
 
 _CONV = re.compile(r"conv(\d+)x(\d+)x(\d+)(?:s(\d+))?(?:p(\d+))?")

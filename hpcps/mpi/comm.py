@@ -258,11 +258,12 @@ class Transport:
         being sent, so this blocking receive waits on no decision of the peer."""
         self.comm.Recv(buf, source=src, tag=tag)
 
-    def take_by(self, buf, src: int, tag: int, deadline: float) -> bool:
-        """Receive a probed message unless its sender dies half-way: False once ``deadline``
-        passes (then ``buf`` may still be written to: the caller replaces it)."""
+    def _by(self, start, buf, deadline: float) -> bool:
+        """Start a transfer of ``buf`` (``start()``, an Isend or Irecv) and wait for it until
+        ``deadline``: False if MPI reports the peer dead or the deadline passes (then
+        :func:`abandon` keeps ``buf`` for MPI, and the caller must not use it again)."""
         try:
-            req = self.comm.Irecv(buf, source=src, tag=tag)
+            req = start()
         except MPI.Exception as exc:
             self._peer_failed(exc)
             return False
@@ -270,6 +271,11 @@ class Transport:
             return True
         abandon(req, buf)
         return False
+
+    def take_by(self, buf, src: int, tag: int, deadline: float) -> bool:
+        """Receive a probed message unless its sender dies half-way: False once ``deadline``
+        passes (then ``buf`` may still be written to: the caller replaces it)."""
+        return self._by(lambda: self.comm.Irecv(buf, source=src, tag=tag), buf, deadline)
 
     def post_recv(self, buf, src: int, tag: int):
         """Post a receive for a message asked for; returns the request to wait on."""
@@ -343,15 +349,7 @@ class Transport:
     def send_by(self, buf, dest: int, tag: int, deadline: float) -> bool:
         """Send, giving up at ``deadline`` (``dest`` died): False then, and ``buf`` must not be
         reused."""
-        try:
-            req = self.comm.Isend(buf, dest=dest, tag=tag)
-        except MPI.Exception as exc:
-            self._peer_failed(exc)
-            return False
-        if finished_by(req, deadline):
-            return True
-        abandon(req, buf)
-        return False
+        return self._by(lambda: self.comm.Isend(buf, dest=dest, tag=tag), buf, deadline)
 
 
 def test_obj(req) -> tuple[bool, object]:

@@ -164,11 +164,12 @@ def finish(world, reporter: int, result: dict, layout, timeout: float,
         replica is done), a replica they did not lose has only its final figures left to
         send: seconds to wait for them before calling it lost (:func:`ending_grace` of
         ``--heartbeat-timeout``, the silence that means a death during the run); None:
-        ``timeout``. A replica lost so is told so, in case it was only late: it then leaves
-        as the survivors do. A reporter that lists the lost itself says how long its live
-        replicas may still be busy once it ended, ``ending_grace_s`` in its ``result``
-        (sandblaster's coordinator: a replica may still compute a portion it was given
-        twice, for as long as ``--replica-timeout`` lets a busy replica be silent); that
+        ``timeout``. Every lost rank is told the run's end, in case it was only late (or,
+        lost during the run, alive but starved): it then leaves as the survivors do. A
+        reporter that lists the lost itself says how long its live replicas may still be
+        busy once it ended, ``ending_grace_s`` in its ``result`` (sandblaster's
+        coordinator: a replica may still compute a portion it was given twice, for as long
+        as ``--replica-timeout`` lets a busy replica be silent); that
         figure replaces ``grace`` and is not passed on to ``summarize``.
     """
     size, rank = world.Get_size(), world.Get_rank()
@@ -194,7 +195,6 @@ def finish(world, reporter: int, result: dict, layout, timeout: float,
     results: list = [None] * size
     results[reporter] = result
     lost: list[int] | None = None
-    late: list[int] = []  # replicas lost here, for want of their final figures
     start = time.monotonic()
     ended = None  # when the lost ranks were known: the others' training was over then
     poll = Poller()
@@ -223,7 +223,6 @@ def finish(world, reporter: int, result: dict, layout, timeout: float,
                 results[r] = {"lost": True, "after_s": round(waited, 1),
                               "why": f"it sent no final figures {after}: it died after the "
                                      "training had stopped waiting for it"}
-            late += replicas
             lost = sorted(set(lost or []) | set(replicas))
             continue
         poll.pause()
@@ -235,8 +234,9 @@ def finish(world, reporter: int, result: dict, layout, timeout: float,
     for r in range(size):
         if r != reporter and r not in gone:
             net.send_obj(gone, r, Tag.RESULT)
-    for r in late:  # never waited for: it may be dead (this rank leaves without finalizing)
-        net.send_obj_nowait(gone, r, Tag.RESULT)
+    for r in lost:  # never waited for: dead, or alive but taken for dead (a replica starved
+        if r != reporter:  # past the timeout), which waits for this to leave as the others do
+            net.send_obj_nowait(gone, r, Tag.RESULT)
     return bool(gone)
 
 

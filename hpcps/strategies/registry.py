@@ -69,6 +69,9 @@ class Strategy:
     model_parallel : accepts ``--partitions P > 1``.
     whole_batch : accepts ``--batch-size 0`` (the whole training set per step).
     epochs : default ``--epochs`` when neither ``--epochs`` nor ``--steps`` is given.
+    recipes : ``{preset: {option: value}}``, what ``--model PRESET`` was tuned with under
+        this strategy: added where not given, as far as the options given accept it
+        (:mod:`hpcps.config`); the start line says which.
     embeddings : trains embedding models (``--model embed...``, ``ctr-dnn``, ``movielens``:
         :mod:`hpcps.model.ctr`) on categorical datasets; the others refuse them at start.
     dense_models : trains MLPs and conv models (False: embedding models only; the scaling
@@ -107,6 +110,7 @@ class Strategy:
     model_parallel: bool = True
     whole_batch: bool = False
     epochs: float = 4.0
+    recipes: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     embeddings: bool = False
     dense_models: bool = True
     replica_data: str = "shard"
