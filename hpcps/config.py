@@ -315,8 +315,10 @@ def _read_toml(path: str) -> dict[str, Any]:
 def _check_types(values: dict[str, Any]) -> None:
     """TOML values arrive untyped; refuse a string where a number belongs, and the like."""
     for name, v in values.items():
-        o = OPTIONS[name]
         if v is None:
+            continue
+        o = OPTIONS[name]
+        if type(v) is o.type and o.type in (int, float, str):  # already what it must be
             continue
         if o.type == LAYERS:
             ok = isinstance(v, tuple) and all(isinstance(i, int) and not isinstance(i, bool)
@@ -337,10 +339,17 @@ def _check_types(values: dict[str, Any]) -> None:
             raise ConfigError(f"{name} has the wrong type: got {v!r}")
 
 
+@functools.cache
+def _foreign(strategy: str) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """The options other strategies own and ``strategy`` does not: (name, owners)."""
+    return tuple((name, tuple(owners)) for name, owners in OWNERS.items()
+                 if strategy not in owners)
+
+
 def _check_generic(cfg, spec: Strategy) -> None:
     """What holds for every strategy, read from its declaration."""
-    for name, owners in OWNERS.items():
-        if getattr(cfg, name) is not None and cfg.strategy not in owners:
+    for name, owners in _foreign(cfg.strategy):
+        if getattr(cfg, name) is not None:
             raise ConfigError(f"{flag(name)} applies only to --strategy {' or '.join(owners)}, "
                               f"not {cfg.strategy}")
     if not spec.uses_servers and cfg.servers not in (None, 0):
@@ -380,12 +389,19 @@ def _check_generic(cfg, spec: Strategy) -> None:
         parse_spec(cfg.model)
 
 
+# (option, value) pairs whose value check passed: it depends on nothing else, and the
+# combination matrix's collection checks about 20 million of them, mostly the same few
+_VALID: set[tuple[str, Any]] = set()
+
+
 def _check(cfg, spec: Strategy) -> None:
     """Refuse what the options given (None: not given) do not allow, alone or together."""
     given = vars(cfg)
     for o in OPTIONS.values():
-        if given[o.name] is not None:  # None: not given, never refused
-            o.check_value(given[o.name])
+        value = given[o.name]
+        if value is not None and (o.name, value) not in _VALID:  # None: not given
+            o.check_value(value)
+            _VALID.add((o.name, value))
     _check_generic(cfg, spec)
     spec.validate(cfg)
 
