@@ -9,7 +9,7 @@ import sys
 import time
 
 import pytest
-from faultinject import find_rank, wait_for_step
+from faultinject import find_rank, kill_rank, wait_for_step
 from mpirun import ROOT, end_launch, mpi_flavor, mpiexec_cmd, rank_module, tagged_env
 
 from hpcps import config
@@ -216,6 +216,28 @@ def test_sigkill_of_a_primary_shard_mid_run(mnist_h5, tmp_path, copies, victim, 
     assert abs(s["test_accuracy"] - base["test_accuracy"]) <= 0.005, (s, base)
 
 
+def test_a_lone_shard_stopped_past_the_timeout_goes_on_when_it_resumes(mnist_h5, tmp_path):
+    """1 shard, 3 replicas, --heartbeat-timeout 2: the shard is stopped (SIGSTOP) for 3 s,
+    twice, perhaps in the middle of answering a fetch. When it runs again, the time it did
+    not run is not held against the replicas (their silence, its replies' deadlines): it
+    loses no replica, and the run completes with exit code 0."""
+    proc = launch(tmp_path, mnist_h5, 4, ["--steps", "4000"])
+    try:
+        for step in (300, 600):
+            wait_for_step(tmp_path / "metrics.jsonl", step, 120)
+            kill_rank(proc.pid, 3, signal.SIGSTOP)
+            time.sleep(3.0)
+            kill_rank(proc.pid, 3, signal.SIGCONT)
+    except BaseException:
+        end_launch(proc.pid, proc.tag)
+        proc.communicate()
+        raise
+    out = finish(proc, "run with its shard stopped for twice the timeout")
+    assert proc.returncode == 0, out[-3000:]
+    s = summary(tmp_path)
+    assert s["lost_ranks"] == [] and s["step"] >= 4000, out[-3000:]
+
+
 @pytest.mark.openmpi
 @pytest.mark.parametrize("victim", [3, 1], ids=["shard0", "replica1"])
 def test_ulfm_reports_the_death_and_the_run_goes_on(mnist_h5, tmp_path, victim):
@@ -242,15 +264,16 @@ def test_ulfm_reports_the_death_and_the_run_goes_on(mnist_h5, tmp_path, victim):
 
 
 # -- a sandblaster replica killed mid-run --------------------------------------------------------
-SB_RUN = ["--strategy", "sandblaster", "--layers", "784,64,10", "--steps", "40", "--portions",
+SB_RUN = ["--strategy", "sandblaster", "--layers", "784,64,10", "--steps", "60", "--portions",
           "24", "--eval-every", "0", "--checkpoint-every", "0", "--progress-every", "0.2",
-          "--timeout", "30", "--heartbeat-timeout", "2", "--replica-timeout", "5"]
+          "--timeout", "30", "--heartbeat-timeout", "2", "--replica-timeout", "3"]
 # (--replica-timeout above --heartbeat-timeout: a shard may wait that long on a transfer with
-# the killed replica, and the replicas fetching from it meanwhile must not be taken for lost)
+# the killed replica, and the replicas fetching from it meanwhile must not be taken for lost;
+# 60 evaluations: the 50 after the kill outlast the coordinator's 3 s to find it lost)
 
 
 def test_sigkill_of_a_sandblaster_replica_mid_run(mnist_h5, tmp_path):
-    """N = 5 (3 replicas, 1 shard, the coordinator): rank 2 is SIGKILLed after 10 of 40
+    """N = 5 (3 replicas, 1 shard, the coordinator): rank 2 is SIGKILLed after 10 of 60
     L-BFGS evaluations of the whole set. The coordinator gives its portions to the others
     after --replica-timeout, the shard stops waiting for a transfer that broke off, the run
     ends without world collectives: exit code 0, rank 2 named lost, every step taken, the
@@ -271,7 +294,7 @@ def test_sigkill_of_a_sandblaster_replica_mid_run(mnist_h5, tmp_path):
     s = summary(hurt)
     assert s["lost_ranks"] == [2], out[-3000:]
     assert "rank 2 did not answer" in out and "1 replica(s) lost" in out
-    assert s["step"] >= 40 and s["test_accuracy"] >= base["test_accuracy"] - 0.005, (s, base)
+    assert s["step"] >= 60 and s["test_accuracy"] >= base["test_accuracy"] - 0.005, (s, base)
 
 
 # -- a lockstep strategy's rank killed mid-run: checkpoint, exit 75, resume on the rest ------

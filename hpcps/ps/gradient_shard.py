@@ -183,6 +183,7 @@ class GradientShard:
         # replicas may die: replies go without waiting; (request, buffer, replica, deadline)
         # of those in flight, and the buffers of those that completed, for the next ones
         self._sending: list[tuple[object, Message, int, float]] = []
+        self._reaped_at = time.monotonic()  # the last look at the replies in flight
         self._spare_replies: list[Message] = []
         self._small = Message(0)
         self._hb_status = status()  # heartbeats taken before silence is judged
@@ -500,8 +501,13 @@ class GradientShard:
     def reap_replies(self) -> None:
         """Replies in flight (replicas may die): keep the buffers of those that completed;
         lose the replica of one that failed or is past its deadline (its buffer is left to
-        MPI, which may still read it: :func:`abandon`)."""
+        MPI, which may still read it: :func:`abandon`). A look that comes more than the
+        timeout after the last one means this rank did not run meanwhile (stopped, or
+        starved, perhaps in the middle of a handler): that time is excused first."""
         still, now = [], time.monotonic()
+        if self.liveness is not None and now - self._reaped_at > self.liveness.timeout:
+            self.excuse(now - self._reaped_at)
+        self._reaped_at = now
         for req, msg, sender, deadline in self._sending:
             ok = test(req)
             if ok:
