@@ -36,6 +36,7 @@ from hpcps.model import convnet
 from hpcps.model.spec import is_embedding_spec
 from hpcps.io.tables import TABLES_DIR, table_files
 from hpcps.runtime import faults, memory, slurm, timeline
+from hpcps.mpi import joins
 from hpcps.mpi.comm import (PeerTimeout, ReplicaExchange, allgather_obj, barrier, bcast_obj,
                              dup_comm, gather_obj, host)
 from hpcps.options import parse_inject_slow
@@ -193,13 +194,14 @@ def check_run_dir(run_dir: Path, given: bool) -> None:
 
 
 def _setup(cfg: config.Config, world, layout: Layout, info, ckpt, run_dir: Path,
-           stream: Feed) -> Context:
+           stream: Feed, grid=None) -> Context:
+    """This rank's context; ``grid``: a rank that joined the running job brings its own."""
     full = convnet.build(cfg, info)
     P = layout.partitions
     if P > 1:  # refuse a layer narrower than P on every rank before any communication
         convnet.build_partition(cfg, full, P, 0)
     check_thread_support(cfg.threads, P)
-    grid = build_grid(world, layout)
+    grid = build_grid(world, layout) if grid is None else grid
     opt = make_optimizer(cfg)
     role = grid.role
     if role.is_replica and isinstance(full, convnet.ConvNet):  # its own dropout masks
@@ -334,7 +336,8 @@ def plan(cfg: config.Config, n_world: int) -> Layout:
     """The grid of ranks ``cfg`` asks for on ``n_world`` ranks (ConfigError if it cannot fit,
     or if --inject-slow names a rank that is not a replica's)."""
     layout = Layout.plan(n_world, cfg.servers, cfg.partitions, int(cfg.spec.coordinator),
-                         spares=getattr(cfg, "spares", None) or 0)
+                         spares=getattr(cfg, "spares", None) or 0,
+                         joins=getattr(cfg, "joins", None) or 0)
     if cfg.inject_slow is not None:
         who, _ = parse_inject_slow(cfg.inject_slow)
         n_rep = layout.replicas * layout.partitions
@@ -529,6 +532,9 @@ def main(argv: list[str] | None = None) -> int:
     run_dir = _agree(world, config.run_dir_for, cfg, stamp, slurm.job_name(os.environ))
     given = bool(cfg.run_dir)
     _agree(world, check_run_dir, run_dir, given)
+    # --joins: the chief and every rank that is or may become a shard listen for newcomers
+    world = _agree(world, joins.routed, world, run_dir, layout.joins,
+                   rank == 0 or rank in layout.shard_table, cfg.timeout)
     auto = cfg.resume == config.RESUME_AUTO
     cfg, notes = _agree(world, _resolve_auto, cfg, run_dir)
     ckpt, warnings = _agree(world, _load_resume, cfg, info)
@@ -610,4 +616,5 @@ def main(argv: list[str] | None = None) -> int:
                            timeout=cfg.timeout)
     finally:
         stacks.stop()
+        joins.close(world)
 

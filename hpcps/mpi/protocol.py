@@ -60,6 +60,10 @@ class Tag(IntEnum):
     SHARD_LOST = 43   # shard -> world rank 0: shard PEER is dead (--ps-copies)
     HEAL = 44         # world rank 0 -> shards: shard PEER (a spare) holds dead shard SENDER's sets
     RESTORED = 45     # a spare shard -> world rank 0: it holds set SET whole since CLOCK
+    # ranks that join a running job (hpcps.mpi.joins, --joins): pickled dicts
+    JOIN_HELLO = 46   # newcomer -> listener, on their new intercommunicator: what it wants
+    JOIN_WELCOME = 47  # the chief -> newcomer: its ranks and the job's configuration, or why not
+    JOIN_READY = 48   # newcomer -> the chief: connected to every listener, ready to be a spare
     # no message carries it: a receive posted with it never completes, standing for one from
     # a peer that MPI reported dead (ULFM, hpcps.mpi.comm.Transport)
     NEVER = 99

@@ -9,6 +9,8 @@
     world rank  R*P+S               the coordinator, when there is one
     world rank  R*P+S+C ..          spare k (``--spares``), idle until it replaces a replica;
                                     it then trains as replica R + k
+    N .. N+J-1                      rank j of those that join the running job (``--joins``),
+                                    reached through an intercommunicator: spare K + j
 
 Replicas come first so that world rank 0 is always replica 0, partition 0: the rank that logs,
 evaluates and, for strategies without servers, writes checkpoints.
@@ -38,10 +40,11 @@ class Layout:
     partitions: int = 1
     coordinator: int = 0
     spares: int = 0
+    joins: int = 0  # ranks that may join the running job (--joins), past the world's
 
     @classmethod
     def plan(cls, n_world: int, servers: int, partitions: int = 1, coordinator: int = 0,
-             min_replicas: int = 1, spares: int = 0) -> "Layout":
+             min_replicas: int = 1, spares: int = 0, joins: int = 0) -> "Layout":
         """Fit S servers, C coordinators, K spares and replicas of P partitions into N ranks.
 
         Replicas fill what is left. Raises ConfigError naming N, S and P and what would fit.
@@ -63,7 +66,7 @@ class Layout:
                     f"N = {' or '.join(str(n) for n in below + above)}")
             raise ConfigError(f"cannot lay out N={n_world} ranks as S={servers} server shards"
                               f"{extra} and replicas of P={partitions} partitions: {hint}")
-        return cls(n_world, servers, replicas, partitions, coordinator, spares)
+        return cls(n_world, servers, replicas, partitions, coordinator, spares, joins)
 
     # -- pure role arithmetic -------------------------------------------------------------
     def replica_rank(self, replica: int, partition: int = 0) -> int:
@@ -77,13 +80,22 @@ class Layout:
         return [self.server_rank(s) for s in range(self.servers)]
 
     def spare_rank(self, k: int) -> int:
+        """Rank of spare k: one of the job's K, or past them rank ``N + k - K`` of a joined one."""
+        if k >= self.spares:
+            return self.n_world + k - self.spares
         return self.replicas * self.partitions + self.servers + self.coordinator + k
+
+    def may_die(self, rank: int) -> bool:
+        """Whether the run survives the loss of ``rank`` when replicas may die (a joined rank
+        is a spare)."""
+        return rank >= self.n_world or self.role(rank).may_die
 
     @property
     def trainers(self) -> int:
-        """Replica indices a server may hear from: the R replicas, then the K spares, spare k
-        training as replica R + k once it replaces one (P = 1)."""
-        return self.replicas + self.spares
+        """Replica indices a server may hear from: the R replicas, then the K spares and the J
+        ranks that may join, spare k training as replica R + k once it is handed a data shard
+        (P = 1)."""
+        return self.replicas + self.spares + self.joins
 
     @property
     def shard_table(self) -> list[int]:

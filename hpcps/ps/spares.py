@@ -28,6 +28,12 @@ each such set's primary sends it the set's state while it goes on serving, then 
 every push as to any secondary: the set is back at C copies once the spare acknowledges the
 state (:mod:`hpcps.ps.replicated`).
 
+Ranks that join the running job (``--joins J``, :mod:`hpcps.mpi.joins`): the chief gives a
+launch of n ranks the next n of its J slots, then, once the launch is connected to every
+listener (``JOIN_READY``), makes each a spare, k = K + j for the j-th rank to join (at rank
+N + j), idle like the others or, asked to train at once, replica R + k on data shard
+j mod R. A joined spare never becomes a shard (the replicas reach only the job's ranks).
+
 A spare trains under an index of its own (R + k), not the dead replica's: what the shards
 hold of the dead one (its lost state, its late pushes discarded, with ``--ps-copies`` each set's
 count of its pushes) stays its own, and nothing in flight from it can be taken for the
@@ -38,7 +44,8 @@ from __future__ import annotations
 
 import time
 
-from hpcps.mpi.comm import Transport, done, status
+from hpcps.mpi import joins
+from hpcps.mpi.comm import Poller, Transport, done, source_of, status
 from hpcps.mpi.protocol import H, Message, Tag
 
 CHIEF = 0  # world rank 0 assigns the spares: the run cannot survive its loss anyway
@@ -86,12 +93,17 @@ class SparePool:
     ----------
     comm : the world communicator.
     layout : the grid (R replicas, K spares, the shards' ranks).
-    say : ``say(text, record)``: a line for the log and a ``replacement`` record for the
-        metrics (the chief's :class:`hpcps.runtime.metrics.Metrics`).
+    say : ``say(text, record[, kind])``: a line for the log and a record of ``kind``
+        (``replacement``, or ``join``) for the metrics (the chief's
+        :class:`hpcps.runtime.metrics.Metrics`).
+    welcome : what a launch that joins is told besides its ranks (the job's configuration).
+    timeout : seconds :meth:`release` waits for a launch let in to say it is connected.
     """
 
-    def __init__(self, comm, layout, say=None, copies: int = 1):
+    def __init__(self, comm, layout, say=None, copies: int = 1, welcome=None,
+                 timeout: float = 60.0):
         self.net = Transport(comm)
+        self.comm = comm
         self.layout = layout
         self.R, self.K, self.S, self.C = layout.replicas, layout.spares, layout.servers, copies
         self.members = dict(enumerate(layout.server_ranks))  # shard index -> world rank
@@ -107,6 +119,27 @@ class SparePool:
         self._small = Message(0)
         self._st = status()
         self._sends: list = []  # (request, buffer): never a blocking send to a rank that died
+        # --joins: the slots handed to launches, the ranks that joined, what a launch is told
+        self.slots = joins.Slots(layout.n_world, layout.joins)
+        self.joins: list[dict] = []
+        self.ready = 0  # joined ranks that said they are connected (JOIN_READY)
+        self.welcome = welcome or {}
+        self.timeout = timeout
+        if isinstance(comm, joins.RoutedComm):
+            comm.allot = self._allot
+
+    def _allot(self, n: int, want) -> tuple[int | None, dict]:
+        """A launch of ``n`` ranks connects (:mod:`hpcps.mpi.joins`): its first rank and
+        what it is told (the job's configuration, the listeners alive), or a refusal."""
+        if want not in ("spare", "replica"):
+            return None, {"refused": f"a rank joins as a spare or a replica, not {want!r}"}
+        first, why = self.slots.take(n)
+        if first is None:
+            return None, {"refused": why}
+        spares_left = [self.layout.spare_rank(k) for k in self.idle if k < self.K]
+        listeners = sorted(set(self._live_members()) | set(spares_left))
+        return first, {**self.welcome, "first": first, "n_world": self.layout.n_world,
+                       "slots": self.layout.joins, "listeners": listeners}
 
     def _send(self, buf, dest: int, tag: int) -> None:
         self._sends = [(r, b) for r, b in self._sends if not done(r)]
@@ -137,9 +170,49 @@ class SparePool:
                     rec["restored_at"][int(hd[H.SET])] = float(hd[H.CLOCK])
         while net.probe(st, Tag.JOINED):
             net.take(self._small.buf, st.Get_source(), Tag.JOINED)
-            for rec in self.replacements:
+            for rec in self.replacements + self.joins:
                 if rec["as_replica"] == int(hd[H.SENDER]):
                     rec["first_step_at"] = float(hd[H.CLOCK])
+        while net.probe(st, Tag.JOIN_READY):
+            self._joined(net.take_obj(source_of(st), Tag.JOIN_READY))
+
+    def _joined(self, got: dict) -> None:
+        """A launch is connected to every listener: its ranks become spares (or replicas)."""
+        n_world = self.layout.n_world
+        for v in range(int(got["first"]), int(got["first"]) + int(got["n"])):
+            self.ready += 1
+            j = v - n_world
+            k = self.K + j
+            rec = {"rank": v, "join": j, "spare": k, "wants": got["want"], "at": time.time(),
+                   "as_replica": None, "data_shard": None, "assigned_at": None,
+                   "first_step_at": None}
+            self.joins.append(rec)
+            if self.released:  # the run is over: it leaves at once
+                self._send(Message(0).buf, v, Tag.RELEASE)
+                rec["wants"] = "released"
+            elif got["want"] == "replica":
+                self._assign(k, j % self.R, rec)
+            else:
+                self.idle.append(k)
+            if self.say is not None:
+                self.say(f"rank {v} joined the run as spare {k}" + (
+                    f": replica {rec['as_replica']} on data shard {rec['data_shard']}"
+                    if rec["as_replica"] is not None else
+                    ", released (the run is over)" if rec["wants"] == "released" else
+                    ", idle"), rec, "join")
+
+    def _assign(self, k: int, data_shard: int, rec: dict) -> None:
+        """Spare ``k`` trains as replica R + k on ``data_shard``: the live shards expect it
+        first, then it is told."""
+        new, rank = self.R + k, self.layout.spare_rank(k)
+        self.data_of[new] = data_shard
+        msg = Message(0)
+        msg.header[H.SENDER], msg.header[H.PEER] = new, rank
+        for dest in self._live_members():
+            self._send(msg.buf, dest, Tag.EXPECT)
+        self._sends.append((self.net.send_obj_nowait(
+            {"role": "replica", "index": new, "data": data_shard}, rank, Tag.ASSIGN), None))
+        rec.update(as_replica=new, data_shard=data_shard, assigned_at=time.time())
 
     def _gone(self, r: int, how: str, at: float, silent_s: float, shard) -> None:
         if r in self.gone or r not in self.data_of:
@@ -151,16 +224,8 @@ class SparePool:
                "as_replica": None, "assigned_at": None, "first_step_at": None}
         if self.idle:
             k = self.idle.pop(0)
-            new, rank = self.R + k, self.layout.spare_rank(k)
-            self.data_of[new] = self.data_of[r]
-            msg = Message(0)
-            msg.header[H.SENDER], msg.header[H.PEER] = new, rank
-            for dest in self._live_members():
-                self._send(msg.buf, dest, Tag.EXPECT)
-            self._sends.append((self.net.send_obj_nowait(
-                {"role": "replica", "index": new, "data": self.data_of[r]}, rank, Tag.ASSIGN),
-                None))
-            rec.update(spare=k, spare_rank=rank, as_replica=new, assigned_at=time.time())
+            rec.update(spare=k, spare_rank=self.layout.spare_rank(k))
+            self._assign(k, self.data_of[r], rec)
         self.replacements.append(rec)
         if self.say is not None:
             what = (f"replica {r} (rank {rec['rank']}) {'died' if how == 'lost' else 'left'}: "
@@ -178,8 +243,10 @@ class SparePool:
                "silent_s": round(silent_s, 3), "detected_by_shard": by, "spare": None,
                "spare_rank": None, "as_shard": None, "assigned_at": None,
                "restored_at": {}}
-        if self.idle and self.C > 1:
-            k = self.idle.pop(0)
+        real = [k for k in self.idle if k < self.K]  # a joined spare never becomes a shard
+        if real and self.C > 1:
+            k = real[0]
+            self.idle.remove(k)
             n, rank = self.S + k, self.layout.spare_rank(k)
             msg = Message(0)
             msg.header[H.SENDER], msg.header[H.PEER] = d, n
@@ -187,7 +254,8 @@ class SparePool:
                 self._send(msg.buf, dest, Tag.HEAL)
             self.heals.append((d, n))
             self.members[n] = rank
-            joined = [r["as_replica"] for r in self.replacements if r["as_replica"] is not None]
+            joined = [r["as_replica"] for r in self.replacements + self.joins
+                      if r["as_replica"] is not None]
             self._sends.append((self.net.send_obj_nowait(
                 {"role": "shard", "index": n, "heals": list(self.heals),
                  "dead": sorted(self.dead_shards), "joined": joined}, rank, Tag.ASSIGN), None))
@@ -206,14 +274,21 @@ class SparePool:
         return list(self.members.values())
 
     def release(self) -> None:
-        """The chief's training is over: the spares still idle leave."""
+        """The chief's training is over: the spares still idle leave. No launch may join
+        any more; one let in already is waited for (``timeout``) and sent away."""
+        self.slots.open = False
+        joins.stop_listening(self.comm)
         msg = Message(0)
         for k in self.idle:
             self._send(msg.buf, self.layout.spare_rank(k), Tag.RELEASE)
         self.released, self.idle = self.idle, []
+        deadline, poll = time.monotonic() + self.timeout, Poller()
+        while self.ready < self.slots.given and time.monotonic() < deadline:
+            self.poll()  # JOIN_READY now sends RELEASE
+            poll.pause()
 
     def figures(self) -> dict:
-        return {"spares": self.K, "replacements": self.replacements,
+        return {"spares": self.K, "replacements": self.replacements, "joins": self.joins,
                 "shard_replacements": self.shard_replacements,
                 "spares_idle_at_end": len(self.released)}
 

@@ -29,6 +29,7 @@ import sys
 import time
 from pathlib import Path
 
+from hpcps.mpi import joins
 from hpcps.mpi.comm import PeerTimeout, Poller, Transport, source_of, status, test_obj
 from hpcps.errors import ConfigError
 from hpcps.runtime.keeper import KEEPER_ENV
@@ -172,7 +173,8 @@ def finish(world, reporter: int, result: dict, layout, timeout: float,
         as ``--replica-timeout`` lets a busy replica be silent); that
         figure replaces ``grace`` and is not passed on to ``summarize``.
     """
-    size, rank = world.Get_size(), world.Get_rank()
+    rank = world.Get_rank()
+    size = world.Get_size() + len(joins.joined(world))  # ranks that joined come after the world
     net = Transport(world)
     if rank != reporter and result.get("left"):  # left the run on SIGTERM: nothing to wait for
         net.send_obj(result, reporter, Tag.RESULT)
@@ -210,12 +212,12 @@ def finish(world, reporter: int, result: dict, layout, timeout: float,
             results[sender] = net.take_obj(sender, Tag.RESULT)
             continue
         now = time.monotonic()
-        if now - start > timeout and any(not layout.role(r).may_die for r in waiting):
+        if now - start > timeout and any(not layout.may_die(r) for r in waiting):
             raise PeerTimeout(f"waited {timeout:.0f} s for the final figures of rank(s) "
                               f"{waiting}")
         graced = ended is not None and grace is not None
         waited, limit = (now - ended, grace) if graced else (now - start, timeout)
-        replicas = [r for r in waiting if layout.role(r).may_die]
+        replicas = [r for r in waiting if layout.may_die(r)]
         if waited > limit and replicas:  # died after the run had stopped waiting for it
             after = (f"within {limit:g} s of the end of training" if graced
                      else f"within {limit:g} s")

@@ -47,9 +47,10 @@ DOWNPOUR_TAU = 0.01  # default threshold of compressed pushes (gradient units, n
 def _defaults(cfg) -> dict:
     d = {"servers": cfg.partitions,  # one shard per partition
          "lr": 0.01, "n_fetch": 1, "n_push": 1, "warmup_steps": 200, "compress": "none",
-         "batch_size": 32, "prefetch": 2, "push": "gradients", "ps_copies": 1, "spares": 0}
-    if (cfg.ps_copies or 1) > 1 or (cfg.spares or 0) > 0:  # deaths are found by heartbeats
-        d["heartbeat_timeout"] = PS_HEARTBEAT_TIMEOUT
+         "batch_size": 32, "prefetch": 2, "push": "gradients", "ps_copies": 1, "spares": 0,
+         "joins": 0}
+    if (cfg.ps_copies or 1) > 1 or (cfg.spares or 0) > 0 or (cfg.joins or 0) > 0:
+        d["heartbeat_timeout"] = PS_HEARTBEAT_TIMEOUT  # deaths are found by heartbeats
     if cfg.push != "activations":  # activation pushes hold whole rows per shard, not chunks
         d["chunk_bytes"] = DEFAULT_CHUNK_BYTES
     if cfg.compress == "threshold":
@@ -69,6 +70,7 @@ def _validate_embeddings(cfg) -> None:
         "--push activations": cfg.push == "activations",
         "--partitions > 1": cfg.partitions > 1,
         "--ps-copies > 1": (cfg.ps_copies or 1) > 1, "--spares": (cfg.spares or 0) > 0,
+        "--joins": (cfg.joins or 0) > 0,
         "--persist-every": cfg.persist_every is not None,
         "--epoch-quorum": cfg.epoch_quorum is not None,
         "--heartbeat-timeout": cfg.heartbeat_timeout is not None,
@@ -85,7 +87,9 @@ def _validate(cfg) -> None:
     if cfg.ps_copies is not None and cfg.ps_copies > 1:
         _validate_copies(cfg)
     if cfg.spares:
-        _validate_spares(cfg)
+        _validate_spares(cfg, "--spares")
+    if cfg.joins:
+        _validate_spares(cfg, "--joins")
     if cfg.epoch_quorum is not None and cfg.epoch_quorum > 1:
         raise ConfigError(f"--epoch-quorum is the fraction of replicas an epoch waits for, "
                           f"at most 1 (Project Adam: 0.75); got {cfg.epoch_quorum}")
@@ -171,9 +175,10 @@ def _validate_copies(cfg) -> None:
             raise ConfigError(f"--ps-copies > 1 with {name}: {why[name]}; drop one of the two")
 
 
-def _validate_spares(cfg) -> None:
-    """What spare replicas (--spares K) go with: a spare joins as a new replica with the dead
-    one's data shard, so what fixes each replica's part of the run at start is refused."""
+def _validate_spares(cfg, option: str) -> None:
+    """What spare replicas (--spares K) and ranks that join (--joins J) go with: either joins
+    as a new replica mid-run, so what fixes each replica's part of the run at start is
+    refused."""
     why = {
         "--staleness-bound": "the shards hold every replica to the slowest one's clock, and a "
         "spare that joins mid-run has no clock of its own to start from; use --softsync or "
@@ -186,7 +191,7 @@ def _validate_spares(cfg) -> None:
                         ("--epoch-quorum", cfg.epoch_quorum is not None),
                         ("--partitions > 1", cfg.partitions > 1)):
         if given:
-            raise ConfigError(f"--spares with {name}: {why[name]}")
+            raise ConfigError(f"{option} with {name}: {why[name]}")
 
 
 def softsync_group(cfg, replicas: int) -> int:
@@ -271,6 +276,12 @@ STRATEGY = Strategy(
                "then takes the replica's data shard and trains on as a new replica, or holds a "
                "copy of each of the dead shard's chunk sets; brings --heartbeat-timeout (10 s "
                "unless given). Rank 0 assigns them (default 0: none)", check="nonneg"),
+        Option("joins", int, "ranks that may join the running job later, from a second "
+               "launch (mpiexec -n K python -m hpcps.join RUN_DIR): each becomes a spare, or "
+               "at once a replica training on data shard j mod R (the j-th to join); the "
+               "chief and the shards listen on MPI ports published in RUN_DIR/join (MPICH; "
+               "brings --heartbeat-timeout, 10 s unless given; default 0: none)",
+               check="nonneg"),
         Option("ps_copies", int, "copies of every chunk set on distinct server shards "
                "(Project Adam: 3): the primary applies a push, forwards it to the "
                "secondaries and acknowledges it once they hold it; a secondary takes over a "

@@ -180,16 +180,19 @@ class DownpourReplica(ReplicaLoop):
         if cfg.ps_copies > 1:  # it stops beating a shard found dead
             self.client.heartbeat = self.heartbeat
         # --spares: the chief hands a dead or departed replica's data shard to a spare
-        self.pool = spares.SparePool(grid.world, layout, self._replaced, cfg.ps_copies) \
-            if grid.is_chief and layout.spares else None
+        self.pool = spares.SparePool(
+            grid.world, layout, self._replaced, cfg.ps_copies, timeout=cfg.timeout,
+            welcome={"cfg": cfg, "feed": ctx.feed, "start_step": ctx.start_step,
+                     "run_dir": str(ctx.run_dir)}) \
+            if grid.is_chief and (layout.spares or layout.joins) else None
         if self.pool is not None and hasattr(self.client, "while_waiting"):
             self.client.while_waiting = self.pool.poll
         self.leave: SignalFlag | None = None  # SIGTERM: leave the run cleanly (not the chief)
         self.left = False
 
-    def _replaced(self, text: str, record: dict) -> None:
+    def _replaced(self, text: str, record: dict, kind: str = "replacement") -> None:
         self.ctx.metrics.message(text)
-        self.ctx.metrics.record("replacement", echo=False, **record)
+        self.ctx.metrics.record(kind, echo=False, **record)
 
     def packed_bounds(self, plan: ChunkPlan) -> list[int]:
         """The largest message each shard may receive from this replica, for packed pushes

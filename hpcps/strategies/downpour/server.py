@@ -195,9 +195,10 @@ def run_server(ctx: Context) -> dict:
 
 
 def with_spares(server, layout, liveness) -> None:
-    """--spares: the spares' replica indices are not waited for until the chief assigns one,
+    """--spares, --joins: the spares' replica indices (the joined ranks' too) are not waited
+    for until the chief assigns one,
     and each replica the shard loses is reported to the chief (:mod:`hpcps.ps.spares`)."""
-    if not layout.spares:
+    if not layout.spares and not layout.joins:
         return
     if isinstance(server, GradientShard) or server.me < layout.servers:
         server.idle(range(layout.replicas, layout.trainers))

@@ -134,7 +134,12 @@ def _spare_figures(results: list[dict]) -> dict:
         recs.append({**rec, "training_again_s": again,
                      "since_last_sign_s": None if again is None
                      else round(again + rec["silent_s"], 3)})
-    return {"spares": chief["spares"], "replacements": recs,
+    joins = []
+    for rec in chief.get("joins", []):  # ranks that joined from a second launch (--joins)
+        first = rec["first_step_at"] or joined.get(rec["as_replica"], {}).get("first_step_at")
+        joins.append({**rec, "training_after_s": None if first is None or rec["as_replica"]
+                      is None else round(first - rec["at"], 3)})
+    return {"spares": chief["spares"], "replacements": recs, "joins": joins,
             "shard_replacements": chief.get("shard_replacements", []),
             "spares_idle_at_end": chief["spares_idle_at_end"], "left_ranks": left, **gone}
 
@@ -217,8 +222,18 @@ def summary_lines(f: dict) -> list[str]:
     if "copies_at_end" in f and f["copies_at_end"]:
         lines.append(f"{f['sets_with_c_copies_at_end']} of {len(f['copies_at_end'])} chunk sets "
                      "ended with all their copies")
+    for j in f.get("joins", []):
+        lines.append(f"rank {j['rank']} joined the run as spare {j['spare']}" + (
+            f": replica {j['as_replica']} on data shard {j['data_shard']}"
+            + (f", training {j['training_after_s']:.2f} s after it joined"
+               if j["training_after_s"] is not None else ", never trained")
+            if j["as_replica"] is not None else
+            ", released at once (the run was over)" if j["wants"] == "released" else
+            ", idle until the end"))
     if "spares" in f:
-        lines.append(f"{f['spares']} spare(s), {f['spares_idle_at_end']} still idle at the end")
+        lines.append(f"{f['spares']} spare(s)"
+                     + (f" and {len(f['joins'])} rank(s) that joined" if f.get("joins") else "")
+                     + f", {f['spares_idle_at_end']} still idle at the end")
     if "ps_copies" in f:
         applied = f["ps_applied"] or []
         line = (f"{f['ps_copies']} copies of every chunk set: "

@@ -1,0 +1,400 @@
+"""Ranks that join a running job (``--joins J``): a second launch connects through MPI ports.
+
+The job's side. Every *listener* (world rank 0, the chief, and every rank that is or may become
+a shard) opens an MPI port at start and writes its name to ``RUN_DIR/join/port-<rank>``. Its
+communicator is a :class:`RoutedComm`: the job's world, plus one intercommunicator per launch
+that joined it, so the roles address a newcomer by a rank of its own, past the world's
+(``n_world + j`` for the j-th joined rank), and the transport routes each message.
+
+The newcomers' side (:func:`connect`, run by ``python -m hpcps.join RUN_DIR``). The launch
+connects to the chief first: the chief hands it J slots' worth of ranks, the job's
+configuration and the listeners that are alive; then it connects to every other listener, and
+tells the chief it is ready (``JOIN_READY``), after which the chief treats it as a spare
+(:mod:`hpcps.ps.spares`). Its own communicator is a :class:`RoutedComm` too: every listener is
+one intercommunicator away, under its world rank.
+
+When to accept. MPICH's ``MPI_Comm_accept`` holds the lock every MPI call of the process takes,
+so a thread waiting in it would stop the rank (measured: a shard's serving loop froze). A
+listener therefore accepts only when a connection is about to come: right before it connects
+to a listener, the launch writes ``RUN_DIR/join/<id>.to-<rank>``, and the listener, which looks
+at that folder at most every ``LOOK_EVERY_S`` when it probes for messages, accepts then. The
+serving loop stops for the connection alone (milliseconds on one node).
+
+Open MPI cannot do this between two ``mpirun`` launches without a shared PMIx server (a PRRTE
+DVM); there :func:`connect` gives up after its timeout with one line saying so.
+"""
+from __future__ import annotations
+
+import os
+import threading
+import time
+import uuid
+from pathlib import Path
+
+from mpi4py import MPI
+
+from hpcps.errors import ConfigError, HpcpsError
+from hpcps.mpi.comm import Poller
+from hpcps.mpi.protocol import Tag
+
+LOOK_EVERY_S = 0.25  # a listener looks for connections this often (one listdir)
+PORT_FILE = "port-{rank}"
+
+
+class JoinError(HpcpsError):
+    """A launch could not join the job (no job listening, no slot free, the run ending)."""
+
+    exit_code = 2
+
+
+def join_dir(run_dir) -> Path:
+    return Path(run_dir) / "join"
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+class RoutedComm:
+    """A communicator that reaches, besides the job's world, the ranks that joined it.
+
+    Point-to-point calls (the ones :class:`hpcps.mpi.comm.Transport` makes) go to the world for
+    a world rank and to the intercommunicator of a joined rank otherwise; a probe of any
+    source looks at every one of them and reports the sender under its rank. Every other
+    attribute (collectives, splits) is the world's. A message to a rank that is not (or no
+    longer) reachable is dropped, as one to a dead rank is.
+
+    Parameters
+    ----------
+    base : the job's world (None on a newcomer: it reaches only the listeners).
+    me : this rank's rank (a newcomer's: past the world's).
+    n_world : ranks of the job's world.
+    slots : ranks that may join (J), ranks ``n_world .. n_world + J - 1``.
+    """
+
+    def __init__(self, base, me: int, n_world: int, slots: int):
+        self.base = base
+        self.me = me
+        self.n_world = n_world
+        self.slots = slots
+        self._routes: dict[int, tuple] = {}  # rank -> (intercommunicator, its remote rank)
+        self._inters: list[tuple] = []  # (intercommunicator, rank of its remote rank 0)
+        self._turn = 0
+        # listening (job side)
+        self.port: str | None = None
+        self.dir: Path | None = None
+        self._next_look = 0.0
+        self._seen: set[str] = set()
+        self.allot = None  # on the chief: allot(n, want) -> (first rank, welcome) or refusal
+        self.accept_timeout = 60.0
+
+    # -- the communicator's face ----------------------------------------------------------
+    def __getattr__(self, name):
+        base = self.__dict__.get("base")
+        if base is None:
+            raise AttributeError(f"a newcomer's communicator has no {name}")
+        return getattr(base, name)
+
+    def Get_rank(self) -> int:
+        return self.me
+
+    def Get_size(self) -> int:
+        return self.n_world
+
+    @property
+    def joined(self) -> list[int]:
+        """Ranks past the world's this rank reaches (on the chief: every rank that joined)."""
+        return sorted(r for r in self._routes if r >= self.n_world)
+
+    def _route(self, rank: int):
+        if self.base is not None and 0 <= rank < self.n_world:
+            return self.base, rank
+        if rank == self.me:
+            return MPI.COMM_SELF, 0
+        return self._routes.get(rank, (None, None))
+
+    def Iprobe(self, source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG, status=None) -> bool:
+        self.look()
+        if source != MPI.ANY_SOURCE:
+            comm, peer = self._route(source)
+            if comm is None:
+                return False
+            found = comm.Iprobe(peer, tag, status)
+            if found and status is not None and comm is not self.base:
+                status.Set_source(source)
+            return found
+        st = status if status is not None else MPI.Status()
+        comms = ([(self.base, None)] if self.base is not None else []) + self._inters
+        self._turn = (self._turn + 1) % len(comms) if comms else 0
+        for comm, first in comms[self._turn:] + comms[:self._turn]:
+            if comm.Iprobe(MPI.ANY_SOURCE, tag, st):
+                if first is not None:
+                    st.Set_source(first + st.Get_source())
+                return True
+        return False
+
+    def _never(self):
+        return MPI.COMM_SELF.Irecv(bytearray(1), source=0, tag=Tag.NEVER)
+
+    def Recv(self, buf, source, tag, status=None) -> None:
+        comm, peer = self._route(source)
+        if comm is None:
+            raise MPI.Exception(MPI.ERR_RANK)
+        comm.Recv(buf, source=peer, tag=tag, status=status)
+
+    def Irecv(self, buf, source, tag):
+        comm, peer = self._route(source)
+        return self._never() if comm is None else comm.Irecv(buf, source=peer, tag=tag)
+
+    def Send(self, buf, dest, tag) -> None:
+        comm, peer = self._route(dest)
+        if comm is not None:
+            comm.Send(buf, dest=peer, tag=tag)
+
+    def Isend(self, buf, dest, tag):
+        comm, peer = self._route(dest)
+        return MPI.REQUEST_NULL if comm is None else comm.Isend(buf, dest=peer, tag=tag)
+
+    def send(self, obj, dest, tag) -> None:
+        comm, peer = self._route(dest)
+        if comm is not None:
+            comm.send(obj, dest=peer, tag=tag)
+
+    def isend(self, obj, dest, tag):
+        comm, peer = self._route(dest)
+        return MPI.REQUEST_NULL if comm is None else comm.isend(obj, dest=peer, tag=tag)
+
+    def recv(self, source, tag):
+        comm, peer = self._route(source)
+        if comm is None:
+            raise MPI.Exception(MPI.ERR_RANK)
+        return comm.recv(source=peer, tag=tag)
+
+    def irecv(self, source, tag):
+        comm, peer = self._route(source)
+        if comm is None:
+            return MPI.COMM_SELF.irecv(source=0, tag=Tag.NEVER)
+        return comm.irecv(source=peer, tag=tag)
+
+    def Ack_failed(self):
+        if self.base is not None:
+            return self.base.Ack_failed()
+
+    def add(self, inter, first: int) -> None:
+        """Reach remote rank i of ``inter`` as rank ``first + i``."""
+        for i in range(inter.Get_remote_size()):
+            self._routes[first + i] = (inter, i)
+        self._inters = self._inters + [(inter, first)]
+
+    # -- listening (job side) ---------------------------------------------------------------
+    def listen(self, run_dir, timeout: float) -> None:
+        """Open this rank's port and publish it in ``RUN_DIR/join``."""
+        self.dir = join_dir(run_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.port = MPI.Open_port()
+        self.accept_timeout = timeout
+        _write_atomic(self.dir / PORT_FILE.format(rank=self.me), self.port)
+
+    def look(self) -> None:
+        """Accept the launches about to connect to this rank (cheap: one look at the folder
+        every ``LOOK_EVERY_S``; only from the main thread, which owns the serving loop)."""
+        if self.port is None or threading.current_thread() is not threading.main_thread():
+            return
+        now = time.monotonic()
+        if now < self._next_look:
+            return
+        self._next_look = now + LOOK_EVERY_S
+        try:
+            names = os.listdir(self.dir)
+        except OSError:
+            return
+        suffix = f".to-{self.me}"
+        for name in sorted(names):
+            if name.endswith(suffix) and name not in self._seen:
+                self._seen.add(name)
+                self._accept()
+
+    def _accept(self) -> None:
+        inter = MPI.COMM_SELF.Accept(self.port)
+        hello = _recv_by(inter, Tag.JOIN_HELLO, self.accept_timeout)
+        if hello is None:  # the launch died while connecting
+            inter.Free()
+            return
+        if self.allot is not None:  # the chief: ranks for the launch, and what it needs
+            first, welcome = self.allot(inter.Get_remote_size(), hello.get("want"))
+            inter.send(welcome, dest=0, tag=Tag.JOIN_WELCOME)
+            if first is None:
+                inter.Free()
+                return
+        else:
+            first = int(hello["first"])
+        self.add(inter, first)
+
+    def stop_listening(self) -> None:
+        if self.port is None:
+            return
+        try:  # a launch that looks now finds no job
+            (self.dir / PORT_FILE.format(rank=self.me)).unlink()
+        except OSError:
+            pass
+        try:
+            MPI.Close_port(self.port)
+        except MPI.Exception:
+            pass
+        self.port = None
+
+    def close(self) -> None:
+        """Stop listening and let the intercommunicators go (local: no joined rank waited
+        for, dead or not)."""
+        self.stop_listening()
+        for inter, _ in self._inters:
+            try:
+                inter.Free()
+            except MPI.Exception:
+                pass
+        self._inters, self._routes = [], {}
+
+
+def _recv_by(inter, tag: int, timeout: float):
+    """The object remote rank 0 of ``inter`` sends with ``tag``, or None after ``timeout``."""
+    req = inter.irecv(source=0, tag=tag)
+    deadline = time.monotonic() + timeout
+    poll = Poller()
+    while True:
+        done, obj = req.test()
+        if done:
+            return obj
+        if time.monotonic() > deadline:
+            req.Cancel()
+            return None
+        poll.pause()
+
+
+OPEN_MPI_WHY = ("Open MPI cannot connect two separate mpirun launches without a PMIx server "
+                "they share (a PRRTE DVM, which hpcps does not start): run the job and the "
+                "joins under MPICH (the mpich wheel, or a system MPICH or Intel MPI)")
+
+
+def check_mpi() -> None:
+    """Refuse joins on an MPI that cannot connect two launches (Open MPI)."""
+    if MPI.get_vendor()[0] == "Open MPI":
+        raise ConfigError(f"--joins: {OPEN_MPI_WHY}")
+
+
+def routed(world, run_dir, joins: int, listener: bool, timeout: float):
+    """The job's world as a :class:`RoutedComm` (``joins`` > 0), listening on a listener."""
+    if joins <= 0:
+        return world
+    check_mpi()
+    comm = RoutedComm(world, world.Get_rank(), world.Get_size(), joins)
+    if listener:
+        comm.listen(run_dir, timeout)
+    return comm
+
+
+def close(world) -> None:
+    if isinstance(world, RoutedComm):
+        world.close()
+
+
+def stop_listening(world) -> None:
+    """No launch may join any more (the port closes; the ranks that joined stay reachable)."""
+    if isinstance(world, RoutedComm):
+        world.stop_listening()
+
+
+def joined(world) -> list[int]:
+    """Ranks that joined and that ``world`` reaches (none for a plain communicator)."""
+    return world.joined if isinstance(world, RoutedComm) else []
+
+
+class Slots:
+    """On the chief: which ranks past the world's are given to the launches that join."""
+
+    def __init__(self, n_world: int, joins: int):
+        self.n_world, self.joins = n_world, joins
+        self.given = 0
+        self.open = True
+
+    def take(self, n: int) -> tuple[int | None, str]:
+        """The first of ``n`` ranks for a launch, or (None, why not)."""
+        if not self.open:
+            return None, "the run is ending"
+        if self.given + n > self.joins:
+            return None, (f"the job was started with --joins {self.joins} and "
+                          f"{self.given} rank(s) joined already: {self.joins - self.given} "
+                          f"slot(s) left, the launch has {n} rank(s)")
+        first = self.n_world + self.given
+        self.given += n
+        return first, ""
+
+
+def connect(run_dir, want: str, timeout: float, comm=None) -> tuple[RoutedComm, dict]:
+    """On a newcomer launch: join the job running in ``run_dir``; every rank of ``comm`` (the
+    launch's world) returns its communicator to the job and the chief's welcome (the job's
+    configuration and this rank's place). Collective over ``comm``."""
+    comm = comm if comm is not None else MPI.COMM_WORLD
+    if MPI.get_vendor()[0] == "Open MPI":
+        raise JoinError(OPEN_MPI_WHY)
+    d = join_dir(run_dir)
+    lead = comm.Get_rank() == 0
+    port0 = _wait_port(d, 0, timeout) if lead else None
+    err = comm.bcast(None if port0 is not None else
+                     (f"no running job listens in {d} (started with --joins J, in this run "
+                      f"directory? {timeout:.0f} s waited for {d / PORT_FILE.format(rank=0)})"))
+    if err is not None:
+        raise JoinError(err)
+    rid = comm.bcast(uuid.uuid4().hex[:12] if lead else None)
+
+    def to(rank: int, port: str | None):
+        if lead:
+            (d / f"{rid}.to-{rank}").touch()
+        return comm.Connect(port if lead else "", root=0)
+
+    inter0 = to(0, port0)
+    welcome = None
+    if lead:
+        inter0.send({"want": want}, dest=0, tag=Tag.JOIN_HELLO)
+        welcome = _recv_by(inter0, Tag.JOIN_WELCOME, timeout)
+        if welcome is None:
+            welcome = {"refused": f"the job's chief did not answer in {timeout:.0f} s"}
+    welcome = comm.bcast(welcome)
+    if welcome.get("refused"):
+        inter0.Free()
+        raise JoinError(f"the job refused the join: {welcome['refused']}")
+    first = int(welcome["first"])
+    me = first + comm.Get_rank()
+    out = RoutedComm(None, me, int(welcome["n_world"]), int(welcome["slots"]))
+    out.add(inter0, 0)
+    for rank in welcome["listeners"]:
+        port = _wait_port(d, rank, timeout) if lead else None
+        inter = to(rank, port)
+        if lead:
+            inter.send({"first": first}, dest=0, tag=Tag.JOIN_HELLO)
+        out.add(inter, rank)
+    if lead:  # connected to every listener: the chief may hand these ranks out
+        out.send({"first": first, "n": comm.Get_size(), "want": want}, 0, Tag.JOIN_READY)
+    for name in (f"{rid}.to-{r}" for r in [0, *welcome["listeners"]]):
+        if lead:
+            try:
+                (d / name).unlink()
+            except OSError:
+                pass
+    return out, welcome
+
+
+def _wait_port(d: Path, rank: int, timeout: float) -> str | None:
+    path = d / PORT_FILE.format(rank=rank)
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            text = path.read_text()
+            if text:
+                return text
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            return None
+        time.sleep(0.05)
