@@ -1,0 +1,169 @@
+"""Ranks that join a running job (--joins J, ``python -m hpcps.join RUN_DIR``): the slots, the
+routing, and runs in which launches join as replicas and as spares, a joined spare replaces a
+killed replica, a launch too large is refused, and joined replicas go on through a shard's
+failover (--ps-copies) while a spare heals it."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from faultinject import kill_rank, records, wait_for_step
+from mpirun import end_launch, mpi_flavor, mpiexec_cmd, tagged_env
+from test_faults import ROOT, finish, launch, summary
+
+from hpcps.errors import ConfigError
+from hpcps.mpi.topology import Layout
+
+pytestmark = pytest.mark.skipif(mpi_flavor() != "mpich", reason="joins need MPICH "
+                                "(docs/fault-tolerance.md: Open MPI cannot connect two mpiruns)")
+
+LIMIT_S = 120
+
+
+# -- pure ----------------------------------------------------------------------------------------
+def test_joined_ranks_come_after_the_world_as_spares_past_the_jobs_own():
+    lay = Layout.plan(6, servers=2, spares=1, joins=3)
+    assert (lay.replicas, lay.trainers) == (3, 7)
+    # spares 0 (the job's rank 5), then 1-3 for the ranks that join: 6, 7, 8
+    assert [lay.spare_rank(k) for k in range(4)] == [5, 6, 7, 8]
+    assert [lay.trainer_rank(r) for r in range(7)] == [0, 1, 2, 5, 6, 7, 8]
+    assert lay.shard_table == [3, 4, 5]  # a joined rank never becomes a shard
+    assert lay.may_die(7) and lay.may_die(5) and not lay.may_die(3)
+
+
+def test_slots_are_handed_out_in_order_and_refused_past_j_or_once_closed():
+    from hpcps.mpi.joins import Slots
+    slots = Slots(n_world=4, joins=3)
+    assert slots.take(2) == (4, "")
+    first, why = slots.take(2)
+    assert first is None and "1 slot(s) left" in why and "2 rank(s)" in why
+    assert slots.take(1) == (6, "")
+    slots.open = False
+    assert slots.take(1)[1] == "the run is ending"
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--joins", "1", "--staleness-bound", "2"], "--joins with --staleness-bound"),
+    (["--joins", "1", "--partitions", "2"], "--joins with --partitions > 1"),
+    (["--joins", "1", "--model", "embed8:sum,fc8,fc1"], "--joins"),
+    (["--joins", "-1"], "joins"),
+])
+def test_refused_with_what_fixes_the_replicas_at_start(argv, match):
+    from hpcps import config
+    with pytest.raises(ConfigError, match=match):
+        config.parse(["--strategy", "downpour", *argv])
+
+
+def test_joins_bring_heartbeats():
+    from hpcps import config
+    cfg = config.parse(["--joins", "2"])
+    assert cfg.heartbeat_timeout == 10.0 and cfg.joins == 2
+
+
+# -- runs ----------------------------------------------------------------------------------------
+def join(run_dir, n=1, want="replica"):
+    """``mpiexec -n n python -m hpcps.join RUN_DIR --as want``, started (tagged for cleanup)."""
+    path = str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")
+    env, tag = tagged_env(dict(os.environ, OPENBLAS_NUM_THREADS="1", PYTHONPATH=path))
+    proc = subprocess.Popen([*mpiexec_cmd(n), sys.executable, "-m", "hpcps.join", str(run_dir),
+                             "--as", want, "--timeout", "30"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env, start_new_session=True)
+    proc.tag = tag
+    return proc
+
+
+def _wait(run_dir, kind: str, n: int, what: str) -> list[dict]:
+    deadline = time.monotonic() + LIMIT_S
+    while len(got := records(run_dir, kind)) < n:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no {n} {kind} record(s) within {LIMIT_S} s: {what}")
+        time.sleep(0.05)
+    return got
+
+
+def _ended(procs):
+    for p in procs:
+        end_launch(p.pid, p.tag)
+        p.communicate()
+
+
+def test_launches_join_as_replica_and_spare_and_the_spare_replaces_a_killed_replica(
+        mnist_h5, tmp_path):
+    """1 shard and 2 replicas (3 ranks), --joins 3. One rank joins and trains at once (rank
+    3, replica 2, data shard 0); one joins idle (rank 4, spare 1); replica 1 is SIGKILLed and
+    the joined spare takes its data shard; a launch of 2 ranks finds 1 slot left and is
+    refused in one line. The job and the joins end with code 0."""
+    run = tmp_path / "run"
+    proc = launch(run, mnist_h5, n=3, extra=["--steps", "40000", "--joins", "3"])
+    procs = [proc]
+    try:
+        wait_for_step(run / "metrics.jsonl", 1000, LIMIT_S)
+        first = join(run, 1, "replica")
+        procs.append(first)
+        _wait(run, "join", 1, "a launch --as replica")
+        second = join(run, 1, "spare")
+        procs.append(second)
+        _wait(run, "join", 2, "a launch --as spare")
+        kill_rank(proc.pid, 1)
+        _wait(run, "replacement", 1, "the joined spare replacing replica 1")
+        big = join(run, 2, "replica")
+        out_big, _ = big.communicate(timeout=LIMIT_S)
+    except BaseException:
+        _ended(procs)
+        raise
+    out = finish(proc, "a run joined by 2 launches")
+    outs = [finish(p, "a join") for p in (first, second)]
+    assert proc.returncode == 0, out[-3000:]
+    assert [p.returncode for p in (first, second)] == [0, 0], outs
+    assert big.returncode == 2, out_big
+    assert "1 slot(s) left, the launch has 2 rank(s)" in out_big
+    assert "trained" in outs[0] and "as replica 2 on data shard 0" in outs[0]
+    s = summary(run)
+    joins = {j["rank"]: j for j in s["joins"]}
+    assert sorted(joins) == [3, 4]
+    assert joins[3]["as_replica"] == 2 and joins[3]["data_shard"] == 0
+    assert joins[3]["training_after_s"] is not None and joins[3]["training_after_s"] < 10
+    assert joins[4]["wants"] == "spare"
+    (rep,) = s["replacements"]
+    assert (rep["replica"], rep["spare"], rep["spare_rank"], rep["data_shard"]) == (1, 1, 4, 1)
+    assert rep["training_again_s"] is not None and rep["training_again_s"] < 2.0, rep
+    assert "trained" in outs[1] and "as replica 3 on data shard 1" in outs[1]
+    assert s["test_accuracy"] > 0.9
+    assert "rank 3 joined the run as spare 0: replica 2 on data shard 0" in out
+
+
+def test_joined_replica_goes_on_through_a_shard_failover_healed_by_a_spare(mnist_h5, tmp_path):
+    """2 replicas, 2 shards holding 2 copies of each set and 1 spare (5 ranks), --joins 1: a
+    rank joins as a replica (rank 5); shard 1 (rank 3) is SIGKILLed, the spare (rank 4)
+    becomes shard 2 and takes a copy of its sets while the joined replica trains on. Every
+    set ends with 2 copies, committed = applied, the joined replica's pushes counted."""
+    run = tmp_path / "run"
+    proc = launch(run, mnist_h5, n=5, extra=["--steps", "30000", "--servers", "2",
+                                             "--ps-copies", "2", "--spares", "1",
+                                             "--joins", "1"])
+    procs = [proc]
+    try:
+        wait_for_step(run / "metrics.jsonl", 1000, LIMIT_S)
+        newcomer = join(run, 1, "replica")
+        procs.append(newcomer)
+        _wait(run, "join", 1, "a launch --as replica")
+        time.sleep(1.0)
+        kill_rank(proc.pid, 3)
+        _wait(run, "replacement", 1, "the spare healing shard 1")
+    except BaseException:
+        _ended(procs)
+        raise
+    out = finish(proc, "a run with a join and a shard's death")
+    out_join = finish(newcomer, "the join")
+    assert proc.returncode == 0, out[-3000:]
+    assert newcomer.returncode == 0, out_join
+    s = summary(run)
+    assert s["joins"][0]["as_replica"] == 3  # R + K + 0
+    assert s["sets_with_c_copies_at_end"] == 2
+    assert s["committed_equals_applied"], s
+    assert "trained" in out_join
