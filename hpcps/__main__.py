@@ -21,6 +21,8 @@ COMMANDS = {
     "report": ("hpcps.tools.report", "tables and figures of runs from their metrics"),
     "scaling": ("hpcps.tools.scaling", "predict examples/s of each strategy on a cluster"),
     "keeper": ("hpcps.runtime.keeper", "start a rank so that its death does not end the job"),
+    "join": ("hpcps.join", "add ranks to a running job started with --joins: mpiexec -n K "
+             "hpcps join RUN_DIR"),
     "stacks": ("hpcps.runtime.stacks", "every rank's stack of a live job"),
 }
 

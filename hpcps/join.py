@@ -47,19 +47,16 @@ def _say(text: str, rank: int, err: bool = False) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from mpi4py import MPI
-
     from hpcps import job
     from hpcps.errors import HpcpsError
     from hpcps.mpi import joins
     from hpcps.mpi.topology import Grid, Role
     from hpcps.runtime import faults, memory
 
-    launch = MPI.COMM_WORLD
     try:
-        world, welcome = joins.connect(args.run_dir, args.want, args.timeout, launch)
+        world, welcome = joins.connect(args.run_dir, args.want, args.timeout)
     except joins.JoinError as exc:
-        if launch.Get_rank() == 0:
+        if joins.launch_rank() == 0:
             _say(str(exc), -1, err=True)
         return exc.exit_code
     cfg, n_world = welcome["cfg"], int(welcome["n_world"])

@@ -32,15 +32,16 @@ exactly one ``hpcps: error`` line holding the message the in-process check gave,
 traceback. Beside the matrix, ``MUST_ACCEPT`` and ``MUST_REFUSE`` are written by hand from
 the docs, so that the code under test is not the only judge of what it should accept.
 
-The product has about 765,000 combinations (downpour alone 746,496), too many for every run, so
-the default run takes a fixed sample per strategy (``pairwise.pairwise``, a deterministic
-greedy covering array: the same rows every time) in which every pair of values of any two
+The product has about 2.05 million combinations (downpour alone 1,990,656), too many for
+every run, so the default run takes a fixed sample per strategy (``pairwise.pairwise``, a
+deterministic greedy covering array: the same rows every time) in which every pair of values
+of any two
 dimensions appears, and every pair that some accepted combination holds appears in an
 accepted one (so no pair is "covered" only by a row refused for another reason); plus one
 16-rank case that used to hang. To choose the sample, every row of the product is judged
 (``acceptance``: each dimension's piece of the command line parsed once, the pieces merged,
 then ``config.from_values`` once per row's options for every R, and the layout plan once per
-layout and number of ranks), so collecting this module takes about 20 s. Sizes and
+layout and number of ranks), so collecting this module takes about 60 s. Sizes and
 runtime: see ``python tests/test_combinations.py`` and the README.
 ``HPCPS_FULL_MATRIX=1`` runs the whole product instead (many hours on 2 cores).
 """
@@ -101,15 +102,18 @@ OWN = {
                      ["--compress", "threshold", "--golomb", "off"]],
         "push": [[], ["--push", "activations"]],
         "periods": [[], ["--n-fetch", "2", "--n-push", "3"], ["--persist-every", "0.05"]],
-        # the warm start and the wire share a dimension: --wire-dtype bf16 then meets every
-        # value of every other dimension (as its own dimension it would double the 746,496
-        # rows judged at collection)
-        "warmup": [[], ["--warmup-steps", "0"], ["--wire-dtype", "bf16"]],
+        # the warm start, the wire and the chunk size share a dimension: --wire-dtype bf16
+        # and --chunk-bytes then meet every value of every other dimension, and each other
+        # (as dimensions of their own they would double the rows judged at collection)
+        "warmup": [[], ["--warmup-steps", "0", "--chunk-bytes", "1024"],
+                   ["--wire-dtype", "bf16"], ["--wire-dtype", "bf16", "--chunk-bytes", "1024"]],
         # how replicas are held together (Adam's epoch quorum excludes a staleness bound)
         "consistency": [[], ["--staleness-bound", "1"], ["--softsync", "2", "--staleness-lr",
                                                         "on"], ["--epoch-quorum", "0.75"]],
-        "chunks": [[], ["--chunk-bytes", "1024"]],
-        "faults": [[], ["--heartbeat-timeout", "20"], ["--ps-copies", "2"]],
+        # ranks that may die, copies of the shards, spares, and joins (the chief and the
+        # shards listen for launches that join, through the routed world: hpcps.mpi.joins)
+        "faults": [[], ["--heartbeat-timeout", "20"], ["--ps-copies", "2", "--joins", "1"],
+                   ["--spares", "1", "--joins", "1"]],
     },
     "deadreckon": {"tau": [["--tau", "0.003"], ["--tau", "auto", "--density", "0.02",
                                                   "--sparsity-warmup", "100"]],
@@ -186,8 +190,8 @@ def judged(name: str, spec, row) -> bool:
 @functools.cache
 def acceptance(name: str) -> np.ndarray:
     """Whether hpcps accepts each row of strategy ``name``'s product, in product order, fast
-    enough for the whole product (746,496 rows for downpour). The command line is cut into
-    the pieces each dimension adds, each piece is parsed once, and their options are merged
+    enough for the whole product (about 2 million rows for downpour). The command line is cut
+    into the pieces each dimension adds, each piece is parsed once, and their options are merged
     in command-line order (a later piece wins where two set one option, as argparse does),
     then judged by ``config.from_values`` and the layout plan as ``config.parse`` would. R
     enters only the number of ranks, not the options, so the options are judged once for

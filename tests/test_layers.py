@@ -17,7 +17,7 @@ LAYERS = [
     ["hpcps.ps"],
     ["hpcps.strategies"],
     ["hpcps.tools", "hpcps.config", "hpcps.job"],
-    ["hpcps.train", "hpcps.__main__", "hpcps.data", "hpcps.evaluate", "hpcps.export",
+    ["hpcps.train", "hpcps.join", "hpcps.__main__", "hpcps.data", "hpcps.evaluate", "hpcps.export",
      "hpcps.inspect", "hpcps.report", "hpcps.scaling", "hpcps.keeper", "hpcps.stacks"],
 ]
 

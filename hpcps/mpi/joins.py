@@ -331,6 +331,11 @@ class Slots:
         return first, ""
 
 
+def launch_rank() -> int:
+    """This process's rank in its own launch (a newcomer's, before it joins)."""
+    return MPI.COMM_WORLD.Get_rank()
+
+
 def connect(run_dir, want: str, timeout: float, comm=None) -> tuple[RoutedComm, dict]:
     """On a newcomer launch: join the job running in ``run_dir``; every rank of ``comm`` (the
     launch's world) returns its communicator to the job and the chief's welcome (the job's
