@@ -70,6 +70,9 @@ def main(argv: list[str] | None = None) -> int:
                          welcome["feed"], grid=grid)
         ctx.start_step = int(welcome["start_step"])
         _say(f"joined the job in {welcome['run_dir']} as spare {k} (its rank {me})", me)
+        if welcome["unreached"]:
+            _say(f"rank(s) {welcome['unreached']} of the job took no connection within "
+                 "10 s (dead, their death not yet known to rank 0, or stuck): not reached", me)
         result = cfg.spec.run(ctx)
         result = {**result, "role": "spare", "joined": True,
                   "peak_rss_bytes": memory.peak_rss_bytes(), "blas_used": job._blas_chosen(),

@@ -137,11 +137,15 @@ def test_launches_join_as_replica_and_spare_and_the_spare_replaces_a_killed_repl
     assert "rank 3 joined the run as spare 0: replica 2 on data shard 0" in out
 
 
-def test_joined_replica_goes_on_through_a_shard_failover_healed_by_a_spare(mnist_h5, tmp_path):
+@pytest.mark.parametrize("join_first", [True, False], ids=["join-then-kill", "kill-then-join"])
+def test_joined_replica_goes_on_through_a_shard_failover_healed_by_a_spare(mnist_h5, tmp_path,
+                                                                          join_first):
     """2 replicas, 2 shards holding 2 copies of each set and 1 spare (5 ranks), --joins 1: a
-    rank joins as a replica (rank 5); shard 1 (rank 3) is SIGKILLed, the spare (rank 4)
-    becomes shard 2 and takes a copy of its sets while the joined replica trains on. Every
-    set ends with 2 copies, committed = applied, the joined replica's pushes counted."""
+    rank joins as a replica (rank 5) and shard 1 (rank 3) is SIGKILLed, the join first or
+    the death first (the launch then joins during the failover, perhaps before rank 0 knows:
+    it does not connect to the dead shard). The spare becomes shard 2 and takes a copy of the
+    dead one's sets while the joined replica trains on. Every set ends with 2 copies,
+    committed = applied, the joined replica's pushes counted."""
     run = tmp_path / "run"
     proc = launch(run, mnist_h5, n=5, extra=["--steps", "30000", "--servers", "2",
                                              "--ps-copies", "2", "--spares", "1",
@@ -149,11 +153,14 @@ def test_joined_replica_goes_on_through_a_shard_failover_healed_by_a_spare(mnist
     procs = [proc]
     try:
         wait_for_step(run / "metrics.jsonl", 1000, LIMIT_S)
+        if not join_first:
+            kill_rank(proc.pid, 3)
         newcomer = join(run, 1, "replica")
         procs.append(newcomer)
         _wait(run, "join", 1, "a launch --as replica")
-        time.sleep(1.0)
-        kill_rank(proc.pid, 3)
+        if join_first:
+            time.sleep(1.0)
+            kill_rank(proc.pid, 3)
         _wait(run, "replacement", 1, "the spare healing shard 1")
     except BaseException:
         _ended(procs)
@@ -164,6 +171,7 @@ def test_joined_replica_goes_on_through_a_shard_failover_healed_by_a_spare(mnist
     assert newcomer.returncode == 0, out_join
     s = summary(run)
     assert s["joins"][0]["as_replica"] == 3  # R + K + 0
+    assert s["joins"][0]["unreached"] in ([], [3])  # the dead shard, if its death was not known
     assert s["sets_with_c_copies_at_end"] == 2
     assert s["committed_equals_applied"], s
     assert "trained" in out_join

@@ -15,10 +15,14 @@ one intercommunicator away, under its world rank.
 
 When to accept. MPICH's ``MPI_Comm_accept`` holds the lock every MPI call of the process takes,
 so a thread waiting in it would stop the rank (measured: a shard's serving loop froze). A
-listener therefore accepts only when a connection is about to come: right before it connects
-to a listener, the launch writes ``RUN_DIR/join/<id>.to-<rank>``, and the listener, which looks
-at that folder at most every ``LOOK_EVERY_S`` when it probes for messages, accepts then. The
-serving loop stops for the connection alone (milliseconds on one node).
+listener therefore accepts only when a connection is about to come: the launch writes
+``RUN_DIR/join/<id>.to-<rank>``; the listener, which looks at that folder at most every
+``LOOK_EVERY_S`` when it probes for messages, claims the request (renames it) and accepts; the
+launch connects once the request is claimed. A listener that claims nothing within
+``CLAIM_S`` (the chief: the launch's timeout) is taken for dead and the request withdrawn, so
+no listener accepts a connection that will not come, and no launch connects to a dead rank's
+port (which crashes it under MPICH's UCX transport). The serving loop stops for the
+connection alone (milliseconds on one node).
 
 Open MPI cannot do this between two ``mpirun`` launches without a shared PMIx server (a PRRTE
 DVM); there :func:`connect` gives up after its timeout with one line saying so.
@@ -38,6 +42,7 @@ from hpcps.mpi.comm import Poller
 from hpcps.mpi.protocol import Tag
 
 LOOK_EVERY_S = 0.25  # a listener looks for connections this often (one listdir)
+CLAIM_S = 10.0  # a shard that takes no request this long is taken for dead by a launch
 PORT_FILE = "port-{rank}"
 
 
@@ -212,9 +217,13 @@ class RoutedComm:
             return
         suffix = f".to-{self.me}"
         for name in sorted(names):
-            if name.endswith(suffix) and name not in self._seen:
-                self._seen.add(name)
-                self._accept()
+            if not name.endswith(suffix):
+                continue
+            try:  # claim the request: the launch connects only once it is claimed
+                os.rename(self.dir / name, self.dir / (name[:-len(suffix)] + f".claimed-{self.me}"))
+            except OSError:
+                continue  # the launch gave up waiting (or another look took it)
+            self._accept()
 
     def _accept(self) -> None:
         inter = MPI.COMM_SELF.Accept(self.port)
@@ -353,12 +362,19 @@ def connect(run_dir, want: str, timeout: float, comm=None) -> tuple[RoutedComm, 
         raise JoinError(err)
     rid = comm.bcast(uuid.uuid4().hex[:12] if lead else None)
 
-    def to(rank: int, port: str | None):
-        if lead:
-            (d / f"{rid}.to-{rank}").touch()
+    def to(rank: int, port: str | None, wait_s: float):
+        """Connect to listener ``rank`` once it claimed the request (None if it did not
+        within ``wait_s``: dead, or never looking; connecting to a dead rank's port crashes
+        this process under MPICH)."""
+        claimed = _claimed(d / f"{rid}.to-{rank}", wait_s) if lead else None
+        if not comm.bcast(claimed):
+            return None
         return comm.Connect(port if lead else "", root=0)
 
-    inter0 = to(0, port0)
+    inter0 = to(0, port0, timeout)
+    if inter0 is None:
+        raise JoinError(f"no job answered in {timeout:.0f} s from {d} (the port file is "
+                        "there, but nobody took the request: has the job ended?)")
     welcome = None
     if lead:
         inter0.send({"want": want}, dest=0, tag=Tag.JOIN_HELLO)
@@ -373,21 +389,43 @@ def connect(run_dir, want: str, timeout: float, comm=None) -> tuple[RoutedComm, 
     me = first + comm.Get_rank()
     out = RoutedComm(None, me, int(welcome["n_world"]), int(welcome["slots"]))
     out.add(inter0, 0)
+    unreached = []
     for rank in welcome["listeners"]:
         port = _wait_port(d, rank, timeout) if lead else None
-        inter = to(rank, port)
+        inter = to(rank, port, min(timeout, CLAIM_S)) if comm.bcast(port is not None) else None
+        if inter is None:  # dead (its death not yet known to the chief), or stuck
+            unreached.append(rank)
+            continue
         if lead:
             inter.send({"first": first}, dest=0, tag=Tag.JOIN_HELLO)
         out.add(inter, rank)
+    welcome["unreached"] = unreached
     if lead:  # connected to every listener: the chief may hand these ranks out
-        out.send({"first": first, "n": comm.Get_size(), "want": want}, 0, Tag.JOIN_READY)
-    for name in (f"{rid}.to-{r}" for r in [0, *welcome["listeners"]]):
-        if lead:
-            try:
-                (d / name).unlink()
-            except OSError:
-                pass
+        out.send({"first": first, "n": comm.Get_size(), "want": want,
+                  "unreached": unreached}, 0, Tag.JOIN_READY)
+        for name in os.listdir(d):
+            if name.startswith(rid):
+                try:
+                    (d / name).unlink()
+                except OSError:
+                    pass
     return out, welcome
+
+
+def _claimed(request: Path, wait_s: float) -> bool:
+    """Write ``request`` and wait until its listener claims it (renames it away); False if
+    it did not within ``wait_s`` and the request was withdrawn first."""
+    request.touch()
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        if not request.exists():
+            return True
+        time.sleep(0.02)
+    try:
+        request.unlink()  # withdrawn: a listener that looks later finds nothing to accept
+    except FileNotFoundError:
+        return True  # claimed at the last moment: it is accepting now
+    return False
 
 
 def _wait_port(d: Path, rank: int, timeout: float) -> str | None:

@@ -184,6 +184,7 @@ class SparePool:
             j = v - n_world
             k = self.K + j
             rec = {"rank": v, "join": j, "spare": k, "wants": got["want"], "at": time.time(),
+                   "unreached": got.get("unreached", []),
                    "as_replica": None, "data_shard": None, "assigned_at": None,
                    "first_step_at": None}
             self.joins.append(rec)
