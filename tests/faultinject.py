@@ -14,7 +14,8 @@ from mpirun import descendants
 
 def rank_pid(launcher_pid: int, rank: int) -> int | None:
     """The pid of the ``hpcps.train`` process of world rank ``rank`` started by the launcher
-    ``launcher_pid`` (not the ``hpcps.keeper`` that started it)."""
+    ``launcher_pid`` (not the ``hpcps.keeper`` that started it), or of a ``hpcps.join``
+    launch's rank ``rank``."""
     want = {f"{name}={rank}".encode() for name in ("PMI_RANK", "OMPI_COMM_WORLD_RANK")}
     for pid in descendants(launcher_pid):
         try:
@@ -22,7 +23,7 @@ def rank_pid(launcher_pid: int, rank: int) -> int | None:
             cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if want & set(env) and b"hpcps.train" in cmd:
+        if want & set(env) and (b"hpcps.train" in cmd or b"hpcps.join" in cmd):
             return pid
     return None
 

@@ -175,3 +175,37 @@ def test_joined_replica_goes_on_through_a_shard_failover_healed_by_a_spare(mnist
     assert s["sets_with_c_copies_at_end"] == 2
     assert s["committed_equals_applied"], s
     assert "trained" in out_join
+
+
+def test_a_spare_that_joined_after_a_failover_replaces_a_replica(mnist_h5, tmp_path):
+    """3 replicas, 3 shards holding 2 copies of each set, 1 spare (7 ranks), --joins 1. Shard
+    0 (rank 3) is SIGKILLed: its sets fail over and the spare (rank 6) takes a copy of them.
+    Then a rank joins as a spare (rank 7), after the NEW_PRIMARY messages went out, and
+    replica 1 is SIGKILLed: the joined spare takes its data shard and trains, routed to the
+    sets' primaries as they are since the failover (rank 0 hands it its view of them)."""
+    run = tmp_path / "run"
+    proc = launch(run, mnist_h5, n=7, extra=["--steps", "30000", "--servers", "3",
+                                             "--ps-copies", "2", "--spares", "1",
+                                             "--joins", "1"])
+    procs = [proc]
+    try:
+        wait_for_step(run / "metrics.jsonl", 1000, LIMIT_S)
+        kill_rank(proc.pid, 3)
+        _wait(run, "replacement", 1, "the spare healing shard 0")
+        newcomer = join(run, 1, "spare")
+        procs.append(newcomer)
+        _wait(run, "join", 1, "a launch --as spare")
+        kill_rank(proc.pid, 1)
+        _wait(run, "replacement", 2, "the joined spare replacing replica 1")
+    except BaseException:
+        _ended(procs)
+        raise
+    out = finish(proc, "a run with a failover, a join and a replica's death")
+    out_join = finish(newcomer, "the join")
+    assert proc.returncode == 0, out[-3000:]
+    assert newcomer.returncode == 0, out_join
+    s = summary(run)
+    rep = next(r for r in s["replacements"] if r["replica"] == 1)
+    assert rep["spare_rank"] == 7 and rep["training_again_s"] is not None, rep
+    assert "trained" in out_join, out_join
+    assert s["sets_with_c_copies_at_end"] == 3 and s["committed_equals_applied"], s

@@ -98,10 +98,12 @@ class SparePool:
         :class:`hpcps.runtime.metrics.Metrics`).
     welcome : what a launch that joins is told besides its ranks (the job's configuration).
     timeout : seconds :meth:`release` waits for a launch let in to say it is connected.
+    view : ``view()``, the chief's view of the shards (:meth:`hpcps.ps.replicated.client.
+        ReplicatedClient.view`), handed to every spare made a replica.
     """
 
     def __init__(self, comm, layout, say=None, copies: int = 1, welcome=None,
-                 timeout: float = 60.0):
+                 timeout: float = 60.0, view=None):
         self.net = Transport(comm)
         self.comm = comm
         self.layout = layout
@@ -125,6 +127,7 @@ class SparePool:
         self.ready = 0  # joined ranks that said they are connected (JOIN_READY)
         self.welcome = welcome or {}
         self.timeout = timeout
+        self.view = view  # () -> the chief's client's view of the shards (--ps-copies)
         if isinstance(comm, joins.RoutedComm):
             comm.allot = self._allot
 
@@ -211,8 +214,11 @@ class SparePool:
         msg.header[H.SENDER], msg.header[H.PEER] = new, rank
         for dest in self._live_members():
             self._send(msg.buf, dest, Tag.EXPECT)
+        # a rank that joined missed the failovers before it connected: the chief's view
+        view = {"view": self.view()} if self.view is not None else {}
         self._sends.append((self.net.send_obj_nowait(
-            {"role": "replica", "index": new, "data": data_shard}, rank, Tag.ASSIGN), None))
+            {"role": "replica", "index": new, "data": data_shard, **view}, rank, Tag.ASSIGN),
+            None))
         rec.update(as_replica=new, data_shard=data_shard, assigned_at=time.time())
 
     def _gone(self, r: int, how: str, at: float, silent_s: float, shard) -> None:

@@ -71,6 +71,26 @@ class ReplicatedClient:
         self.reroutes = 0
         self.last_reply: dict[str, float] = {}
 
+    # -- what it knows of the shards -------------------------------------------------------------
+    def view(self) -> dict:
+        """Each set's primary, the shards found dead and those known to serve: what a rank
+        that joined the job later missed of the ``NEW_PRIMARY`` messages (the chief hands
+        it this view with its assignment)."""
+        return {"route": list(self.route), "dead": sorted(self.dead),
+                "members": sorted(self.members)}
+
+    def adopt(self, view: dict) -> None:
+        """Take another replica's :meth:`view` (before the first fetch)."""
+        self.route = [int(r) for r in view["route"]]
+        self.dead = {int(j) for j in view["dead"]}
+        self.members = {int(j) for j in view["members"]}
+        if self.heartbeat is not None:
+            self.heartbeat.dests = self.live_ranks()
+
+    def live_ranks(self) -> list[int]:
+        """World ranks of the shards known to serve and not found dead."""
+        return [self.shard_ranks[j] for j in sorted(self.members - self.dead)]
+
     # -- events --------------------------------------------------------------------------------
     def _events(self) -> bool:
         """Take acknowledgements and role changes; True if a set was re-routed."""
@@ -94,7 +114,7 @@ class ReplicatedClient:
         self.dead.add(d)
         self.members.add(a)
         if self.heartbeat is not None:
-            self.heartbeat.dests = [self.shard_ranks[j] for j in sorted(self.members - self.dead)]
+            self.heartbeat.dests = self.live_ranks()
         new = self.shard_ranks[a]
         if self.route[h] == new:
             return False

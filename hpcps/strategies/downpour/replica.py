@@ -183,7 +183,8 @@ class DownpourReplica(ReplicaLoop):
         self.pool = spares.SparePool(
             grid.world, layout, self._replaced, cfg.ps_copies, timeout=cfg.timeout,
             welcome={"cfg": cfg, "feed": ctx.feed, "start_step": ctx.start_step,
-                     "run_dir": str(ctx.run_dir)}) \
+                     "run_dir": str(ctx.run_dir)},
+            view=getattr(self.client, "view", None)) \
             if grid.is_chief and (layout.spares or layout.joins) else None
         if self.pool is not None and hasattr(self.client, "while_waiting"):
             self.client.while_waiting = self.pool.poll

@@ -23,10 +23,12 @@ class SpareReplica(DownpourReplica):
     parameters are on the shards anyway), and the time of its first step, for the summary's
     record of the replacement."""
 
-    def __init__(self, ctx: Context):
+    def __init__(self, ctx: Context, view: dict | None = None):
         super().__init__(ctx)
         self.warmup, self.released = 0, True
         self.first_step_at: float | None = None
+        if view is not None:  # the chief's view of the shards (--ps-copies)
+            self.client.adopt(view)
 
     def step(self, x, y) -> float:
         loss = super().step(x, y)
@@ -63,10 +65,13 @@ def run_spare(ctx: Context) -> dict:
     cfg, layout = ctx.cfg, ctx.grid.layout
     # the shards lose a replica silent past --heartbeat-timeout from the moment they expect
     # it: beat while the data loads and the replica is built (its own thread takes over)
-    beat = HeartbeatThread(ctx.grid.world, layout.server_ranks, replica,
+    view = got.get("view")
+    live = [layout.shard_table[j] for j in view["members"] if j not in view["dead"]] \
+        if view is not None else layout.server_ranks
+    beat = HeartbeatThread(ctx.grid.world, live, replica,
                            cfg.heartbeat_timeout / HEARTBEATS_PER_TIMEOUT).start()
     try:
-        loop = SpareReplica(as_replica(ctx, replica, shard))
+        loop = SpareReplica(as_replica(ctx, replica, shard), view)
     finally:
         beat.stop()
     out = loop.run()
