@@ -390,6 +390,9 @@ def _summary(ctx: Context, results: list[dict], wall_s: float, stopped: bool = F
               f"{rec['bytes_per_step']:.0f} bytes moved per step")
     for line in (spec.summary_lines(rec) if spec.summary_lines else []):
         m.message("  " + line)
+    for s in rec.get("shrinks") or []:
+        m.message(f"  rank(s) {s['lost_ranks']} died at step {s['step']}: MPI reported it "
+                  f"(ULFM), the collectives shrank to {s['replicas']} replica(s) and went on")
     if rec.get("test_auc") is not None:  # a binary model: AUC and log loss
         m.message(f"  final test AUC: {rec['test_auc']:.4f} (test log loss "
                   f"{rec['test_loss']:.4f})")
@@ -591,22 +594,26 @@ def main(argv: list[str] | None = None) -> int:
                 faults.leave(0)
             return 0
         stopped = ctx.stop.finish()  # every rank leaves the vote after the same round
-        barrier(world, cfg.timeout, "every rank to finish training")
+        live = ctx.grid.world  # the world, or its survivors after a death (ULFM's shrink)
+        barrier(live, cfg.timeout, "every rank to finish training")
         if tl is not None:
             with trace.activated(None):
-                path = timeline.finish(world, tl, ctx.grid.role, run_dir, cfg.timeout,
+                path = timeline.finish(live, tl, ctx.grid.role, run_dir, cfg.timeout,
                                        {"strategy": cfg.strategy, "ranks": size})
             if path is not None:
                 m.message(f"trace: {path} (open it in https://ui.perfetto.dev or "
                           "chrome://tracing)")
-        results = gather_obj(world, result, root=ctx.reporter)
+        results = gather_obj(live, result, root=ctx.reporter)
         code = 0
-        if world.Get_rank() == ctx.reporter:
+        if live.Get_rank() == ctx.reporter:
             step = results[ctx.reporter].get("step", ctx.start_step)
             code = PREEMPTED_EXIT if stopped and step < ctx.total_steps else 0
             _summary(ctx, results, time.perf_counter() - t_start, code == PREEMPTED_EXIT)
         m.close()
-        return bcast_obj(world, code, root=ctx.reporter)
+        code = bcast_obj(live, code, root=ctx.reporter)
+        if live is not world:  # MPI_Finalize would wait for the dead ranks
+            faults.leave(code)
+        return code
 
     tl = timeline.start(world, cfg.timeout) if cfg.trace else None
     stacks = StackDumper(run_dir, rank, size, ctx.grid.role.kind, token, host()).start()

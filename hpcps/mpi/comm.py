@@ -59,6 +59,11 @@ class PeerTimeout(HpcpsError):
     exit_code = 5
 
 
+class PeerFailed(PeerTimeout):
+    """MPI reported a rank waited on dead (ULFM): the survivors may shrink the communicator
+    (:func:`shrink`) and go on."""
+
+
 class Poller:
     """Back-off between polls: yield at first, then sleep a little longer each idle round.
 
@@ -94,8 +99,8 @@ def _testall(reqs, what: str) -> bool:
         failed = [e for e in errors if peer_failed(e)]
         if not failed:
             raise
-        raise PeerTimeout(f"{what}: MPI reports that a rank it waited on died "
-                          f"({failed[0].Get_error_string()})") from None
+        raise PeerFailed(f"{what}: MPI reports that a rank it waited on died "
+                         f"({failed[0].Get_error_string()})") from None
 
 
 def wait_all(reqs, timeout: float, what: str, spin_s: float = 0.0) -> None:
@@ -170,6 +175,32 @@ def abandon(req, buf) -> None:
     _GIVEN_UP[:] = [(r, b) for r, b in _GIVEN_UP if test(r) is False]
     if req != MPI.REQUEST_NULL and test(req) is False:
         _GIVEN_UP.append((req, buf))
+
+
+def can_shrink() -> bool:
+    """Whether this MPI drops dead ranks from a communicator (ULFM's ``MPI_Comm_shrink``:
+    Open MPI 5 under ``mpirun --with-ft ulfm``)."""
+    return bool(PEER_FAILURE) and hasattr(MPI.Comm, "Shrink")
+
+
+def shrink(comms: list) -> list:
+    """The survivors' copies of ``comms`` after a rank died (ULFM). Each is revoked first,
+    so that every survivor's pending and next call on it fails and brings it here too, then
+    shrunk to its live ranks (their order kept). Collective over the survivors of each, in
+    the order given: every survivor passes the same list."""
+    for comm in comms:
+        try:
+            comm.Revoke()
+        except MPI.Exception:
+            pass  # revoked already, by another survivor
+    return [comm.Shrink() for comm in comms]
+
+
+def lost_members(old, new) -> list[int]:
+    """Ranks of ``old`` that its shrunk copy ``new`` no longer holds."""
+    kept = MPI.Group.Translate_ranks(new.Get_group(), list(range(new.Get_size())),
+                                     old.Get_group())
+    return sorted(set(range(old.Get_size())) - set(kept))
 
 
 def test(req) -> bool | None:

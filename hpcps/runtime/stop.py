@@ -121,6 +121,11 @@ class StopVote:
         self.voters = 0        # how many ranks wanted to stop in the first such round
         self.rounds = 0
 
+    def replace(self, comm) -> None:
+        """Vote over ``comm`` from now on (the shrunk copy of the vote's communicator, after
+        a rank died: the round in flight on the old one is dropped)."""
+        self.comm, self.size, self._req = comm, comm.Get_size(), None
+
     # -- rounds --------------------------------------------------------------------------------
     def _start(self, wish: bool, finished: bool = False) -> None:
         self._send[:] = (int(wish), int(finished))

@@ -33,6 +33,7 @@ one (``Context.eval_split``), else on the test set.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from abc import ABC, abstractmethod
@@ -50,7 +51,8 @@ from hpcps.runtime.metrics import DivergenceWatch
 from hpcps.options import (parse_inject_slow)
 from hpcps.runtime.stacks import collect_wait
 from hpcps.runtime.stop import StopVote
-from hpcps.mpi.comm import PeerTimeout, dup_comm
+from hpcps.mpi.comm import (PeerFailed, PeerTimeout, bcast, can_shrink, dup_comm,
+                             lost_members, peer_failed, shrink)
 from hpcps.strategies.context import (Context, crossed, gather_state, model_parallel_figures,
                                       checkpoint_path, periodic_evaluation, rate,
                                       save_checkpoint,
@@ -138,6 +140,7 @@ class ReplicaLoop(ABC):
         self._last_step = ctx.start_step
         self.watch = DivergenceWatch()
         self.stopped_early = False
+        self.shrinks: list[dict] = []  # collectives shrunk after deaths (ULFM)
         self.replica_vote = None  # the partitions of this replica agreeing on a stop
         if ctx.stop is not None and not self.lockstep and ctx.partitioned:
             comm = dup_comm(grid.replica_comm, 1, cfg.timeout,
@@ -199,7 +202,8 @@ class ReplicaLoop(ABC):
         self._cpu0 = time.process_time()
         self._last_step = self.global_step()
         try:
-            for it in range(self.iterations):
+            it = 0
+            while it < self.iterations:
                 tr = trace.ACTIVE
                 t_it = tr.now() if tr is not None else 0
                 self.before_step()
@@ -207,9 +211,10 @@ class ReplicaLoop(ABC):
                 t = time.perf_counter()
                 try:
                     self.last_loss = loss = self.step(x, y)
-                except PeerTimeout as exc:
-                    if self.lockstep:
-                        raise self._collective_lost(exc) from exc
+                except Exception as exc:
+                    if self.lockstep and lost_member(exc):  # go on without it, or end
+                        it = self._member_lost(exc, it)
+                        continue
                     raise
                 if not math.isfinite(loss):
                     raise NonFiniteError(self.global_step(), f"computed a training loss of "
@@ -233,9 +238,17 @@ class ReplicaLoop(ABC):
                 self._evaluate_and_save()
                 if it + 1 < self.iterations and self.run_complete():
                     break
-                if it + 1 < self.iterations and self._stop_now(it + 1):
+                try:
+                    stop_now = it + 1 < self.iterations and self._stop_now(it + 1)
+                except Exception as exc:
+                    if not (self.lockstep and lost_member(exc)):
+                        raise
+                    it = self._member_lost(exc, it + 1)
+                    continue
+                if stop_now:
                     self._note_stop()
                     break
+                it += 1
             loop_s = time.perf_counter() - self._t0  # the iterations, without the ending
             loop_cpu_s = time.process_time() - self._cpu0  # this process's CPU time in them
             if self.replica_vote is not None:
@@ -248,6 +261,8 @@ class ReplicaLoop(ABC):
         train_s = time.perf_counter() - self._t0
         result = self.finish(train_s)
         figures = {**model_parallel_figures(ctx, self.done, train_s), **result.get("figures", {})}
+        if self.shrinks:  # ranks that died and the collectives shrunk without them (ULFM)
+            figures["shrinks"] = self.shrinks
         # this rank's seconds per iteration, of them its gradient passes, and the CPU time
         # its process used per iteration and in the passes (every thread; train.py's
         # summary averages them over the replicas' ranks)
@@ -267,6 +282,24 @@ class ReplicaLoop(ABC):
         if self.replica_vote is not None:
             return self.replica_vote.agreed_at(iteration, stop.poll())
         return stop.poll()
+
+    def _member_lost(self, exc: Exception, next_it: int) -> int:
+        """A lockstep collective failed before iteration ``next_it``: where MPI reported the
+        death (ULFM) and the strategy can, the survivors shrink their communicators and go
+        on (the iteration they go on from: :meth:`shrink`); otherwise this rank ends as
+        :meth:`_collective_lost` says."""
+        if not isinstance(exc, PeerTimeout):  # a call on a communicator another revoked
+            exc = PeerFailed(f"a collective with the other replicas: {exc}")
+        if isinstance(exc, PeerFailed) and can_shrink() and not self.ctx.partitioned:
+            resumed = self.shrink(next_it)
+            if resumed is not None:
+                return resumed
+        raise self._collective_lost(exc) from exc
+
+    def shrink(self, next_it: int) -> int | None:
+        """Go on without the dead ranks (a lockstep strategy that can says how); None if
+        this one cannot."""
+        return None
 
     def _collective_lost(self, exc: PeerTimeout) -> Exception:
         """A lockstep collective timed out or MPI reported a member dead (ULFM): what this rank
@@ -366,6 +399,13 @@ def run_position(ctx, step: int, elapsed: float) -> dict:
     return {"done_pct": round(100.0 * done, 1), "eta_s": eta}
 
 
+def lost_member(exc: BaseException) -> bool:
+    """Whether ``exc`` says a peer of a collective is gone: a wait that timed out or that MPI
+    failed (:class:`PeerTimeout`), or a call MPI refused on a communicator another survivor
+    revoked (ULFM)."""
+    return isinstance(exc, PeerTimeout) or peer_failed(exc)
+
+
 class AllReplicasLoop(ReplicaLoop):
     """A replica loop whose update takes one mini-batch (T with threads) from each of the R
     replicas of the partition communicator (sync, averaging): the global step advances by R
@@ -374,6 +414,9 @@ class AllReplicasLoop(ReplicaLoop):
     ``__init__``."""
 
     R: int
+    _base_steps = 0  # global steps before the last shrink (ULFM), this run's
+    _done_base = 0   # this replica's mini-batches then
+    _world_ranks: list[int] | None = None  # the job's world ranks of the shrunk world's ranks
 
     def lr_factor(self) -> float:
         """The schedule's multiplier times the linear rule's."""
@@ -381,4 +424,53 @@ class AllReplicasLoop(ReplicaLoop):
                                                    self.global_step(), self.cfg.lr_warmup_steps)
 
     def global_step(self) -> int:
-        return self.ctx.start_step + self.done * self.R
+        return self.ctx.start_step + self._base_steps + (self.done - self._done_base) * self.R
+
+    def shared_state(self) -> list[np.ndarray]:
+        """What every replica must hold alike to go on after a shrink (the chief's is sent)."""
+        return [self.params, *self.checkpoint_state().values()]
+
+    def rebuild(self) -> None:
+        """Rebuild what depends on ``self.comm`` and ``self.R`` (after a shrink)."""
+
+    def shrink(self, next_it: int) -> int | None:
+        """A rank died and MPI said so (ULFM): shrink the replicas', the world's and the stop
+        vote's communicators to the survivors, take the chief's iteration, parameters and
+        state (a survivor may have completed the failed collective while another did not),
+        and go on with R - 1 replicas, the dead one's data shard no longer trained. None if
+        the chief died: it holds the state the others would go on from, so the run ends as
+        without ULFM. Collective over the survivors."""
+        ctx, grid = self.ctx, self.ctx.grid
+        stop = ctx.stop
+        comms = [self.comm, grid.world] + ([stop.comm] if stop is not None else [])
+        new = shrink(comms)
+        ranks = self._world_ranks or list(range(grid.world.Get_size()))
+        gone = lost_members(grid.world, new[1])
+        if 0 in gone:
+            return None
+        self._world_ranks = [r for i, r in enumerate(ranks) if i not in gone]
+        if stop is not None:
+            stop.replace(new[2])
+        ctx.grid = dataclasses.replace(grid, world=new[1], partition_comm=new[0])
+        head = np.array([next_it, self.done, self._base_steps, self._done_base, self.R],
+                        np.int64)
+        what = "the chief's state, after a rank died (the shrunk communicator)"
+        for arr in [head, *self.shared_state()]:
+            bcast(new[0], arr, 0, self.cfg.timeout, what)
+        next_it, done, base, done_base, r_before = (int(v) for v in head)
+        self._base_steps = base + (done - done_base) * r_before
+        self.done = self._done_base = done
+        self.comm, self.R = new[0], new[0].Get_size()
+        self.rebuild()
+        step = self.global_step()
+        self.iterations = next_it + -(-max(0, ctx.total_steps - step) // (self.R * self.T))
+        lost = [ranks[i] for i in gone]
+        self.shrinks.append({"lost_ranks": lost, "step": step, "replicas": self.R,
+                             "at": time.time()})
+        if grid.is_chief:
+            ctx.metrics.message(f"rank(s) {lost} died: MPI reported it (ULFM), the collectives "
+                                f"shrank to the {self.R} replica(s) left, which go on from "
+                                f"step {step} (the dead ranks' data shards are no longer "
+                                "trained)")
+            ctx.metrics.record("shrink", echo=False, **self.shrinks[-1])
+        return next_it

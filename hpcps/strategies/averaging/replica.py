@@ -42,6 +42,16 @@ class AveragingReplica(AllReplicasLoop):
         self.spread = []         # replicas' RMS distance to the average, before each average
         self.bytes_sent = 0.0    # per rank, in the allreduces (ring estimate)
 
+    def rebuild(self) -> None:
+        wire = Wire.named(self.cfg.wire_dtype)
+        self.reduce = SumAllreduce(self.comm, len(self.buf) - 1, wire)
+        self.anchor = None  # every replica holds the chief's weights: the next moves from them
+        if wire.bf16 and self.R > 1:
+            self.anchor = np.empty(len(self.buf) - 1, dtype=np.float32)
+            pack(self.buf, self.params, self.state, self.keys)
+            self.anchor[:] = self.buf[:-1]
+        self.since = 0
+
     def step(self, x, y) -> float:
         loss = self.source(self.params, x, y, self.grad)
         self.ctx.optimizer.apply(self.params, self.grad, self.state,

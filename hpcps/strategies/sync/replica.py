@@ -61,6 +61,11 @@ class SyncReplica(AllReplicasLoop):
         # figure per step.
         self.bytes_per_step = self.reduce.bytes_sent() / self.T
 
+    def rebuild(self) -> None:
+        self.reduce = SumAllreduce(self.comm, len(self.buf), Wire.named(self.cfg.wire_dtype),
+                                   exact=1)
+        self.bytes_per_step = self.reduce.bytes_sent() / self.T
+
     def step(self, x, y) -> float:
         return sync_step(self.comm, self.source, self.ctx.optimizer, self.params, self.state,
                          x, y, self.buf, self.cfg.timeout, self.lr_factor(), self.reduce)
