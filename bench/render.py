@@ -149,6 +149,18 @@ def peers_view(figures: dict) -> dict:
                     "final accuracy"], "rows": rows}}
 
 
+def _joins(figures: dict) -> str:
+    """How many ranks joined the soak's job, how many replaced a dead replica, and the
+    exit codes of the join launches whose rank was not killed."""
+    joined = {j["rank"] for j in figures.get("join_records") or []}
+    took = [r for r in figures["replacements"] if r.get("spare_rank") in joined
+            and r.get("training_again_s") is not None]
+    codes = sorted(set((figures.get("join_exit_codes") or {}).values()))
+    return (f"{figures['joins']}; {len(took)} of them replaced a dead replica and trained"
+            + (f"; the launches not killed exited with {', '.join(map(str, codes))}"
+               if codes else ""))
+
+
 def soak_view(figures: dict) -> dict:
     """soak_elastic: what the kills did to the run (``outcome``)."""
     kills = figures["kills"]
@@ -178,7 +190,7 @@ def soak_view(figures: dict) -> dict:
          ", ".join(seconds(v) for v in figures["shard_failover_s"]) or "-"],
         ["test accuracy", f"{figures['accuracy']:.2%}, the same job without kills "
                           f"{figures['clean_accuracy']:.2%}"],
-        ["joins", str(figures["joins"])],
+        ["ranks that joined (idle spares, `hpcps.join`)", _joins(figures)],
     ]
     return {"outcome": {"columns": ["figure", "value"], "rows": rows}}
 
