@@ -4,6 +4,7 @@ killed replica, a launch too large is refused, and joined replicas go on through
 failover (--ps-copies) while a spare heals it."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -62,6 +63,38 @@ def test_joins_bring_heartbeats():
     from hpcps import config
     cfg = config.parse(["--joins", "2"])
     assert cfg.heartbeat_timeout == 10.0 and cfg.joins == 2
+
+
+def test_a_run_dir_that_cannot_be_joined_is_named_at_once(tmp_path):
+    from hpcps.mpi.joins import not_joinable
+    assert "is not a directory" in not_joinable(tmp_path / "nowhere")
+    assert not_joinable(tmp_path) is None  # a job starting: its port is waited for
+    start = {"kind": "start", "config": {"strategy": "downpour", "joins": 0}}
+    (tmp_path / "metrics.jsonl").write_text(json.dumps(start) + "\n")
+    assert "started without --joins" in not_joinable(tmp_path)
+    start["config"]["joins"] = 2  # the newest run (a resumed one) is the one that counts
+    with open(tmp_path / "metrics.jsonl", "a") as fh:
+        fh.write(json.dumps(start) + "\n")
+    assert not_joinable(tmp_path) is None
+
+
+def test_join_help_needs_no_mpi():
+    from test_plugin_strategy import BLOCK_MPI, python
+    run = BLOCK_MPI + "import runpy; sys.argv = ['hpcps.join', *sys.argv[1:]]\n" \
+        "runpy.run_module('hpcps.join', run_name='__main__')\n"
+    helped = python(run, "--help")
+    assert helped.returncode == 0, helped.stderr
+    assert "--as" in helped.stdout and "RUN_DIR" in helped.stdout.upper()
+
+
+def test_a_join_to_no_job_fails_in_one_line(tmp_path):
+    out = subprocess.run([*mpiexec_cmd(1), sys.executable, "-m", "hpcps.join",
+                          str(tmp_path / "nowhere")], capture_output=True, text=True,
+                         timeout=LIMIT_S, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert out.returncode == 2, out
+    lines = [x for x in out.stderr.splitlines() if x.strip()]
+    assert lines == [f"hpcps.join: {tmp_path / 'nowhere'} is not a directory: give the "
+                     "running job's run directory (its --run-dir)"], out.stderr
 
 
 # -- runs ----------------------------------------------------------------------------------------

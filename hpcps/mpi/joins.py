@@ -29,6 +29,7 @@ DVM); there :func:`connect` gives up after its timeout with one line saying so.
 """
 from __future__ import annotations
 
+import json
 import os
 import threading
 import time
@@ -354,10 +355,14 @@ def connect(run_dir, want: str, timeout: float, comm=None) -> tuple[RoutedComm, 
         raise JoinError(OPEN_MPI_WHY)
     d = join_dir(run_dir)
     lead = comm.Get_rank() == 0
-    port0 = _wait_port(d, 0, timeout) if lead else None
-    err = comm.bcast(None if port0 is not None else
-                     (f"no running job listens in {d} (started with --joins J, in this run "
-                      f"directory? {timeout:.0f} s waited for {d / PORT_FILE.format(rank=0)})"))
+    err, port0 = None, None
+    if lead:
+        err = not_joinable(run_dir)
+        port0 = _wait_port(d, 0, timeout) if err is None else None
+        if err is None and port0 is None:
+            err = (f"no running job listens in {d} (started with --joins J, in this run "
+                   f"directory? {timeout:.0f} s waited for {d / PORT_FILE.format(rank=0)})")
+    err = comm.bcast(err)
     if err is not None:
         raise JoinError(err)
     rid = comm.bcast(uuid.uuid4().hex[:12] if lead else None)
@@ -410,6 +415,30 @@ def connect(run_dir, want: str, timeout: float, comm=None) -> tuple[RoutedComm, 
                 except OSError:
                     pass
     return out, welcome
+
+
+def not_joinable(run_dir) -> str | None:
+    """Why no launch can join the job in ``run_dir``, when that shows at once: no such
+    directory, or its newest run started without --joins (None: wait for its port)."""
+    run = Path(run_dir)
+    if not run.is_dir():
+        return f"{run} is not a directory: give the running job's run directory (its --run-dir)"
+    last = None
+    try:
+        with open(run / "metrics.jsonl", "rb") as fh:
+            for line in fh:
+                if line.startswith(b'{"kind": "start"'):
+                    last = line
+    except OSError:
+        return None  # the job is starting: its metrics are not there yet
+    try:
+        joins = json.loads(last)["config"].get("joins") if last is not None else None
+    except (ValueError, KeyError, TypeError):
+        return None
+    if last is not None and not joins:
+        return (f"the job in {run} was started without --joins: ranks join only a job started "
+                "with --joins J (J ranks at most)")
+    return None
 
 
 def _claimed(request: Path, wait_s: float) -> bool:

@@ -43,6 +43,10 @@ from pathlib import Path
 
 POLL_S = 0.5
 REFRESH_S = 1.0
+# a rank asked for its stack that timed out too writes its own dump as it unwinds (where its
+# wait timed out); its watchdog leaves it this long, so that the unwinding is not what is
+# written (the server of a stalled run was once recorded "at updatecache (linecache.py)")
+UNWIND_GRACE_S = 1.0
 REQUEST = "request"
 ASK = "ask"      # stacks/ask-<token>: a live job asked for its stacks (python -m hpcps.stacks)
 JOB = "job"      # stacks/job: the running job's token and size, written by rank 0
@@ -231,7 +235,7 @@ class StackDumper:
         while not self._stop.wait(POLL_S):
             reason = self._request()
             if reason is not None:
-                if not self.written.is_set():
+                if not self.written.wait(UNWIND_GRACE_S):
                     self._write_or_say(reason)
                 return
             asked = self._asked()
