@@ -14,7 +14,7 @@ import pytest
 
 from faultinject import kill_rank, records, wait_for_step
 from mpirun import end_launch, mpi_flavor, mpiexec_cmd, tagged_env
-from test_faults import ROOT, finish, launch, summary
+from test_faults import RUN, ROOT, finish, launch, summary
 
 from hpcps.errors import ConfigError
 from hpcps.mpi.topology import Layout
@@ -242,3 +242,31 @@ def test_a_spare_that_joined_after_a_failover_replaces_a_replica(mnist_h5, tmp_p
     assert rep["spare_rank"] == 7 and rep["training_again_s"] is not None, rep
     assert "trained" in out_join, out_join
     assert s["sets_with_c_copies_at_end"] == 3 and s["committed_equals_applied"], s
+
+
+def test_joined_replicas_killed_while_their_pushes_are_read_do_not_abort_the_shard(mnist_h5,
+                                                                                    tmp_path):
+    """1 shard and 1 replica (2 ranks), a wide model (3.2 MB pushes, sent by rendezvous), and
+    a launch of 4 ranks joined as replicas, SIGKILLed one by one while they push. Between two
+    launches MPICH sends through UCX, whose shared-memory copy from a dead sender (CMA) aborts
+    the reader: hpcps keeps UCX off CMA (``hpcps.mpi``), so the shard takes each death as an
+    error it handles and the job ends with code 0."""
+    run = tmp_path / "run"
+    wide = [x if x != "784,64,10" else "784,1024,10" for x in RUN]
+    proc = launch(run, mnist_h5, n=2, run=wide, extra=["--steps", "6000", "--joins", "4"])
+    procs = [proc]
+    try:
+        wait_for_step(run / "metrics.jsonl", 200, LIMIT_S)
+        for j in range(4):
+            procs.append(join(run, 1, "replica"))
+            _wait(run, "join", j + 1, "a launch --as replica")
+            time.sleep(1.5)
+            kill_rank(procs[-1].pid, 0)
+    except BaseException:
+        _ended(procs)
+        raise
+    out = finish(proc, "a run whose joined replicas are killed")
+    _ended(procs[1:])
+    assert proc.returncode == 0, out[-3000:]
+    assert "Aborted" not in out and "process_vm_readv" not in out, out[-3000:]
+    assert len(summary(run)["joins"]) == 4

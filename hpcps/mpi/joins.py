@@ -24,6 +24,15 @@ no listener accepts a connection that will not come, and no launch connects to a
 port (which crashes it under MPICH's UCX transport). The serving loop stops for the
 connection alone (milliseconds on one node).
 
+Sends to a dead peer. MPICH creates its UCX endpoints without a peer-failure mode, so a send
+to a rank of another launch that has died ends the sender (SIGSEGV, measured: every time, even
+a header of 32 bytes). Each side therefore learns the other's process on the same host (its
+pid and start time: in the HELLO for the newcomers, in the port file for the listeners) and
+drops a send to one that is gone, as it drops one to an unrouted rank. Receives and probes are
+left alone (they touch no endpoint of the peer, and a message it sent before dying may still
+be taken). A peer on another host has no such check: its death is seen by the heartbeats, and
+a send in the moment between its death and the heartbeat timeout can still end the sender.
+
 Open MPI cannot do this between two ``mpirun`` launches without a shared PMIx server (a PRRTE
 DVM); there :func:`connect` gives up after its timeout with one line saying so.
 """
@@ -31,6 +40,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import threading
 import time
 import uuid
@@ -45,6 +55,7 @@ from hpcps.mpi.protocol import Tag
 LOOK_EVERY_S = 0.25  # a listener looks for connections this often (one listdir)
 CLAIM_S = 10.0  # a shard that takes no request this long is taken for dead by a launch
 PORT_FILE = "port-{rank}"
+HOST = socket.gethostname()
 
 
 class JoinError(HpcpsError):
@@ -55,6 +66,31 @@ class JoinError(HpcpsError):
 
 def join_dir(run_dir) -> Path:
     return Path(run_dir) / "join"
+
+
+def _proc_state(pid: int) -> tuple[str, int] | None:
+    """A process's state letter and start time (clock ticks after boot) from /proc, or None
+    if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            fields = fh.read().rsplit(b")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return fields[0].decode(), int(fields[19])
+
+
+def identity() -> dict:
+    """This process, as a peer on the same host checks that it is alive."""
+    state = _proc_state(os.getpid())
+    return {"host": HOST, "pid": os.getpid(), "start": state[1] if state else None}
+
+
+def is_gone(pid: int, start: int | None) -> bool:
+    """Whether process ``pid`` that started at ``start`` has died (exited, killed, a zombie
+    not yet reaped, or its pid reused by another process)."""
+    state = _proc_state(pid)
+    return state is None or state[0] in ("Z", "X", "x") or (start is not None
+                                                            and state[1] != start)
 
 
 def _write_atomic(path: Path, text: str) -> None:
@@ -86,6 +122,7 @@ class RoutedComm:
         self.n_world = n_world
         self.slots = slots
         self._routes: dict[int, tuple] = {}  # rank -> (intercommunicator, its remote rank)
+        self._local: dict[int, tuple] = {}  # rank -> (pid, start) of a routed peer on this host
         self._inters: list[tuple] = []  # (intercommunicator, rank of its remote rank 0)
         self._turn = 0
         # listening (job side)
@@ -121,6 +158,21 @@ class RoutedComm:
             return MPI.COMM_SELF, 0
         return self._routes.get(rank, (None, None))
 
+    def _send_route(self, rank: int):
+        """The route of a send: none to a peer on this host whose process is gone (a send to
+        it through UCX would end this process)."""
+        local = self._local.get(rank)
+        if local is not None and is_gone(*local):
+            self._local.pop(rank)
+            self._routes.pop(rank, None)
+        return self._route(rank)
+
+    def watch(self, rank: int, ident: dict | None) -> None:
+        """Check that routed ``rank`` (whose :func:`identity` is ``ident``) is alive before
+        each send to it, if it runs on this host."""
+        if ident and ident.get("host") == HOST and ident.get("pid"):
+            self._local[rank] = (int(ident["pid"]), ident.get("start"))
+
     def Iprobe(self, source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG, status=None) -> bool:
         self.look()
         if source != MPI.ANY_SOURCE:
@@ -155,21 +207,21 @@ class RoutedComm:
         return self._never() if comm is None else comm.Irecv(buf, source=peer, tag=tag)
 
     def Send(self, buf, dest, tag) -> None:
-        comm, peer = self._route(dest)
+        comm, peer = self._send_route(dest)
         if comm is not None:
             comm.Send(buf, dest=peer, tag=tag)
 
     def Isend(self, buf, dest, tag):
-        comm, peer = self._route(dest)
+        comm, peer = self._send_route(dest)
         return MPI.REQUEST_NULL if comm is None else comm.Isend(buf, dest=peer, tag=tag)
 
     def send(self, obj, dest, tag) -> None:
-        comm, peer = self._route(dest)
+        comm, peer = self._send_route(dest)
         if comm is not None:
             comm.send(obj, dest=peer, tag=tag)
 
     def isend(self, obj, dest, tag):
-        comm, peer = self._route(dest)
+        comm, peer = self._send_route(dest)
         return MPI.REQUEST_NULL if comm is None else comm.isend(obj, dest=peer, tag=tag)
 
     def recv(self, source, tag):
@@ -201,7 +253,8 @@ class RoutedComm:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.port = MPI.Open_port()
         self.accept_timeout = timeout
-        _write_atomic(self.dir / PORT_FILE.format(rank=self.me), self.port)
+        _write_atomic(self.dir / PORT_FILE.format(rank=self.me),
+                      json.dumps({"port": self.port, "id": identity()}))
 
     def look(self) -> None:
         """Accept the launches about to connect to this rank (cheap: one look at the folder
@@ -241,6 +294,8 @@ class RoutedComm:
         else:
             first = int(hello["first"])
         self.add(inter, first)
+        for i, ident in enumerate(hello.get("ids", [])):
+            self.watch(first + i, ident)
 
     def stop_listening(self) -> None:
         if self.port is None:
@@ -264,7 +319,7 @@ class RoutedComm:
                 inter.Free()
             except MPI.Exception:
                 pass
-        self._inters, self._routes = [], {}
+        self._inters, self._routes, self._local = [], {}, {}
 
 
 def _recv_by(inter, tag: int, timeout: float):
@@ -366,15 +421,16 @@ def connect(run_dir, want: str, timeout: float, comm=None) -> tuple[RoutedComm, 
     if err is not None:
         raise JoinError(err)
     rid = comm.bcast(uuid.uuid4().hex[:12] if lead else None)
+    ids = comm.gather(identity())
 
-    def to(rank: int, port: str | None, wait_s: float):
+    def to(rank: int, port: dict | None, wait_s: float):
         """Connect to listener ``rank`` once it claimed the request (None if it did not
         within ``wait_s``: dead, or never looking; connecting to a dead rank's port crashes
         this process under MPICH)."""
         claimed = _claimed(d / f"{rid}.to-{rank}", wait_s) if lead else None
         if not comm.bcast(claimed):
             return None
-        return comm.Connect(port if lead else "", root=0)
+        return comm.Connect(port["port"] if lead else "", root=0)
 
     inter0 = to(0, port0, timeout)
     if inter0 is None:
@@ -382,7 +438,7 @@ def connect(run_dir, want: str, timeout: float, comm=None) -> tuple[RoutedComm, 
                         "there, but nobody took the request: has the job ended?)")
     welcome = None
     if lead:
-        inter0.send({"want": want}, dest=0, tag=Tag.JOIN_HELLO)
+        inter0.send({"want": want, "ids": ids}, dest=0, tag=Tag.JOIN_HELLO)
         welcome = _recv_by(inter0, Tag.JOIN_WELCOME, timeout)
         if welcome is None:
             welcome = {"refused": f"the job's chief did not answer in {timeout:.0f} s"}
@@ -394,6 +450,7 @@ def connect(run_dir, want: str, timeout: float, comm=None) -> tuple[RoutedComm, 
     me = first + comm.Get_rank()
     out = RoutedComm(None, me, int(welcome["n_world"]), int(welcome["slots"]))
     out.add(inter0, 0)
+    out.watch(0, comm.bcast(port0["id"] if lead else None))
     unreached = []
     for rank in welcome["listeners"]:
         port = _wait_port(d, rank, timeout) if lead else None
@@ -402,8 +459,9 @@ def connect(run_dir, want: str, timeout: float, comm=None) -> tuple[RoutedComm, 
             unreached.append(rank)
             continue
         if lead:
-            inter.send({"first": first}, dest=0, tag=Tag.JOIN_HELLO)
+            inter.send({"first": first, "ids": ids}, dest=0, tag=Tag.JOIN_HELLO)
         out.add(inter, rank)
+        out.watch(rank, comm.bcast(port["id"] if lead else None))
     welcome["unreached"] = unreached
     if lead:  # connected to every listener: the chief may hand these ranks out
         out.send({"first": first, "n": comm.Get_size(), "want": want,
@@ -457,15 +515,14 @@ def _claimed(request: Path, wait_s: float) -> bool:
     return False
 
 
-def _wait_port(d: Path, rank: int, timeout: float) -> str | None:
+def _wait_port(d: Path, rank: int, timeout: float) -> dict | None:
+    """Listener ``rank``'s port file: its port's name and its process (``identity``)."""
     path = d / PORT_FILE.format(rank=rank)
     deadline = time.monotonic() + timeout
     while True:
         try:
-            text = path.read_text()
-            if text:
-                return text
-        except OSError:
+            return json.loads(path.read_text())
+        except (OSError, ValueError):
             pass
         if time.monotonic() > deadline:
             return None
