@@ -6,9 +6,9 @@ UCX is kept off CMA unless the user chose UCX's transports (``UCX_TLS``). Betwee
 (ranks that joined a job) MPICH sends through UCX, and UCX reads a large message on one node
 straight from the sender's memory (``process_vm_readv``); if the sender dies during the read,
 UCX aborts the reading process, which is then a shard lost to a replica's death. Without CMA
-UCX copies through shared memory, and the dead sender is an error hpcps handles (measured:
-a shard aborted in 3 of 5 runs of ``tests/test_joins.py``'s kills of joined replicas before,
-none after). The job's own ranks on one node talk through MPICH's shared memory, not UCX, and
+UCX copies through shared memory, and the dead sender is an error hpcps handles (a send *to*
+a dead peer of another launch is the other half, kept away in :mod:`hpcps.mpi.joins`).
+The job's own ranks on one node talk through MPICH's shared memory, not UCX, and
 ranks on different nodes never use CMA, so nothing else changes.
 """
 import os
