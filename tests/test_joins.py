@@ -78,6 +78,47 @@ def test_a_run_dir_that_cannot_be_joined_is_named_at_once(tmp_path):
     assert not_joinable(tmp_path) is None
 
 
+class _Inter:
+    """An intercommunicator stand-in that records the calls made on it."""
+
+    def __init__(self):
+        self.calls = []
+
+    def Get_remote_size(self):
+        return 1
+
+    def Send(self, buf, dest, tag):
+        self.calls.append(("Send", dest, tag))
+
+    def Recv(self, buf, source, tag, status=None):
+        self.calls.append(("Recv", source, tag))
+
+
+def test_a_send_to_a_gone_peer_on_this_host_is_dropped_and_its_messages_still_taken():
+    """A joined peer whose process has ended gets no more sends (one through UCX would end
+    the sender), but what it sent before dying is still received; a live peer, and one on
+    another host, get every send."""
+    from hpcps.mpi import joins
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    ident = {"host": joins.HOST, "pid": dead.pid, "start": joins._proc_state(dead.pid)[1]}
+    comm = joins.RoutedComm(None, 5, 2, 4)
+    inters = {rank: _Inter() for rank in (2, 3, 4)}
+    for rank, inter in inters.items():
+        comm.add(inter, rank)
+    comm.watch(2, ident)
+    comm.watch(3, joins.identity())
+    comm.watch(4, dict(ident, host="elsewhere"))
+    assert not joins.is_gone(os.getpid(), joins.identity()["start"])
+    dead.wait()
+    assert joins.is_gone(dead.pid, ident["start"])
+    assert joins.is_gone(os.getpid(), ident["start"] + 1)  # a reused pid is not the peer
+    for rank in (2, 3, 4):
+        comm.Send(b"x", rank, 7)
+        comm.Recv(bytearray(1), rank, 8)
+    assert inters[2].calls == [("Recv", 0, 8)]
+    assert inters[3].calls == inters[4].calls == [("Send", 0, 7), ("Recv", 0, 8)]
+
+
 def test_join_help_needs_no_mpi():
     from test_plugin_strategy import BLOCK_MPI, python
     run = BLOCK_MPI + "import runpy; sys.argv = ['hpcps.join', *sys.argv[1:]]\n" \

@@ -160,11 +160,12 @@ class RoutedComm:
 
     def _send_route(self, rank: int):
         """The route of a send: none to a peer on this host whose process is gone (a send to
-        it through UCX would end this process)."""
+        it through UCX would end this process). Its receive route stays: a message it sent
+        before dying may still be probed and taken."""
         local = self._local.get(rank)
-        if local is not None and is_gone(*local):
-            self._local.pop(rank)
-            self._routes.pop(rank, None)
+        if local is not None and (local[0] is None or is_gone(*local)):
+            self._local[rank] = (None, None)  # gone for good: no more looks in /proc
+            return None, None
         return self._route(rank)
 
     def watch(self, rank: int, ident: dict | None) -> None:
