@@ -131,14 +131,15 @@ def mnist_h5():
 # What pytest itself sets and unsets around each test.
 ENVIRON_SET_BY_PYTEST = {"PYTEST_CURRENT_TEST"}
 
-# Libraries hpcps imports lazily that set variables when first imported (threadpoolctl and
-# scikit-learn both setdefault KMP_DUPLICATE_LIB_OK): imported once, before the first test,
-# so that the environment every test starts from already holds what they set. Not
+# Modules that set variables when first imported (threadpoolctl and scikit-learn both
+# setdefault KMP_DUPLICATE_LIB_OK; hpcps.mpi sets UCX_TLS before MPI starts): imported once,
+# before the first test, so that the environment every test starts from already holds what
+# they set. Not
 # scikit-learn in the ranks of the multi-rank suite (``--with-mpi``, tests/mpi, launched by
 # test_mpi_suites.py): nothing there imports it, and its import is about 1.3 s of CPU in
 # each of the 10 ranks those launches start.
 def pytest_configure(config):
-    names = ["threadpoolctl"]
+    names = ["threadpoolctl", "hpcps.mpi"]
     if not config.getoption("--with-mpi", default=False):
         names.append("sklearn")
     for name in names:

@@ -9,7 +9,7 @@ import sys
 import time
 
 import pytest
-from faultinject import find_rank, kill_rank, wait_for_step
+from faultinject import find_rank, kill_rank, records, wait_for_step
 from mpirun import ROOT, end_launch, mpi_flavor, mpiexec_cmd, rank_module, tagged_env
 
 from hpcps import config
@@ -129,14 +129,85 @@ def finish(proc, what):
     return out
 
 
-def records_of(run_dir, kind):
-    recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [r for r in recs if r["kind"] == kind]
-
-
 def summary(run_dir):
     recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return next(r for r in recs if r["kind"] == "summary")
+
+
+class Job:
+    """A job under a schedule of signals and joins: the one runner of the fault, spare and
+    join tests. Launched when made; used as a context manager around the schedule::
+
+        with Job(tmp_path, mnist_h5, n=4, extra=["--spares", "1"]) as job:
+            job.at_step(500)
+            job.signal(1)
+            job.wait("replacement", 1, "the spare replacing replica 1")
+        assert job.proc.returncode == 0, job.out[-3000:]
+
+    On a clean exit the job and every join launch still running are finished (``out``, and
+    ``outs[launch]``), each within ``LIMIT_S`` or failed as a hang. When the schedule fails
+    (a wait ran out), the failure carries where every rank was and the job's last output,
+    and every launch is ended."""
+
+    def __init__(self, run_dir, data_h5, n=4, extra=(), run=RUN, what="the job"):
+        self.run_dir, self.what = run_dir, what
+        self.joins: list = []
+        self.outs: dict = {}
+        self.out = ""
+        self.proc = launch(run_dir, data_h5, n=n, extra=extra, run=run)
+
+    def __enter__(self):
+        return self
+
+    def at_step(self, step: int, limit: float = LIMIT_S) -> int:
+        return wait_for_step(self.run_dir / "metrics.jsonl", step, limit)
+
+    def signal(self, rank: int, sig=signal.SIGKILL, launch=None) -> None:
+        """Send ``sig`` to ``rank`` of the job (or of the join ``launch``)."""
+        kill_rank((launch or self.proc).pid, rank, sig)
+
+    def wait(self, kind: str, n: int, what: str, limit: float = LIMIT_S) -> list[dict]:
+        """Until the run's metrics hold ``n`` records of ``kind``; those records."""
+        deadline = time.monotonic() + limit
+        while len(got := records(self.run_dir, kind)) < n:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"no {n} {kind} record(s) within {limit} s: {what}")
+            time.sleep(0.05)
+        return got
+
+    def join(self, n: int = 1, want: str = "replica"):
+        """``mpiexec -n n python -m hpcps.join RUN_DIR --as want``, started."""
+        path = str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")
+        env, tag = tagged_env(dict(os.environ, OPENBLAS_NUM_THREADS="1", PYTHONPATH=path))
+        proc = subprocess.Popen([*mpiexec_cmd(n), sys.executable, "-m", "hpcps.join",
+                                 str(self.run_dir), "--as", want, "--timeout", "30"],
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                env=env, start_new_session=True)
+        proc.tag = tag
+        self.joins.append(proc)
+        return proc
+
+    def __exit__(self, typ, exc, tb):
+        if typ is None:
+            self.out = finish(self.proc, self.what)
+            self.outs = {p: finish(p, "a join") if p.returncode is None else ""
+                         for p in self.joins}
+            return False
+        where = ""
+        if issubclass(typ, AssertionError):  # a stall: where every rank is
+            asked = subprocess.run([sys.executable, "-m", "hpcps.stacks", str(self.run_dir)],
+                                   capture_output=True, text=True, timeout=90)
+            where = asked.stdout[-6000:]
+        for p in [self.proc, *self.joins]:
+            end_launch(p.pid, p.tag)
+            p.communicate()
+        if where:
+            raise AssertionError(f"{exc}\n{where}") from None
+        return False
+
+    @property
+    def summary(self) -> dict:
+        return summary(self.run_dir)
 
 
 @pytest.mark.openmpi
@@ -169,7 +240,7 @@ def test_sigkill_of_a_replica_mid_run(mnist_h5, tmp_path):
     # never stalls much longer than that (a wait for --timeout, 30 s, would), and the rest of
     # the run (at most 70% of its steps) takes no longer than the whole healthy run did, plus
     # that pause and a margin for a shared machine.
-    times = [r["time_s"] for r in records_of(hurt, "progress") if r["step"] >= killed_step]
+    times = [r["time_s"] for r in records(hurt, "progress") if r["step"] >= killed_step]
     stall = max(b - a for a, b in zip(times, times[1:]))
     assert stall < 2 + 8, (stall, times)
     assert ended_s < healthy_s + 2 + 15, (ended_s, healthy_s)
@@ -221,21 +292,16 @@ def test_a_lone_shard_stopped_past_the_timeout_goes_on_when_it_resumes(mnist_h5,
     twice, perhaps in the middle of answering a fetch. When it runs again, the time it did
     not run is not held against the replicas (their silence, its replies' deadlines): it
     loses no replica, and the run completes with exit code 0."""
-    proc = launch(tmp_path, mnist_h5, 4, ["--steps", "4000"])
-    try:
+    with Job(tmp_path, mnist_h5, 4, ["--steps", "4000"],
+             what="run with its shard stopped for twice the timeout") as job:
         for step in (300, 600):
-            wait_for_step(tmp_path / "metrics.jsonl", step, 120)
-            kill_rank(proc.pid, 3, signal.SIGSTOP)
+            job.at_step(step)
+            job.signal(3, signal.SIGSTOP)
             time.sleep(3.0)
-            kill_rank(proc.pid, 3, signal.SIGCONT)
-    except BaseException:
-        end_launch(proc.pid, proc.tag)
-        proc.communicate()
-        raise
-    out = finish(proc, "run with its shard stopped for twice the timeout")
-    assert proc.returncode == 0, out[-3000:]
-    s = summary(tmp_path)
-    assert s["lost_ranks"] == [] and s["step"] >= 4000, out[-3000:]
+            job.signal(3, signal.SIGCONT)
+    assert job.proc.returncode == 0, job.out[-3000:]
+    s = job.summary
+    assert s["lost_ranks"] == [] and s["step"] >= 4000, job.out[-3000:]
 
 
 @pytest.mark.openmpi
@@ -323,11 +389,11 @@ def test_a_dead_collective_member_ends_the_job_with_a_checkpoint_and_75(mnist_h5
     assert "exit code 75, resume with --resume auto" in out or \
         "exit code 75: resume with --resume auto" in out, out[-3000:]
     assert (tmp_path / "checkpoint.h5").exists()
-    stop = records_of(tmp_path, "stop")
+    stop = records(tmp_path, "stop")
     assert len(stop) == 1 and "a collective failed" in stop[0]["reason"], stop
     step = stop[0]["step"]
     assert 800 <= step < 12000, step
-    assert not records_of(tmp_path, "summary")
+    assert not records(tmp_path, "summary")
 
     again = launch(tmp_path, mnist_h5, 3, [*args, "--resume", "auto"], run=LOCKSTEP_RUN)
     out = finish(again, f"{strategy} resumed on 3 ranks")

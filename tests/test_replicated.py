@@ -105,3 +105,12 @@ def test_copies_with_a_staleness_bound_hold_fetches_on_the_primary(digits_h5, tm
     assert s["staleness_bound"] == 0 and 0 <= s["clock_lead_max"] <= 0, s
     assert s["ssp_held_fetches"] > 0, s
     assert s["test_accuracy"] >= 0.85, s["test_accuracy"]
+
+
+def test_live_ranks_are_the_members_not_found_dead_in_shard_order():
+    """The shards a replica beats to and a spare beats to while it loads (from the chief's
+    view): members not found dead, as world ranks, in shard order."""
+    from hpcps.ps.replicated.client import live_ranks
+    view = {"route": [5, 3, 6], "dead": [1], "members": [3, 0, 1, 2]}
+    assert live_ranks(view, [2, 3, 4, 5]) == [2, 4, 5]
+    assert live_ranks({"route": [], "dead": [], "members": []}, [2, 3]) == []

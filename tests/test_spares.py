@@ -3,15 +3,12 @@ replicas and shards replaced or failed over, and a spare that dies before it cou
 from __future__ import annotations
 
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
 
-from faultinject import kill_rank, wait_for_step
-from mpirun import end_launch
-from test_faults import finish, launch, records_of, summary
+from faultinject import records
+from test_faults import Job
 
 from hpcps.errors import ConfigError
 from hpcps.mpi.topology import Layout
@@ -33,40 +30,20 @@ def test_layout_puts_spares_last_and_numbers_them_after_the_replicas():
 
 
 # -- runs ----------------------------------------------------------------------------------------
-def _wait_records(run_dir, n: int, limit: float) -> None:
-    """Until rank 0 has made ``n`` replacement records (so each failure is handled in turn)."""
-    deadline = time.monotonic() + limit
-    while len(records_of(run_dir, "replacement")) < n:
-        if time.monotonic() > deadline:
-            raise AssertionError(f"fewer than {n} replacement records within {limit} s")
-        time.sleep(0.1)
-
-
 def _run(tmp_path, mnist_h5, n, args, schedule, steps=STEPS):
     """Launch, then for each (step, rank, signal, records[, pause]) of ``schedule``: wait for
     ``step`` (None: at once), signal that rank, wait until rank 0 has made ``records``
-    replacement records (0: not at all) and sleep ``pause`` seconds; the output and summary.
-    A wait that runs out adds where every rank was to the failure."""
-    proc = launch(tmp_path, mnist_h5, n=n, extra=[*steps, *args])
-    try:
+    replacement records (0: not at all; so each failure is handled in turn) and sleep
+    ``pause`` seconds; the output and summary."""
+    with Job(tmp_path, mnist_h5, n, [*steps, *args], what=f"run with {schedule}") as job:
         for step, rank, sig, handled, *pause in schedule:
-            try:
-                if step is not None:
-                    wait_for_step(tmp_path / "metrics.jsonl", step, 120)
-                kill_rank(proc.pid, rank, sig)
-                _wait_records(tmp_path, handled, 60)
-            except AssertionError as exc:  # a stall: where every rank is, in the failure
-                asked = subprocess.run([sys.executable, "-m", "hpcps.stacks", str(tmp_path)],
-                                       capture_output=True, text=True, timeout=90)
-                raise AssertionError(f"{exc}\n{asked.stdout[-6000:]}") from None
+            if step is not None:
+                job.at_step(step, 120)
+            job.signal(rank, sig)
+            job.wait("replacement", handled, "the failures handled in turn", 60)
             time.sleep(pause[0] if pause else 0)
-    except BaseException:
-        end_launch(proc.pid, proc.tag)
-        proc.communicate()
-        raise
-    out = finish(proc, f"run with {schedule}")
-    assert proc.returncode == 0, out[-4000:]
-    return out, summary(tmp_path)
+    assert job.proc.returncode == 0, job.out[-4000:]
+    return job.out, job.summary
 
 
 def test_leave_shard_deaths_and_a_replacement_that_dies(mnist_h5, tmp_path):
@@ -108,7 +85,7 @@ def test_leave_shard_deaths_and_a_replacement_that_dies(mnist_h5, tmp_path):
     assert "rank(s) [1] left the run on SIGTERM" in out
     assert "spare 2 (rank 8) took data shard 1 as replica 5" in out
     assert "spare 1 (rank 7) became shard 4, holding sets [0, 1]" in out
-    assert len(records_of(tmp_path, "replacement")) == 4
+    assert len(records(tmp_path, "replacement")) == 4
 
 
 def test_a_spare_dead_while_idle_and_a_replica_dropped_alive(mnist_h5, tmp_path):

@@ -16,6 +16,13 @@ from hpcps.ps.liveness import DROPPED, Dropped, HeartbeatThread
 from hpcps.ps.replicated.placement import assemble, primary
 
 
+
+def live_ranks(view: dict, shard_ranks) -> list[int]:
+    """World ranks of the shards a :meth:`ReplicatedClient.view` knows to serve and not
+    found dead (``shard_ranks[j]``: shard j's world rank)."""
+    dead = set(view["dead"])
+    return [shard_ranks[j] for j in sorted(view["members"]) if j not in dead]
+
 class ReplicatedClient:
     """A replica's fetches and pushes when every set has a primary and secondaries.
 
@@ -89,7 +96,7 @@ class ReplicatedClient:
 
     def live_ranks(self) -> list[int]:
         """World ranks of the shards known to serve and not found dead."""
-        return [self.shard_ranks[j] for j in sorted(self.members - self.dead)]
+        return live_ranks(self.view(), self.shard_ranks)
 
     # -- events --------------------------------------------------------------------------------
     def _events(self) -> bool:

@@ -13,6 +13,7 @@ from hpcps.mpi.comm import Transport
 from hpcps.mpi.topology import Role
 from hpcps.ps import spares
 from hpcps.ps.liveness import HEARTBEATS_PER_TIMEOUT, HeartbeatThread
+from hpcps.ps.replicated.client import live_ranks
 from hpcps.strategies.context import VAL_HELD_OUT, Context, train_shard
 from hpcps.strategies.downpour.replica import DownpourReplica
 from hpcps.strategies.downpour.server import run_replicated_server
@@ -66,8 +67,7 @@ def run_spare(ctx: Context) -> dict:
     # the shards lose a replica silent past --heartbeat-timeout from the moment they expect
     # it: beat while the data loads and the replica is built (its own thread takes over)
     view = got.get("view")
-    live = [layout.shard_table[j] for j in view["members"] if j not in view["dead"]] \
-        if view is not None else layout.server_ranks
+    live = live_ranks(view, layout.shard_table) if view is not None else layout.server_ranks
     beat = HeartbeatThread(ctx.grid.world, live, replica,
                            cfg.heartbeat_timeout / HEARTBEATS_PER_TIMEOUT).start()
     try:
