@@ -132,12 +132,11 @@ def mnist_h5():
 ENVIRON_SET_BY_PYTEST = {"PYTEST_CURRENT_TEST"}
 
 # Modules that set variables when first imported (threadpoolctl and scikit-learn both
-# setdefault KMP_DUPLICATE_LIB_OK; hpcps.mpi sets UCX_TLS before MPI starts): imported once,
-# before the first test, so that the environment every test starts from already holds what
-# they set. Not
-# scikit-learn in the ranks of the multi-rank suite (``--with-mpi``, tests/mpi, launched by
-# test_mpi_suites.py): nothing there imports it, and its import is about 1.3 s of CPU in
-# each of the 10 ranks those launches start.
+# setdefault KMP_DUPLICATE_LIB_OK; hpcps.mpi, in a rank Hydra started, sets UCX_TLS):
+# imported once, before the first test, so that the environment every test starts from
+# already holds what they set. Not scikit-learn in the ranks of the multi-rank suite
+# (``--with-mpi``, tests/mpi, launched by test_mpi_suites.py): nothing there imports it, and
+# its import is about 1.3 s of CPU in each of the 10 ranks those launches start.
 def pytest_configure(config):
     names = ["threadpoolctl", "hpcps.mpi"]
     if not config.getoption("--with-mpi", default=False):
