@@ -133,10 +133,9 @@ class GradientShard:
         shard only knows bytes come in.
     policy : what a push and a fetch do (default :class:`ShardPolicy`: Downpour's).
     tick : called by the serving loop now and then (the job's stop vote, :mod:`hpcps.runtime.stop`).
-    liveness : when replicas may die: their heartbeats and silences (None: every replica is
-        waited for until DONE).
-    replica_of : ``{world rank: replica}``, to name the replica whose message broke off.
-    fatal : replicas whose loss ends the job (the chief).
+    liveness : when replicas may die: their heartbeats and silences, their ranks and the
+        replica whose loss ends the job (:class:`hpcps.ps.liveness.Liveness`; None: every
+        replica is waited for until DONE).
     epochs : on server shard 0 with ``--epoch-quorum``: the keeper of the epochs' ends
         (:class:`hpcps.ps.epochs.EpochKeeper`), told of every EPOCH_DONE, DONE and loss.
     persist : with ``--persist-every``: the shard's write-back cache
@@ -151,8 +150,7 @@ class GradientShard:
                  on_boundary: Callable[[int], None] | None = None, boundary_every: int = 0,
                  packed: tuple[int, int, Callable] | None = None, policy=None,
                  tick: Callable[[], None] | None = None, liveness: Liveness | None = None,
-                 replica_of: dict[int, int] | None = None, fatal=(), epochs=None,
-                 persist=None, wire: Wire = FP32):
+                 epochs=None, persist=None, wire: Wire = FP32):
         self.comm = comm
         self.net = Transport(comm)
         self.params = params
@@ -169,8 +167,6 @@ class GradientShard:
         self.stats = ShardStats()
         self.done: set[int] = set()  # replicas no longer expected: finished, or lost
         self.liveness = liveness
-        self.replica_of = dict(replica_of or {})
-        self.fatal = set(fatal)
         self.epochs = epochs
         self.persist = persist
         self.applied_step = self.step  # --persist-every: the steps the parameters hold
@@ -238,7 +234,8 @@ class GradientShard:
             return True
         if self.net.take_by(buf, src, tag, time.monotonic() + self.liveness.timeout):
             return True
-        self.lose(self.replica_of.get(src, -1), f"its message (tag {int(tag)}) broke off")
+        self.lose(self.liveness.replica_of.get(src, -1),
+                  f"its message (tag {int(tag)}) broke off")
         return False
 
     def _from_lost(self, sender: int) -> bool:
@@ -313,7 +310,8 @@ class GradientShard:
 
     def lose(self, replica: int, why: str) -> None:
         """Stop waiting for ``replica``: it is dead or silent past the heartbeat timeout."""
-        if replica in self.fatal:
+        assert self.liveness is not None  # only a shard whose replicas may die loses one
+        if replica in self.liveness.fatal:
             raise PeerTimeout(f"replica {replica} (world rank 0, the chief: it evaluates, writes "
                               f"the final checkpoint and reports) is lost: {why}; the run "
                               "cannot finish without it")
@@ -339,10 +337,9 @@ class GradientShard:
         for, and lost if silent, from now on."""
         self.net.take(self._small.buf, src, Tag.EXPECT)
         r, rank = int(self._small.header[H.SENDER]), int(self._small.header[H.PEER])
-        self.replica_of[rank] = r
         self.done.discard(r)
         if self.liveness is not None:
-            self.liveness.heard(r)
+            self.liveness.moved(r, rank)
         return False
 
     def _recv_fetch(self, src: int, status) -> bool:

@@ -101,21 +101,42 @@ class HeartbeatThread:
 
 
 class Liveness:
-    """When each of ``n`` replicas was last heard from, and which are lost.
+    """The replicas that may die: when each of ``n`` was last heard from, which are lost,
+    which world rank each runs on, and whose loss ends the job. One per shard process,
+    shared by every set it serves (``--ps-copies``).
 
     Parameters
     ----------
     n : replicas 0 .. n-1.
     timeout : seconds of silence after which a replica still expected is lost.
     clock : the time source (``time.monotonic``; tests pass their own).
+    replica_of : ``{world rank: replica}``, to name the replica whose message broke off (a
+        spare taking a replica's place adds its rank: :meth:`moved`).
+    fatal : replicas whose loss ends the job (the chief's).
     """
 
-    def __init__(self, n: int, timeout: float, clock=time.monotonic):
+    def __init__(self, n: int, timeout: float, clock=time.monotonic,
+                 replica_of: dict[int, int] | None = None, fatal=()):
         self.timeout = timeout
         self.clock = clock
         now = clock()
         self.last = [now] * n
         self.lost: dict[int, float] = {}  # replica -> seconds of silence when it was dropped
+        self.replica_of = dict(replica_of or {})
+        self.fatal = frozenset(fatal)
+
+    @classmethod
+    def of_trainers(cls, layout, timeout: float) -> Liveness:
+        """The trainers of ``layout`` (replica r at ``layout.trainer_rank(r)``), the chief's
+        replica 0 fatal: it evaluates, writes the final checkpoint and reports."""
+        return cls(layout.trainers, timeout,
+                   replica_of={layout.trainer_rank(r): r for r in range(layout.trainers)},
+                   fatal=(0,))
+
+    def moved(self, replica: int, rank: int) -> None:
+        """``replica`` runs at world ``rank`` from now on (a spare took its place), heard now."""
+        self.replica_of[rank] = replica
+        self.heard(replica)
 
     def heard(self, replica: int) -> None:
         self.last[replica] = self.clock()

@@ -114,9 +114,10 @@ class ReplicatedServer:
         # instead, it may train as a replica, and its messages are a replica's)
         self.shard_of = {rank: j for j, rank in enumerate(self.shard_ranks)
                          if j < self.S or j == me}
-        self.replica_of = {rank: r for r, rank in enumerate(self.replica_ranks)}
+        # the replicas' heartbeats, ranks and the fatal one, shared by the sets' copies
         self.replicas = liveness if liveness is not None else \
-            next(iter(sets.values())).liveness  # shared by the sets' copies
+            next(iter(sets.values())).liveness
+        self.replica_of = self.replicas.replica_of
         self.peers = Liveness(len(self.shard_ranks), heartbeat_timeout)
         self.dead: set[int] = set()
         self.done: set[int] = set()  # replicas finished or lost
@@ -464,10 +465,9 @@ class ReplicatedServer:
         """EXPECT from the chief: replica SENDER (a spare) joins now, at world rank PEER."""
         self.net.take(self._small.buf, src, Tag.EXPECT)
         r, rank = int(self._small.header[H.SENDER]), int(self._small.header[H.PEER])
-        self.replica_of[rank] = r
         self.replica_ranks[r] = rank
         self.done.discard(r)
-        self.replicas.heard(r)
+        self.replicas.moved(r, rank)
         return False
 
     def _recv_new_primary(self, src: int, status) -> bool:

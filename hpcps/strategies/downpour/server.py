@@ -138,11 +138,9 @@ def run_server(ctx: Context) -> dict:
                               for r in range(layout.replicas)])
     persister = persist.start(ctx, s, shards, params, state, cfg.persist_every,
                               ctx.start_step) if cfg.persist_every is not None else None
-    liveness, replica_of = None, None
     layout = grid.layout
-    if cfg.heartbeat_timeout is not None:  # replicas may die (P = 1: replica r is rank r)
-        liveness = Liveness(layout.trainers, cfg.heartbeat_timeout)
-        replica_of = {layout.trainer_rank(r): r for r in range(layout.trainers)}
+    liveness = Liveness.of_trainers(layout, cfg.heartbeat_timeout) \
+        if cfg.heartbeat_timeout is not None else None  # replicas may die
     # momentum-corrected compressed pushes carry the velocity already: the shard steps SGD
     apply = optim.SGD(cfg.lr).apply if momentum_corrected(cfg) else ctx.optimizer.apply
     # --lr-schedule: the rate at the global step the shard has counted
@@ -156,8 +154,8 @@ def run_server(ctx: Context) -> dict:
                          if cfg.compress == "threshold" else
                          shard_activation_handler(ctx, *plan.ranges[j], params, state)
                          if cfg.push == "activations" else None,
-                         tick=ctx.stop_tick, liveness=liveness, replica_of=replica_of,
-                         fatal=(0,), epochs=keeper, persist=persister,
+                         tick=ctx.stop_tick, liveness=liveness, epochs=keeper,
+                         persist=persister,
                          wire=Wire.named(cfg.wire_dtype))
     with_spares(server, layout, liveness)
     stats = server.serve(rows.handlers() if rows is not None else None)
@@ -232,8 +230,7 @@ def run_replicated_server(ctx: Context, me: int | None = None, heals=None) -> di
     S, R = layout.servers, layout.trainers
     plan = partition_plan(ctx, 0)
     keys = list(ctx.optimizer.state_keys)
-    liveness = Liveness(R, cfg.heartbeat_timeout)
-    replica_of = {layout.trainer_rank(r): r for r in range(R)}
+    liveness = Liveness.of_trainers(layout, cfg.heartbeat_timeout)
     server = None
     sets: dict = {}
 
@@ -250,7 +247,7 @@ def run_replicated_server(ctx: Context, me: int | None = None, heals=None) -> di
                              policy=replicated.SetPolicy(h, shard_policy(ctx, len(params))),
                              packed=shard_expander(len(params))
                              if cfg.compress == "threshold" else None,
-                             liveness=liveness, replica_of=replica_of, fatal=(0,),
+                             liveness=liveness,
                              wire=Wire.named(cfg.wire_dtype))
 
     if not spare:
