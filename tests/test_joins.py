@@ -15,6 +15,7 @@ import pytest
 from mpirun import mpi_flavor, mpiexec_cmd
 from test_faults import ROOT, RUN, Job
 
+from hpcps import procfs
 from hpcps.errors import ConfigError
 from hpcps.mpi.topology import Layout
 
@@ -99,7 +100,7 @@ def test_a_send_to_a_gone_peer_on_this_host_is_dropped_and_its_messages_still_ta
     another host, get every send."""
     from hpcps.mpi import joins
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
-    ident = {"host": joins.HOST, "pid": dead.pid, "start": joins._proc_state(dead.pid)[1]}
+    ident = {"host": joins.HOST, "pid": dead.pid, "start": procfs.stat(dead.pid).start}
     comm = joins.RoutedComm(None, 5, 2, 4)
     inters = {rank: _Inter() for rank in (2, 3, 4)}
     for rank, inter in inters.items():

@@ -8,7 +8,8 @@ from mpirun import ROOT
 
 # Lowest first; a module belongs to the longest prefix that matches it.
 LAYERS = [
-    ["hpcps", "hpcps.errors", "hpcps.options", "hpcps.blocks", "hpcps.trace"],
+    ["hpcps", "hpcps.errors", "hpcps.options", "hpcps.blocks", "hpcps.trace",
+     "hpcps.procfs"],
     ["hpcps.kernels"],
     ["hpcps.model", "hpcps.compress"],
     ["hpcps.engine", "hpcps.io"],

@@ -48,6 +48,7 @@ from pathlib import Path
 
 from mpi4py import MPI
 
+from hpcps import procfs
 from hpcps.errors import ConfigError, HpcpsError
 from hpcps.mpi.comm import Poller
 from hpcps.mpi.protocol import Tag
@@ -68,29 +69,18 @@ def join_dir(run_dir) -> Path:
     return Path(run_dir) / "join"
 
 
-def _proc_state(pid: int) -> tuple[str, int] | None:
-    """A process's state letter and start time (clock ticks after boot) from /proc, or None
-    if it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as fh:
-            fields = fh.read().rsplit(b")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-    return fields[0].decode(), int(fields[19])
-
-
 def identity() -> dict:
     """This process, as a peer on the same host checks that it is alive."""
-    state = _proc_state(os.getpid())
-    return {"host": HOST, "pid": os.getpid(), "start": state[1] if state else None}
+    me = procfs.stat(os.getpid())
+    return {"host": HOST, "pid": os.getpid(), "start": me.start if me else None}
 
 
 def is_gone(pid: int, start: int | None) -> bool:
     """Whether process ``pid`` that started at ``start`` has died (exited, killed, a zombie
     not yet reaped, or its pid reused by another process)."""
-    state = _proc_state(pid)
-    return state is None or state[0] in ("Z", "X", "x") or (start is not None
-                                                            and state[1] != start)
+    now = procfs.stat(pid)
+    return now is None or now.state in ("Z", "X", "x") or (start is not None
+                                                          and now.start != start)
 
 
 def _write_atomic(path: Path, text: str) -> None:

@@ -29,6 +29,7 @@ import sys
 import time
 from pathlib import Path
 
+from hpcps import procfs
 from hpcps.mpi import joins
 from hpcps.mpi.comm import PeerTimeout, Poller, Transport, source_of, status, test_obj
 from hpcps.errors import ConfigError
@@ -61,11 +62,13 @@ def ancestry(pid: int | None = None, depth: int = 4) -> list[list[str]]:
     for _ in range(depth):
         try:
             argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-            stat = Path(f"/proc/{pid}/stat").read_text()
         except OSError:
             break
+        proc = procfs.stat(pid)
+        if proc is None:
+            break
         out.append([a.decode(errors="replace") for a in argv if a])
-        pid = int(stat.rsplit(")", 1)[1].split()[1])
+        pid = proc.ppid
         if pid <= 1:
             break
     return out

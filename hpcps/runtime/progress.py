@@ -15,22 +15,12 @@ from __future__ import annotations
 import os
 import shutil
 
+from hpcps import procfs
+
 ENV = "HPCPS_PROGRESS"
 CLEAR = "\r\x1b[K"  # back to the start of the line, erase it
 _LAUNCHERS = ("hydra_pmi_proxy", "mpiexec", "mpiexec.hydra", "mpirun", "orted", "prterun",
               "srun", "slurmstepd")
-
-
-def _parent(pid: int) -> tuple[int, str] | None:
-    """(parent pid, command name) of ``pid`` from /proc, or None."""
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            stat = fh.read()
-    except OSError:
-        return None
-    name = stat[stat.index("(") + 1:stat.rindex(")")]
-    ppid = int(stat[stat.rindex(")") + 2:].split()[1])
-    return ppid, name
 
 
 def _writes_to_terminal(pid: int) -> bool:
@@ -43,14 +33,14 @@ def _writes_to_terminal(pid: int) -> bool:
 
 def launcher_on_terminal(pid: int | None = None, levels: int = 3) -> bool:
     """Whether an MPI launcher above ``pid`` (default: this process) writes to a terminal."""
-    me = _parent(os.getpid() if pid is None else pid)
+    me = procfs.stat(os.getpid() if pid is None else pid)
     for _ in range(levels):
-        if me is None or me[0] <= 1:
+        if me is None or me.ppid <= 1:
             return False
-        up = _parent(me[0])
+        up = procfs.stat(me.ppid)
         if up is None:
             return False
-        if up[1] in _LAUNCHERS and _writes_to_terminal(me[0]):
+        if up.name in _LAUNCHERS and _writes_to_terminal(me.ppid):
             return True
         me = up
     return False
