@@ -1,19 +1,19 @@
 """The door to MPI: the grid of ranks (topology), message tags and headers (protocol), timed
-waits and collectives (comm). Layers above speak through these modules.
+waits and collectives (comm), and the ranks that join a running job (joins). Layers above
+speak through these modules.
 
-Before MPI starts (every module here that loads mpi4py is imported after this file runs),
-UCX is kept off CMA unless the user chose UCX's transports (``UCX_TLS``). Between two launches
-(ranks that joined a job) MPICH sends through UCX, and UCX reads a large message on one node
-straight from the sender's memory (``process_vm_readv``); if the sender dies during the read,
-UCX aborts the reading process, which is then a shard lost to a replica's death. Without CMA
-UCX copies through shared memory, and the dead sender is an error hpcps handles (a send *to*
-a dead peer of another launch is the other half, kept away in :mod:`hpcps.mpi.joins`).
-The job's own ranks on one node talk through MPICH's shared memory, not UCX, and
-ranks on different nodes never use CMA, so nothing else changes. Only in a rank that an MPICH-style
-launcher started (Hydra, or ``srun`` with PMI, which set ``PMI_RANK``): not under Open MPI,
-where ranks cannot join a job and its own traffic may go through UCX, and not in a process
-that only imports hpcps (a test runner), whose environment every launch it makes would
-inherit.
+One setting is made here, before any of them loads mpi4py: in a rank that an MPICH-style
+launcher started (Hydra, or ``srun`` with PMI: ``PMI_RANK`` is set and Open MPI's variables
+are not), UCX is kept off CMA (``UCX_TLS=^cma``) unless the user set ``UCX_TLS``. MPICH
+sends between two launches (a job and the ranks that joined it) through UCX, and UCX reads a
+large message on one node straight from the sender's memory (``process_vm_readv``): if the
+sender dies during the read, UCX aborts the reader, and a joined replica's death becomes a
+lost shard. Without CMA, UCX copies through shared memory and the dead sender is an error
+hpcps handles. (A send *to* a dead peer of another launch is the other half, kept away in
+:mod:`hpcps.mpi.joins`.) The job's own ranks on one node talk through MPICH's shared memory,
+and ranks on different nodes never use CMA, so nothing else changes. Under Open MPI, ranks
+cannot join a job and a job's own traffic may use UCX, so nothing is set; nor in a process
+that only imports hpcps (a test runner), whose environment every launch it starts inherits.
 """
 import os
 

@@ -113,6 +113,7 @@ class RoutedComm:
         self.slots = slots
         self._routes: dict[int, tuple] = {}  # rank -> (intercommunicator, its remote rank)
         self._local: dict[int, tuple] = {}  # rank -> (pid, start) of a routed peer on this host
+        self._gone: set[int] = set()  # routed peers on this host whose process has ended
         self._inters: list[tuple] = []  # (intercommunicator, rank of its remote rank 0)
         self._turn = 0
         # listening (job side)
@@ -152,9 +153,12 @@ class RoutedComm:
         """The route of a send: none to a peer on this host whose process is gone (a send to
         it through UCX would end this process). Its receive route stays: a message it sent
         before dying may still be probed and taken."""
+        if rank in self._gone:
+            return None, None
         local = self._local.get(rank)
-        if local is not None and (local[0] is None or is_gone(*local)):
-            self._local[rank] = (None, None)  # gone for good: no more looks in /proc
+        if local is not None and is_gone(*local):
+            self._gone.add(rank)  # for good: no more looks in /proc
+            del self._local[rank]
             return None, None
         return self._route(rank)
 
@@ -163,6 +167,7 @@ class RoutedComm:
         each send to it, if it runs on this host."""
         if ident and ident.get("host") == HOST and ident.get("pid"):
             self._local[rank] = (int(ident["pid"]), ident.get("start"))
+            self._gone.discard(rank)
 
     def Iprobe(self, source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG, status=None) -> bool:
         self.look()
@@ -310,7 +315,7 @@ class RoutedComm:
                 inter.Free()
             except MPI.Exception:
                 pass
-        self._inters, self._routes, self._local = [], {}, {}
+        self._inters, self._routes, self._local, self._gone = [], {}, {}, set()
 
 
 def _recv_by(inter, tag: int, timeout: float):
