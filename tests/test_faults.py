@@ -57,6 +57,23 @@ def test_liveness_loses_only_the_silent():
     assert live.silent([0, 1]) == [0, 1]
 
 
+def test_liveness_excuses_the_time_its_judge_did_not_look():
+    """A shard stopped for 3 s (timeout 2) between taking the heartbeats and judging the
+    silence loses no replica for it; one that then stays silent is lost a timeout later."""
+    now = [0.0]
+    live = Liveness(2, timeout=2.0, clock=lambda: now[0])
+    now[0] = 1.0
+    assert live.silent(range(2)) == []
+    live.heard(0)
+    now[0] = 4.0  # the judge did not run from 1.0 to 4.0
+    assert live.silent(range(2)) == []
+    now[0] = 5.0
+    live.heard(0)
+    assert live.silent(range(2)) == []
+    now[0] = 6.5
+    assert live.silent(range(2)) == [1]
+
+
 @pytest.mark.parametrize("argv,match", [
     (["--strategy", "sync"], "applies only to --strategy downpour or sandblaster"),
     (["--strategy", "averaging"], "applies only to --strategy downpour or sandblaster"),

@@ -124,6 +124,7 @@ class Liveness:
         self.lost: dict[int, float] = {}  # replica -> seconds of silence when it was dropped
         self.replica_of = dict(replica_of or {})
         self.fatal = frozenset(fatal)
+        self._looked: float | None = None  # when silence was last judged (silent())
 
     @classmethod
     def of_trainers(cls, layout, timeout: float) -> Liveness:
@@ -142,8 +143,17 @@ class Liveness:
         self.last[replica] = self.clock()
 
     def silent(self, expected) -> list[int]:
-        """Replicas among ``expected`` silent for longer than the timeout, not yet lost."""
+        """Replicas among ``expected`` silent for longer than the timeout, not yet lost.
+
+        If this judge itself did not look for longer than the timeout since its last look
+        (its rank was stopped or starved, perhaps between taking the heartbeats and this
+        call), everyone counts as heard now first (:meth:`heard_all`): their silence
+        meanwhile says nothing about them, and a replica that did die is found one timeout
+        later."""
         now = self.clock()
+        if self._looked is not None and now - self._looked > self.timeout:
+            self.heard_all()
+        self._looked = now
         return [r for r in expected
                 if r not in self.lost and now - self.last[r] > self.timeout]
 
