@@ -106,6 +106,18 @@ def rank_module(survive_rank_death: bool = False) -> str:
 LAUNCH_TAG = "HPCPS_TEST_LAUNCH"  # environment variable naming one launch's processes
 
 
+WATCHED_NICE = 10  # how far below the watching test a watched job's ranks run
+
+
+def below_the_watcher() -> None:
+    """``preexec_fn`` of a job that a test watches and acts on at a step (a kill, a stop, a
+    join): its ranks (which inherit it) run at a lower CPU priority than the test, so the
+    test sees each progress record as it is written. A test starved by the ranks it watches
+    on a loaded 2-core machine saw records up to 5 s late, and its kill landed after the run's
+    last step. The ranks share the cores among themselves as before."""
+    os.nice(WATCHED_NICE)
+
+
 def tagged_env(env: dict | None = None) -> tuple[dict, str]:
     """A copy of ``env`` (default os.environ) with a tag unique to one launch, and the tag."""
     tag = uuid.uuid4().hex

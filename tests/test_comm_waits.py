@@ -73,3 +73,54 @@ def test_a_receive_given_up_keeps_its_buffer_until_mpi_is_done_with_it():
     mpicomm.abandon(mpicomm.REQUEST_NULL, None)  # (prunes what has finished)
     assert not any(kept is buf for _, kept in mpicomm._GIVEN_UP)
     assert buf.tolist() == [0.0, 1.0, 2.0, 3.0]
+
+
+class _DyingSender:
+    """A communicator on which one message from rank 1 was probed, but ULFM reports rank 1
+    dead when it is taken (Open MPI fails such a receive), and nothing else comes."""
+
+    def __init__(self):
+        self.queue = [(1, 9)]
+        self.acked = 0
+
+    def Iprobe(self, source, tag, status):
+        if not self.queue:
+            return False
+        status.Set_source(self.queue[0][0])
+        status.Set_tag(self.queue[0][1])
+        return True
+
+    def Recv(self, buf, source, tag):
+        self.queue.pop(0)  # ULFM purges a dead sender's messages
+        raise MPI.Exception(MPI.ERR_OTHER)
+
+    def Ack_failed(self):
+        self.acked += 1
+
+
+def test_a_message_whose_sender_died_before_it_was_taken_is_dropped(monkeypatch):
+    """The serving loop drops a probed message that ULFM says cannot be taken (its sender
+    died meanwhile) and goes on serving, where it used to end the rank with the error; a
+    loop outside it sees ``taken`` False."""
+    from hpcps.ps.serve import serve
+    monkeypatch.setattr(mpicomm, "PEER_FAILURE", frozenset({MPI.ERR_OTHER}))
+    fake = _DyingSender()
+    handled, ticks = [], []
+
+    def on_nine(src, status):
+        mpicomm.Transport(fake).take(bytearray(8), src, 9)
+        handled.append(src)  # never reached: the take raised
+        return True
+
+    def tick():
+        ticks.append(1)
+        return True
+
+    serve(fake, {9: on_nine}, timeout=5.0, waiting_for=lambda: "nothing", tick=tick)
+    assert handled == [] and ticks == [1] and fake.acked == 1
+    fake = _DyingSender()
+    assert mpicomm.Transport(fake).taken(bytearray(8), 1, 9) is False and fake.acked == 1
+    # any other MPI error is raised, not taken for a death
+    monkeypatch.setattr(mpicomm, "PEER_FAILURE", frozenset())
+    with pytest.raises(MPI.Exception):
+        mpicomm.Transport(_DyingSender()).take(bytearray(8), 1, 9)

@@ -10,7 +10,8 @@ import time
 
 import pytest
 from faultinject import find_rank, kill_rank, records, wait_for_step
-from mpirun import ROOT, end_launch, mpi_flavor, mpiexec_cmd, rank_module, tagged_env
+from mpirun import (ROOT, below_the_watcher, end_launch, mpi_flavor, mpiexec_cmd, rank_module,
+                    tagged_env)
 
 from hpcps import config
 from hpcps.errors import ConfigError
@@ -114,7 +115,7 @@ def launch(run_dir, data_h5, n=4, extra=(), run=RUN, ulfm=False):
            rank_module(survive_rank_death=True), *run, *extra, "--data", str(data_h5),
            "--run-dir", str(run_dir)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=env, start_new_session=True)
+                            env=env, start_new_session=True, preexec_fn=below_the_watcher)
     proc.tag = tag
     return proc
 
@@ -199,7 +200,8 @@ class Job:
         proc = subprocess.Popen([*mpiexec_cmd(n), sys.executable, "-m", "hpcps.join",
                                  str(self.run_dir), "--as", want, "--timeout", "30"],
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                env=env, start_new_session=True)
+                                env=env, start_new_session=True,
+                                preexec_fn=below_the_watcher)
         proc.tag = tag
         self.joins.append(proc)
         return proc

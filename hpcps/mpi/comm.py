@@ -64,6 +64,18 @@ class PeerFailed(PeerTimeout):
     (:func:`shrink`) and go on."""
 
 
+class PeerGone(Exception):
+    """A message already probed could not be taken: ULFM reports its sender dead (Open MPI
+    fails a receive from a dead rank even when the message has arrived whole). The message
+    is lost with its sender; the loops that dispatch messages drop it and go on, and the
+    sender is found dead as any silent peer is."""
+
+    def __init__(self, src: int, tag: int):
+        super().__init__(f"rank {src} died before its message (tag {tag}) was taken")
+        self.src = src
+        self.tag = tag
+
+
 class Poller:
     """Back-off between polls: yield at first, then sleep a little longer each idle round.
 
@@ -256,7 +268,8 @@ class Transport:
     silence the roles already handle: the failure is acknowledged (``MPI_Comm_ack_failed``,
     so probes go on), a send to the dead rank is dropped as sent, and a receive from it is
     one that never completes (given up at its deadline, or cancelled when the client
-    re-routes). Any other MPI error is raised.
+    re-routes); a message probed whose sender dies before it is taken is lost with it
+    (:class:`PeerGone`, which the serving loop drops). Any other MPI error is raised.
     """
 
     def __init__(self, comm):
@@ -286,8 +299,22 @@ class Transport:
 
     def take(self, buf, src: int, tag: int) -> None:
         """Receive a message already probed: it has arrived whole in MPI's eager buffer or is
-        being sent, so this blocking receive waits on no decision of the peer."""
-        self.comm.Recv(buf, source=src, tag=tag)
+        being sent, so this blocking receive waits on no decision of the peer. Raises
+        :class:`PeerGone` if ULFM reports the sender dead meanwhile."""
+        try:
+            self.comm.Recv(buf, source=src, tag=tag)
+        except MPI.Exception as exc:
+            self._peer_failed(exc)
+            raise PeerGone(src, tag) from None
+
+    def taken(self, buf, src: int, tag: int) -> bool:
+        """:meth:`take`, or False if ULFM reports the sender dead first (the message is lost
+        with it): for loops that take what they probe outside :func:`hpcps.ps.serve.serve`."""
+        try:
+            self.take(buf, src, tag)
+        except PeerGone:
+            return False
+        return True
 
     def _by(self, start, buf, deadline: float) -> bool:
         """Start a transfer of ``buf`` (``start()``, an Isend or Irecv) and wait for it until

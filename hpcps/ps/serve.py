@@ -20,7 +20,8 @@ from typing import Any, Callable, Mapping
 
 
 from hpcps import trace
-from hpcps.mpi.comm import PeerTimeout, Poller, Transport, size_of, source_of, status, tag_of
+from hpcps.mpi.comm import (PeerGone, PeerTimeout, Poller, Transport, size_of, source_of, status,
+                            tag_of)
 from hpcps.mpi.protocol import Tag
 
 Handler = Callable[[int, Any], "bool | None"]  # (source, the probed status)
@@ -80,14 +81,14 @@ def serve(comm, handlers: Mapping[int, Handler], timeout: float,
         if handler is None:
             raise RuntimeError(f"unexpected message tag {tag} from rank {source}")
         tr = trace.ACTIVE
-        if tr is not None:  # the handler's time: receiving the message and acting on it
-            t0 = tr.now()
-            nbytes = size_of(st)
+        t0, nbytes = (tr.now(), size_of(st)) if tr is not None else (0.0, 0)
+        try:
             finished = handler(source, st)
+        except PeerGone:  # (ULFM) its sender died before it was taken: lost with it; the
+            continue  # sender is found dead by its silence, as without ULFM
+        if tr is not None:  # the handler's time: receiving the message and acting on it
             tr.message(f"{_tag_name(tag)} from rank {source}", nbytes, t0, source=source)
-            if finished:
-                return
-        elif handler(source, st):
+        if finished:
             return
         handled += 1
         if tick is not None and handled % TICK_EVERY == 0 and tick():

@@ -156,23 +156,28 @@ class SparePool:
         net, st, hd = self.net, self._st, self._small.header
         while net.probe(st, Tag.REPLICA_LOST):
             src = st.Get_source()
-            net.take(self._small.buf, src, Tag.REPLICA_LOST)
+            if not net.taken(self._small.buf, src, Tag.REPLICA_LOST):
+                continue
             self._gone(int(hd[H.SENDER]), "lost", float(hd[H.CLOCK]), float(hd[H.STALENESS]),
                        next((j for j, rank in self.members.items() if rank == src), None))
         while net.probe(st, Tag.REPLICA_LEFT):
-            net.take(self._small.buf, st.Get_source(), Tag.REPLICA_LEFT)
+            if not net.taken(self._small.buf, st.Get_source(), Tag.REPLICA_LEFT):
+                continue
             self._gone(int(hd[H.SENDER]), "left", float(hd[H.CLOCK]), 0.0, None)
         while net.probe(st, Tag.SHARD_LOST):
-            net.take(self._small.buf, st.Get_source(), Tag.SHARD_LOST)
+            if not net.taken(self._small.buf, st.Get_source(), Tag.SHARD_LOST):
+                continue
             self._shard_gone(int(hd[H.PEER]), float(hd[H.CLOCK]), float(hd[H.STALENESS]),
                              int(hd[H.SENDER]))
         while net.probe(st, Tag.RESTORED):
-            net.take(self._small.buf, st.Get_source(), Tag.RESTORED)
+            if not net.taken(self._small.buf, st.Get_source(), Tag.RESTORED):
+                continue
             for rec in self.shard_replacements:
                 if rec["as_shard"] == int(hd[H.SENDER]):
                     rec["restored_at"][int(hd[H.SET])] = float(hd[H.CLOCK])
         while net.probe(st, Tag.JOINED):
-            net.take(self._small.buf, st.Get_source(), Tag.JOINED)
+            if not net.taken(self._small.buf, st.Get_source(), Tag.JOINED):
+                continue
             for rec in self.replacements + self.joins:
                 if rec["as_replica"] == int(hd[H.SENDER]):
                     rec["first_step_at"] = float(hd[H.CLOCK])

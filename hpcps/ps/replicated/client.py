@@ -106,11 +106,13 @@ class ReplicatedClient:
         st = status()
         moved = False
         while self.net.probe(st, Tag.PUSH_ACK):
-            self.net.take(self._small.buf, st.Get_source(), Tag.PUSH_ACK)
+            if not self.net.taken(self._small.buf, st.Get_source(), Tag.PUSH_ACK):
+                continue  # (ULFM) its shard died: the push is sent again to its successor
             h, seq = int(self._small.header[H.SET]), int(self._small.header[H.SEQ])
             self.acked[h] = max(self.acked[h], seq)
         while self.net.probe(st, Tag.NEW_PRIMARY):
-            self.net.take(self._small.buf, st.Get_source(), Tag.NEW_PRIMARY)
+            if not self.net.taken(self._small.buf, st.Get_source(), Tag.NEW_PRIMARY):
+                continue  # (ULFM) the new primary died too: its successor says so again
             hd = self._small.header
             moved |= self._reroute(int(hd[H.SET]), int(hd[H.SENDER]), int(hd[H.PEER]))
         return moved
