@@ -382,7 +382,8 @@ def _summary(ctx: Context, results: list[dict], wall_s: float, stopped: bool = F
                    **_split_figures(ctx, mine, results),
                    stopped_early=stopped, total_steps=ctx.total_steps,
                    checkpoint=mine.get("checkpoint"), **memory.by_role(results),
-                   **_blas_in_use(results), **_step_times(results),
+                   **_blas_in_use(results), **_first_layer_in_use(results),
+                   **_step_times(results),
                    **(ctx.feed.record() if ctx.feed is not None else {}), **figures)
     m.message(f"finished {_describe(cfg, ctx.grid.layout)}")
     m.message(f"  {trained} steps this run (global step {step}, {rec['epoch']:.2f} epochs) in "
@@ -422,6 +423,10 @@ def _summary(ctx: Context, results: list[dict], wall_s: float, stopped: bool = F
                      "network, or a core shared with other ranks)" if idle >= 0.1
                      else "(busy throughout: computing, or MPI polling)"))
     m.message(f"  BLAS: {rec['blas']} ({rec['blas_reason']})")
+    if "first_layer" in rec:
+        way = rec["first_layer"]["way"]
+        m.message(f"  first layer: {'BLAS' if way == 'blas' else way + ' zero-skipping kernels'}"
+                  f" ({rec['first_layer']['why']})")
     m.message("  " + memory.describe(rec))
 
 
@@ -467,6 +472,22 @@ def _blas_chosen() -> dict | None:
     """This rank's BLAS choice, if it ran a compiled kernel (see :func:`_blas_in_use`)."""
     from hpcps.kernels import HAVE_EXTENSION, blas
     return blas.chosen() if HAVE_EXTENSION else None
+
+
+def _first_layer_chosen() -> dict | None:
+    """How this rank's compiled engine computes the first layer, if it decided
+    (:func:`hpcps.engine.hogwild.chosen`)."""
+    from hpcps.engine import hogwild
+    return hogwild.chosen() if hogwild.HAVE_EXTENSION else None
+
+
+def _first_layer_in_use(results: list[dict]) -> dict:
+    """``first_layer``: the way the compiled engine computes the first layer (an instruction
+    set of the zero-skipping kernels, or ``blas``) and why, on the lowest rank that has one
+    (the chief's replica where it trains); nothing when no rank used the compiled MLP
+    engine (conv models, no extension). Each rank times its own."""
+    mine = next((r["first_layer"] for r in results if r.get("first_layer")), None)
+    return {"first_layer": mine} if mine else {}
 
 
 def _blas_in_use(results: list[dict]) -> dict:
@@ -583,7 +604,8 @@ def main(argv: list[str] | None = None) -> int:
         except NonFiniteError as exc:  # say where, what is left, and the usual causes
             raise explain_nonfinite(ctx, exc) from None
         result = {**result, "role": ctx.grid.role.kind, "peak_rss_bytes": memory.peak_rss_bytes(),
-                  "blas_used": _blas_chosen(), "train_rows": _train_rows(ctx)}
+                  "blas_used": _blas_chosen(), "first_layer": _first_layer_chosen(),
+                  "train_rows": _train_rows(ctx)}
         if may_lose:
             lost = faults.finish(world, ctx.reporter, result, ctx.grid.layout, cfg.timeout,
                                  lambda results: _summary(ctx, results,

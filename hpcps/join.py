@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         result = cfg.spec.run(ctx)
         result = {**result, "role": "spare", "joined": True,
                   "peak_rss_bytes": memory.peak_rss_bytes(), "blas_used": job._blas_chosen(),
-                  "train_rows": job._train_rows(ctx)}
+                  "first_layer": job._first_layer_chosen(), "train_rows": job._train_rows(ctx)}
         lost = faults.finish(world, ctx.reporter, result, layout, cfg.timeout, None,
                              grace=faults.ending_grace(cfg.heartbeat_timeout))
     except HpcpsError as exc:  # this rank ends; the job goes on without it

@@ -42,16 +42,88 @@ def _sparse_data(n, n_in, n_out, density, seed=0):
 
 
 def _engines(sizes, threads=1, batch=16, activation="relu"):
-    return (HogwildEngine(sizes, activation, threads=threads, batch=batch, zero_skip=1.0),
+    return (HogwildEngine(sizes, activation, threads=threads, batch=batch, zero_skip=1.0,
+                          first_layer=gemm.ZERO_SKIP_ISA),
             HogwildEngine(sizes, activation, threads=threads, batch=batch, zero_skip=0.0))
 
 
 def test_engine_uses_the_chosen_kernels():
-    """The engine skips zeros with the kernels hpcps.kernels.gemm chose for this CPU (AVX2
-    on an AVX2-only CPU; tests/test_gemm.py checks that choice against the CPU's flags),
-    and with none when zero_skip is 0."""
+    """Before its first call the engine skips zeros with the kernels hpcps.kernels.gemm
+    chose for this CPU (AVX2 on an AVX2-only CPU; tests/test_gemm.py checks that choice
+    against the CPU's flags), with none when zero_skip is 0 or BLAS is asked for, and with
+    the instruction set asked for."""
     assert HogwildEngine((5, 3), batch=2).zero_skip_isa == gemm.ZERO_SKIP_ISA
     assert HogwildEngine((5, 3), batch=2, zero_skip=0.0).zero_skip_isa is None
+    assert HogwildEngine((5, 3), batch=2, first_layer="blas").zero_skip_isa is None
+    for isa in gemm.ZERO_SKIP_ISAS:
+        assert HogwildEngine((5, 3), batch=2, first_layer=isa).zero_skip_isa == isa
+    with pytest.raises(ConfigError, match="first_layer 'sse2'"):
+        HogwildEngine((5, 3), batch=2, first_layer="sse2")
+
+
+class _Timed:
+    """A stand-in engine whose call takes ``seconds``."""
+
+    def __init__(self, seconds):
+        self.seconds = seconds
+
+    def run(self):
+        import time
+        time.sleep(self.seconds)
+
+
+@pytest.mark.parametrize("blas_s,want", [(0.002, "blas"), (0.0095, "avx2")])
+def test_the_first_layer_is_the_fastest_way_unless_within_the_margin(blas_s, want):
+    """time_ways keeps the usual way unless another is CHOICE_MARGIN faster at its best
+    round, and says what it timed."""
+    speeds = {"avx2": 0.010, "blas": blas_s}
+    got = hogwild.time_ways(lambda w: _Timed(speeds[w]), ["avx2", "blas"], "avx2",
+                            lambda e: e.run(), budget_s=0.0, rounds=(3, 3))
+    assert got["way"] == want, got
+    assert set(got["seconds"]) == {"avx2", "blas"}
+    assert got["seconds"]["avx2"] >= 0.010 and "best of 3 rounds" in got["why"]
+
+
+def test_the_engine_times_its_ways_at_the_first_call_and_keeps_them(monkeypatch):
+    """With more than one way (an instruction set and BLAS), the first call decides: the
+    choice names a way this CPU has, the times of every way, and holds for the next engine
+    of that shape (no second timing); the results are those of that way. Asked for a way,
+    or with HPCPS_ZERO_SKIP_ISA set, nothing is timed."""
+    sizes = (784, 48, 10)
+    x, y = _sparse_data(64, 784, 10, 0.2, seed=2)
+    p = MLP(sizes, "relu").init_params(1)
+    hogwild._CHOSEN.clear()
+    first = HogwildEngine(sizes, threads=1, batch=16)
+    assert first.first_layer is None  # not decided before a call
+    loss, g = first.loss_and_grad(p, x[:16], y[:16])
+    choice = first.first_layer
+    assert choice["way"] in (*gemm.ZERO_SKIP_ISAS, "blas"), choice
+    assert set(choice["seconds"]) == {*gemm.ZERO_SKIP_ISAS, "blas"} and "timed" in choice["why"]
+    assert hogwild.chosen() == choice
+    assert first.zero_skip_isa == (None if choice["way"] == "blas" else choice["way"])
+    pinned = HogwildEngine(sizes, threads=1, batch=16, first_layer=choice["way"])
+    loss_p, g_p = pinned.loss_and_grad(p, x[:16], y[:16])
+    assert loss == loss_p and np.array_equal(g, g_p)  # the way chosen computed it
+    calls = []
+    monkeypatch.setattr(hogwild, "time_ways", lambda *a, **k: calls.append(1))
+    again = HogwildEngine(sizes, threads=1, batch=16)
+    again.loss_and_grad(p, x[:16], y[:16])
+    assert again.first_layer == choice and calls == []
+    trained = HogwildEngine(sizes, threads=2, batch=16)
+    with pytest.raises(TypeError):  # a new shape and call: it would time (the stub fails)
+        trained.train(p.copy(), x, y, np.arange(64), 0.01)
+    assert calls == [1]
+    hogwild._CHOSEN.clear()
+    calls.clear()
+    asked = HogwildEngine(sizes, threads=2, batch=16, first_layer="blas")
+    asked.train(p.copy(), x, y, np.arange(64), 0.01)
+    assert asked.first_layer == {"way": "blas", "why": "asked for", "seconds": {}}
+    monkeypatch.setenv(gemm.ZERO_SKIP_ENV, gemm.ZERO_SKIP_ISA)
+    capped = HogwildEngine(sizes, threads=2, batch=16)
+    capped.train(p.copy(), x, y, np.arange(64), 0.01)
+    assert capped.first_layer["way"] == gemm.ZERO_SKIP_ISA and calls == []
+    assert gemm.ZERO_SKIP_ENV in capped.first_layer["why"]
+    hogwild._CHOSEN.clear()
 
 
 @pytest.mark.parametrize("sizes,rows", SHAPES)
@@ -106,7 +178,8 @@ def test_threshold_decides_per_batch():
     sparse_x = np.zeros_like(dense_x)
     sparse_x[:, :8] = 1.0                             # 8 of 64 columns: 1/8 of the work
     p = MLP(sizes, "relu").init_params(0)
-    engine = HogwildEngine(sizes, threads=1, batch=8, zero_skip=0.5)
+    engine = HogwildEngine(sizes, threads=1, batch=8, zero_skip=0.5,
+                           first_layer=gemm.ZERO_SKIP_ISA)
     engine.loss_and_grad(p, sparse_x, y)
     assert engine.zero_skip_steps == 1
     engine.loss_and_grad(p, np.ascontiguousarray(dense_x), y)

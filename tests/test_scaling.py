@@ -556,3 +556,34 @@ def test_the_bench_table_refuses_a_file_it_did_not_write(tmp_path):
         assert run.returncode == 2, run.stderr
         assert f"--table {path}: not this bench's JSON" in run.stderr
         assert "Traceback" not in run.stderr
+
+
+def test_the_cluster_check_shares_the_cores_with_the_load_sampled_before_each_run(tmp_path):
+    """A run the bench sampled other jobs' threads for (``background`` in its record) is
+    predicted with those, not with the load average recorded at the bench's start (which
+    still holds the bench's own earlier runs); a background given by the caller holds for
+    every run."""
+    cal = {"compute_s": 0.002, "update_s_per_param": 1e-9, "reduce_s_per_param": 2e-10,
+           "co_run": 1.0}
+    runs = [{"strategy": "sync", "ranks": 2, "replicas": 2, "servers": 0, "compute": cal,
+             "examples_per_s": 1000.0, "bytes_per_step": 1.0, **sampled}
+            for sampled in ({"background": 0.0}, {"background": 2.0}, {})]
+    pp = {"alpha_s": 2e-5, "beta_s_per_byte": 1e-9}
+    path = tmp_path / "cluster.json"
+    path.write_text(json.dumps({"layers": "64,32,10", "batch": 16,
+                                "machine": {"nproc": 2, "load_average": 4.0},
+                                "networks": [{"rate": "1gbit", "pingpong": pp,
+                                              "throughput": runs}]}))
+    n = (64 + 1) * 32 + (32 + 1) * 10
+
+    def expect(background):
+        w = scaling.measured_workload(cal, n, 16, cores=2, background=background)
+        return predict("sync", w, 2, 2e-5, 1e-9)
+
+    quiet, busy, unsampled = scaling.validate_cluster(str(path))
+    assert quiet["predicted"] == pytest.approx(expect(0.0), abs=0.1)
+    assert busy["predicted"] == pytest.approx(expect(2.0), abs=0.1)
+    assert unsampled["predicted"] == pytest.approx(expect(3.0), abs=0.1)  # load 4 less 1
+    assert quiet["predicted"] > 1.5 * busy["predicted"]
+    given = scaling.validate_cluster(str(path), background=1.0)
+    assert all(r["predicted"] == pytest.approx(expect(1.0), abs=0.1) for r in given)

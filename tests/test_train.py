@@ -15,6 +15,7 @@ import pytest
 from mpirun import ROOT, run_mpi, train
 
 from hpcps.io import checkpoint
+from hpcps.kernels import gemm
 from hpcps.io.data import load_split
 from hpcps.model.mlp import MLP
 
@@ -79,6 +80,12 @@ def test_sync_learns(n, digits_h5, tmp_path):
     done = [r["done_pct"] for r in prog]
     assert done == sorted(done) and 0 < done[0] and done[-1] == 100.0
     assert all(r["eta_s"] >= 0 for r in prog) and prog[-1]["eta_s"] == 0
+    # how the compiled engine computes the first layer, and why (timed at its first pass)
+    from hpcps.engine import hogwild
+    if hogwild.HAVE_EXTENSION:
+        first = s["first_layer"]
+        assert first["way"] in (*gemm.ZERO_SKIP_ISAS, "blas") and first["why"], first
+        assert "  first layer: " in run.stdout
 
 
 def test_summary_splits_an_iteration_into_the_pass_and_the_rest(digits_h5, tmp_path):

@@ -165,10 +165,26 @@ def calibrate(args, processes: int) -> dict:
             "co_run": together["slowdown"], "co_run_processes": processes, "path": m["path"]}
 
 
+def other_load(seconds: float = 1.0, samples: int = 20) -> float:
+    """Runnable threads of other jobs on this machine now: ``procs_running`` of /proc/stat
+    sampled ``samples`` times over ``seconds``, less the sampler itself (running as it
+    reads), averaged. The scaling model shares the cores with them (``Workload.background``).
+    The load average is no measure of it here: it still holds the bench's own last run (and
+    its calibration's processes) for minutes after they end."""
+    seen = []
+    for _ in range(samples):
+        with open("/proc/stat") as fh:
+            line = next(x for x in fh if x.startswith("procs_running"))
+        seen.append(max(0, int(line.split()[1]) - 1))
+        time.sleep(seconds / samples)
+    return statistics.mean(seen)
+
+
 def throughput(args, strategy: str, ranks: int, tmp: Path) -> dict:
-    runs, compute = [], []
+    runs, compute, others = [], [], []
     for i in range(args.repeats):
         compute.append(calibrate(args, computing(strategy, ranks)))
+        others.append(other_load())
         work = Path(tempfile.mkdtemp(prefix=f"tp-{strategy}-{ranks}-{i}-", dir=tmp))
         try:
             records = train(str(MPIEXEC), ranks, [
@@ -196,6 +212,7 @@ def throughput(args, strategy: str, ranks: int, tmp: Path) -> dict:
         entry["steady_examples_per_s_all"] = steady
     entry["compute"] = {k: statistics.median(c[k] for c in compute) if k != "path" else
                         compute[0][k] for k in compute[0]}
+    entry["background"] = statistics.mean(others)  # other jobs' runnable threads, just before
     log(f"  {strategy:11} N={ranks}: {entry['examples_per_s']:.0f} examples/s, "
         f"{entry['bytes_per_step']:.0f} bytes/step")
     return entry

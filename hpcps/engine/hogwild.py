@@ -75,6 +75,17 @@ a step) and uses the kernels when they do at most ``zero_skip`` of the dense wor
 results agree with BLAS to rounding. Other layers always use BLAS: hidden activations of
 a ReLU net are about half zeros, scattered, which leaves too little to skip.
 
+Which first layer is fastest depends on the CPU and the data: AMD's Zen 4 runs 512-bit
+instructions as two 256-bit halves, so its AVX-512 kernels need not beat its AVX2 ones, and
+dense inputs leave nothing to skip. So unless ``HPCPS_ZERO_SKIP_ISA`` names one, the first
+call that trains or takes a gradient times every way this CPU has (each instruction set's
+kernels, and BLAS alone) on the rows it was given, :data:`CHOICE_STEPS` mini-batches each
+(a train on a scratch copy of the weights, at rate 0), in rounds that turn their order,
+and keeps the fastest at its best round if it beats the usual way (the best instruction
+set) by :data:`CHOICE_MARGIN`: once per process, model shape and call, in 0.05-0.5 s
+(:data:`CHOICE_BUDGET_S`). :attr:`HogwildEngine.first_layer` says what was chosen and the
+times that chose it.
+
 Attributes
 ----------
 HAVE_EXTENSION : bool
@@ -100,8 +111,18 @@ BACKENDS = ("threads", "openmp")
 # Skip zeros in the first layer when a mini-batch's zero-skipping product would do at most
 # this fraction of the dense product's work (see "Zero skipping" above).
 ZERO_SKIP = 0.75
+# The first layer's timed choice: mini-batches per way and round, rounds, seconds
+CHOICE_STEPS = 4
+CHOICE_ROUNDS = (3, 15)  # at least, at most
+CHOICE_BUDGET_S = 0.2
+# another way replaces the best instruction set only when it is this much faster: ways that
+# time within noise of each other keep the usual one (and runs their bits)
+CHOICE_MARGIN = 0.1
+BLAS_WAY = "blas"  # the first layer in BLAS like the others (no zero skipping)
+_CHOSEN: dict = {}  # (sizes, activation, threads, batch, backend, zero_skip) -> choice
 
-__all__ = ["BACKENDS", "HAVE_EXTENSION", "ZERO_SKIP", "HogwildEngine"]
+__all__ = ["BACKENDS", "BLAS_WAY", "HAVE_EXTENSION", "ZERO_SKIP", "HogwildEngine", "chosen",
+           "time_ways"]
 
 
 def _positive_int(name, v):
@@ -139,6 +160,55 @@ def _labels(y, n_rows, n_classes):
     return y
 
 
+def time_ways(make, ways, usual, run, budget_s=CHOICE_BUDGET_S, rounds=CHOICE_ROUNDS) -> dict:
+    """Time ``run(engine)`` on an engine of each of ``ways`` (``make(way)``: zero-skipping
+    instruction sets, or :data:`BLAS_WAY`): one warm-up each, then rounds that turn the
+    order of the ways, until ``rounds[0]`` rounds and ``budget_s`` seconds are spent (at
+    most ``rounds[1]``). The fastest way at its best round wins (the round other work
+    disturbed least) if it is :data:`CHOICE_MARGIN` faster than ``usual`` (the way taken
+    untimed), which wins otherwise. Returns ``{"way", "why", "seconds": {way: best}}``."""
+    import time
+    engines = {w: make(w) for w in ways}
+    best = {w: float("inf") for w in ways}
+
+    def once(w):
+        t0 = time.perf_counter()
+        run(engines[w])
+        return time.perf_counter() - t0
+
+    for w in ways:
+        once(w)
+    start, done = time.perf_counter(), 0
+    while done < rounds[1] and (done < rounds[0] or time.perf_counter() - start < budget_s):
+        for w in (ways if done % 2 == 0 else ways[::-1]):
+            best[w] = min(best[w], once(w))
+        done += 1
+    way, fastest = usual, min(ways, key=lambda w: best[w])
+    if best[fastest] < (1.0 - CHOICE_MARGIN) * best[usual]:
+        way = fastest
+    times = ", ".join(f"{w} {best[w] * 1e3 / CHOICE_STEPS:.3g} ms" for w in ways)
+    return {"way": way, "seconds": {w: round(best[w], 6) for w in ways},
+            "why": f"timed at start: {times} a mini-batch (best of {done} rounds)"}
+
+
+def _first_layer_way(way) -> str:
+    """``first_layer`` checked: ``auto``, ``blas``, or an instruction set this CPU runs."""
+    from hpcps.kernels import gemm
+    if way in ("auto", BLAS_WAY) or (way in gemm.ZERO_SKIP_ISAS):
+        return way
+    raise ConfigError(f"first_layer {way!r}: choose auto, {BLAS_WAY} or one of this CPU's "
+                      f"zero-skipping instruction sets {gemm.ZERO_SKIP_ISAS}")
+
+
+def chosen() -> dict | None:
+    """The first layer's way in this process (:attr:`HogwildEngine.first_layer`), as the
+    last engine to decide it chose: a replica trains one model. None before any did."""
+    return dict(_LAST[0]) if _LAST else None
+
+
+_LAST: list = []  # the last choice made or taken (chosen())
+
+
 class HogwildEngine:
     """T threads training one MLP's shared flat parameter vector lock-free.
 
@@ -162,6 +232,10 @@ class HogwildEngine:
         Use the zero-skipping first layer for a mini-batch when it does at most this
         fraction of the dense work (0 turns it off; 1 uses it whenever possible). Only
         on CPUs with AVX2 and FMA or AVX-512F; elsewhere every layer uses BLAS.
+    first_layer : str
+        ``auto`` (default): the way timed at the first call ("Zero skipping" above);
+        ``blas``; or an instruction set of ``hpcps.kernels.gemm.ZERO_SKIP_ISAS``, used
+        whenever ``zero_skip`` allows.
 
     Raises
     ------
@@ -170,7 +244,8 @@ class HogwildEngine:
     """
 
     def __init__(self, sizes, activation: str = "relu", threads: int = 1, batch: int = 128,
-                 backend: str = "threads", zero_skip: float = ZERO_SKIP):
+                 backend: str = "threads", zero_skip: float = ZERO_SKIP,
+                 first_layer: str = "auto"):
         self.model = MLP(sizes, activation)          # validates sizes and activation
         self.sizes = self.model.sizes
         self.activation = activation
@@ -188,9 +263,17 @@ class HogwildEngine:
             raise ConfigError(f"zero_skip must be in [0, 1], got {zero_skip}")
         self.n_params = self.model.n_params
         self.compiled = HAVE_EXTENSION
+        self.zero_skip = zero_skip
+        self._asked = _first_layer_way(first_layer)
+        self._choice: dict | None = None  # the first layer's timed choice (first_layer)
         if self.compiled:
-            self._engine = _compiled.HogwildEngine(self.sizes, activation, self.threads,
-                                                   self.batch, zero_skip)
+            self._engine = _compiled.HogwildEngine(
+                self.sizes, activation, self.threads, self.batch,
+                0.0 if self._asked == BLAS_WAY else zero_skip,
+                isa=None if self._asked in ("auto", BLAS_WAY) else self._asked)
+            if not self._ways():
+                self._choice = self._fixed()
+                _LAST[:] = [self._choice]
             # HPCPS_BLAS, at the first engine: auto times this model's sgemm calls (the first
             # layer's only when it does not skip zeros, or is the only layer)
             blas.ensure(blas.mlp_shapes(self.sizes, self.batch,
@@ -297,9 +380,67 @@ class HogwildEngine:
         if used.size == 0:
             return 0.0, 0
         with self._blas_one_thread():
+            if self.compiled and self._choice is None:  # the same rows, on a scratch copy
+                rows = np.resize(used, self.threads * CHOICE_STEPS * self.batch)
+                scratch = params.copy()
+                self._choose("train", lambda e: e.train(scratch, x, y, rows, 0.0, CHOICE_STEPS,
+                                                        None, self.backend))
             if self.compiled:
                 return self._engine.train(params, x, y, used, lr, steps, delta, self.backend)
             return self._reference_train(params, x, y, used, lr, steps, delta)
+
+    # -- the first layer's way, timed ---------------------------------------------------
+    def _ways(self) -> list[str]:
+        """What the first train call times: each zero-skipping instruction set this CPU has
+        and BLAS; none when there is no choice (no kernels, ``zero_skip`` 0, or
+        ``HPCPS_ZERO_SKIP_ISA`` set: the user's choice)."""
+        import os
+
+        from hpcps.kernels import gemm
+        if self._asked != "auto" or not gemm.ZERO_SKIP_ISAS or self.zero_skip <= 0.0 \
+                or os.environ.get(gemm.ZERO_SKIP_ENV, "").strip():
+            return []
+        return [*gemm.ZERO_SKIP_ISAS, BLAS_WAY]
+
+    def _fixed(self) -> dict:
+        from hpcps.kernels import gemm
+        isa = self._engine.zero_skip_isa
+        if self._asked != "auto":
+            why = "asked for"
+        elif isa is None:
+            why = ("no zero-skipping kernels for this CPU" if not gemm.ZERO_SKIP_ISAS else
+                   "zero skipping off" if self.zero_skip <= 0.0 else
+                   f"{gemm.ZERO_SKIP_ENV}=none")
+        else:
+            why = f"{gemm.ZERO_SKIP_ENV}={isa}"
+        return {"way": isa or BLAS_WAY, "why": why, "seconds": {}}
+
+    def _make(self, way: str):
+        return _compiled.HogwildEngine(self.sizes, self.activation, self.threads, self.batch,
+                                       0.0 if way == BLAS_WAY else self.zero_skip,
+                                       isa=None if way == BLAS_WAY else way)
+
+    def _choose(self, op: str, run) -> None:
+        """Time every way of :meth:`_ways` doing ``run(engine)`` (:data:`CHOICE_STEPS`
+        mini-batches of the call ``op`` on the caller's rows) and keep the fastest, once per
+        process for a model shape and call (``_CHOSEN``)."""
+        key = (tuple(self.sizes), self.activation, self.threads, self.batch, self.backend,
+               self.zero_skip, op)
+        if key not in _CHOSEN:
+            _CHOSEN[key] = time_ways(self._make, self._ways(),
+                                     self._engine.zero_skip_isa or BLAS_WAY, run)
+        self._choice = _CHOSEN[key]
+        _LAST[:] = [self._choice]
+        if self._choice["way"] != (self._engine.zero_skip_isa or BLAS_WAY):
+            self._engine = self._make(self._choice["way"])
+
+    @property
+    def first_layer(self) -> dict | None:
+        """How the first layer computes: ``way`` (an instruction set of the zero-skipping
+        kernels, or ``"blas"``), ``why``, and ``seconds`` (each timed way's best round of
+        :data:`CHOICE_STEPS` mini-batches, where they were timed); None before the first
+        train call decides, and for the NumPy reference."""
+        return dict(self._choice) if self.compiled and self._choice is not None else None
 
     @property
     def zero_skipping(self) -> bool:
@@ -374,9 +515,9 @@ class HogwildEngine:
     def loss_and_grad(self, params, x, y, grad=None):
         """Mean loss over all rows of x (at most ``batch``) and its gradient, one thread.
 
-        The compiled engine's own forward/backward (context 0), for tests; the same
-        contract as :meth:`hpcps.model.mlp.MLP.loss_and_grad`. Not thread-safe with a
-        concurrent :meth:`train` on the same engine.
+        The compiled engine's own forward/backward (context 0): a replica's gradient pass
+        at ``--threads 1``; the same contract as :meth:`hpcps.model.mlp.MLP.loss_and_grad`.
+        Not thread-safe with a concurrent :meth:`train` on the same engine.
         """
         _vector("params", params, self.n_params, writable=False)
         y = self._inputs(x, y)
@@ -386,5 +527,8 @@ class HogwildEngine:
         if not self.compiled:
             return self.model.loss_and_grad(params, x, y, grad)
         with self._blas_one_thread():
+            if self._choice is None:
+                self._choose("gradient", lambda e: [e.loss_and_grad(params, x, y, grad)
+                                                    for _ in range(CHOICE_STEPS)])
             loss = self._engine.loss_and_grad(params, x, y, grad)
         return float(loss), grad

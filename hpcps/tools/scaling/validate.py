@@ -62,8 +62,10 @@ def validate_cluster(path: str, repeats: int = 15, background: float | None = No
     an allreduce ignores it); for the others one pair's link with as many other ranks
     computing beside it as the model says (:func:`pair_link`,
     ``CostModel.computing_beside``)), this machine's cores shared by the computing ranks and
-    by ``background`` runnable threads of other jobs (default: the load average the bench
-    recorded, else the current one, less the measuring process), each pass slower by what
+    by ``background`` runnable threads of other jobs (given: for every run; default: those
+    the bench sampled just before each run, ``background`` in its record; for a bench
+    that did not, the load average it recorded, else the current one, less the measuring
+    process), each pass slower by what
     :func:`~hpcps.tools.scaling.calibrate.measure_together` measures with every core
     computing (with as many processes as the run's computing ranks, where the bench's
     calibration says so: ``co_run_processes``), and what the model takes from the run's own
@@ -88,6 +90,7 @@ def validate_cluster(path: str, repeats: int = 15, background: float | None = No
         data = bench["data"]
     n = sum((layers[i] + 1) * layers[i + 1] for i in range(len(layers) - 1))
     cores = bench.get("machine", {}).get("nproc") or os.cpu_count()
+    given = background  # the caller's figure holds for every run
     if background is None:
         load = bench.get("machine", {}).get("load_average")
         background = max(0.0, (os.getloadavg()[0] if load is None else load) - 1)
@@ -114,8 +117,10 @@ def validate_cluster(path: str, repeats: int = 15, background: float | None = No
                              else "not a registered strategy"})
                 continue
             c = run.get("compute", here)  # the bench's calibration just before the run
+            # other jobs' threads just before the run, where the bench sampled them
+            others = background if given is not None else run.get("background", background)
             shared = calibrate.measured_workload(c, n, batch, cores=cores,
-                                                 background=background,
+                                                 background=others,
                                                  co_run=c.get("co_run", 1.0))
             w = replace(shared, servers=max(1, run.get("servers", 1)))
             pp = net.get("pingpong_at", {}).get(str(run["ranks"]), net["pingpong"])
@@ -141,7 +146,7 @@ def validate_cluster(path: str, repeats: int = 15, background: float | None = No
                    "ranks": run["ranks"], "measured": measured,
                    "predicted": round(pred, 1), "alpha_s": pp["alpha_s"],
                    "relative_difference": round(pred / measured - 1, 3),
-                   "background": round(background, 1),
+                   "background": round(others, 1),
                    "co_run": round(w.co_run, 3),
                    "compute_s": w.compute_s,
                    "bytes_measured": run["bytes_per_step"],
