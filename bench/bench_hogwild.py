@@ -11,8 +11,10 @@ Every ``hogwild_*`` runs with OpenBLAS's sgemm except ``hogwild_T*_mkl``, the en
 Intel MKL's (``hpcps.kernels.blas``; present when MKL loads; each run switches the
 kernels' sgemm before its timer starts). ``blas_auto`` is what ``HPCPS_BLAS=auto`` chose
 for the model (it times both at the model's shapes) and why, and the ``*_auto`` ratios are
-the engine with that choice: the default configuration. The first layer skips zeros with
-the kernels the CPU has (``machine.zero_skip_isa``: AVX-512F or AVX2 + FMA).
+the engine with that choice: the default configuration. ``hogwild_T*`` compute the first
+layer the way the engine chose at its first call (``first_layer``: each instruction set's
+zero-skipping kernels the CPU has, ``machine.zero_skip_isa``, and BLAS, timed);
+``hogwild_T*_<isa>`` pin each instruction set.
 Configurations are interleaved within each repeat so load from other jobs on the machine
 hits all of them alike. ``examples_per_s`` is the
 median over repeats, ``best_examples_per_s`` the fastest repeat (the one least disturbed by
@@ -44,7 +46,7 @@ import numpy as np  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hpcps.engine import hogwild  # noqa: E402
-from hpcps.kernels import blas  # noqa: E402
+from hpcps.kernels import blas, gemm  # noqa: E402
 from hpcps.model.mlp import MLP  # noqa: E402
 from checks import fail, loss_fell  # noqa: E402  (bench/checks.py)
 from machine import cpu_features, cpu_model, save  # noqa: E402  (bench/machine.py)
@@ -111,9 +113,10 @@ class Timer:
 
 
 def hogwild_runner(sizes, threads, x, y, steps, backend="threads", with_delta=False,
-                   zero_skip=hogwild.ZERO_SKIP, blas_name="openblas"):
+                   zero_skip=hogwild.ZERO_SKIP, blas_name="openblas", first_layer="auto"):
     engine = hogwild.HogwildEngine(sizes, "relu", threads=threads, batch=BATCH,
-                                   backend=backend, zero_skip=zero_skip)
+                                   backend=backend, zero_skip=zero_skip,
+                                   first_layer=first_layer)
     params = MLP(sizes, "relu").init_params(0)
     delta = np.zeros_like(params) if with_delta else None
     rng = np.random.default_rng(threads)
@@ -130,8 +133,13 @@ def hogwild_runner(sizes, threads, x, y, steps, backend="threads", with_delta=Fa
                                                       y[:CHECK_ROWS])[0])
 
     first = loss()
-    run(2)  # warm-up: page in contexts, BLAS buffers
+    run(2)  # warm-up: page in contexts, BLAS buffers (and the first layer's timed way)
+    if first_layer == "auto" and zero_skip and backend == "threads" and not with_delta:
+        FIRST_LAYER[(tuple(sizes), threads)] = engine.first_layer
     return lambda: run(steps), first, loss
+
+
+FIRST_LAYER: dict = {}  # the engines' first layer (timed at their first call): the JSON's
 
 
 def torch_runner(sizes, threads, x, y, steps):
@@ -216,6 +224,10 @@ def main():
             "hogwild_T1_no_zero_skip": hogwild_runner(sizes, 1, x, y, args.steps, zero_skip=0),
             "hogwild_T2_no_zero_skip": hogwild_runner(sizes, 2, x, y, args.steps, zero_skip=0),
         }
+        for isa in gemm.ZERO_SKIP_ISAS:  # each instruction set pinned: what the timing chose from
+            for t in (1, 2):
+                runners[f"hogwild_T{t}_{isa}"] = hogwild_runner(sizes, t, x, y, args.steps,
+                                                                first_layer=isa)
         if have_mkl:
             runners["hogwild_T1_mkl"] = hogwild_runner(sizes, 1, x, y, args.steps,
                                                        blas_name="mkl")
@@ -281,6 +293,8 @@ def main():
                 paired[f"hogwild_auto_over_torch_{t}"] = pair(f"hogwild_{t}{suffix}",
                                                               f"torch_{t}")
         out["models"][key] = {"results": res, "ratios": ratios, "blas_auto": auto_info,
+                              "first_layer": {f"T{t}": FIRST_LAYER.get((tuple(sizes), t))
+                                              for t in (1, 2)},
                               "loss_first_last": {k: [round(a, 4), round(b, 4)]
                                                   for k, (a, b) in losses.items()},
                               "paired_ratios_median": paired}

@@ -236,10 +236,12 @@ def check_view(figures: dict) -> dict:
     for r in figures["rows"]:
         if r["check"] != "speed" or "predicted" not in r:
             continue
+        in_run = r.get("relative_difference_in_run")
         rows.append([r["layers"], r["network"], r["strategy"], f"{r['measured']:,.0f}",
-                     f"{r['predicted']:,.0f}", f"{r['relative_difference']:+.0%}"])
+                     f"{r['predicted']:,.0f}", f"{r['relative_difference']:+.0%}",
+                     f"{in_run:+.0%}" if in_run is not None else "-"])
     speed = {"columns": ["model", "network", "strategy", "measured examples/s",
-                         "predicted", "difference"], "rows": rows}
+                         "predicted", "difference", "with the run's own pass"], "rows": rows}
     rows = []
     for r in figures["rows"]:
         if "bytes_relative_difference" not in r:
@@ -250,8 +252,13 @@ def check_view(figures: dict) -> dict:
     sizes = {"columns": ["run", "model", "strategy", "ranks", "bytes per step counted",
                          "predicted", "difference"], "rows": rows}
     w, b = figures["within_15pct"], figures["bytes_within_5pct"]
+    in_run = [r["relative_difference_in_run"] for r in figures["rows"]
+              if r["check"] == "speed" and r.get("relative_difference_in_run") is not None]
     verdict = {"columns": ["check", "passed"],
                "rows": [["examples/s within 15%", f"{w['passed']} of {w['of']}"],
+                        *([["the same, with each run's own pass time",
+                            f"{sum(abs(d) <= 0.15 for d in in_run)} of {len(in_run)}"]]
+                          if in_run else []),
                         ["bytes per step within 5%", f"{b['passed']} of {b['of']}"]]}
     return {"speed": speed, "bytes": sizes, "verdict": verdict}
 

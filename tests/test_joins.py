@@ -145,7 +145,7 @@ def test_launches_join_as_replica_and_spare_and_the_spare_replaces_a_killed_repl
     3, replica 2, data shard 0); one joins idle (rank 4, spare 1); replica 1 is SIGKILLed and
     the joined spare takes its data shard; a launch of 2 ranks finds 1 slot left and is
     refused in one line. The job and the joins end with code 0."""
-    with Job(tmp_path / "run", mnist_h5, n=3, extra=["--steps", "40000", "--joins", "3"],
+    with Job(tmp_path / "run", mnist_h5, n=3, extra=["--steps", "20000", "--joins", "3"],
              what="a run joined by 2 launches") as job:
         job.at_step(1000)
         first = job.join(1, "replica")
@@ -186,7 +186,7 @@ def test_joined_replica_goes_on_through_a_shard_failover_healed_by_a_spare(mnist
     dead one's sets while the joined replica trains on. Every set ends with 2 copies,
     committed = applied, the joined replica's pushes counted."""
     with Job(tmp_path / "run", mnist_h5, n=5,
-             extra=["--steps", "30000", "--servers", "2", "--ps-copies", "2", "--spares", "1",
+             extra=["--steps", "12000", "--servers", "2", "--ps-copies", "2", "--spares", "1",
                     "--joins", "1"], what="a run with a join and a shard's death") as job:
         job.at_step(1000)
         if not join_first:
@@ -214,7 +214,7 @@ def test_a_spare_that_joined_after_a_failover_replaces_a_replica(mnist_h5, tmp_p
     replica 1 is SIGKILLed: the joined spare takes its data shard and trains, routed to the
     sets' primaries as they are since the failover (rank 0 hands it its view of them)."""
     with Job(tmp_path / "run", mnist_h5, n=7,
-             extra=["--steps", "30000", "--servers", "3", "--ps-copies", "2", "--spares", "1",
+             extra=["--steps", "10000", "--servers", "3", "--ps-copies", "2", "--spares", "1",
                     "--joins", "1"],
              what="a run with a failover, a join and a replica's death") as job:
         job.at_step(1000)
