@@ -80,7 +80,8 @@ instructions as two 256-bit halves, so its AVX-512 kernels need not beat its AVX
 dense inputs leave nothing to skip. So unless ``HPCPS_ZERO_SKIP_ISA`` names one, the first
 call that trains or takes a gradient times every way this CPU has (each instruction set's
 kernels, and BLAS alone) on the rows it was given, :data:`CHOICE_STEPS` mini-batches each
-(a train on a scratch copy of the weights, at rate 0), in rounds that turn their order,
+(a train on a scratch copy of the weights, at the caller's rate: BLAS skips a product
+scaled by 0, so a rate of 0 would flatter it), in rounds that turn their order,
 and keeps the fastest at its best round if it beats the usual way (the best instruction
 set) by :data:`CHOICE_MARGIN`: once per process, model shape and call, in 0.05-0.5 s
 (:data:`CHOICE_BUDGET_S`). :attr:`HogwildEngine.first_layer` says what was chosen and the
@@ -383,8 +384,9 @@ class HogwildEngine:
             if self.compiled and self._choice is None:  # the same rows, on a scratch copy
                 rows = np.resize(used, self.threads * CHOICE_STEPS * self.batch)
                 scratch = params.copy()
-                self._choose("train", lambda e: e.train(scratch, x, y, rows, 0.0, CHOICE_STEPS,
-                                                        None, self.backend))
+                rate = lr or 1e-3  # not 0: BLAS skips a product scaled by 0, zero skipping not
+                self._choose("train", lambda e: e.train(scratch, x, y, rows, rate,
+                                                        CHOICE_STEPS, None, self.backend))
             if self.compiled:
                 return self._engine.train(params, x, y, used, lr, steps, delta, self.backend)
             return self._reference_train(params, x, y, used, lr, steps, delta)
