@@ -2,6 +2,9 @@
 one, the chunk plan and the budget rule, evaluation in chunks."""
 from __future__ import annotations
 
+import os
+import threading
+
 import numpy as np
 import pytest
 
@@ -247,3 +250,18 @@ def test_this_machines_budget_is_read_and_explained():
     budget, why = system_data_budget(4)
     assert budget > 0 and "MemAvailable" in why and "4 rank(s) on the node" in why
     assert system_data_budget(1)[0] >= budget
+
+
+def test_the_reading_thread_runs_below_the_training_thread(h5):
+    """The reading thread lowers its own priority by READER_NICE (Linux: per thread), so on
+    cores all taken it reads in what training leaves; the caller's stays as it was."""
+    from hpcps.io.data.stream import READER_NICE
+    mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    it = stream(h5)
+    try:
+        next(it)  # the thread has run (it read the first window)
+        reader = it._thread.native_id
+        assert os.getpriority(os.PRIO_PROCESS, reader) == min(19, mine + READER_NICE)
+        assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == mine
+    finally:
+        it.close()

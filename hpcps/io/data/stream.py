@@ -265,6 +265,22 @@ def chunks(source: RowSource, chunk_rows: int = EVAL_ROWS):
 # Training batches
 
 
+READER_NICE = 5  # how far below the training threads the reading thread runs
+
+
+def _below_training() -> None:
+    """Lower the calling thread's CPU priority by :data:`READER_NICE` (Linux: a thread's own
+    nice value). Where the cores are all taken (a rank per core, or more), the training
+    threads then get the CPU first and the reading runs in what they leave: with 2 ranks on
+    2 cores a reader at the same priority took its turns from training. Its buffers are
+    read a window ahead, so it is rarely waited for. Where the OS refuses, nothing changes."""
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + READER_NICE)
+    except (AttributeError, OSError):
+        pass
+
+
 class StreamBatches:
     """Endless iterator of fixed-size mini-batches over a :class:`RowSource`, read from the
     file in chunks by a background thread: :class:`~hpcps.io.data.batches.Batches`'s
@@ -325,6 +341,7 @@ class StreamBatches:
 
     # -- the reading thread --------------------------------------------------------------------
     def _read(self, seed: int) -> None:
+        _below_training()
         order_rng = np.random.default_rng([seed, 1])  # chunk order, epoch after epoch
         slot = 0
         checked = np.zeros(self.n_chunks, dtype=bool)  # each chunk is checked once
