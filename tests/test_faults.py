@@ -331,20 +331,28 @@ def test_ulfm_reports_the_death_and_the_run_goes_on(mnist_h5, tmp_path, victim):
     where without ULFM it says nothing. N = 6 (3 replicas, 3 shards, 2 copies of each set):
     shard 0 (rank 3) or replica 1 (rank 1) is SIGKILLed a third of the way in; the
     survivors take the report as the silence they handle, and the run completes with exit
-    code 0, naming the rank, every set applying the pushes the replicas saw committed."""
+    code 0, naming the rank, every set applying exactly the pushes committed to it."""
     if mpi_flavor() != "openmpi":
         pytest.skip("ULFM is Open MPI's (mpirun --with-ft ulfm); MPICH's fault-tolerant mode "
                     "aborts in MPI_Init (docs/mpi.md)")
-    proc = launch(tmp_path, mnist_h5, 6, ["--servers", "3", "--ps-copies", "2"], ulfm=True)
+    # 6,000 steps (not RUN's 2,000, 2-3 s here): room for a kill at step 600 to land
+    # mid-run when the test itself gets little CPU (1 late kill in 8 loaded runs at 2,000)
+    proc = launch(tmp_path, mnist_h5, 6, ["--servers", "3", "--ps-copies", "2", "--steps",
+                                          "6000"], ulfm=True)
     kill_at_step(proc, tmp_path, [victim], 600)
     out = finish(proc, f"run under ULFM with rank {victim} killed")
     assert proc.returncode == 0, out[-3000:]
     assert "MPI_ERR_PROC_FAILED" not in out, out[-3000:]
     s = summary(tmp_path)
     assert s["lost_ranks"] == [victim], out[-3000:]
-    if victim == 3:
+    # every set applied exactly the pushes committed to it; a replica killed mid-push may
+    # leave its last push whole on one set and broken off on another (each set's own count)
+    assert s["committed_equals_applied"] and s["ps_applied"] == s["pushes_committed_by_set"], s
+    if victim == 3:  # a shard's death loses no push: every set holds all of them
         assert [t["set"] for t in s["takeovers"]] == [0], s["takeovers"]
-    assert s["ps_applied"] == [s["pushes_committed"]] * 3, s
+        assert s["ps_applied"] == [s["pushes_committed"]] * 3, s
+    else:
+        assert max(s["ps_applied"]) - min(s["ps_applied"]) <= 1, s
     assert s["step"] >= 2000 and s["test_accuracy"] >= 0.85, s
 
 
