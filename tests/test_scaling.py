@@ -508,12 +508,7 @@ def test_the_cluster_check_also_predicts_with_each_runs_own_pass_time(tmp_path):
              "examples_per_s": 1000.0, "bytes_per_step": 1.0, **timed}
             for k, timed in ((2, {"pass_s": 0.005}), (2, {}), (4, {"pass_s": 0.005}),
                              (4, {"pass_s": 0.009, "pass_cpu_s": 0.004}))]
-    pp = {"alpha_s": 2e-5, "beta_s_per_byte": 1e-9}
-    path = tmp_path / "cluster.json"
-    path.write_text(json.dumps({"layers": "64,32,10", "batch": 16,
-                                "machine": {"nproc": 2, "load_average": 1.0},
-                                "networks": [{"rate": "1gbit", "pingpong": pp,
-                                              "throughput": runs}]}))
+    path = _two_core_bench(tmp_path, runs, load_average=1.0)
     timed, untimed, sliced, cpu = scaling.validate_cluster(str(path))
     n = (64 + 1) * 32 + (32 + 1) * 10
     w = scaling.measured_workload(cal, n, 16, cores=2, co_run=1.1)  # the recorded batch
@@ -528,6 +523,18 @@ def test_the_cluster_check_also_predicts_with_each_runs_own_pass_time(tmp_path):
     in_run = predict("sync", scaling.in_run_workload(w4, 0.004, cpu_time=True), 4, 2e-5, 1e-9)
     assert cpu["pass_in_run_is_cpu_time"] and cpu["pass_s_in_run"] == 0.004
     assert cpu["predicted_in_run"] == pytest.approx(in_run, abs=0.1)
+
+
+def _two_core_bench(tmp_path, runs, load_average: float):
+    """A bench_cluster record of ``runs`` on one 1 Gb/s network (alpha 20 us, 1 ns a byte),
+    the 64-32-10 model at batch 16, on 2 cores whose load average was ``load_average``."""
+    path = tmp_path / "cluster.json"
+    pp = {"alpha_s": 2e-5, "beta_s_per_byte": 1e-9}
+    path.write_text(json.dumps({"layers": "64,32,10", "batch": 16,
+                                "machine": {"nproc": 2, "load_average": load_average},
+                                "networks": [{"rate": "1gbit", "pingpong": pp,
+                                              "throughput": runs}]}))
+    return path
 
 
 def test_an_average_pays_for_its_own_copies_every_k_steps():
@@ -568,12 +575,7 @@ def test_the_cluster_check_shares_the_cores_with_the_load_sampled_before_each_ru
     runs = [{"strategy": "sync", "ranks": 2, "replicas": 2, "servers": 0, "compute": cal,
              "examples_per_s": 1000.0, "bytes_per_step": 1.0, **sampled}
             for sampled in ({"background": 0.0}, {"background": 2.0}, {})]
-    pp = {"alpha_s": 2e-5, "beta_s_per_byte": 1e-9}
-    path = tmp_path / "cluster.json"
-    path.write_text(json.dumps({"layers": "64,32,10", "batch": 16,
-                                "machine": {"nproc": 2, "load_average": 4.0},
-                                "networks": [{"rate": "1gbit", "pingpong": pp,
-                                              "throughput": runs}]}))
+    path = _two_core_bench(tmp_path, runs, load_average=4.0)
     n = (64 + 1) * 32 + (32 + 1) * 10
 
     def expect(background):
