@@ -60,57 +60,81 @@ def pairwise(dims: Sequence[Sequence],
         return tuple(dims[k][v] for k, v in enumerate(full))
 
     free_sizes = [sizes[k] for k in free]
-    # the product's rows of value indices, in product order
-    rows = np.indices(free_sizes, dtype=np.int32).reshape(len(free_sizes), -1).T
+    n_rows = int(np.prod(free_sizes))
     # pair ids: dimension pair d = (i, j) owns ids base[d] .. base[d] + sizes[i] * sizes[j]
     dim_pairs = list(itertools.combinations(range(len(free_sizes)), 2))
     base = np.cumsum([0] + [free_sizes[i] * free_sizes[j] for i, j in dim_pairs])
-    covers = np.empty((len(rows), len(dim_pairs)), dtype=np.int32)  # rows x dim pairs
-    for d, (i, j) in enumerate(dim_pairs):
-        covers[:, d] = base[d] + rows[:, i] * free_sizes[j] + rows[:, j]
     pair_dim = np.repeat(np.arange(len(dim_pairs)), np.diff(base))   # pair id -> dim pair
+
+    def row_of(k: int) -> np.ndarray:
+        """The value indices (free dimensions) of row ``k`` in product order."""
+        return np.array(np.unravel_index(k, free_sizes), dtype=np.int64)
+
+    def covers_of(ks: np.ndarray, pairs=range(len(dim_pairs))) -> np.ndarray:
+        """The pair ids of rows ``ks`` (product order) in dimension pairs ``pairs``, rows x
+        pairs."""
+        idx = np.unravel_index(ks, free_sizes)
+        out = np.empty((len(ks), len(pairs)), dtype=np.int32)
+        for c, d in enumerate(pairs):
+            i, j = dim_pairs[d]
+            out[:, c] = base[d] + idx[i] * free_sizes[j] + idx[j]
+        return out
+
     if accept is None:
-        ok = np.ones(len(rows), bool)
+        ok = np.ones(n_rows, bool)
     elif callable(accept):
-        ok = np.array([bool(accept(values(r))) for r in rows], dtype=bool)
+        ok = np.array([bool(accept(values(row_of(k)))) for k in range(n_rows)], dtype=bool)
     else:  # the product's order over every dimension is its order over the free ones
         ok = np.asarray(accept, dtype=bool).ravel()
-        if ok.size != len(rows):
-            raise ValueError(f"accept: {ok.size} verdicts for a product of {len(rows)} rows")
+        if ok.size != n_rows:
+            raise ValueError(f"accept: {ok.size} verdicts for a product of {n_rows} rows")
+    pool = np.flatnonzero(ok)
+    covers = covers_of(pool)                                   # pool x dim pairs
     feasible = np.zeros(base[-1], dtype=bool)
-    feasible[covers[ok].ravel()] = True
+    feasible[covers.ravel()] = True
     chosen: list[int] = []
     todo = feasible.copy()
-    pool = np.flatnonzero(ok)
     weight_span = len(dim_pairs) * max(free_sizes) ** 2 + 1  # more than any row's weight
+    active = np.arange(len(dim_pairs))  # the dimension pairs with pairs left, covers' columns
     while todo.any():
         left = np.bincount(pair_dim[todo], minlength=len(dim_pairs))
-        new = todo[covers[pool]]                               # pool x dim pairs
+        if np.count_nonzero(left[active]) < len(active):  # a dimension pair is done: its column
+            keep = left[active] > 0                        # can cover nothing more
+            active, covers = active[keep], covers[:, keep]
+        new = todo[covers]                                     # pool x active dim pairs
         useful = new.any(axis=1)  # a row with no pair left to cover never will have one
-        pool, new = pool[useful], new[useful]
-        score = new @ (left + weight_span)  # new pairs, then where most are left
-        best = int(pool[np.argmax(score)])  # argmax: the first, in product order, of the best
-        chosen.append(best)
-        todo[covers[best]] = False
+        pool, covers, new = pool[useful], covers[useful], new[useful]
+        # new pairs, then where most are left; integers below 2^24, so float32 is exact
+        score = new.astype(np.float32) @ (left[active] + weight_span).astype(np.float32)
+        k = int(np.argmax(score))  # argmax: the first, in product order, of the best
+        chosen.append(int(pool[k]))
+        todo[covers[k]] = False
     # Refused rows: one refusal masks another (the program reports the first it finds), so
     # each row holds as few refused pairs as it can, and covers as many as it can after that.
     # Only the refused pairs count here (few): each refused row's as a row of booleans.
+    # Rows are taken fewest refused pairs first, so only the rows at the lowest count that can
+    # still cover something are scored at each pick.
     refused = np.flatnonzero(~feasible)
     column = np.full(base[-1], -1, dtype=np.int32)
     column[refused] = np.arange(len(refused))
     pool = np.flatnonzero(~ok)
-    where = column[covers[pool]]                               # pool x dim pairs
+    pairs = np.unique(pair_dim[refused])  # the dimension pairs that hold refused pairs
     holds = np.zeros((len(pool), len(refused)), dtype=bool)   # pool x refused pairs
-    at, d = np.nonzero(where >= 0)
-    holds[at, where[at, d]] = True
+    for lo in range(0, len(pool), 1 << 16):  # in blocks: the pool may hold millions of rows
+        where = column[covers_of(pool[lo:lo + (1 << 16)], pairs)]
+        at, d = np.nonzero(where >= 0)
+        holds[lo + at, where[at, d]] = True
     faults = holds.sum(axis=1)
+    levels = {f: np.flatnonzero(faults == f) for f in np.unique(faults[faults > 0])}
     todo = np.ones(len(refused), dtype=bool)
-    span = len(dim_pairs) + 1
     while todo.any():
-        new = holds[:, todo].sum(axis=1)
-        useful = new > 0  # a row with no pair left to cover never will have one
-        pool, holds, faults, new = pool[useful], holds[useful], faults[useful], new[useful]
-        k = int(np.argmax(-faults * span + new))
+        for f, at in levels.items():  # ascending
+            new = holds[at][:, todo].sum(axis=1)
+            at, new = at[new > 0], new[new > 0]  # a row with no pair left never will have one
+            levels[f] = at
+            if len(at):
+                k = int(at[np.argmax(new)])  # the first, in product order, of the most new
+                break
         chosen.append(int(pool[k]))
         todo[holds[k]] = False
-    return [values(rows[k]) for k in chosen]
+    return [values(row_of(k)) for k in chosen]

@@ -51,6 +51,8 @@ import functools
 import itertools
 import json
 import os
+import pickle
+import tempfile
 import types
 
 import numpy as np
@@ -195,21 +197,49 @@ def acceptance(name: str) -> np.ndarray:
     in command-line order (a later piece wins where two set one option, as argparse does),
     then judged by ``config.from_values`` and the layout plan as ``config.parse`` would. R
     enters only the number of ranks, not the options, so the options are judged once for
-    every R, and the plan once per layout and number of ranks. Checked against the
+    every R, and the plan once per layout and number of ranks. The options are judged in
+    one forked process per core (pure Python, no MPI), the plan here. Checked against the
     whole-command-line judgement by test_the_fast_judgement_agrees."""
     spec = strategies()[name]
     _, dims = dimensions(name, spec)
     tuples = [[tuple(v) if isinstance(v, list) else v for v in d] for d in dims]
     rest = list(itertools.product(*tuples[2:]))  # S, T, the model and the options after R
+    keys = [(P, *others) for P in dims[0] for others in rest]
+    fields = _judge_options(name, keys)
     ok = np.zeros((len(dims[0]), len(dims[1]), len(rest)), dtype=bool)
     for p, P in enumerate(dims[0]):
-        for k, (S, *others) in enumerate(rest):
-            fields = _options(name, (P, S, *others))
-            if fields is None:
+        for k, (S, *_) in enumerate(rest):
+            kept = fields[p * len(rest) + k]
+            if kept is None:
                 continue
             for r, R in enumerate(dims[1]):
-                ok[p, r, k] = _planned(name, fields, S + int(spec.coordinator) + R * P)
+                ok[p, r, k] = _planned(name, kept, S + int(spec.coordinator) + R * P)
     return ok.ravel()
+
+
+def _judge_options(name: str, keys: list[tuple]) -> list:
+    """``[_options(name, key) for key in keys]``, the second half judged by a forked child
+    (pure Python, no MPI) while this process judges the first: the same list in the same
+    order. One process where there is one core, few keys or no fork."""
+    if len(os.sched_getaffinity(0)) < 2 or len(keys) < 20_000 or not hasattr(os, "fork"):
+        return [_options(name, key) for key in keys]
+    half = len(keys) // 2
+    with tempfile.TemporaryFile() as out:
+        pid = os.fork()
+        if pid == 0:  # the child: judge the second half, write it, leave at once
+            code = 1
+            try:
+                pickle.dump([_options(name, key) for key in keys[half:]], out)
+                out.flush()
+                code = 0
+            finally:
+                os._exit(code)
+        first = [_options(name, key) for key in keys[:half]]
+        _, status = os.waitpid(pid, 0)
+        if os.waitstatus_to_exitcode(status) != 0:
+            raise RuntimeError(f"the process judging {name}'s options failed ({status})")
+        out.seek(0)
+        return first + pickle.load(out)
 
 
 @functools.cache
