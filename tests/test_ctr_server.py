@@ -106,7 +106,8 @@ def test_one_replica_one_shard_equals_the_reference(ctr_h5, tmp_path, strategy):
 
 
 @pytest.mark.parametrize("n,servers", [(4, 2), (5, 3)])
-def test_several_shards_hold_each_row_once_and_learn(ctr_h5, tmp_path, capsys, n, servers):
+def test_several_shards_hold_each_row_once_and_learn(ctr_h5, tmp_path, capsys, monkeypatch, n,
+                                                        servers):
     run = mpirun.train(n, "--model", SPEC, "--data", str(ctr_h5), "--servers", str(servers),
                        "--epochs", "2", "--warmup-steps", "20", "--eval-every", "20",
                        "--run-dir", str(tmp_path / "run"), "--timeout", "60", timeout=240)
@@ -136,6 +137,16 @@ def test_several_shards_hold_each_row_once_and_learn(ctr_h5, tmp_path, capsys, n
     assert got["log_loss"] == pytest.approx(rec["test_loss"], abs=1e-6)
     p = np.load(tmp_path / "p.npy")
     assert len(p) == 1000 and np.allclose(p["probabilities"].sum(axis=1), 1.0)
+    # read in blocks of 300 rows (4 blocks), scored 128 at a time: the same figures and rows
+    monkeypatch.setattr(evaluate, "EVAL_ROWS", 300)
+    assert evaluate.main([str(tmp_path / "run" / "checkpoint.h5"), "--data", str(ctr_h5),
+                          "--json", "--batch", "128", "--predict", str(tmp_path / "q.npy")]) == 0
+    again = json.loads(capsys.readouterr().out)
+    assert again["auc"] == pytest.approx(got["auc"], abs=1e-6)
+    assert again["log_loss"] == pytest.approx(got["log_loss"], abs=1e-6)
+    q = np.load(tmp_path / "q.npy")
+    assert np.array_equal(q["label"], p["label"])
+    assert np.allclose(q["probabilities"], p["probabilities"], atol=1e-6)
     # hpcps.inspect counts the rows of every table over the shards' files
     from hpcps.tools import inspect
     facts = inspect.summarize(tmp_path / "run" / "checkpoint.h5")["tables"]

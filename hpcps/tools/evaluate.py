@@ -519,14 +519,23 @@ def run_embedding(args: argparse.Namespace, ckpt: checkpoint.Checkpoint
                                capacity=max(1, len(ids)), absent=absent)
         store.load(ids, rows)
         stores.append(store)
-    block = data.load_block(path, args.split)
-    z = np.empty(len(block.y), dtype=np.float64)
-    for lo in range(0, len(z), args.batch):
-        ids, dense = block.features[lo:lo + args.batch]
-        batch = model.lookup(ids)
-        pulled = [s.peek(u) for s, u in zip(stores, batch.uniq)]
-        z[lo:lo + len(ids)] = model.logits(flat, pulled, batch, dense)
-    figures = binary_metrics(block.y, z)
+    n = {"train": info.n_train, "test": info.n_test}.get(args.split, 0)  # load_block: others
+    # the split in blocks of consecutive rows, each read and checked in turn: only the table
+    # rows and, per row, its label and logit stay
+    n_blocks = max(1, -(-n // max(args.batch, EVAL_ROWS)))
+    ys, zs = [], []
+    for b in range(n_blocks):
+        block = data.load_block(path, args.split, b, n_blocks)
+        z = np.empty(len(block.y), dtype=np.float64)
+        for lo in range(0, len(z), args.batch):
+            ids, dense = block.features[lo:lo + args.batch]
+            batch = model.lookup(ids)
+            pulled = [s.peek(u) for s, u in zip(stores, batch.uniq)]
+            z[lo:lo + len(ids)] = model.logits(flat, pulled, batch, dense)
+        ys.append(block.y)
+        zs.append(z)
+    y, z = np.concatenate(ys), np.concatenate(zs)
+    figures = binary_metrics(y, z)
     facts = {"checkpoint": str(args.checkpoint), "step": ckpt.step, "model": model.spec_text,
              "dataset": str(path), "dataset_name": info.name, "split": args.split,
              "n": len(z), "auc": figures["auc"], "log_loss": figures["log_loss"],
@@ -535,7 +544,7 @@ def run_embedding(args: argparse.Namespace, ckpt: checkpoint.Checkpoint
     if args.predict is not None:
         p = 1.0 / (1.0 + np.exp(-z))
         probs = np.stack([1.0 - p, p], axis=1).astype(np.float32)
-        write_rows(args.predict, (p >= 0.5).astype(np.int64), probs, block.y,
+        write_rows(args.predict, (p >= 0.5).astype(np.int64), probs, y,
                    {**{k: facts[k] for k in ("checkpoint", "step", "dataset", "split")},
                     "auc": facts["auc"], "loss": facts["log_loss"]})
         notes.append(f"wrote predictions for {len(z)} rows to {args.predict}")
@@ -593,6 +602,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.predict is not None:
             check_predict_path(args.predict)
+        if args.batch < 1:
+            raise ConfigError(f"--batch must be >= 1, got {args.batch}")
         ckpt = checkpoint.load(args.checkpoint)
         if is_embedding_spec(ckpt.config.get("model")):
             facts, notes = run_embedding(args, ckpt)
