@@ -445,3 +445,21 @@ def test_prefetcher_depth_zero_and_errors():
     for bad in (-1, 1.5, True):
         with pytest.raises(DataError, match="prefetch depth"):
             Prefetcher(iter([]), depth=bad)
+
+
+def test_cli_info_names_the_validation_split_and_how_rows_were_assigned(tmp_path):
+    rows = ["a,b,label"] + [f"{i % 7},{i % 5},{i % 2}" for i in range(200)]
+    (tmp_path / "t.csv").write_text("\n".join(rows) + "\n")
+    result = run_cli("convert", "t.csv", "--out", "t.h5", "--label", "label",
+                     "--test-fraction", "0.2", "--validation-fraction", "0.1", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    result = run_cli("info", "t.h5", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    facts = dict(line.split(None, 1) for line in result.stdout.splitlines())
+    assert int(facts["n_train"]) + int(facts["n_test"]) + int(facts["n_val"]) == 200
+    assert int(facts["n_val"]) > 0
+    assert json.loads(facts["split"])["validation_fraction"] == 0.1
+    # a file without /val or a split note prints neither
+    result = run_cli("prepare", "digits", "--out", "d.h5", cwd=tmp_path)
+    result = run_cli("info", "d.h5", cwd=tmp_path)
+    assert "n_val" not in result.stdout and "split " not in result.stdout

