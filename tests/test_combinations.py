@@ -11,7 +11,9 @@ here; its own option values go in ``OWN`` below):
 * the update options of the strategies built on the replica loop: none, or ``--weight-decay
   1e-4 --lr-schedule cosine`` (sandblaster and downpour's ``--push activations`` refuse both;
   ``tests/test_config.py`` checks each refusal alone);
-* the data: in memory, or streamed from the file (``--data-memory 0.01``), for every strategy
+* the data: in memory, streamed from the file (``--data-memory 0.01``), or in memory less a
+  tenth held out for validation (``--validation-fraction 0.1``; streaming with rows held out
+  is ``tests/test_stream_runs.py``'s), for every strategy
   whose replicas read a block of the training set (sandblaster's replicas hold all of it and
   refuse a set over the budget, a refusal that depends on the data's size, not on the command
   line: ``tests/test_stream_runs.py`` checks it and its message);
@@ -32,7 +34,7 @@ exactly one ``hpcps: error`` line holding the message the in-process check gave,
 traceback. Beside the matrix, ``MUST_ACCEPT`` and ``MUST_REFUSE`` are written by hand from
 the docs, so that the code under test is not the only judge of what it should accept.
 
-The product has about 2.05 million combinations (downpour alone 1,990,656), too many for
+The product has about 3.07 million combinations (downpour alone 2,985,984), too many for
 every run, so the default run takes a fixed sample per strategy (``pairwise.pairwise``, a
 deterministic greedy covering array: the same rows every time) in which every pair of values
 of any two
@@ -41,7 +43,8 @@ accepted one (so no pair is "covered" only by a row refused for another reason);
 16-rank case that used to hang. To choose the sample, every row of the product is judged
 (``acceptance``: each dimension's piece of the command line parsed once, the pieces merged,
 then ``config.from_values`` once per row's options for every R, and the layout plan once per
-layout and number of ranks), so collecting this module takes about 60 s. Sizes and
+layout and number of ranks; the options in two processes, this one and a forked child), so
+collecting this module takes about 40 s on 2 cores. Sizes and
 runtime: see ``python tests/test_combinations.py`` and the README.
 ``HPCPS_FULL_MATRIX=1`` runs the whole product instead (many hours on 2 cores).
 """
@@ -83,8 +86,8 @@ CONV = "conv3x3x8p1,pool2,fc32,fc10"  # digits: 8x8 -> 8x8x8 -> 4x4x8 -> 32 -> 1
 MODELS = [["--layers", LAYERS], ["--model", CONV], ["--model", CONV, "--dropout", "0.25"]]
 UPDATES = [[], ["--weight-decay", "1e-4", "--lr-schedule", "cosine"]]
 # the data in memory, or a budget so small (10 KiB) that every replica streams its block and
-# the chief its evaluation splits (hpcps.strategies.feed)
-DATA = [[], ["--data-memory", "0.01"]]
+# the chief its evaluation splits (hpcps.strategies.feed), or in memory less a validation split
+DATA = [[], ["--data-memory", "0.01"], ["--validation-fraction", "0.1"]]
 COMMON = ["--eval-every", "0", "--checkpoint-every", "0",
           "--progress-every", "0.5", "--timeout", "60"]
 # run length: SGD steps are global mini-batches (enough for downpour's 200-step warm start to
