@@ -209,6 +209,35 @@ def test_train_job_is_requeued_on_a_stop(cluster, digits_h5, tmp_path):
                           ["--signal=TERM", "--batch"])
 
 
+@pytest.mark.parametrize("script,tag", [("train.sbatch", "hpcps"),
+                                        ("preemptible.sbatch", "hpcps-long")])
+def test_a_plain_scancel_ends_the_job_with_a_checkpoint_and_no_requeue(cluster, digits_h5,
+                                                                        tmp_path, script, tag):
+    """``scancel JOB`` (no --signal) is the user ending the job: hpcps stops with its
+    checkpoint (exit code 75) and the script does not requeue it (it did: the job started
+    again and ran on), but says how to continue."""
+    conf = tmp_path / "run.toml"
+    conf.write_text("steps = 1000000\n")
+    job = submit(tmp_path, script, ["--nodes=1", "--ntasks-per-node=3"],
+                 ["--data", digits_h5, "--config", conf, *SMALL])
+    run_dir = tmp_path / "runs" / f"slurm-{job}"
+    deadline = time.monotonic() + 90
+    while not [r for r in records(run_dir, "progress") if r["step"] >= 300]:
+        if finished(job_states(job)) or time.monotonic() > deadline:
+            pytest.fail(f"job {job} made no progress past step 300 before it ended or 90 s "
+                        f"passed\n{outputs(tmp_path)}")
+        time.sleep(0.1)
+    assert _sh("scancel", job).returncode == 0
+    (state,) = wait_for(job, finished, 60, tmp_path, "end")
+    time.sleep(2)  # Slurm marks the job CANCELLED at once; the script's last lines follow
+    out = (tmp_path / f"hpcps-{job}.out").read_text()
+    assert state["JobState"] == "CANCELLED", (state, out)
+    assert job_states(job)[0]["Restarts"] == "0" and "requeueing" not in out, out
+    if "exit code 75" in out:  # hpcps stopped with its checkpoint before Slurm's SIGKILL
+        assert f"{tag}: job {job} cancelled (scancel): checkpoint written, not requeued" in out
+        assert records(run_dir, "summary")[0]["stopped_early"] is True
+
+
 def stop_requeue_continue(tmp_path: Path, digits_h5, script: str, tag: str,
                           signal: list[str]) -> None:
     """Submit ``script``, signal it with ``scancel SIGNAL`` past step 300, wait for its
