@@ -135,6 +135,8 @@ def pairwise(dims: Sequence[Sequence],
             if len(at):
                 k = int(at[np.argmax(new)])  # the first, in product order, of the most new
                 break
+        else:  # every refused pair is held by some refused row: this cannot happen
+            raise AssertionError("a refused pair that no refused row holds")
         chosen.append(int(pool[k]))
         todo[holds[k]] = False
     return [values(row_of(k)) for k in chosen]
