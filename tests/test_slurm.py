@@ -209,13 +209,9 @@ def test_train_job_is_requeued_on_a_stop(cluster, digits_h5, tmp_path):
                           ["--signal=TERM", "--batch"])
 
 
-@pytest.mark.parametrize("script,tag", [("train.sbatch", "hpcps"),
-                                        ("preemptible.sbatch", "hpcps-long")])
-def test_a_plain_scancel_ends_the_job_with_a_checkpoint_and_no_requeue(cluster, digits_h5,
-                                                                        tmp_path, script, tag):
-    """``scancel JOB`` (no --signal) is the user ending the job: hpcps stops with its
-    checkpoint (exit code 75) and the script does not requeue it (it did: the job started
-    again and ran on), but says how to continue."""
+def long_run_past_step_300(tmp_path: Path, digits_h5, script: str) -> tuple[Path, str, Path]:
+    """Submit ``script`` for a run of 1,000,000 steps (its length in a config file, which a
+    test may shorten) and wait until it is past step 300: (config file, job id, run dir)."""
     conf = tmp_path / "run.toml"
     conf.write_text("steps = 1000000\n")
     job = submit(tmp_path, script, ["--nodes=1", "--ntasks-per-node=3"],
@@ -227,6 +223,17 @@ def test_a_plain_scancel_ends_the_job_with_a_checkpoint_and_no_requeue(cluster, 
             pytest.fail(f"job {job} made no progress past step 300 before it ended or 90 s "
                         f"passed\n{outputs(tmp_path)}")
         time.sleep(0.1)
+    return conf, job, run_dir
+
+
+@pytest.mark.parametrize("script,tag", [("train.sbatch", "hpcps"),
+                                        ("preemptible.sbatch", "hpcps-long")])
+def test_a_plain_scancel_ends_the_job_with_a_checkpoint_and_no_requeue(cluster, digits_h5,
+                                                                        tmp_path, script, tag):
+    """``scancel JOB`` (no --signal) is the user ending the job: hpcps stops with its
+    checkpoint (exit code 75) and the script does not requeue it (it did: the job started
+    again and ran on), but says how to continue."""
+    conf, job, run_dir = long_run_past_step_300(tmp_path, digits_h5, script)
     assert _sh("scancel", job).returncode == 0
     (state,) = wait_for(job, finished, 60, tmp_path, "end")
     time.sleep(2)  # Slurm marks the job CANCELLED at once; the script's last lines follow
@@ -246,17 +253,7 @@ def stop_requeue_continue(tmp_path: Path, digits_h5, script: str, tag: str,
     The run's length comes from a config file, far longer than the test waits at first and
     shortened while the job waits to start again (the command line is the same at every
     start), so the test does not depend on how fast this machine is today."""
-    conf = tmp_path / "run.toml"
-    conf.write_text("steps = 1000000\n")
-    job = submit(tmp_path, script, ["--nodes=1", "--ntasks-per-node=3"],
-                 ["--data", digits_h5, "--config", conf, *SMALL])
-    run_dir = tmp_path / "runs" / f"slurm-{job}"
-    deadline = time.monotonic() + 90
-    while not [r for r in records(run_dir, "progress") if r["step"] >= 300]:
-        if finished(job_states(job)) or time.monotonic() > deadline:
-            pytest.fail(f"job {job} made no progress past step 300 before it ended or 90 s "
-                        f"passed\n{outputs(tmp_path)}")
-        time.sleep(0.1)
+    conf, job, run_dir = long_run_past_step_300(tmp_path, digits_h5, script)
     assert _sh("scancel", *signal, job).returncode == 0
     # srun passes the stop on through slurmd; once in CI it could not reach it ("Failure
     # sending signal 10 to StepId=...: Communication connection failure") and the run never
