@@ -86,7 +86,7 @@ def reader_interference(data: Path, seconds: float, repeats: int) -> dict:
             bx, by = np.empty((rows, d), np.float32), np.empty(rows, np.int64)
             while not stop.is_set():
                 for lo in range(0, n - rows + 1, rows):
-                    r.read_into(np.arange(lo, lo + rows), bx, by)
+                    r.read_into(np.arange(lo, lo + rows), [bx, by])
             r.close()
         else:
             with h5py.File(data, "r") as f:

@@ -48,6 +48,7 @@ from hpcps.model.mlp import InitialWeights, SingleExchange
 from hpcps.runtime.stacks import StackDumper
 from hpcps.runtime.stop import SignalFlag, StopVote
 from hpcps.strategies.registry import strategies
+from hpcps.blocks import block_range
 from hpcps.io.data import RowSource
 from hpcps.strategies.feed import Feed
 from hpcps.strategies.feed import plan as feed_plan
@@ -254,13 +255,19 @@ def _setup(cfg: config.Config, world, layout: Layout, info, ckpt, run_dir: Path,
                   resumed=ckpt.metrics if ckpt is not None else None,
                   val_source=val_source, val_rows=val_rows, held_out=len(held), feed=stream)
     if categorical:  # ids (and dense features) per row, checked as they are read
-        if grid.role.is_replica:
+        rows_of, width = data.CategoricalRows.of(info), _categorical_width(info)
+        if grid.role.is_replica and stream.train:
+            lo, hi = block_range(info.n_train, layout.replicas, grid.role.replica)
+            ctx.train_stream = RowSource(cfg.data, "train", width, lo, hi, layout=rows_of)
+        elif grid.role.is_replica:
             block = data.load_block(cfg.data, "train", grid.role.replica, layout.replicas)
             ctx.train_x, ctx.train_y = block.features, block.y
-            if len(block.y) < cfg.batch_size:
-                raise ConfigError(f"replica {grid.role.replica} holds {len(block.y)} training "
-                                  f"rows, fewer than --batch-size {cfg.batch_size}")
-        if grid.is_chief:
+        if grid.role.is_replica and (ctx.train_rows or 0) < cfg.batch_size:
+            raise ConfigError(f"replica {grid.role.replica} holds {ctx.train_rows or 0} "
+                              f"training rows, fewer than --batch-size {cfg.batch_size}")
+        if grid.is_chief and stream.evaluation:  # scored in chunks
+            ctx.test_stream = RowSource(cfg.data, "test", width, 0, info.n_test, layout=rows_of)
+        elif grid.is_chief:
             block = data.load_block(cfg.data, "test")
             ctx.test_x, ctx.test_y = block.features, block.y
     elif grid.role.is_replica and cfg.spec.replica_data == "whole":
@@ -307,7 +314,7 @@ def _plan_feed(cfg: config.Config, info, layout: Layout, budgets: list) -> Feed:
     lowest = min(range(len(budgets)), key=lambda r: budgets[r][0])
     why = budgets[lowest][1] + (f" on rank {lowest}" if len(budgets) > 1 else "")
     return feed_plan(cfg, layout, info.n_train, info.n_test, n_features, val,
-                     [b for b, _ in budgets], why, dense=not categorical)
+                     [b for b, _ in budgets], why)
 
 
 def _categorical_width(info) -> int:

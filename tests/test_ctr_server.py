@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from hpcps.io.data import Batches
-from hpcps.io.data.categorical import load_block, open_categorical
+from hpcps.io.data.categorical import CategoricalRows, load_block, open_categorical
+from hpcps.io.data.stream import RowSource, StreamBatches
 from hpcps.model.ctr import CtrModel, LocalTrainer
 from hpcps.model.optim import Adagrad
 from hpcps.ps.embedding_store import EmbeddingStore
@@ -64,12 +65,15 @@ def test_store_peek_reads_initial_rows_without_storing():
     assert not np.allclose(got[0], fresh.pull(ids[:1])[0])
 
 
-@pytest.mark.parametrize("strategy", ["downpour", "hybrid"])
-def test_one_replica_one_shard_equals_the_reference(ctr_h5, tmp_path, strategy):
+@pytest.mark.parametrize("strategy,streams", [("downpour", False), ("hybrid", False),
+                                              ("downpour", True), ("hybrid", True)])
+def test_one_replica_one_shard_equals_the_reference(ctr_h5, tmp_path, strategy, streams):
     """50 steps with one replica and one shard = LocalTrainer, to 1e-5: downpour's dense
-    layers on the shard, hybrid's on the replica."""
+    layers on the shard, hybrid's on the replica; with the data in memory, or streamed from
+    the file (``--data-memory``: the reference then draws the same streamed batches)."""
     steps, batch, seed, lr, row_lr, l2, scale = 50, 32, 4, 0.05, 0.1, 1e-3, 0.05
     run = mpirun.train(2, "--strategy", strategy, "--model", SPEC, "--data", str(ctr_h5),
+                       *(["--data-memory", "0.01"] if streams else []),
                        "--servers", "1", "--steps", str(steps), "--batch-size", str(batch),
                        "--seed", str(seed),
                        "--lr", str(lr), "--row-lr", str(row_lr),
@@ -84,11 +88,21 @@ def test_one_replica_one_shard_equals_the_reference(ctr_h5, tmp_path, strategy):
               for t in range(model.n_tables)]
     ref = LocalTrainer(model, tables, seed=seed, lr=lr, row_lr=row_lr,
                        optimizer=Adagrad(lr, 1e-8), row_l2=l2)
-    block = load_block(ctr_h5, "train")
-    batches = Batches(block.features, block.y, batch, seed * 1_000_003)
+    rec = summary(tmp_path / "run")
+    assert rec["data_streams"] is streams, rec
+    if streams:
+        source = RowSource(str(ctr_h5), "train", 2 * info.n_columns + info.n_dense, 0,
+                           info.n_train, layout=CategoricalRows.of(info))
+        batches = StreamBatches(source, batch, seed * 1_000_003, rec["stream_chunk_rows"],
+                                rec["stream_window"])
+    else:
+        block = load_block(ctr_h5, "train")
+        batches = Batches(block.features, block.y, batch, seed * 1_000_003)
     for _ in range(steps):
         (ids, dense), y = next(batches)
         ref.step(ids, y, dense)
+    if streams:
+        batches.close()
     with h5py.File(tmp_path / "run" / "checkpoint.h5", "r") as f:
         assert int(f.attrs["step"]) == steps
         got = model.flatten({name: f["params"][name][()] for name, _, _ in model.layout})
@@ -100,7 +114,6 @@ def test_one_replica_one_shard_equals_the_reference(ctr_h5, tmp_path, strategy):
             row, acc = held[t][int(i)]
             np.testing.assert_allclose(row, store.rows[slot], atol=1e-5, rtol=0)
             np.testing.assert_allclose(acc, store.accum[slot], atol=1e-5, rtol=1e-5)
-    rec = summary(tmp_path / "run")
     assert rec["test_auc"] > 0.6
     assert rec["rows_held"] == sum(len(t) for t in tables)
 
@@ -249,6 +262,7 @@ EMBEDDING_DIMS = [
     [1, 2, 3],                                                   # R
     [[], ["--trace"], ["--wire-dtype", "bf16"]],  # the dense layers' values as bfloat16
     [[], ["--threads", "2"]],
+    [[], ["--data-memory", "0.01"]],  # every replica's block streams, the test split too
     ["downpour", "hybrid"],
     [[], ["--n-fetch", "2", "--n-push", "2"], ["--staleness-bound", "1"],
      ["--warmup-steps", "0", "--row-optimizer", "sgd", "--row-lr", "1"],
@@ -278,8 +292,8 @@ def _embedding_verdict(n, argv):
 
 def _embedding_cases():
     from pairwise import pairwise
-    rows = [(S, R, [*trace, *threads], ["--strategy", strategy], own)
-            for S, R, trace, threads, strategy, own in pairwise(EMBEDDING_DIMS)]
+    rows = [(S, R, [*trace, *threads, *data], ["--strategy", strategy], own)
+            for S, R, trace, threads, data, strategy, own in pairwise(EMBEDDING_DIMS)]
     rows += [(1, 2, [], other, []) for other in EMBEDDING_REFUSED]
     rows += [(1, 2, [], ["--strategy", "hybrid"], ["--model", "fc32,fc10"])]  # not embedding
     cases = []
@@ -309,6 +323,7 @@ def test_embedding_combination(n, argv, ctr_h5, tmp_path):
     assert run.returncode == 0, run.output[-4000:]
     s = summary(tmp_path)
     assert s["step"] >= 120 and s["test_auc"] >= COMBO_MIN_AUC, s
+    assert s["data_streams"] is ("--data-memory" in argv), s
     if "--trace" in argv:
         events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
         assert {e["pid"] for e in events if e["ph"] == "X"} == set(range(n))

@@ -188,6 +188,9 @@ class Job:
         """Until the run's metrics hold ``n`` records of ``kind``; those records."""
         deadline = time.monotonic() + limit
         while len(got := records(self.run_dir, kind)) < n:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"the job ended (exit code {self.proc.returncode}) with "
+                                     f"{len(got)} of {n} {kind} record(s): {what}")
             if time.monotonic() > deadline:
                 raise AssertionError(f"no {n} {kind} record(s) within {limit} s: {what}")
             time.sleep(0.05)
@@ -217,11 +220,15 @@ class Job:
             asked = subprocess.run([sys.executable, "-m", "hpcps.stacks", str(self.run_dir)],
                                    capture_output=True, text=True, timeout=90)
             where = asked.stdout[-6000:]
+        tails = []
         for p in [self.proc, *self.joins]:
             end_launch(p.pid, p.tag)
-            p.communicate()
+            out, _ = p.communicate()
+            name = "the job" if p is self.proc else f"join launch {self.joins.index(p) + 1}"
+            tails.append(f"--- {name} (exit code {p.returncode}), last output:\n"
+                         f"{(out or '')[-1500:]}")
         if where:
-            raise AssertionError(f"{exc}\n{where}") from None
+            raise AssertionError(f"{exc}\n{where}\n" + "\n".join(tails)) from None
         return False
 
     @property

@@ -200,14 +200,14 @@ def test_the_budget_rule():
 
 
 # -- the job's decision (hpcps.strategies.feed.plan), as every rank computes it --------------
-def _plan(argv, n, budgets, n_train=60000, n_test=10000, d=784, val=0, dense=True):
+def _plan(argv, n, budgets, n_train=60000, n_test=10000, d=784, val=0):
     from hpcps import config
     from hpcps.job import plan as layout_plan
     from hpcps.strategies.feed import plan
     cfg = config.parse(argv)
     layout = layout_plan(cfg, n)
     return plan(cfg, layout, n_train, n_test, d, val, [int(b * MIB) for b in budgets],
-                "test budget", dense)
+                "test budget")
 
 
 def test_the_job_streams_when_any_replica_block_does_not_fit():
@@ -241,8 +241,10 @@ def test_strategies_that_cannot_stream_refuse_with_the_way_out():
     # its test set may stream while the training set fits alone
     f = _plan(["--strategy", "sandblaster"], 4, [190] * 4)
     assert not f.train and f.evaluation
-    with pytest.raises(ConfigError, match="categorical dataset, which is read whole"):
-        _plan(["--strategy", "downpour", "--servers", "1"], 3, [1] * 3, d=40, dense=False)
+    # a categorical file's rows stream too (d: a row's size in float32 numbers)
+    f = _plan(["--strategy", "downpour", "--servers", "1", "--model", "embed8,fc16,fc1"], 3,
+              [1] * 3, d=40)
+    assert f.train and f.evaluation
 
 
 def test_this_machines_budget_is_read_and_explained():
@@ -263,5 +265,89 @@ def test_the_reading_thread_runs_below_the_training_thread(h5):
         reader = it._thread.native_id
         assert os.getpriority(os.PRIO_PROCESS, reader) == min(19, mine + READER_NICE)
         assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == mine
+    finally:
+        it.close()
+
+
+# -- categorical files (ids, labels and dense features) stream too ---------------------------
+
+
+def categorical(path, n=700, ids_dtype=None):
+    """A categorical file whose row i has ids[i, 0] == i % 50 (field a), ids[i, 1] == i // 50
+    (field b) and dense[i, 0] == i, so a batch tells which rows it holds; ``ids_dtype``:
+    rewrite /train/ids in that dtype (read through h5py, not pread)."""
+    import h5py
+
+    from hpcps.io.data.categorical import CategoricalWriter, Field
+    fields = [Field("a", 1, 50), Field("b", 1, n // 50 + 1)]
+    i = np.arange(n)
+    ids = np.stack([i % 50, i // 50], axis=1).astype(np.int64)
+    dense = np.stack([i, -i], axis=1).astype(np.float32)
+    y = (i % 3 == 0).astype(np.int64)
+    with CategoricalWriter(path, name="c", description="c", source="c", split_note="c",
+                           fields=fields, n_rows={"train": n, "test": 40},
+                           dense_names=["d0", "d1"], label_description="c") as w:
+        w.write("train", ids, y, dense)
+        w.write("test", ids[:40], y[:40], dense[:40])
+        w.close()
+    if ids_dtype is not None:
+        with h5py.File(path, "r+") as f:
+            del f["train/ids"]
+            f.create_dataset("train/ids", data=ids.astype(ids_dtype), chunks=(64, 2))
+    return path
+
+
+@pytest.mark.parametrize("ids_dtype", [None, np.int32])
+def test_categorical_rows_stream_as_load_block_reads_them(tmp_path, ids_dtype):
+    """Every row of a replica's block once per epoch, each row's ids, dense features and
+    label together and as load_block reads them, full batches of ((ids, dense), y); the
+    same by pread (int64 ids) and through h5py (int32 ids)."""
+    from hpcps.io.data.categorical import CategoricalRows, load_block, open_categorical
+    path = categorical(tmp_path / "c.h5", ids_dtype=ids_dtype)
+    info = open_categorical(path)
+    block = load_block(path, "train", 1, 2)  # rows 350..699
+    src = RowSource(str(path), "train", 2 * 2 + 2, 350, 700, layout=CategoricalRows.of(info))
+    assert src.row_bytes == 2 * 8 + 8 + 2 * 4
+    it = StreamBatches(src, 32, 5, 60, 2)
+    try:
+        got = []
+        for _ in range(2 * 350 // 32):
+            (ids, dense), y = next(it)
+            assert ids.shape == (32, 2) and ids.dtype == np.int64 and dense.shape == (32, 2)
+            assert dense.dtype == np.float32 and y.dtype == np.int64 and y.shape == (32,)
+            r = dense[:, 0].astype(np.int64)
+            np.testing.assert_array_equal(ids, block.ids[r - 350])
+            np.testing.assert_array_equal(dense, block.dense[r - 350])
+            np.testing.assert_array_equal(y, block.y[r - 350])
+            got.append(r)
+        rows = np.concatenate(got)
+        assert sorted(rows[:350]) == list(range(350, 700))  # the first epoch: each row once
+    finally:
+        it.close()
+    # evaluation in chunks: the split in order, as ((ids, dense), y)
+    test = RowSource(str(path), "test", 6, 0, 40, layout=CategoricalRows.of(info))
+    pieces = list(chunks(test, 15))
+    assert [len(y) for _, y in pieces] == [15, 15, 10]
+    whole = load_block(path, "test")
+    np.testing.assert_array_equal(np.concatenate([ids for (ids, _), _ in pieces]), whole.ids)
+    np.testing.assert_array_equal(np.concatenate([d for (_, d), _ in pieces]), whole.dense)
+
+
+def test_a_bad_id_in_a_streamed_chunk_is_refused_with_its_row(tmp_path):
+    """An id past its field's vocabulary, met when its chunk is read, ends the iterator
+    with the row numbered from the start of the split, as load_block words it."""
+    import h5py
+
+    from hpcps.io.data.categorical import CategoricalRows, open_categorical
+    path = categorical(tmp_path / "c.h5")
+    info = open_categorical(path)
+    with h5py.File(path, "r+") as f:
+        f["train/ids"][517, 0] = 50  # field a has ids 0..49
+    src = RowSource(str(path), "train", 6, 0, 700, layout=CategoricalRows.of(info))
+    it = StreamBatches(src, 50, 0, 100, 1)
+    try:
+        with pytest.raises(DataError, match=r"row 517, column 0 \(field 'a'\): 50"):
+            for _ in range(14):
+                next(it)
     finally:
         it.close()

@@ -73,11 +73,11 @@ class Feed:
 
 
 def plan(cfg: RunConfig, layout, n_train: int, n_test: int, n_features: int, val_rows: int,
-         budgets: list[int], why: str, dense: bool = True) -> Feed:
+         budgets: list[int], why: str) -> Feed:
     """The decision for the whole job from every world rank's budget (``budgets[r]``
-    bytes). ``layout``: the grid (a :class:`~hpcps.mpi.topology.Layout`); ``dense``: False
-    for categorical files, which do not stream. Raises ConfigError when data that cannot
-    stream do not fit."""
+    bytes). ``layout``: the grid (a :class:`~hpcps.mpi.topology.Layout`); ``n_features``: a
+    row's size in float32 numbers (a categorical row's int64 ids count two each). Raises
+    ConfigError when data that cannot stream do not fit."""
     rb = row_bytes(n_features)
     whole = cfg.spec.replica_data == "whole"
     R = layout.replicas
@@ -99,14 +99,6 @@ def plan(cfg: RunConfig, layout, n_train: int, n_test: int, n_features: int, val
                         not whole) for r, rows in enumerate(train_rows)]
     train = any(d.train for d in decisions)
     evaluation = decisions[0].evaluation
-    if (train or evaluation) and not dense:
-        need = max(rows * rb + (eval_rows * rb if r == 0 else 0)
-                   for r, rows in enumerate(train_rows))
-        raise ConfigError(f"{cfg.data} is a categorical dataset, which is read whole, and a "
-                          f"rank's share of it ({_mib(need)} MiB) is more than the "
-                          f"{_mib(budget)} MiB a rank may give its data ({why}); give "
-                          f"--data-memory {_above(need)} or more if the nodes have it, or more "
-                          "ranks")
     if train and whole:
         streaming = [n for n, s in strategies().items()
                      if s.replica_data == "shard" and s.dense_models]

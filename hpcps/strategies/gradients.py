@@ -8,6 +8,8 @@ import numpy as np
 
 from hpcps import trace
 from hpcps.compress.bf16 import Wire
+from hpcps.io.data.categorical import Features
+from hpcps.io.data.stream import EVAL_ROWS, chunks
 from hpcps.mpi.comm import ReplicaExchange, dup_comm
 from hpcps.model.metrics import binary_metrics
 from hpcps.strategies.context import VAL, Context
@@ -247,8 +249,20 @@ class EmbeddingSource(PassTimer):
         return out
 
     def evaluate(self, params: np.ndarray, split: str) -> dict:
-        """``{"loss", "auc"}`` of the chief's ``split`` (for :attr:`Context.evaluator`)."""
-        x, y = (self.ctx.val_x, self.ctx.val_y) if split == VAL else \
-            (self.ctx.test_x, self.ctx.test_y)
-        figures = binary_metrics(y, self.logits(params, x))
+        """``{"loss", "auc"}`` of the chief's ``split`` (for :attr:`Context.evaluator`): in
+        memory, or read from the file in chunks when it streams (each row's label and logit
+        kept: the AUC ranks them all)."""
+        ctx = self.ctx
+        x, y, source = (ctx.val_x, ctx.val_y, ctx.val_stream) if split == VAL else \
+            (ctx.test_x, ctx.test_y, ctx.test_stream)
+        if source is not None:
+            ys, logits = [], []
+            for (ids, dense), cy in chunks(source, ctx.feed.eval_rows if ctx.feed else
+                                           EVAL_ROWS):
+                ys.append(cy)
+                logits.append(self.logits(params, Features(ids, dense)))
+            y, z = np.concatenate(ys), np.concatenate(logits)
+        else:
+            z = self.logits(params, x)
+        figures = binary_metrics(y, z)
         return {"loss": figures["log_loss"], "auc": figures["auc"]}

@@ -54,6 +54,7 @@ from hpcps.io.data.stream import RowSource, StreamBatches
 if TYPE_CHECKING:  # what a type checker reads; at run time, __getattr__ below
     from hpcps.io.data.categorical import (
         CategoricalInfo,
+        CategoricalRows,
         CategoricalWriter,
         Field,
         load_block,
@@ -74,8 +75,8 @@ if TYPE_CHECKING:  # what a type checker reads; at run time, __getattr__ below
 
 # name -> the module of this package that defines it, imported on first use
 _LAZY = {
-    **dict.fromkeys(("CategoricalInfo", "CategoricalWriter", "Field", "load_block",
-                     "open_categorical"), "categorical"),
+    **dict.fromkeys(("CategoricalInfo", "CategoricalRows", "CategoricalWriter", "Field",
+                     "load_block", "open_categorical"), "categorical"),
     **dict.fromkeys(("DEFAULT_DATA", "MNIST_WHEEL_ENV", "MNIST_WHEEL_NAME",
                      "NumpyOnlyUnpickler", "main", "prepare", "prepare_digits",
                      "prepare_mnist"), "sources"),
@@ -99,6 +100,7 @@ def __dir__() -> list[str]:
 __all__ = [
     "Batches",
     "CategoricalInfo",
+    "CategoricalRows",
     "CategoricalWriter",
     "Field",
     "load_block",

@@ -4,7 +4,9 @@ The file layout is described in :mod:`hpcps.io.data.h5format` (its docstring, "L
 in ``docs/formats.md``. This module writes it (:class:`CategoricalWriter`, in row blocks so a
 file larger than memory can be made), checks a file against it (:func:`open_categorical`,
 :class:`CategoricalInfo`), reads a rank's block of rows (:func:`load_block`, the counterpart of
-``load_split``) and summarises a file for ``python -m hpcps.data info`` (:func:`describe`).
+``load_split``), says how its rows stream when a block does not fit in memory
+(:class:`CategoricalRows`, for :mod:`hpcps.io.data.stream`) and summarises a file for
+``python -m hpcps.data info`` (:func:`describe`).
 
 Why a fixed-width block per multi-valued field and not an offsets array: a rank's rows are
 then one rectangular read (``ids[lo:hi]``, the same ``block_range`` as dense x), a mini-batch
@@ -29,6 +31,7 @@ import numpy as np
 from hpcps.blocks import block_range
 from hpcps.errors import DataError
 from hpcps.io.data.h5format import FORMAT, _attr_str, _open_h5, check_finite_rows, publish
+from hpcps.io.data.stream import Column
 
 CATEGORICAL_LAYOUT_VERSION = 2
 KIND = "categorical"
@@ -475,6 +478,37 @@ class Features:
 
     def __getitem__(self, rows) -> tuple[np.ndarray, np.ndarray | None]:
         return self.ids[rows], None if self.dense is None else self.dense[rows]
+
+
+@dataclass(frozen=True)
+class CategoricalRows:
+    """How a categorical split's rows are read when they stream
+    (:class:`hpcps.io.data.stream.RowSource`'s ``layout``): columns ``ids`` (int64, one per
+    id column), ``y`` (int64) and ``dense`` (float32, when the file has dense features);
+    each piece read is checked as :func:`load_block` checks a block, and a batch is
+    ``((ids, dense), y)``, as :class:`Features` gives it."""
+
+    fields: tuple
+    n_dense: int
+    label_kind: str
+
+    @classmethod
+    def of(cls, info: "CategoricalInfo") -> "CategoricalRows":
+        return cls(tuple(info.fields), info.n_dense, info.label_kind)
+
+    @property
+    def columns(self) -> tuple:
+        cols = (Column("ids", "<i8", int(_columns(self.fields)[-1])), Column("y", "<i8"))
+        return cols + ((Column("dense", "<f4", self.n_dense),) if self.n_dense else ())
+
+    def check(self, raw: list, cast: list, path, split: str, lo: int) -> None:
+        check_ids(raw[0], self.fields, path, split, lo)
+        check_labels(raw[1], path, split, self.label_kind, lo)
+        if self.n_dense:
+            check_finite_rows(cast[2], path, split, lo, raw[2].dtype, dataset="dense")
+
+    def batch(self, arrays: list) -> tuple:
+        return (arrays[0], arrays[2] if self.n_dense else None), arrays[1]
 
 
 @dataclass

@@ -1,10 +1,14 @@
 """Data larger than memory: a rank's rows read from the dataset file in chunks while it trains.
 
 :class:`RowSource` names the rows of one split a rank uses (its block, less rows held out for
-validation, or an explicit list of rows) without reading them. :class:`StreamBatches` is the
+validation, or an explicit list of rows) without reading them, and how a row is stored: dense
+features ``x`` and a label ``y`` (:class:`DenseRows`), or a categorical file's ids, label and
+dense features (:class:`~hpcps.io.data.categorical.CategoricalRows`). :class:`StreamBatches` is the
 streaming twin of :class:`~hpcps.io.data.batches.Batches`: the same interface (an endless
 iterator of ``(x, y)`` batches of exactly ``batch_size`` rows, ``epoch``, ``epochs_done``,
-``close``), with at most a few chunks of the block in memory. :func:`chunks` reads a source in
+``close``; a categorical source's batches are ``((ids, dense), y)``, as
+:class:`~hpcps.io.data.categorical.Features` gives them), with at most a few chunks of the
+block in memory. :func:`chunks` reads a source in
 order, for evaluations that stream. :func:`plan_stream` sizes chunks and the shuffle window to
 a memory budget, and :func:`decide` says which splits stream. No MPI: the caller gathers what
 the ranks need to agree on.
@@ -23,10 +27,11 @@ Reading ahead
 -------------
 A background thread reads the chunks in the order the epochs will use them, a window at a
 time, into one of two window buffers allocated once: while the trainer draws batches from one
-window, the next is read into the other (:func:`stream_bytes`). Contiguous little-endian float32
-datasets (what :func:`~hpcps.io.data.h5format.write_dataset` writes) are read with ``pread``,
-which releases the GIL; other layouts (chunked, float64) through h5py, which holds its lock
-(and the GIL) during a read.
+window, the next is read into the other (:func:`stream_bytes`). Contiguous datasets stored in
+the dtype they are used in (float32 features, int64 ids and labels: what
+:func:`~hpcps.io.data.h5format.write_dataset` and the converters write) are read with
+``pread``, which releases the GIL; other layouts (chunked, float64, int32 ids) through h5py,
+which holds its lock (and the GIL) during a read.
 """
 from __future__ import annotations
 
@@ -51,10 +56,51 @@ EVAL_ROWS = 8192  # at most this many rows of an evaluation split in memory when
 
 
 @dataclass(frozen=True)
+class Column:
+    """One dataset of a split, read row by row: ``name`` under ``/<split>``, the ``dtype`` it is
+    used in, and its ``width`` (values a row; 0: one value, a vector)."""
+
+    name: str
+    dtype: str
+    width: int = 0
+
+    def shape(self, rows: int) -> tuple[int, ...]:
+        return (rows, self.width) if self.width else (rows,)
+
+    @property
+    def row_bytes(self) -> int:
+        return np.dtype(self.dtype).itemsize * max(1, self.width)
+
+
+@dataclass(frozen=True)
+class DenseRows:
+    """A dense split's rows: features ``x`` (float32, ``n_features`` a row) and label ``y``
+    (int64). A layout names the columns a row is read from, checks what was read, and makes
+    a batch of the columns; :class:`~hpcps.io.data.categorical.CategoricalRows` is the
+    categorical one."""
+
+    n_features: int
+
+    @property
+    def columns(self) -> tuple[Column, ...]:
+        return (Column("x", "<f4", self.n_features), Column("y", "<i8"))
+
+    def check(self, raw: list, cast: list, path, split: str, lo: int) -> None:
+        """Refuse NaN and infinity in rows ``lo ..`` (``raw``: as stored; ``cast``: as used)."""
+        check_finite_rows(cast[0], path, split, lo, raw[0].dtype)
+
+    def batch(self, arrays: list) -> tuple:
+        """``(x, y)``."""
+        return arrays[0], arrays[1]
+
+
+@dataclass(frozen=True)
 class RowSource:
     """Rows of ``split`` in the dataset file ``path``: rows ``lo .. hi-1`` less ``held``
     (sorted rows of the split, e.g. those held out for validation), or, when ``rows`` is
-    given, exactly those (sorted, unique). Nothing is read until a chunk is asked for."""
+    given, exactly those (sorted, unique). ``n_features``: a row's size in float32 numbers
+    (for the memory plan); ``layout``: how a row is stored (None: :class:`DenseRows` of
+    ``n_features``). Nothing is read until a chunk is asked for."""
 
     path: str
     split: str
@@ -63,6 +109,12 @@ class RowSource:
     hi: int = 0
     held: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64))
     rows: np.ndarray | None = None
+    layout: object = None
+
+    @property
+    def row_layout(self):
+        """The layout rows are read by (DenseRows unless another was given)."""
+        return self.layout if self.layout is not None else DenseRows(self.n_features)
 
     def __post_init__(self):
         held = np.asarray(self.held, dtype=np.int64)
@@ -77,7 +129,7 @@ class RowSource:
 
     @property
     def row_bytes(self) -> int:
-        return row_bytes(self.n_features)
+        return sum(c.row_bytes for c in self.row_layout.columns)
 
     @property
     def span(self) -> int:
@@ -99,7 +151,8 @@ class RowSource:
 
 
 def row_bytes(n_features: int) -> int:
-    """Bytes one example takes in memory: float32 features and an int64 label."""
+    """Bytes one example takes in memory: float32 features and an int64 label (a categorical
+    row's size is given in float32 numbers: an int64 id counts two)."""
     return 4 * n_features + 8
 
 
@@ -152,79 +205,96 @@ def decide(train_bytes: int, eval_bytes: int, budget: int, stream_cost: int,
 
 
 class _Reader:
-    """Reads sets of rows of one split of one file (an h5py file kept open); contiguous
-    float32 datasets by ``pread`` (no lock held), others through h5py."""
+    """Reads sets of rows of one split of one file (an h5py file kept open), every column of
+    the source's layout: a contiguous dataset stored in the dtype it is used in by ``pread``
+    (no lock held), others through h5py."""
 
     def __init__(self, source: RowSource, window_rows: int):
         self.source = source
+        self.layout = source.row_layout
+        self.columns = self.layout.columns
         self.window_rows = max(1, int(window_rows))
         self.path = source.path
         self.f = _open_h5(source.path)
+        self._fd = -1
         try:
-            self.dx, self.dy = self.f[f"{source.split}/x"], self.f[f"{source.split}/y"]
-            self.n = self.dx.shape[0]
-            self._fd = -1
-            self._x_at = self._y_at = 0
-            x_at, y_at = self.dx.id.get_offset(), self.dy.id.get_offset()
-            if (x_at is not None and y_at is not None and self.dx.dtype == np.dtype("<f4")
-                    and self.dy.dtype == np.dtype("<i8") and not self.dx.compression):
+            self.ds = [self.f[f"{source.split}/{c.name}"] for c in self.columns]
+            self.n = self.ds[0].shape[0]
+            self._at: list[int | None] = []  # byte offset of a column read by pread
+            for c, d in zip(self.columns, self.ds):
+                at = d.id.get_offset()
+                fits = d.dtype == np.dtype(c.dtype) and not d.compression and \
+                    d.shape[1:] == c.shape(0)[1:]
+                self._at.append(at if at is not None and fits else None)
+            if any(at is not None for at in self._at):
                 self._fd = os.open(source.path, os.O_RDONLY)
-                self._x_at, self._y_at = x_at, y_at
         except BaseException:
             self.f.close()
             raise
 
-    def _range(self, lo: int, hi: int, check: bool = True) -> tuple[np.ndarray, np.ndarray]:
-        d = self.dx.shape[1]
-        if self._fd >= 0:  # offsets of contiguous datasets: see __init__
-            x = np.empty((hi - lo, d), dtype=np.float32)
-            y = np.empty(hi - lo, dtype=np.int64)
-            _pread_into(self._fd, x, self._x_at + lo * d * 4)
-            _pread_into(self._fd, y, self._y_at + lo * 8)
-        else:
-            with np.errstate(over="ignore"):  # float64 beyond float32: inf, refused below
-                x = np.ascontiguousarray(self.dx[lo:hi], dtype=np.float32)
-            y = np.asarray(self.dy[lo:hi], dtype=np.int64)
-        if check:
-            check_finite_rows(x, self.path, self.source.split, lo, self.dx.dtype)
-        return x, y
+    def empty(self, rows: int) -> list[np.ndarray]:
+        return [np.empty(c.shape(rows), c.dtype) for c in self.columns]
 
-    def read(self, rows: np.ndarray, check: bool = True) -> tuple[np.ndarray, np.ndarray]:
-        """Rows ``rows`` (sorted), read in ranges of at most ``window_rows`` rows of the file
-        that hold some of them; ``check``: refuse NaN and infinity in them."""
+    def _check(self, raw: list, cast: list, lo: int) -> None:
+        self.layout.check(raw, cast, self.path, self.source.split, lo)
+
+    def _range(self, lo: int, hi: int, check: bool = True) -> list[np.ndarray]:
+        raw, cast = [], []
+        for c, d, at in zip(self.columns, self.ds, self._at):
+            if at is not None:  # offsets of contiguous datasets: see __init__
+                a = np.empty(c.shape(hi - lo), c.dtype)
+                _pread_into(self._fd, a, at + lo * c.row_bytes)
+                raw.append(a)
+                cast.append(a)
+            else:
+                r = d[lo:hi]
+                with np.errstate(over="ignore", invalid="ignore"):  # refused by the check
+                    a = np.ascontiguousarray(r, dtype=c.dtype)
+                raw.append(r)
+                cast.append(a)
+        if check:
+            self._check(raw, cast, lo)
+        return cast
+
+    def read(self, rows: np.ndarray, check: bool = True) -> list[np.ndarray]:
+        """Rows ``rows`` (sorted) of every column, read in ranges of at most ``window_rows``
+        rows of the file that hold some of them; ``check``: refuse bad values in them (the
+        layout's check)."""
         if not len(rows):
-            return np.empty((0, self.dx.shape[1]), np.float32), np.empty(0, np.int64)
+            return self.empty(0)
         if rows[0] < 0 or rows[-1] >= self.n:
             raise DataError(f"{self.path}: rows {rows[0]}..{rows[-1]} are outside "
                             f"/{self.source.split} ({self.n} rows)")
         if rows[-1] - rows[0] + 1 == len(rows) and len(rows) <= 2 * self.window_rows:
             return self._range(int(rows[0]), int(rows[-1]) + 1, check)  # consecutive: one read
-        xs, ys, i = [], [], 0
+        parts: list[list[np.ndarray]] = [[] for _ in self.columns]
+        i = 0
         while i < len(rows):
             lo = int(rows[i])
             hi = min(lo + self.window_rows, self.n)
             j = int(np.searchsorted(rows, hi))
-            x, y = self._range(lo, int(rows[j - 1]) + 1, check)
-            xs.append(x[rows[i:j] - lo])
-            ys.append(y[rows[i:j] - lo])
+            got = self._range(lo, int(rows[j - 1]) + 1, check)
+            for part, a in zip(parts, got):
+                part.append(a[rows[i:j] - lo])
             i = j
-        return np.concatenate(xs), np.concatenate(ys)
+        return [np.concatenate(part) for part in parts]
 
-    def read_into(self, rows: np.ndarray, out_x: np.ndarray, out_y: np.ndarray,
-                  check: bool = True) -> int:
-        """Rows ``rows`` (sorted) into the first ``len(rows)`` rows of ``out_x``, ``out_y``;
-        consecutive rows of a contiguous file straight from the file. ``check``: refuse NaN
-        and infinity in them. Returns their count."""
+    def read_into(self, rows: np.ndarray, outs: list[np.ndarray], check: bool = True) -> int:
+        """Rows ``rows`` (sorted) into the first ``len(rows)`` rows of ``outs`` (one array a
+        column); consecutive rows of columns read by ``pread`` straight from the file.
+        ``check``: refuse bad values in them. Returns their count."""
         k = len(rows)
-        if k and self._fd >= 0 and rows[-1] - rows[0] + 1 == k and rows[-1] < self.n \
-                and rows[0] >= 0:
-            lo, d = int(rows[0]), self.dx.shape[1]
-            _pread_into(self._fd, out_x[:k], self._x_at + lo * d * 4)
-            _pread_into(self._fd, out_y[:k], self._y_at + lo * 8)
+        if k and self._fd >= 0 and all(at is not None for at in self._at) \
+                and rows[-1] - rows[0] + 1 == k and rows[-1] < self.n and rows[0] >= 0:
+            lo = int(rows[0])
+            for c, at, out in zip(self.columns, self._at, outs):
+                _pread_into(self._fd, out[:k], at + lo * c.row_bytes)
             if check:
-                check_finite_rows(out_x[:k], self.path, self.source.split, lo, self.dx.dtype)
+                got = [out[:k] for out in outs]
+                self._check(got, got, lo)
         elif k:
-            out_x[:k], out_y[:k] = self.read(rows, check)
+            for out, a in zip(outs, self.read(rows, check)):
+                out[:k] = a
         return k
 
     def close(self) -> None:
@@ -246,8 +316,9 @@ def _pread_into(fd: int, out: np.ndarray, offset: int) -> None:
 
 
 def chunks(source: RowSource, chunk_rows: int = EVAL_ROWS):
-    """The rows of ``source`` in order, as ``(x, y)`` pieces of at most ``chunk_rows`` rows:
-    an evaluation over a split that does not fit in memory."""
+    """The rows of ``source`` in order, as ``(x, y)`` pieces of at most ``chunk_rows`` rows
+    (``x`` as the layout makes it: ``(ids, dense)`` for a categorical file): an evaluation
+    over a split that does not fit in memory."""
     try:
         reader = _Reader(source, chunk_rows)
     except OSError as exc:
@@ -256,7 +327,7 @@ def chunks(source: RowSource, chunk_rows: int = EVAL_ROWS):
         for c in range(source.n_chunks(chunk_rows)):
             rows = source.chunk(c, chunk_rows)
             if len(rows):
-                yield reader.read(rows)
+                yield source.row_layout.batch(reader.read(rows))
     finally:
         reader.close()
 
@@ -321,12 +392,17 @@ class StreamBatches:
         self.window = int(window)
         self.n_chunks = source.n_chunks(self.chunk_rows)
         rows = min(self.window, self.n_chunks) * self.chunk_rows
-        self._bx = [np.empty((rows, source.n_features), np.float32) for _ in range(2)]
-        self._by = [np.empty(rows, np.int64) for _ in range(2)]
+        self._reader = _Reader(source, self.chunk_rows)
+        self._layout = self._reader.layout
+        try:
+            self._bufs = [self._reader.empty(rows) for _ in range(2)]  # a list per column
+        except BaseException:
+            self._reader.close()
+            raise
         self._served = 0
         self._rng = np.random.default_rng([int(seed), 2])  # rows within a window
         self._slot = -1  # the buffer batches are drawn from (-1: none yet)
-        self._x, self._y = self._bx[0][:0], self._by[0][:0]
+        self._cols = [a[:0] for a in self._bufs[0]]
         self._idx = np.empty(0, np.int64)
         self._pos = 0
         self._stop = threading.Event()
@@ -334,7 +410,6 @@ class StreamBatches:
         self._ready: queue.Queue = queue.Queue()  # (slot, rows) of each window read
         self.read_s = 0.0
         self.wait_s = 0.0
-        self._reader = _Reader(source, self.chunk_rows)
         self._thread = threading.Thread(target=self._read, args=(int(seed),),
                                         name="hpcps-stream", daemon=True)
         self._thread.start()
@@ -357,7 +432,7 @@ class StreamBatches:
                     for c in order[w0:w0 + self.window]:
                         filled += self._reader.read_into(
                             self.source.chunk(int(c), self.chunk_rows),
-                            self._bx[slot][filled:], self._by[slot][filled:], not checked[c])
+                            [a[filled:] for a in self._bufs[slot]], not checked[c])
                         checked[c] = True
                     self.read_s += time.perf_counter() - t
                     self._ready.put((slot, filled))
@@ -379,7 +454,7 @@ class StreamBatches:
             self._free.release()  # (a stopped thread waits for nothing)
             raise filled
         self._slot = slot
-        self._x, self._y = self._bx[slot], self._by[slot]
+        self._cols = self._bufs[slot]
         self._idx = self._rng.permutation(filled)
         self._pos = 0
 
@@ -394,9 +469,9 @@ class StreamBatches:
     def __iter__(self) -> StreamBatches:
         return self
 
-    def __next__(self) -> tuple[np.ndarray, np.ndarray]:
+    def __next__(self) -> tuple:
         need = self.batch_size
-        xs, ys = [], []
+        parts: list[list[np.ndarray]] = [[] for _ in self._bufs[0]]
         while need:
             if self._pos == len(self._idx):
                 self._next_window()
@@ -404,12 +479,10 @@ class StreamBatches:
             take = self._idx[self._pos:self._pos + need]
             self._pos += len(take)
             need -= len(take)
-            xs.append(self._x[take])  # copies: the buffer is refilled once handed back
-            ys.append(self._y[take])
+            for part, a in zip(parts, self._cols):
+                part.append(a[take])  # copies: the buffer is refilled once handed back
         self._served += self.batch_size
-        if len(xs) == 1:
-            return xs[0], ys[0]
-        return np.concatenate(xs), np.concatenate(ys)
+        return self._layout.batch([p[0] if len(p) == 1 else np.concatenate(p) for p in parts])
 
     def close(self) -> None:
         """Stop the reading thread and close the file."""
