@@ -217,3 +217,48 @@ def test_categorical_data_stream_and_are_scored_in_chunks(ctr_h5, tmp_path, caps
     got = json.loads(capsys.readouterr().out)
     assert got["auc"] == pytest.approx(s["test_auc"], abs=1e-6)
     assert got["log_loss"] == pytest.approx(s["test_loss"], abs=1e-6)
+
+
+CTR_FIELDS, CTR_VOCAB = 26, 1000  # Criteo's field count
+CTR_TRAIN, CTR_TEST = 3_000_000, 1_500_000  # 216 bytes a row: 648 + 324 MB, over the limit
+
+
+@pytest.fixture(scope="module")
+def big_ctr_h5(tmp_path_factory):
+    """A learnable categorical file larger than AS_LIMIT_MIB: 26 fields of 1,000 ids, the
+    label set by field 0's id (even: a click) with 10% of labels flipped."""
+    from hpcps.io.data.categorical import CategoricalWriter, Field
+    path = tmp_path_factory.mktemp("bigctr") / "ctr.h5"
+    rng = np.random.default_rng(1)
+    fields = [Field(f"f{i}", 1, CTR_VOCAB) for i in range(CTR_FIELDS)]
+    block = 250_000
+    with CategoricalWriter(path, name="bigctr", description="synthetic", source="tests",
+                           split_note="random", fields=fields,
+                           n_rows={"train": CTR_TRAIN, "test": CTR_TEST},
+                           label_description="field 0's id is even") as w:
+        for split, n in (("train", CTR_TRAIN), ("test", CTR_TEST)):
+            for _ in range(0, n, block):
+                ids = rng.integers(0, CTR_VOCAB, (block, CTR_FIELDS))
+                y = (ids[:, 0] % 2 == 0) ^ (rng.random(block) < 0.1)
+                w.write(split, ids, y.astype(np.int64))
+        w.close()
+    assert path.stat().st_size > AS_LIMIT_MIB << 20
+    yield path
+    path.unlink()
+
+
+def test_a_categorical_dataset_larger_than_the_ranks_memory_trains_and_is_evaluated(
+        big_ctr_h5, tmp_path):
+    """An embedding model (downpour, 1 shard, 2 replicas) on a categorical file larger than
+    each rank's address-space limit: the default budget streams the replicas' blocks and the
+    test split, and the model learns the rule over all 1,500,000 test rows."""
+    run = limited(3, ["--model", "embed8,fc16,fc1", "--data", str(big_ctr_h5), "--servers",
+                      "1", "--steps", "300", "--eval-every", "0", "--warmup-steps", "20",
+                      "--checkpoint-every", "0", "--timeout", "60", "--run-dir",
+                      str(tmp_path / "run")], tmp_path)
+    assert run.returncode == 0, run.output[-3000:]
+    assert "RLIMIT_AS 768 MiB" in run.stdout and "training data stream" in run.stdout
+    s = records(tmp_path / "run", "summary")[-1]
+    assert s["data_streams"] and s["eval_streams"], s
+    assert s["test_auc"] > 0.8, s
+    assert max(s["peak_rss_mib"].values()) < AS_LIMIT_MIB, s
