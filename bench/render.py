@@ -267,6 +267,8 @@ def stream_view(figures: dict) -> dict:
     """bench_stream: streamed against in-memory training (``examples``), and what a reading
     thread does to a training thread (``interference``)."""
     rows = []
+    figure = figures.get("learned_figure", "test_accuracy")  # test_auc: an embedding model
+    shown = "{:.3f}" if figure == "test_auc" else "{:.2%}"
     for model, m in figures["models"].items():
         med = m["median_examples_per_s"]
         runs = m["runs"]
@@ -275,11 +277,12 @@ def stream_view(figures: dict) -> dict:
                      f"{med['stream']:,.0f} ("
                      + ", ".join(f"{r['examples_per_s']:,.0f}" for r in runs["stream"]) + ")",
                      f"{m['stream_over_memory']:.2f}x",
-                     f"{runs['memory'][0]['test_accuracy']:.2%} / "
-                     f"{runs['stream'][0]['test_accuracy']:.2%}"])
+                     shown.format(runs["memory"][0][figure]) + " / "
+                     + shown.format(runs["stream"][0][figure])])
+    what = "test AUC" if figure == "test_auc" else "test accuracy"
     out = {"examples": {"columns": ["model", "in memory: median (runs)",
                                     "streamed: median (runs)", "streamed / in memory",
-                                    "test accuracy, memory / streamed"], "rows": rows}}
+                                    f"{what}, memory / streamed"], "rows": rows}}
     ri = figures.get("reader_interference")
     if ri:
         out["interference"] = {"columns": ["beside the training thread", "steps/s (median)",
