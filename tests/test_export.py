@@ -164,3 +164,20 @@ def test_command_and_refusals(run, tmp_path, capsys):
         err = capsys.readouterr().err
         assert err.startswith("hpcps.export: error: ") and words in err, err
     assert not list(tmp_path.glob("m.*"))
+
+
+def test_an_embedding_checkpoint_is_refused_with_the_way_to_score_it(ctr_h5, tmp_path, capsys):
+    """Export writes MLPs and conv nets: an embedding model's checkpoint (its dense layers
+    alone would pass for a 1-class MLP) is refused, naming where its rows are and what
+    scores it, and nothing is written."""
+    run = train(2, "--model", "embed8,fc16,fc1", "--data", str(ctr_h5), "--servers", "1",
+                "--steps", "40", "--run-dir", str(tmp_path / "run"), "--timeout", "30",
+                timeout=90)
+    assert run.returncode == 0, run.output[-3000:]
+    ckpt = tmp_path / "run" / "checkpoint.h5"
+    for out in (["--onnx", str(tmp_path / "m.onnx")], ["--npz", str(tmp_path / "m.npz")]):
+        assert main([str(ckpt), *out]) == 2
+        err = capsys.readouterr().err
+        assert "holds an embedding model (--model embed8,fc16,fc1)" in err, err
+        assert "tables/shard-" in err and "hpcps.evaluate" in err and "--predict" in err, err
+    assert not list(tmp_path.glob("m.*"))

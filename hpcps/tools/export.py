@@ -27,7 +27,9 @@ or the conv net the checkpoint's config names), so what is exported computes wha
 
 Both files are written atomically (a temporary file renamed onto OUT). Refusals: exit code 4
 for a checkpoint that is missing, corrupt or non-finite, 2 for options (no output named, an
-unknown suffix, a missing directory, ``onnx`` not installed).
+unknown suffix, a missing directory, ``onnx`` not installed) and for an embedding model's
+checkpoint (its rows are in the shards' table files, and an id never trained reads as its
+initial row: ``hpcps.evaluate --predict`` scores such a model).
 """
 from __future__ import annotations
 
@@ -45,6 +47,7 @@ from hpcps.errors import CheckpointError, ConfigError, HpcpsError
 from hpcps.io import checkpoint
 from hpcps.model.convnet import ConvNet
 from hpcps.model.mlp import MLP
+from hpcps.model.spec import is_embedding_spec
 from hpcps.tools.evaluate import model_of
 
 OPSET = 17
@@ -206,6 +209,15 @@ def export(ckpt_path: str | os.PathLike, onnx_path: str | None = None,
     outs = {"onnx": check_out(onnx_path, ".onnx", "--onnx") if onnx_path else None,
             "npz": check_out(npz_path, ".npz", "--npz") if npz_path else None}
     ckpt = checkpoint.load(ckpt_path)
+    spec = ckpt.config.get("model")
+    if is_embedding_spec(spec):
+        raise ConfigError(
+            f"{ckpt_path} holds an embedding model (--model {spec}), which export does not "
+            "write: its rows live in the server shards' table files beside the checkpoint "
+            "(tables/shard-<s>-of-<S>.h5, readable with h5py: docs/formats.md), and ids "
+            "never trained read as their initial rows, which no ONNX graph or array file "
+            "would hold. Score rows with python -m hpcps.evaluate CHECKPOINT --data FILE "
+            "--predict OUT.npy")
     model, flat = model_of(ckpt)
     named = {k: np.asarray(v, dtype=np.float32) for k, v in model.views(flat).items()}
     arch = architecture(model, ckpt)
