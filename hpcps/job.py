@@ -90,22 +90,26 @@ def _ensure_dataset(cfg: config.Config, rank: int) -> None:
 
 
 def _check_table_capacity(cfg: config.Config, fields) -> None:
-    """Refuse a ``--table-capacity`` below what one batch can need at once. A shard serves
-    one replica's batch in one pull and never evicts a row of it, so each table's rows of
-    the batch must fit together: for field f, up to min(batch_size x width_f, vocab_f)
-    distinct ids, all of them on one shard in the worst case."""
+    """Refuse a ``--table-capacity`` below what one pull can need at once. A shard serves
+    one replica's pull (its T = ``--threads`` mini-batches of an iteration) at once and never
+    evicts a row of it, so each table's rows of the pull must fit together: for field f, up
+    to min(batch_size x T x width_f, vocab_f) distinct ids, all of them on one shard in the
+    worst case."""
     cap = cfg.table_capacity
     if cap is None:
         return
-    needs = [(min(cfg.batch_size * f.width, f.vocab), t, f) for t, f in enumerate(fields)]
+    rows = cfg.batch_size * cfg.threads  # examples one pull serves
+    needs = [(min(rows * f.width, f.vocab), t, f) for t, f in enumerate(fields)]
     need, t, f = max(needs, key=lambda x: x[0])
     if cap < need:
+        batch = (f"--batch-size {cfg.batch_size} x --threads {cfg.threads}" if cfg.threads > 1
+                 else f"--batch-size {cfg.batch_size}")
         raise ConfigError(f"--table-capacity {cap} is below the rows one batch can touch in "
                           f"one table, all on one shard in the worst case: table {t} (field "
                           f"{f.name!r}, {f.width} id(s) per example, vocabulary {f.vocab}) "
-                          f"up to min(--batch-size {cfg.batch_size} x {f.width}, {f.vocab}) = "
-                          f"{need}; give --table-capacity {need} or more, or a smaller "
-                          "--batch-size")
+                          f"up to min({batch} x {f.width}, {f.vocab}) = {need}; give "
+                          f"--table-capacity {need} or more, or a smaller --batch-size"
+                          + (" or fewer --threads" if cfg.threads > 1 else ""))
 
 
 def _check_dataset(cfg: config.Config) -> data.DatasetInfo:
@@ -242,7 +246,7 @@ def _setup(cfg: config.Config, world, layout: Layout, info, ckpt, run_dir: Path,
     # /train (the same on every rank), else none (evaluations on the test set)
     held = np.empty(0, dtype=np.int64)
     categorical = is_embedding_spec(cfg.model)
-    val_source, val_rows = None, 0 if categorical else data.val_rows(cfg.data)
+    val_source, val_rows = None, 0 if categorical else data.val_rows(cfg.data)  # no /val
     if val_rows:
         val_source = VAL_FILE
     elif cfg.validation_fraction > 0:
@@ -258,18 +262,25 @@ def _setup(cfg: config.Config, world, layout: Layout, info, ckpt, run_dir: Path,
         rows_of, width = data.CategoricalRows.of(info), _categorical_width(info)
         if grid.role.is_replica and stream.train:
             lo, hi = block_range(info.n_train, layout.replicas, grid.role.replica)
-            ctx.train_stream = RowSource(cfg.data, "train", width, lo, hi, layout=rows_of)
+            ctx.train_stream = RowSource(cfg.data, "train", width, lo, hi, held,
+                                         layout=rows_of)
         elif grid.role.is_replica:
-            block = data.load_block(cfg.data, "train", grid.role.replica, layout.replicas)
+            block = data.load_block(cfg.data, "train", grid.role.replica,
+                                    layout.replicas).without(held)
             ctx.train_x, ctx.train_y = block.features, block.y
         if grid.role.is_replica and (ctx.train_rows or 0) < cfg.batch_size:
             raise ConfigError(f"replica {grid.role.replica} holds {ctx.train_rows or 0} "
                               f"training rows, fewer than --batch-size {cfg.batch_size}")
         if grid.is_chief and stream.evaluation:  # scored in chunks
             ctx.test_stream = RowSource(cfg.data, "test", width, 0, info.n_test, layout=rows_of)
+            if len(held):
+                ctx.val_stream = RowSource(cfg.data, "train", width, rows=held, layout=rows_of)
         elif grid.is_chief:
             block = data.load_block(cfg.data, "test")
             ctx.test_x, ctx.test_y = block.features, block.y
+            if len(held):
+                block = data.load_categorical_rows(cfg.data, "train", held)
+                ctx.val_x, ctx.val_y = block.features, block.y
     elif grid.role.is_replica and cfg.spec.replica_data == "whole":
         # any replica may be handed any portion: each holds the whole training set (in
         # memory: feed.plan refused a set that does not fit)
@@ -306,11 +317,9 @@ def _plan_feed(cfg: config.Config, info, layout: Layout, budgets: list) -> Feed:
     """Whether data stream (:mod:`hpcps.strategies.feed`), from every rank's budget."""
     categorical = is_embedding_spec(cfg.model)
     n_features = getattr(info, "n_features", None) or _categorical_width(info)
-    val = 0
-    if not categorical:
-        val = data.val_rows(cfg.data) or (
-            len(data.holdout_rows(info.n_train, cfg.validation_fraction, cfg.seed))
-            if cfg.validation_fraction > 0 else 0)
+    val = 0 if categorical else data.val_rows(cfg.data)  # a categorical file has no /val
+    if not val and cfg.validation_fraction > 0:
+        val = len(data.holdout_rows(info.n_train, cfg.validation_fraction, cfg.seed))
     lowest = min(range(len(budgets)), key=lambda r: budgets[r][0])
     why = budgets[lowest][1] + (f" on rank {lowest}" if len(budgets) > 1 else "")
     return feed_plan(cfg, layout, info.n_train, info.n_test, n_features, val,
@@ -407,7 +416,11 @@ def _summary(ctx: Context, results: list[dict], wall_s: float, stopped: bool = F
     else:
         m.message(f"  final test accuracy: {100 * rec['test_accuracy']:.2f}% "
                   f"(test loss {rec['test_loss']:.4f})")
-    if rec.get("val_accuracy") is not None:
+    if rec.get("val_auc") is not None:
+        m.message(f"  final validation AUC: {rec['val_auc']:.4f} (validation log loss "
+                  f"{rec['val_loss']:.4f}, {rec['val_rows']} rows; the periodic evaluations "
+                  "scored this split)")
+    elif rec.get("val_accuracy") is not None:
         m.message(f"  final validation accuracy: {100 * rec['val_accuracy']:.2f}% "
                   f"(validation loss {rec['val_loss']:.4f}, {rec['val_rows']} rows; the "
                   "periodic evaluations scored this split)")
@@ -449,7 +462,8 @@ def _train_rows(ctx: Context) -> int | None:
 def _split_figures(ctx: Context, mine: dict, results: list[dict]) -> dict:
     """Which split each figure is on: ``eval_split`` (what the periodic evaluations scored),
     ``val_source`` (``file``, ``held-out`` or None), ``val_accuracy`` and ``val_loss`` (the
-    final model on the validation split, when there is one), ``val_rows``, and
+    final model on the validation split, when there is one; ``val_auc`` too for an embedding
+    model), ``val_rows``, and
     ``train_rows``: the training rows the replicas held (each replica's shard once; with
     replicas that each hold the whole set, that set)."""
     rows = [r["train_rows"] for r in results if r.get("train_rows") is not None]
@@ -459,6 +473,8 @@ def _split_figures(ctx: Context, mine: dict, results: list[dict]) -> dict:
     if ctx.val_source is not None:
         out.update(val_accuracy=mine.get("val_accuracy"), val_loss=mine.get("val_loss"),
                    val_rows=ctx.val_rows)
+        if mine.get("val_auc") is not None:  # a binary (embedding) model
+            out["val_auc"] = mine["val_auc"]
     return out
 
 

@@ -232,8 +232,8 @@ TABLE_CAPACITY = Option("table_capacity", int, "embedding models: each server sh
                         "most this many rows of each table; new rows beyond it evict the rows "
                         "unused for the longest (an evicted row starts again from its initial "
                         "row), and a pushed gradient of a row evicted since its pull is "
-                        "dropped; at least the rows one batch can touch in one table "
-                        "(default: none, unbounded)", check="positive")
+                        "dropped; at least the rows one pull (--threads batches) can touch "
+                        "in one table (default: none, unbounded)", check="positive")
 # --admit-after's largest value: sightings are counted in 16-bit saturating counters
 # (hpcps.ps.admission.COUNTER_MAX; declared here, below the layers that load MPI)
 ADMIT_AFTER_MAX = 0xFFFF

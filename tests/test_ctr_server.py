@@ -262,13 +262,14 @@ EMBEDDING_DIMS = [
     [1, 2, 3],                                                   # R
     [[], ["--trace"], ["--wire-dtype", "bf16"]],  # the dense layers' values as bfloat16
     [[], ["--threads", "2"]],
-    [[], ["--data-memory", "0.01"]],  # every replica's block streams, the test split too
+    [[], ["--data-memory", "0.01"],  # every replica's block streams, the test split too
+     ["--validation-fraction", "0.1"]],  # rows held out of /train score the evaluations
     ["downpour", "hybrid"],
     [[], ["--n-fetch", "2", "--n-push", "2"], ["--staleness-bound", "1"],
      ["--warmup-steps", "0", "--row-optimizer", "sgd", "--row-lr", "1"],
      ["--row-optimizer", "adagrad", "--row-l2", "1e-4"],
      ["--optimizer", "momentum", "--model", "embed4:mean,dot,fc8,fc1"],
-     ["--table-capacity", "64", "--admit-after", "2"]],  # a batch's 64 rows: the least
+     ["--table-capacity", "128", "--admit-after", "2"]],  # 2 threads x 64 rows: the least
 ]
 # what no embedding run takes, each with a message of its own (the options downpour refuses
 # with embeddings are listed in _validate_embeddings; tests/test_config.py-style checks below)
@@ -324,6 +325,8 @@ def test_embedding_combination(n, argv, ctr_h5, tmp_path):
     s = summary(tmp_path)
     assert s["step"] >= 120 and s["test_auc"] >= COMBO_MIN_AUC, s
     assert s["data_streams"] is ("--data-memory" in argv), s
+    if "--validation-fraction" in argv:
+        assert s["eval_split"] == "val" and s["val_auc"] >= COMBO_MIN_AUC, s
     if "--trace" in argv:
         events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
         assert {e["pid"] for e in events if e["ph"] == "X"} == set(range(n))
@@ -356,3 +359,31 @@ def test_bad_categorical_data_is_refused_at_start(ctr_h5, tmp_path, bad, words):
     assert "Traceback" not in run.output
     assert not any(p.is_file() for p in (tmp_path / "run").rglob("*")), \
         list((tmp_path / "run").rglob("*"))
+
+
+@pytest.mark.parametrize("strategy,streams", [("downpour", False), ("hybrid", True)])
+def test_a_held_out_fraction_scores_the_evaluations_of_an_embedding_model(
+        ctr_h5, tmp_path, strategy, streams):
+    """--validation-fraction with an embedding model: the held-out rows of /train are not
+    trained on, the periodic evaluations score them (val_auc), the test split is scored at
+    the end, in memory or streamed."""
+    from hpcps.io.data import holdout_rows
+    run = mpirun.train(3, "--strategy", strategy, "--model", SPEC, "--data", str(ctr_h5),
+                       "--servers", "1", "--steps", "120", "--eval-every", "60",
+                       "--validation-fraction", "0.2",
+                       *(["--data-memory", "0.01"] if streams else []),
+                       "--run-dir", str(tmp_path), "--timeout", "60", timeout=180)
+    assert run.returncode == 0, run.output[-3000:]
+    n_train = open_categorical(ctr_h5).n_train
+    n_val = len(holdout_rows(n_train, 0.2, 0))
+    recs = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in recs if r["kind"] == "eval"]
+    assert evals and all(e["split"] == "val" and 0.5 < e["val_auc"] <= 1 for e in evals), evals
+    assert all("test_auc" not in e for e in evals), evals
+    s = summary(tmp_path)
+    assert s["data_streams"] is streams and s["eval_streams"] is streams, s
+    assert s["eval_split"] == "val" and s["val_source"] == "held-out", s
+    assert s["val_rows"] == n_val and s["train_rows"] == n_train - n_val, s
+    assert s["val_auc"] > 0.7 and s["test_auc"] > 0.7, s
+    assert f"final validation AUC: {s['val_auc']:.4f}" in run.stdout, run.stdout[-2000:]
+    assert "final test AUC" in run.stdout

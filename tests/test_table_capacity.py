@@ -290,6 +290,8 @@ def test_small_capacity_and_admission_train(ctr_h5, tmp_path, capsys):
 
 @pytest.mark.parametrize("extra,words", [
     (["--table-capacity", "63"], "--table-capacity 63 is below the rows one batch can touch"),
+    (["--table-capacity", "100", "--threads", "2"],  # a pull serves both threads' batches
+     "up to min(--batch-size 64 x --threads 2 x 1, 300) = 128"),
     (["--admit-after", "70000"], "at most 65535"),
     (["--table-capacity", "0"], "--table-capacity must be positive"),
 ])

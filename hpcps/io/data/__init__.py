@@ -58,6 +58,7 @@ if TYPE_CHECKING:  # what a type checker reads; at run time, __getattr__ below
         CategoricalWriter,
         Field,
         load_block,
+        load_categorical_rows,
         open_categorical,
     )
     from hpcps.io.data.sources import (
@@ -76,7 +77,8 @@ if TYPE_CHECKING:  # what a type checker reads; at run time, __getattr__ below
 # name -> the module of this package that defines it, imported on first use
 _LAZY = {
     **dict.fromkeys(("CategoricalInfo", "CategoricalRows", "CategoricalWriter", "Field",
-                     "load_block", "open_categorical"), "categorical"),
+                     "load_block", "load_categorical_rows", "open_categorical"),
+                   "categorical"),
     **dict.fromkeys(("DEFAULT_DATA", "MNIST_WHEEL_ENV", "MNIST_WHEEL_NAME",
                      "NumpyOnlyUnpickler", "main", "prepare", "prepare_digits",
                      "prepare_mnist"), "sources"),
@@ -104,6 +106,7 @@ __all__ = [
     "CategoricalWriter",
     "Field",
     "load_block",
+    "load_categorical_rows",
     "open_categorical",
     "prepare_movielens",
     "prepare_synthetic_ctr",

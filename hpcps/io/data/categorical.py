@@ -31,7 +31,7 @@ import numpy as np
 from hpcps.blocks import block_range
 from hpcps.errors import DataError
 from hpcps.io.data.h5format import FORMAT, _attr_str, _open_h5, check_finite_rows, publish
-from hpcps.io.data.stream import Column
+from hpcps.io.data.stream import Column, RowSource, chunks
 
 CATEGORICAL_LAYOUT_VERSION = 2
 KIND = "categorical"
@@ -525,6 +525,19 @@ class CategoricalBlock:
     def features(self) -> Features:
         return Features(self.ids, self.dense)
 
+    def without(self, held: np.ndarray) -> "CategoricalBlock":
+        """This block less the rows ``held`` (numbers in the split, sorted) that fall in it:
+        the rows held out for validation."""
+        mine = held[(held >= self.lo) & (held < self.lo + len(self.y))] - self.lo
+        if not len(mine):
+            return self
+        keep = np.ones(len(self.y), dtype=bool)
+        keep[mine] = False
+        return CategoricalBlock(ids=np.ascontiguousarray(self.ids[keep]),
+                                y=np.ascontiguousarray(self.y[keep]),
+                                dense=None if self.dense is None
+                                else np.ascontiguousarray(self.dense[keep]), lo=self.lo)
+
 
 def load_block(path: str | os.PathLike, split: str, shard: int = 0,
                n_shards: int = 1) -> CategoricalBlock:
@@ -566,6 +579,25 @@ def load_block(path: str | os.PathLike, split: str, shard: int = 0,
         check_finite_rows(dense, path, split, lo, stored, dataset="dense")
     return CategoricalBlock(ids=np.ascontiguousarray(ids, dtype=np.int64),
                             y=np.ascontiguousarray(y, dtype=np.int64), dense=dense, lo=lo)
+
+
+def load_categorical_rows(path: str | os.PathLike, split: str, rows: np.ndarray,
+                          block: int = 8192) -> CategoricalBlock:
+    """Rows ``rows`` (sorted, unique) of a split, read ``block`` rows of the file at a time and
+    checked as :func:`load_block` checks its rows (the rows held out for validation)."""
+    info = open_categorical(path)
+    source = RowSource(str(path), split, 2 * info.n_columns + info.n_dense,
+                       rows=np.asarray(rows, dtype=np.int64), layout=CategoricalRows.of(info))
+    ids, dense, y = [], [], []
+    for (i, d), t in chunks(source, block):
+        ids.append(i)
+        y.append(t)
+        if d is not None:
+            dense.append(d)
+    if not ids:
+        raise DataError(f"{path}: no rows of /{split} asked for")
+    return CategoricalBlock(ids=np.concatenate(ids), y=np.concatenate(y),
+                            dense=np.concatenate(dense) if dense else None, lo=-1)
 
 
 def describe(path: str | os.PathLike) -> list[str]:

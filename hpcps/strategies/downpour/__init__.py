@@ -76,8 +76,7 @@ def _validate_embeddings(cfg) -> None:
         "--heartbeat-timeout": cfg.heartbeat_timeout is not None,
         "--softsync": cfg.softsync is not None, "--staleness-lr": cfg.staleness_lr == "on",
         "--weight-decay": bool(cfg.weight_decay), "--dropout": bool(cfg.dropout),
-        "--lr-schedule cosine": optim.varies(cfg.lr_schedule),
-        "--validation-fraction": bool(cfg.validation_fraction)})
+        "--lr-schedule cosine": optim.varies(cfg.lr_schedule)})
 
 
 def _validate(cfg) -> None:

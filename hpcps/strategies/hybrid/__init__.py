@@ -32,8 +32,7 @@ def _validate(cfg) -> None:
                           "an MLP or a conv model use --strategy sync or downpour")
     check_embedding_options(cfg, True, {
         "--weight-decay": bool(cfg.weight_decay),
-        "--dropout": bool(cfg.dropout), "--lr-schedule cosine": optim.varies(cfg.lr_schedule),
-        "--validation-fraction": bool(cfg.validation_fraction)})
+        "--dropout": bool(cfg.dropout), "--lr-schedule cosine": optim.varies(cfg.lr_schedule)})
     check_loop_options(cfg)
 
 
