@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -106,8 +107,33 @@ RUN = ["--layers", "784,64,10", "--steps", "2000", "--batch-size", "32", "--eval
 LIMIT_S = 150
 
 
+def drained(proc):
+    """``proc`` with its merged output read as it comes, by a thread, into ``proc.parts``.
+    A pipe nobody reads holds 64 KiB: past it the job blocks in its next print (with
+    ``--progress-every 0.1`` a long run gets there, and its chief, stuck in ``print``, then
+    claims no join and answers nobody). Read it back with :func:`output`."""
+    proc.parts = []
+
+    def read():
+        for line in proc.stdout:
+            proc.parts.append(line)
+
+    proc.reader = threading.Thread(target=read, daemon=True)
+    proc.reader.start()
+    return proc
+
+
+def output(proc, timeout=None) -> str:
+    """The output of a :func:`drained` process once it has ended (``timeout``: seconds to
+    wait for the end; subprocess.TimeoutExpired past them)."""
+    proc.wait(timeout=timeout)
+    proc.reader.join(timeout=30)
+    return "".join(proc.parts)
+
+
 def launch(run_dir, data_h5, n=4, extra=(), run=RUN, ulfm=False):
-    """The job, started; its launch tag is ``proc.tag`` (for :func:`mpirun.end_launch`).
+    """The job, started, its output drained (:func:`drained`, read by :func:`output` or
+    :func:`finish`); its launch tag is ``proc.tag`` (for :func:`mpirun.end_launch`).
     ``ulfm``: under Open MPI, ``mpirun --with-ft ulfm`` (deaths reported by MPI)."""
     path = str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")
     env, tag = tagged_env(dict(os.environ, OPENBLAS_NUM_THREADS="1", PYTHONPATH=path))
@@ -117,7 +143,7 @@ def launch(run_dir, data_h5, n=4, extra=(), run=RUN, ulfm=False):
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=env, start_new_session=True, preexec_fn=below_the_watcher)
     proc.tag = tag
-    return proc
+    return drained(proc)
 
 
 def kill_at_step(proc, run_dir, ranks, step):
@@ -133,18 +159,20 @@ def kill_at_step(proc, run_dir, ranks, step):
         return seen, time.monotonic()
     except BaseException:
         end_launch(proc.pid, proc.tag)
-        proc.communicate()
+        output(proc)
         raise
 
 
 def finish(proc, what):
+    """The output of a :func:`launch`-ed process once it ends within ``LIMIT_S``; else its
+    launch is ended and the wait fails as a hang."""
     try:
-        out, _ = proc.communicate(timeout=LIMIT_S)
+        return output(proc, LIMIT_S)
     except subprocess.TimeoutExpired:
         end_launch(proc.pid, proc.tag)
-        out, _ = proc.communicate()
-        raise AssertionError(f"{what}: no end within {LIMIT_S} s (hang?)\n{out[-3000:]}")
-    return out
+        out = output(proc)
+        raise AssertionError(f"{what}: no end within {LIMIT_S} s (hang?)\n{out[-3000:]}") \
+            from None
 
 
 def summary(run_dir):
@@ -206,7 +234,7 @@ class Job:
                                 env=env, start_new_session=True,
                                 preexec_fn=below_the_watcher)
         proc.tag = tag
-        self.joins.append(proc)
+        self.joins.append(drained(proc))
         return proc
 
     def __exit__(self, typ, exc, tb):
@@ -223,7 +251,7 @@ class Job:
         tails = []
         for p in [self.proc, *self.joins]:
             end_launch(p.pid, p.tag)
-            out, _ = p.communicate()
+            out = output(p)
             name = "the job" if p is self.proc else f"join launch {self.joins.index(p) + 1}"
             tails.append(f"--- {name} (exit code {p.returncode}), last output:\n"
                          f"{(out or '')[-1500:]}")

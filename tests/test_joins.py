@@ -13,7 +13,7 @@ import time
 import pytest
 
 from mpirun import mpi_flavor, mpiexec_cmd
-from test_faults import ROOT, RUN, Job
+from test_faults import ROOT, RUN, Job, output
 
 from hpcps import procfs
 from hpcps.errors import ConfigError
@@ -155,7 +155,7 @@ def test_launches_join_as_replica_and_spare_and_the_spare_replaces_a_killed_repl
         job.signal(1)
         job.wait("replacement", 1, "the joined spare replacing replica 1")
         big = job.join(2, "replica")
-        out_big, _ = big.communicate(timeout=LIMIT_S)
+        out_big = output(big, LIMIT_S)
     out, outs = job.out, [job.outs[first], job.outs[second]]
     assert job.proc.returncode == 0, out[-3000:]
     assert [p.returncode for p in (first, second)] == [0, 0], outs

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from faultinject import kill_rank, wait_for_step
 from mpirun import ROOT, end_launch, run_mpi, train
-from test_faults import finish, launch
+from test_faults import finish, launch, output
 
 from hpcps.io.data import RowSource, load_split
 from hpcps.model.mlp import MLP
@@ -183,7 +183,7 @@ def test_a_spare_streams_the_data_shard_it_takes_over(digits_h5, tmp_path):
         kill_rank(proc.pid, 1, signal.SIGTERM)
     except BaseException:
         end_launch(proc.pid, proc.tag)
-        proc.communicate()
+        output(proc)
         raise
     out = finish(proc, "streamed run with a spare")
     assert proc.returncode == 0, out[-4000:]
