@@ -22,7 +22,7 @@ Usage::
     python bench/bench_stream.py                           # MNIST, sync on 2 ranks, ~6 min
     python bench/bench_stream.py --quick                   # digits, a smoke test, ~15 s
     python bench/bench_stream.py --data data/mnist.h5 --repeats 7 --ranks 2
-    python bench/bench_stream.py --ctr                     # embedding model, 3 ranks, ~5 min
+    python bench/bench_stream.py --ctr                     # embedding model, 3 ranks, ~2 min
 
 On a 2-core machine, run it alone: the reading thread shares the cores with the ranks, and
 other load skews every figure.
@@ -47,7 +47,7 @@ FULL = {"data": ROOT / "data" / "mnist.h5", "models": ["784,512,512,10", "784,12
 QUICK = {"data": None, "models": ["64,32,10"], "steps": 300, "batch": 16,
          "stream_mib": 0.01, "learned": 0.7}
 # an embedding model on 400,000 synthetic click-through rows (26 fields of 10^5 ids, Zipf
-# 1.1: 217 bytes a row, 38 MiB a replica's block), streamed within 8 MiB
+# 1.1: 216 bytes a row, some 40 MiB a replica's block), streamed within 8 MiB
 CTR = {"data": None, "models": ["embed16,fc64,fc1"], "steps": 600, "batch": 256,
        "stream_mib": 8, "learned": 0.7, "figure": "test_auc", "strategy": "downpour",
        "ranks": 3, "extra": ["--servers", "1"]}
