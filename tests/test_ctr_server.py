@@ -363,7 +363,7 @@ def test_bad_categorical_data_is_refused_at_start(ctr_h5, tmp_path, bad, words):
 
 @pytest.mark.parametrize("strategy,streams", [("downpour", False), ("hybrid", True)])
 def test_a_held_out_fraction_scores_the_evaluations_of_an_embedding_model(
-        ctr_h5, tmp_path, strategy, streams):
+        ctr_h5, tmp_path, capsys, strategy, streams):
     """--validation-fraction with an embedding model: the held-out rows of /train are not
     trained on, the periodic evaluations score them (val_auc), the test split is scored at
     the end, in memory or streamed."""
@@ -387,3 +387,8 @@ def test_a_held_out_fraction_scores_the_evaluations_of_an_embedding_model(
     assert s["val_auc"] > 0.7 and s["test_auc"] > 0.7, s
     assert f"final validation AUC: {s['val_auc']:.4f}" in run.stdout, run.stdout[-2000:]
     assert "final test AUC" in run.stdout
+    # hpcps.evaluate --split val scores the same held-out rows of /train
+    from hpcps.tools import evaluate
+    assert evaluate.main([str(tmp_path / "checkpoint.h5"), "--split", "val", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["n"] == n_val and got["auc"] == pytest.approx(s["val_auc"], abs=1e-6), got

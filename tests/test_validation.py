@@ -98,7 +98,8 @@ def test_sandblaster_refuses_the_fraction_and_names_the_way_out(digits_h5, tmp_p
 
 # -- runs ------------------------------------------------------------------------------------
 @pytest.mark.parametrize("strategy,n", [("sync", 2), ("downpour", 3)])
-def test_a_held_out_fraction_is_what_the_evaluations_score(strategy, n, digits_h5, tmp_path):
+def test_a_held_out_fraction_is_what_the_evaluations_score(strategy, n, digits_h5, tmp_path,
+                                                           capsys):
     run = train(n, "--strategy", strategy, "--data", str(digits_h5), "--run-dir",
                 str(tmp_path), "--steps", "800", "--validation-fraction", "0.2", *QUICK)
     assert run.returncode == 0, run.output
@@ -120,6 +121,12 @@ def test_a_held_out_fraction_is_what_the_evaluations_score(strategy, n, digits_h
     assert "final validation accuracy" in run.stdout and "final test accuracy" in run.stdout
     # epochs count passes over the rows trained on
     assert abs(s["epoch"] - s["step"] * 16 / (n_train - n_val)) < 1e-2, s
+    # hpcps.evaluate --split val scores the same held-out rows (the file has no /val)
+    from hpcps.tools import evaluate
+    assert evaluate.main([str(tmp_path / "checkpoint.h5"), "--split", "val", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["n"] == n_val and got["split"].startswith(f"val ({n_val} rows held out"), got
+    assert got["accuracy"] == pytest.approx(s["val_accuracy"], abs=1e-9), (got, s)
 
 
 def test_a_file_with_val_is_evaluated_on_it(val_h5, tmp_path):

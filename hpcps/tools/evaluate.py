@@ -67,6 +67,7 @@ import h5py
 import numpy as np
 
 from hpcps.io import checkpoint, data
+from hpcps.io.data.categorical import Features
 from hpcps.io.data.convert import read_unlabelled_csv
 from hpcps.io.data.h5format import check_finite_rows
 from hpcps.io.data.stream import EVAL_ROWS, RowSource, chunks
@@ -391,6 +392,39 @@ def data_path(args: argparse.Namespace, ckpt: checkpoint.Checkpoint) -> str:
     return saved
 
 
+def held_out(ckpt: checkpoint.Checkpoint, n_train: int) -> np.ndarray | None:
+    """The rows of /train the run held out for validation (``--validation-fraction`` with its
+    ``--seed``, the same choice training made), or None when it held none out."""
+    cfg = ckpt.config if isinstance(ckpt.config, dict) else {}
+    fraction = float(cfg.get("validation_fraction") or 0.0)
+    if fraction <= 0:
+        return None
+    return data.holdout_rows(n_train, fraction, int(cfg.get("seed") or 0))
+
+
+def split_source(path: str, split: str, ckpt: checkpoint.Checkpoint, n_train: int,
+                 width: int, layout=None, file_has_val: bool = False) -> tuple[RowSource, str]:
+    """The rows ``--split`` names and how to say which: the file's split, or, for ``val``
+    where the file has no /val, the rows the run held out of /train."""
+    if split == "val" and not file_has_val:
+        held = held_out(ckpt, n_train)
+        if held is None:
+            how = (" (write one with python -m hpcps.data convert --validation-fraction F)"
+                   if layout is None else "")
+            raise DataError(f"{path} has no validation split /val and the run held no rows "
+                            "out of /train (--validation-fraction 0): nothing to score as "
+                            f"val{how}")
+        frac = ckpt.config.get("validation_fraction")
+        return (RowSource(path, "train", width, rows=held, layout=layout),
+                f"val ({len(held)} rows held out of /train by --validation-fraction {frac:g})")
+    if layout is None:
+        n = data.split_rows(path, split)
+    else:  # a categorical file: train and test
+        info = data.open_categorical(path)
+        n = {"train": info.n_train, "test": info.n_test}[split]
+    return RowSource(path, split, width, 0, n, layout=layout), split
+
+
 def input_blocks(path: str | os.PathLike, split: str, n_features: int, batch: int):
     """The rows of an unlabelled file (``--input``) in blocks of ``batch``, checked: the
     model's input width, finite. Formats in the module docstring."""
@@ -474,10 +508,11 @@ def run(args: argparse.Namespace) -> tuple[Evaluation, dict[str, Any], list[str]
     path = data_path(args, ckpt)
     info = data.open_dataset(path)
     notes = check_fits(ckpt, list(model.sizes), info)
-    source = RowSource(path, args.split, info.n_features, 0, data.split_rows(path, args.split))
+    source, which = split_source(path, args.split, ckpt, info.n_train, info.n_features,
+                                 file_has_val=bool(data.val_rows(path)))
     ev = evaluate_pieces(model, flat, chunks(source, max(args.batch, EVAL_ROWS)), args.batch)
     facts = model_facts(args, ckpt, model)
-    facts.update(dataset=str(path), dataset_name=info.name, split=args.split)
+    facts.update(dataset=str(path), dataset_name=info.name, split=which)
     if args.predict is not None:
         about = {k: facts[k] for k in ("checkpoint", "step", "dataset", "split")}
         about.update(accuracy=ev.accuracy, loss=ev.loss)
@@ -519,25 +554,26 @@ def run_embedding(args: argparse.Namespace, ckpt: checkpoint.Checkpoint
                                capacity=max(1, len(ids)), absent=absent)
         store.load(ids, rows)
         stores.append(store)
-    n = {"train": info.n_train, "test": info.n_test}.get(args.split, 0)  # load_block: others
-    # the split in blocks of consecutive rows, each read and checked in turn: only the table
-    # rows and, per row, its label and logit stay
-    n_blocks = max(1, -(-n // max(args.batch, EVAL_ROWS)))
+    # the split in pieces of consecutive rows, each read and checked in turn (a held-out
+    # validation split: the rows the run held out of /train): only the table rows and, per
+    # row, its label and logit stay
+    source, which = split_source(path, args.split, ckpt, info.n_train,
+                                 2 * info.n_columns + info.n_dense, data.CategoricalRows.of(info))
     ys, zs = [], []
-    for b in range(n_blocks):
-        block = data.load_block(path, args.split, b, n_blocks)
-        z = np.empty(len(block.y), dtype=np.float64)
+    for (all_ids, all_dense), y in chunks(source, max(args.batch, EVAL_ROWS)):
+        piece = Features(all_ids, all_dense)
+        z = np.empty(len(y), dtype=np.float64)
         for lo in range(0, len(z), args.batch):
-            ids, dense = block.features[lo:lo + args.batch]
+            ids, dense = piece[lo:lo + args.batch]
             batch = model.lookup(ids)
             pulled = [s.peek(u) for s, u in zip(stores, batch.uniq)]
             z[lo:lo + len(ids)] = model.logits(flat, pulled, batch, dense)
-        ys.append(block.y)
+        ys.append(y)
         zs.append(z)
     y, z = np.concatenate(ys), np.concatenate(zs)
     figures = binary_metrics(y, z)
     facts = {"checkpoint": str(args.checkpoint), "step": ckpt.step, "model": model.spec_text,
-             "dataset": str(path), "dataset_name": info.name, "split": args.split,
+             "dataset": str(path), "dataset_name": info.name, "split": which,
              "n": len(z), "auc": figures["auc"], "log_loss": figures["log_loss"],
              "rows_held": [len(s) for s in stores], "table_files": len(files)}
     notes = []
@@ -581,8 +617,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="hpcps dataset file (HDF5; default: the one the checkpoint's run "
                         "was trained on, from its config)")
     parser.add_argument("--split", choices=(*data.SPLITS, "val"), default="test",
-                        help="which split to evaluate on (default: test; val: the optional "
-                        "validation split /val)")
+                        help="which split to evaluate on (default: test; val: the file's "
+                        "validation split /val, else the rows the run held out of /train "
+                        "with --validation-fraction)")
     parser.add_argument("--predict", metavar="OUT", default=None,
                         help="write per-row predictions to OUT: .csv (row, label, predicted, "
                         "p_0..p_{C-1}), .npy (a structured array of those fields) or .h5/.hdf5 "
