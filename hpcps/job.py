@@ -259,7 +259,7 @@ def _setup(cfg: config.Config, world, layout: Layout, info, ckpt, run_dir: Path,
                   resumed=ckpt.metrics if ckpt is not None else None,
                   val_source=val_source, val_rows=val_rows, held_out=len(held), feed=stream)
     if categorical:  # ids (and dense features) per row, checked as they are read
-        rows_of, width = data.CategoricalRows.of(info), _categorical_width(info)
+        rows_of, width = data.CategoricalRows.of(info), info.row_width
         if grid.role.is_replica and stream.train:
             lo, hi = block_range(info.n_train, layout.replicas, grid.role.replica)
             ctx.train_stream = RowSource(cfg.data, "train", width, lo, hi, held,
@@ -316,7 +316,7 @@ def _data_budget(cfg: config.Config, ranks_on_node: int) -> tuple[int, str]:
 def _plan_feed(cfg: config.Config, info, layout: Layout, budgets: list) -> Feed:
     """Whether data stream (:mod:`hpcps.strategies.feed`), from every rank's budget."""
     categorical = is_embedding_spec(cfg.model)
-    n_features = getattr(info, "n_features", None) or _categorical_width(info)
+    n_features = getattr(info, "n_features", None) or info.row_width
     val = 0 if categorical else data.val_rows(cfg.data)  # a categorical file has no /val
     if not val and cfg.validation_fraction > 0:
         val = len(data.holdout_rows(info.n_train, cfg.validation_fraction, cfg.seed))
@@ -324,12 +324,6 @@ def _plan_feed(cfg: config.Config, info, layout: Layout, budgets: list) -> Feed:
     why = budgets[lowest][1] + (f" on rank {lowest}" if len(budgets) > 1 else "")
     return feed_plan(cfg, layout, info.n_train, info.n_test, n_features, val,
                      [b for b, _ in budgets], why)
-
-
-def _categorical_width(info) -> int:
-    """Float32-sized numbers per row of a categorical file (an int64 id counts two), for the
-    memory plan."""
-    return 2 * info.n_columns + info.n_dense
 
 
 def _validation_note(ctx: Context) -> str:

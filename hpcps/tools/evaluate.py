@@ -403,9 +403,11 @@ def held_out(ckpt: checkpoint.Checkpoint, n_train: int) -> np.ndarray | None:
 
 
 def split_source(path: str, split: str, ckpt: checkpoint.Checkpoint, n_train: int,
-                 width: int, layout=None, file_has_val: bool = False) -> tuple[RowSource, str]:
+                 width: int, layout=None, file_has_val: bool = False,
+                 sizes: dict | None = None) -> tuple[RowSource, str]:
     """The rows ``--split`` names and how to say which: the file's split, or, for ``val``
-    where the file has no /val, the rows the run held out of /train."""
+    where the file has no /val, the rows the run held out of /train. ``sizes``: rows per
+    split of a categorical file (its info has them); a dense file's are read."""
     if split == "val" and not file_has_val:
         held = held_out(ckpt, n_train)
         if held is None:
@@ -417,11 +419,7 @@ def split_source(path: str, split: str, ckpt: checkpoint.Checkpoint, n_train: in
         frac = ckpt.config.get("validation_fraction")
         return (RowSource(path, "train", width, rows=held, layout=layout),
                 f"val ({len(held)} rows held out of /train by --validation-fraction {frac:g})")
-    if layout is None:
-        n = data.split_rows(path, split)
-    else:  # a categorical file: train and test
-        info = data.open_categorical(path)
-        n = {"train": info.n_train, "test": info.n_test}[split]
+    n = data.split_rows(path, split) if sizes is None else sizes[split]
     return RowSource(path, split, width, 0, n, layout=layout), split
 
 
@@ -557,8 +555,9 @@ def run_embedding(args: argparse.Namespace, ckpt: checkpoint.Checkpoint
     # the split in pieces of consecutive rows, each read and checked in turn (a held-out
     # validation split: the rows the run held out of /train): only the table rows and, per
     # row, its label and logit stay
-    source, which = split_source(path, args.split, ckpt, info.n_train,
-                                 2 * info.n_columns + info.n_dense, data.CategoricalRows.of(info))
+    source, which = split_source(path, args.split, ckpt, info.n_train, info.row_width,
+                                 data.CategoricalRows.of(info),
+                                 sizes={"train": info.n_train, "test": info.n_test})
     ys, zs = [], []
     for (all_ids, all_dense), y in chunks(source, max(args.batch, EVAL_ROWS)):
         piece = Features(all_ids, all_dense)

@@ -344,6 +344,12 @@ class CategoricalInfo:
     def n_columns(self) -> int:
         return int(_columns(self.fields)[-1])
 
+    @property
+    def row_width(self) -> int:
+        """A row's size in float32 numbers (an int64 id counts two), for memory plans and
+        :class:`~hpcps.io.data.stream.RowSource`."""
+        return 2 * self.n_columns + self.n_dense
+
     def to_dict(self) -> dict:
         return {"path": self.path, "name": self.name, "kind": KIND, "n_train": self.n_train,
                 "n_test": self.n_test, "n_dense": self.n_dense, "label_kind": self.label_kind,
@@ -586,7 +592,7 @@ def load_categorical_rows(path: str | os.PathLike, split: str, rows: np.ndarray,
     """Rows ``rows`` (sorted, unique) of a split, read ``block`` rows of the file at a time and
     checked as :func:`load_block` checks its rows (the rows held out for validation)."""
     info = open_categorical(path)
-    source = RowSource(str(path), split, 2 * info.n_columns + info.n_dense,
+    source = RowSource(str(path), split, info.row_width,
                        rows=np.asarray(rows, dtype=np.int64), layout=CategoricalRows.of(info))
     ids, dense, y = [], [], []
     for (i, d), t in chunks(source, block):
