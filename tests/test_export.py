@@ -2,8 +2,10 @@
 ``python -m hpcps.export`` to ONNX (run in onnxruntime) and .npz.
 
 Two tiny real runs on digits under ``mpiexec -n 2``: an MLP (tanh) and a conv net (padding,
-stride, pooling, an explicit flatten). The ONNX file must give evaluate's probabilities to
-1e-5 on every test row.
+stride, pooling, an explicit flatten); and two embedding models trained by downpour on a small
+categorical file (sum pooling with dense features; mean pooling, dot products and
+``--admit-after``). The ONNX file must give evaluate's probabilities to 1e-5 on every test
+row.
 """
 from __future__ import annotations
 
@@ -166,18 +168,158 @@ def test_command_and_refusals(run, tmp_path, capsys):
     assert not list(tmp_path.glob("m.*"))
 
 
-def test_an_embedding_checkpoint_is_refused_with_the_way_to_score_it(ctr_h5, tmp_path, capsys):
-    """Export writes MLPs and conv nets: an embedding model's checkpoint (its dense layers
-    alone would pass for a 1-class MLP) is refused, naming where its rows are and what
-    scores it, and nothing is written."""
-    run = train(2, "--model", "embed8,fc16,fc1", "--data", str(ctr_h5), "--servers", "1",
-                "--steps", "40", "--run-dir", str(tmp_path / "run"), "--timeout", "30",
-                timeout=90)
+# -- embedding models ---------------------------------------------------------------------------
+# Three fields: a (1 column), b (3 columns, a multi-valued field padded with -1; some rows have
+# no value at all) and c (1 column); two dense features. The test split uses ids the training
+# split never holds (a: 30..39, c: 25..29), which read as their initial rows (or as zeros with
+# --admit-after 2): the exported tables must hold those rows too.
+EMBED_RUNS = {
+    "sum-dense": ["--model", "embed6,fc12,fc1"],
+    "mean-dot-admit": ["--model", "embed4:mean,dot,fc8,fc1", "--admit-after", "2",
+                       "--servers", "2"],
+}
+
+
+def embedding_file(path):
+    from hpcps.io.data.categorical import CategoricalWriter, Field
+    rng = np.random.default_rng(5)
+    fields = [Field("a", 1, 40), Field("b", 3, 25), Field("c", 1, 30)]
+
+    def rows(n, a_hi, c_hi):
+        a = rng.integers(0, a_hi, n)
+        b = rng.integers(-1, 25, (n, 3))
+        b[::7] = -1  # no value in field b
+        c = rng.integers(0, c_hi, n)
+        dense = rng.normal(size=(n, 2)).astype(np.float32)
+        y = ((a % 3 == 0) ^ (c % 2 == 0) ^ (dense[:, 0] > 0.5)).astype(np.int64)
+        return np.column_stack([a, b, c]).astype(np.int64), y, dense
+
+    train, test = rows(3000, 30, 25), rows(400, 40, 30)
+    with CategoricalWriter(path, name="toy-ctr", description="toy", source="this test",
+                           split_note="drawn apart", fields=fields,
+                           n_rows={"train": 3000, "test": 400}, dense_names=["d0", "d1"],
+                           label_description="a parity of a, c and d0") as w:
+        w.write("train", train[0], train[1], train[2])
+        w.write("test", test[0], test[1], test[2])
+        w.close()
+    return path
+
+
+@pytest.fixture(scope="module", params=sorted(EMBED_RUNS))
+def embedding_run(request, tmp_path_factory):
+    """(kind, checkpoint, data file) of a downpour run of an embedding model on 3 ranks."""
+    root = tmp_path_factory.mktemp(f"export-{request.param}")
+    path = embedding_file(root / "toy.h5")
+    args = EMBED_RUNS[request.param]
+    servers = [] if "--servers" in args else ["--servers", "1"]
+    run = train(3 if servers else 4, *args, *servers, "--data", str(path), "--steps", "300",
+                "--batch-size", "32", "--run-dir", str(root / "run"), "--timeout", "30",
+                timeout=120)
     assert run.returncode == 0, run.output[-3000:]
-    ckpt = tmp_path / "run" / "checkpoint.h5"
-    for out in (["--onnx", str(tmp_path / "m.onnx")], ["--npz", str(tmp_path / "m.npz")]):
-        assert main([str(ckpt), *out]) == 2
-        err = capsys.readouterr().err
-        assert "holds an embedding model (--model embed8,fc16,fc1)" in err, err
-        assert "tables/shard-" in err and "hpcps.evaluate" in err and "--predict" in err, err
+    return request.param, root / "run" / "checkpoint.h5", path
+
+
+def evaluated(ckpt, path, tmp_path):
+    """hpcps.evaluate's P(y = 0), P(y = 1) of every test row (its --predict file)."""
+    out = tmp_path / "pred.npy"
+    assert ev_tool.main([str(ckpt), "--data", str(path), "--predict", str(out)]) == 0
+    return np.load(out)["probabilities"]
+
+
+def test_embedding_onnx_matches_evaluate(embedding_run, tmp_path, capsys, monkeypatch):
+    """The exported graph (tables gathered by id, pooled over the ids that are not -1, the
+    dense features and dot products, the fc layers) gives evaluate's probabilities to 1e-5
+    on every test row, ids never trained among them; with the tables past the inline limit,
+    they go to OUT.onnx.data and the model loads them from there."""
+    ort = pytest.importorskip("onnxruntime", reason="onnxruntime is not installed "
+                              "(pip install 'hpcps[test]')")
+    pytest.importorskip("onnx", reason="onnx is not installed (pip install 'hpcps[export]')")
+    from hpcps.io.data.categorical import load_block
+    from hpcps.tools import export as export_tool
+    kind, ckpt, path = embedding_run
+    want = evaluated(ckpt, path, tmp_path)
+    block = load_block(path, "test")
+    assert (block.ids[:, 1:4] == -1).all(axis=1).any()  # rows with no value in field b
+    feeds = {"ids": block.ids, "dense": block.dense}
+    for inline in (True, False):
+        if not inline:
+            monkeypatch.setattr(export_tool, "INLINE_BYTES", 0)
+        out = tmp_path / f"model-{inline}.onnx"
+        assert main([str(ckpt), "--onnx", str(out)]) == 0
+        said = capsys.readouterr().out
+        assert "inputs ids (N, 5) and dense (N, 2)" in said, said
+        assert (out.with_name(out.name + ".data").exists()) != inline, said
+        session = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"])
+        logits, probs = session.run(["logits", "probabilities"], feeds)
+        assert logits.shape == (400, 1) and probs.shape == (400, 2)
+        diff = float(np.abs(probs - want).max())
+        print(f"{kind} (inline {inline}): largest |onnxruntime - evaluate| {diff:.3g}")
+        assert diff <= 1e-5
+    # one row alone: the batch dimension is free
+    one = session.run(["probabilities"], {"ids": block.ids[:1], "dense": block.dense[:1]})[0]
+    np.testing.assert_allclose(one, want[:1], rtol=0, atol=1e-5)
+
+
+def test_embedding_npz_holds_whole_tables_and_the_architecture(embedding_run, tmp_path):
+    """The .npz holds every field's whole table (V_f x d: trained rows as the table files
+    hold them, the others as the run would read them) and the fc layers; its JSON is enough
+    to compute evaluate's probabilities with NumPy alone."""
+    from hpcps.io import tables
+    from hpcps.io.data.categorical import load_block
+    kind, ckpt, path = embedding_run
+    out = tmp_path / "model.npz"
+    assert main([str(ckpt), "--npz", str(out)]) == 0
+    with np.load(out) as z:
+        arch = json.loads(str(z["architecture"]))
+        arrays = {k: z[k] for k in z.files if k != "architecture"}
+    assert arch["kind"] == "embedding" and [f["vocab"] for f in arch["fields"]] == [40, 25, 30]
+    d = arch["dim"]
+    assert [arrays[f["table"]].shape for f in arch["fields"]] == [(40, d), (25, d), (30, d)]
+    # the trained rows are the table files' rows
+    c = checkpoint.load(ckpt)
+    files = tables.table_files(ckpt.parent / tables.TABLES_DIR, c.step, 3, d)
+    for t in range(3):
+        ids, rows, _, _ = tables.read(files, t)
+        assert len(ids) > 0
+        np.testing.assert_array_equal(arrays[f"table{t}"][ids], rows)
+        never = np.setdiff1d(np.arange(arrays[f"table{t}"].shape[0]), ids)
+        if kind == "mean-dot-admit" and len(never):  # not admitted: zeros, as the shards read
+            assert not arrays[f"table{t}"][never].any()
+    # NumPy alone, from the JSON
+    block = load_block(path, "test")
+    pooled = []
+    for f in arch["fields"]:
+        ids = block.ids[:, f["columns"][0]:f["columns"][1]]
+        rows = arrays[f["table"]][np.maximum(ids, 0)] * (ids >= 0)[:, :, None]
+        total = rows.sum(axis=1)
+        if arch["pooling"] == "mean":
+            total = total / np.maximum((ids >= 0).sum(axis=1), 1)[:, None]
+        pooled.append(total)
+    parts = [np.concatenate(pooled, axis=1), block.dense]
+    if arch["dot"]:
+        i, j = np.triu_indices(len(pooled), 1)
+        stack = np.stack(pooled, axis=1)
+        parts.append(np.einsum("nid,njd->nij", stack, stack)[:, i, j])
+    h = np.concatenate(parts, axis=1)
+    for layer in arch["layers"]:
+        h = h @ arrays[f"{layer['name']}/W"] + arrays[f"{layer['name']}/b"]
+        if layer["activation"]:
+            assert layer["activation"] == "relu"
+            h = np.maximum(h, 0)
+    p = 1 / (1 + np.exp(-h[:, 0]))
+    np.testing.assert_allclose(p, evaluated(ckpt, path, tmp_path)[:, 1], rtol=0, atol=1e-5)
+
+
+def test_an_embedding_checkpoint_without_its_table_files_is_refused(embedding_run, tmp_path,
+                                                                    capsys):
+    """The checkpoint alone (copied away from tables/) cannot be exported: exit code 4, one
+    message naming the table files, nothing written."""
+    import shutil
+    _, ckpt, _ = embedding_run
+    alone = tmp_path / "alone" / "checkpoint.h5"
+    alone.parent.mkdir()
+    shutil.copy(ckpt, alone)
+    assert main([str(alone), "--npz", str(tmp_path / "m.npz")]) == 4
+    err = capsys.readouterr().err
+    assert err.startswith("hpcps.export: error: ") and "table" in err, err
     assert not list(tmp_path.glob("m.*"))

@@ -541,17 +541,7 @@ def run_embedding(args: argparse.Namespace, ckpt: checkpoint.Checkpoint
     except (KeyError, ValueError) as exc:
         raise CheckpointError(f"{args.checkpoint}: its parameters are not those of "
                               f"{model.spec_text} on {path}'s fields: {exc}") from None
-    files = tables.table_files(Path(args.checkpoint).parent / tables.TABLES_DIR, ckpt.step,
-                               model.n_tables, model.dim)
-    stores = []
-    absent = "zeros" if int(cfg.get("admit_after") or 1) > 1 else "initial"
-    for t in range(model.n_tables):
-        ids, rows, _, _ = tables.read(files, t)
-        store = EmbeddingStore(model.dim, table=t, seed=int(cfg.get("seed", 0)),
-                               optimizer="sgd", init_scale=cfg.get("row_init_scale"),
-                               capacity=max(1, len(ids)), absent=absent)
-        store.load(ids, rows)
-        stores.append(store)
+    stores, files = table_stores(args.checkpoint, ckpt, model)
     # the split in pieces of consecutive rows, each read and checked in turn (a held-out
     # validation split: the rows the run held out of /train): only the table rows and, per
     # row, its label and logit stay
@@ -584,6 +574,28 @@ def run_embedding(args: argparse.Namespace, ckpt: checkpoint.Checkpoint
                     "auc": facts["auc"], "loss": facts["log_loss"]})
         notes.append(f"wrote predictions for {len(z)} rows to {args.predict}")
     return facts, notes
+
+
+def table_stores(ckpt_path: str | os.PathLike, ckpt: checkpoint.Checkpoint, model: CtrModel
+                 ) -> tuple[list[EmbeddingStore], list[Path]]:
+    """An embedding model's tables as the run left them: one store per table, holding the rows
+    of the table files beside ``ckpt_path`` (:mod:`hpcps.io.tables`), and those files. A
+    store's :meth:`~EmbeddingStore.peek` reads an id the files do not hold as its initial row,
+    or as zeros when the run admitted rows after several sightings (``--admit-after`` > 1:
+    what its shards read too)."""
+    cfg = ckpt.config
+    files = tables.table_files(Path(ckpt_path).parent / tables.TABLES_DIR, ckpt.step,
+                               model.n_tables, model.dim)
+    stores = []
+    absent = "zeros" if int(cfg.get("admit_after") or 1) > 1 else "initial"
+    for t in range(model.n_tables):
+        ids, rows, _, _ = tables.read(files, t)
+        store = EmbeddingStore(model.dim, table=t, seed=int(cfg.get("seed", 0)),
+                               optimizer="sgd", init_scale=cfg.get("row_init_scale"),
+                               capacity=max(1, len(ids)), absent=absent)
+        store.load(ids, rows)
+        stores.append(store)
+    return stores, files
 
 
 def describe_embedding(facts: dict[str, Any]) -> str:
