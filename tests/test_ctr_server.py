@@ -387,6 +387,15 @@ def test_a_held_out_fraction_scores_the_evaluations_of_an_embedding_model(
     assert s["val_auc"] > 0.7 and s["test_auc"] > 0.7, s
     assert f"final validation AUC: {s['val_auc']:.4f}" in run.stdout, run.stdout[-2000:]
     assert "final test AUC" in run.stdout
+    # hpcps.report draws the AUC against step: the validation curve from the evaluations,
+    # the test point from the summary (an MLP's accuracy figure has nothing to draw)
+    from hpcps.tools.report import load_run, plan_figures
+    plans = {fig.name: panels for fig, panels in plan_figures([load_run(tmp_path)])}
+    assert "auc" in plans and "accuracy" not in plans, sorted(plans)
+    by_step = plans["auc"][0]
+    lines = {line.curve.field: line for line in by_step.lines}
+    assert lines["val_auc"].ys == [e["val_auc"] for e in evals] + [s["val_auc"]], lines
+    assert lines["test_auc"].xs == [s["step"]] and lines["test_auc"].ys == [s["test_auc"]]
     # hpcps.evaluate --split val scores the same held-out rows of /train
     from hpcps.tools import evaluate
     assert evaluate.main([str(tmp_path / "checkpoint.h5"), "--split", "val", "--json"]) == 0

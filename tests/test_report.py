@@ -58,7 +58,7 @@ def test_figures_and_table(runs, tmp_path, capsys):
     assert main([str(runs["ssp"]), str(runs["lbfgs"]), "--out", str(out)]) == 0
     printed = capsys.readouterr().out
     pngs = {p.stem for p in out.glob("*.png")}
-    assert pngs == ALL_FIGURES, pngs
+    assert pngs == ALL_FIGURES - {"auc"}, pngs  # AUC: binary models' (test_ctr_server.py)
     for name in sorted(pngs):
         assert_real_png(out / f"{name}.png")
     assert not list(out.glob("*.tmp-*"))

@@ -68,6 +68,11 @@ _VAL_ACC = Curve("val_accuracy", ("eval", "summary"), name="validation", style="
                  marker="s")
 
 
+# binary models (embedding models, docs/ctr.md) report the area under the ROC curve
+_TEST_AUC = Curve("test_auc", ("eval", "summary"), name="test", marker="o")
+_VAL_AUC = Curve("val_auc", ("eval", "summary"), name="validation", style=":", marker="s")
+
+
 def _over_step_and_time(what: str, ylabel: str, *items: Curve, log: bool = False):
     return (Panel(f"{what} against step", ylabel, items, "step", log),
             Panel(f"{what} against wall time", ylabel, items, "time", log))
@@ -86,6 +91,9 @@ FIGURES: tuple[Figure, ...] = (
                                _VAL_LOSS)),
     Figure("accuracy", "Accuracy (test; validation when the run has a validation split)",
            _over_step_and_time("accuracy", "fraction correct", _TEST_ACC, _VAL_ACC)),
+    Figure("auc", "AUC of binary models (test; validation when the run has a validation "
+           "split)", _over_step_and_time("AUC", "area under the ROC curve", _TEST_AUC,
+                                         _VAL_AUC)),
     Figure("examples_per_s", "Throughput",
            _progress_and_final("examples/s", "examples per second", "examples_per_s",
                                "examples_per_s")),
