@@ -39,7 +39,7 @@ from hpcps.runtime import faults, memory, slurm, timeline
 from hpcps.mpi import joins
 from hpcps.mpi.comm import (PeerTimeout, ReplicaExchange, allgather_obj, barrier, bcast_obj,
                              dup_comm, gather_obj, host)
-from hpcps.options import parse_inject_slow
+from hpcps.options import parse_augment, parse_inject_slow
 from hpcps.errors import (PREEMPTED_EXIT, CheckpointError, CollectiveLost, ConfigError, HpcpsError,
                           NonFiniteError)
 from hpcps.runtime.metrics import Metrics
@@ -50,6 +50,7 @@ from hpcps.runtime.stop import SignalFlag, StopVote
 from hpcps.strategies.registry import strategies
 from hpcps.blocks import block_range
 from hpcps.io.data import RowSource
+from hpcps.io.data.augment import check_image_shape
 from hpcps.strategies.feed import Feed
 from hpcps.strategies.feed import plan as feed_plan
 from hpcps.strategies.context import (VAL_FILE, VAL_HELD_OUT, Context, explain_nonfinite,
@@ -119,6 +120,9 @@ def _check_dataset(cfg: config.Config) -> data.DatasetInfo:
         _check_table_capacity(cfg, info.fields)
         return info
     info = data.open_dataset(cfg.data)
+    aug = parse_augment(getattr(cfg, "augment", None))
+    if aug is not None:
+        check_image_shape(aug, info.image_shape, info.n_features, cfg.data)
     if cfg.model is not None:
         convnet.build(cfg, info)  # refuses a flat dataset, a spec that does not fit
         return info
@@ -601,6 +605,9 @@ def main(argv: list[str] | None = None) -> int:
         ctx.stop = StopVote(vote_comm, flag, cfg.timeout)
     m = ctx.metrics
     how = cfg.spec.how(cfg, ctx.n_train, layout.replicas)
+    aug = parse_augment(getattr(cfg, "augment", None))
+    if aug is not None:
+        how += f", {aug.describe()}"
     m.message(_describe(cfg, layout) + f"; model {convnet.describe_model(ctx.full_model)} "
               f"({ctx.full_model.n_params} parameters), {how}, {ctx.total_steps} steps "
               f"({ctx.epochs(ctx.total_steps):.2f} epochs) of {info.name}; "

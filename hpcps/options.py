@@ -200,6 +200,42 @@ WEIGHT_DECAY = Option("weight_decay", float, "L2 weight decay lambda: lambda * w
 DROPOUT = Option("dropout", float, "dropout rate p on the outputs of every hidden fully "
                  "connected layer of a --model network, in training only (inverted dropout: "
                  "kept units are scaled by 1/(1-p); default 0: none)", check="fraction")
+AUGMENT = Option("augment", str, "training-time augmentation of image data: shift:K moves "
+                 "each training image by a random whole number of pixels, up to K each way "
+                 "(dy, dx uniform in [-K, K], zeros moved in; e.g. shift:2), drawn anew every "
+                 "time the image is used; the evaluations see the images as they are; needs a "
+                 "dataset with an image_shape (default none)")
+MAX_SHIFT = 8  # --augment shift:K's largest K: past it an image is mostly border
+
+
+@dataclass(frozen=True)
+class Shift:
+    """``--augment shift:K``: random translations of up to ``k`` pixels each way
+    (:mod:`hpcps.io.data.augment`)."""
+
+    k: int
+
+    @property
+    def text(self) -> str:
+        return f"shift:{self.k}"
+
+    def describe(self) -> str:
+        pixels = "1 pixel" if self.k == 1 else f"{self.k} pixels"
+        return f"training images moved by up to {pixels} each way (--augment {self.text})"
+
+
+def parse_augment(text: str | None) -> Shift | None:
+    """``"shift:K"`` -> :class:`Shift` (1 <= K <= :data:`MAX_SHIFT`); None or ``"none"``: no
+    augmentation. Raises ConfigError naming the form for anything else."""
+    if text is None or text == "none":
+        return None
+    kind, _, arg = text.partition(":")
+    if kind == "shift" and arg.isdigit() and 1 <= int(arg) <= MAX_SHIFT:
+        return Shift(int(arg))
+    raise ConfigError(f"--augment takes shift:K (random translations of up to K pixels each "
+                      f"way, K from 1 to {MAX_SHIFT}, e.g. shift:2) or none; got {text!r}")
+
+
 HEARTBEAT_TIMEOUT = Option(
     "heartbeat_timeout", float, "replicas may die (Project Adam; launch with mpiexec "
     "-disable-auto-cleanup ... python -m hpcps.keeper, or srun --wait=0 ... python -m "
@@ -290,14 +326,16 @@ def describe_rows(cfg) -> str:
 # prefetch, a slowed replica for tests, weight decay, added to every gradient (in
 # ``GradientSource``) whatever the strategy then does with it, the learning-rate schedule,
 # which each strategy applies where its updates are taken (``ReplicaLoop.lr_factor``), and
-# dropout, which lives in the model's training pass (``hpcps.model.convnet``).
-LOOP_OPTIONS = (PREFETCH, INJECT_SLOW, WEIGHT_DECAY, LR_SCHEDULE, DROPOUT)
+# dropout, which lives in the model's training pass (``hpcps.model.convnet``), and image
+# augmentation, applied to the batches a replica draws (``Context.train_batches``).
+LOOP_OPTIONS = (PREFETCH, INJECT_SLOW, WEIGHT_DECAY, LR_SCHEDULE, DROPOUT, AUGMENT)
 
 
 def check_loop_options(cfg) -> None:
     """Checks every strategy built on this loop shares (its ``validate``, or part of it)."""
     if cfg.inject_slow is not None:
         parse_inject_slow(cfg.inject_slow)
+    parse_augment(cfg.augment)
     if cfg.dropout and cfg.model is None:
         widths = ",".join(f"fc{n}" for n in cfg.layers[1:])
         raise ConfigError("--dropout applies to the hidden fc layers of a --model network; "

@@ -11,7 +11,8 @@ here; its own option values go in ``OWN`` below):
 * the update options of the strategies built on the replica loop: none, or ``--weight-decay
   1e-4 --lr-schedule cosine`` (sandblaster and downpour's ``--push activations`` refuse both;
   ``tests/test_config.py`` checks each refusal alone);
-* the data: in memory, streamed from the file (``--data-memory 0.01``), or in memory less a
+* the data: in memory, streamed from the file (``--data-memory 0.01``) with its images moved
+  (``--augment shift:1``), or in memory less a
   tenth held out for validation (``--validation-fraction 0.1``; streaming with rows held out
   is ``tests/test_stream_runs.py``'s), for every strategy
   whose replicas read a block of the training set (sandblaster's replicas hold all of it and
@@ -27,7 +28,7 @@ here; its own option values go in ``OWN`` below):
 Each combination is first judged in this process the way every rank judges it at start
 (``config.parse``, then the layout plan). Accepted: ``mpiexec -n N python -m hpcps.train`` on
 the digits set must finish within its time limit, reach the requested step and learn (test
-accuracy at least the bar of its kind, 0.7-0.8, set from measured runs: see ``MIN_ACCURACY``;
+accuracy at least the bar of its kind, 0.45-0.8, set from measured runs: see ``MIN_ACCURACY``;
 10% is chance and about 20% a model stopped early at this size). Refused: the same command
 must end with exit code 2 before any training (no progress record, no checkpoint), with
 exactly one ``hpcps: error`` line holding the message the in-process check gave, and no
@@ -77,6 +78,12 @@ FULL = os.environ.get("HPCPS_FULL_MATRIX") == "1"
 # Compressed pushes (--compress threshold) to a conv model learn more slowly: downpour with
 # tau auto, momentum, --n-push 3 and 2 replicas measured 0.667, 0.694, 0.706, 0.75, 0.783 and
 # twice >= 0.8 in seven runs (2026-11-26, loaded machine); its bar is 0.1 under the lowest.
+# Images moved by --augment shift:1 (a pixel of an 8x8 digit is an eighth of it) are a harder
+# task for these 600-step runs: the sample's 22 accepted rows with it measured 0.522-0.922
+# (median 0.79; 2026-11-28, 2 shared cores), the lowest with compressed pushes and the cosine
+# rate together; without --augment the same rows reach the bars above. Its own bar, under the
+# lowest by 0.07.
+MIN_ACCURACY_AUGMENTED = 0.45
 MIN_ACCURACY = 0.8
 MIN_ACCURACY_COMPRESSED_CONV = 0.55
 MIN_ACCURACY_COSINE = 0.7
@@ -86,8 +93,10 @@ CONV = "conv3x3x8p1,pool2,fc32,fc10"  # digits: 8x8 -> 8x8x8 -> 4x4x8 -> 32 -> 1
 MODELS = [["--layers", LAYERS], ["--model", CONV], ["--model", CONV, "--dropout", "0.25"]]
 UPDATES = [[], ["--weight-decay", "1e-4", "--lr-schedule", "cosine"]]
 # the data in memory, or a budget so small (10 KiB) that every replica streams its block and
-# the chief its evaluation splits (hpcps.strategies.feed), or in memory less a validation split
-DATA = [[], ["--data-memory", "0.01"], ["--validation-fraction", "0.1"]]
+# the chief its evaluation splits (hpcps.strategies.feed), with the streamed images moved
+# (--augment, which acts on the batches either way: one value, so that the product does not
+# grow), or in memory less a validation split
+DATA = [[], ["--data-memory", "0.01", "--augment", "shift:1"], ["--validation-fraction", "0.1"]]
 COMMON = ["--eval-every", "0", "--checkpoint-every", "0",
           "--progress-every", "0.5", "--timeout", "60"]
 # run length: SGD steps are global mini-batches (enough for downpour's 200-step warm start to
@@ -340,6 +349,8 @@ def min_accuracy(argv: list[str]) -> float:
     """The accuracy bar of an accepted combination (see MIN_ACCURACY)."""
     if strategies()[argv[1]].whole_batch:
         return MIN_ACCURACY_SANDBLASTER["conv" if "--model" in argv else "mlp"]
+    if "--augment" in argv:
+        return MIN_ACCURACY_AUGMENTED
     if "threshold" in argv and "--model" in argv:
         return MIN_ACCURACY_COMPRESSED_CONV
     if "cosine" in argv:
@@ -453,6 +464,9 @@ MUST_ACCEPT = [
      "options.md: model-parallel exchanges"),
     (3, ["--strategy", "averaging", "--wire-dtype", "bf16"], "options.md: averaging's rounds"),
     (4, ["--strategy", "sandblaster", "--wire-dtype", "bf16"], "options.md: sandblaster"),
+    (3, ["--strategy", "downpour", "--augment", "shift:2"], "options.md: --augment"),
+    (4, ["--strategy", "sync", "--partitions", "2", "--augment", "shift:1"],
+     "options.md: --augment, every strategy on the replica loop"),
 ]
 # (ranks, options, a word the one message must hold: the option or the layout it refuses)
 MUST_REFUSE = [
@@ -482,6 +496,8 @@ MUST_REFUSE = [
     (4, ["--strategy", "sandblaster", "--spares", "1"], "--spares"),
     (3, ["--strategy", "downpour", "--spares", "3"], "3 spare(s)"),
     (2, ["--strategy", "deadreckon", "--wire-dtype", "bf16"], "--wire-dtype"),
+    (4, ["--strategy", "sandblaster", "--augment", "shift:1"], "--augment"),
+    (2, ["--strategy", "sync", "--augment", "shift:0"], "shift:K"),
 ]
 
 

@@ -26,11 +26,12 @@ from hpcps.blocks import block_range
 from hpcps.errors import ConfigError, NonFiniteError
 from hpcps.io import checkpoint, data
 from hpcps.io.data import DatasetInfo, RowSource
+from hpcps.io.data.augment import Augmented
 from hpcps.model import optim
 from hpcps.model.mlp import MLP
 from hpcps.mpi.comm import ReplicaExchange, gather_to_root
 from hpcps.mpi.topology import Grid
-from hpcps.options import RunConfig
+from hpcps.options import RunConfig, parse_augment
 from hpcps.runtime.metrics import Metrics
 from hpcps.runtime.stop import StopVote
 from hpcps.strategies import feed
@@ -99,9 +100,16 @@ class Context:
 
     def train_batches(self, batch: int, seed: int):
         """This replica's endless mini-batches of ``batch`` rows, drawn from ``seed``: from
-        its block in memory, or streamed from the file."""
-        return feed.batches(self.train_x, self.train_y, self.train_stream, self.feed, batch,
-                            seed)
+        its block in memory, or streamed from the file; with ``--augment``, its images moved
+        (:mod:`hpcps.io.data.augment`)."""
+        batches = feed.batches(self.train_x, self.train_y, self.train_stream, self.feed, batch,
+                               seed)
+        aug = parse_augment(getattr(self.cfg, "augment", None))
+        if aug is None:
+            return batches
+        # every partition of a replica draws the same batches from the same seed, and so the
+        # same moves
+        return Augmented(batches, aug, self.dataset.image_shape, seed)
 
     @property
     def train_rows(self) -> int | None:

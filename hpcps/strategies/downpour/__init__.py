@@ -26,7 +26,8 @@ from hpcps.model.spec import is_embedding_spec
 from hpcps.options import (CHUNK_BYTES, COMPRESSION, EMBEDDING_DEFAULTS, EMBEDDING_EPOCHS,
                            EMBEDDING_OPTIONS, GOLOMB, HEARTBEAT_TIMEOUT, LOOP_OPTIONS, TAU,
                            WARMUP_STEPS, Option, check_embedding_options, check_fault_options,
-                           check_loop_options, describe_rows, WIRE_DTYPE)
+                           check_loop_options, describe_rows, parse_augment,
+                           WIRE_DTYPE)
 from hpcps.ps.chunks import DEFAULT_CHUNK_BYTES
 from hpcps.strategies.downpour.summary import summary_lines
 from hpcps.strategies.registry import SERVERS, Strategy, message_tags
@@ -76,6 +77,7 @@ def _validate_embeddings(cfg) -> None:
         "--heartbeat-timeout": cfg.heartbeat_timeout is not None,
         "--softsync": cfg.softsync is not None, "--staleness-lr": cfg.staleness_lr == "on",
         "--weight-decay": bool(cfg.weight_decay), "--dropout": bool(cfg.dropout),
+        "--augment": parse_augment(cfg.augment) is not None,
         "--lr-schedule cosine": optim.varies(cfg.lr_schedule)})
 
 

@@ -20,7 +20,7 @@ from hpcps.model import optim
 from hpcps.model.spec import is_embedding_spec
 from hpcps.options import (EMBEDDING_DEFAULTS, EMBEDDING_EPOCHS, EMBEDDING_OPTIONS,
                            LOOP_OPTIONS, check_embedding_options, check_loop_options,
-                           describe_rows, WIRE_DTYPE)
+                           describe_rows, parse_augment, WIRE_DTYPE)
 from hpcps.strategies.lr_rule import LR_RULE_OPTIONS, describe_rate
 from hpcps.strategies.registry import SERVERS, Strategy
 from hpcps.strategies.rows_summary import row_lines
@@ -32,7 +32,8 @@ def _validate(cfg) -> None:
                           "an MLP or a conv model use --strategy sync or downpour")
     check_embedding_options(cfg, True, {
         "--weight-decay": bool(cfg.weight_decay),
-        "--dropout": bool(cfg.dropout), "--lr-schedule cosine": optim.varies(cfg.lr_schedule)})
+        "--dropout": bool(cfg.dropout), "--augment": parse_augment(cfg.augment) is not None,
+        "--lr-schedule cosine": optim.varies(cfg.lr_schedule)})
     check_loop_options(cfg)
 
 
