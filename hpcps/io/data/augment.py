@@ -43,17 +43,24 @@ def shift_images(x: np.ndarray, image_shape, dy: np.ndarray, dx: np.ndarray,
     ``out``)."""
     c, h, w = (int(v) for v in image_shape)
     b = len(x)
-    k = int(max(np.abs(dy).max(initial=0), np.abs(dx).max(initial=0)))
     imgs = x.reshape(b, c, h, w)
-    padded = np.zeros((b, c, h + 2 * k, w + 2 * k), dtype=x.dtype)
-    padded[:, :, k:k + h, k:k + w] = imgs
-    rows = (k - dy)[:, None] + np.arange(h)           # (B, H): the padded row each reads
-    cols = (k - dx)[:, None] + np.arange(w)           # (B, W)
-    moved = padded[np.arange(b)[:, None, None, None], np.arange(c)[None, :, None, None],
-                   rows[:, None, :, None], cols[:, None, None, :]]
     if out is None:
-        return moved.reshape(b, c * h * w)
-    out[...] = moved.reshape(b, c * h * w)
+        out = np.empty((b, c * h * w), dtype=x.dtype)
+    moved = out.reshape(b, c, h, w)
+    moved[...] = 0
+    # one slice copy per distinct move, of the images that move that way: rows i >= dy read
+    # row i - dy (dy >= 0), rows i < h + dy read i - dy (dy < 0); the same for columns
+    dy, dx = np.asarray(dy, dtype=np.int64), np.asarray(dx, dtype=np.int64)
+    span = 2 * max(int(np.abs(dy).max(initial=0)), int(np.abs(dx).max(initial=0))) + 1
+    moves = dy * span + dx
+    for move in np.unique(moves):
+        which = np.flatnonzero(moves == move)
+        my, mx = int(dy[which[0]]), int(dx[which[0]])
+        if abs(my) >= h or abs(mx) >= w:
+            continue  # moved out entirely: zeros
+        dst = (slice(max(my, 0), h + min(my, 0)), slice(max(mx, 0), w + min(mx, 0)))
+        src = (slice(max(-my, 0), h + min(-my, 0)), slice(max(-mx, 0), w + min(-mx, 0)))
+        moved[which, :, dst[0], dst[1]] = imgs[which, :, src[0], src[1]]
     return out
 
 
