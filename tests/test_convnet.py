@@ -168,11 +168,16 @@ def test_a_preset_brings_its_recipe_and_options_given_win():
     the recipe's --epochs out, and another strategy keeps its own defaults."""
     cfg = config.parse(["--model", "adam-mnist"])
     assert (cfg.optimizer, cfg.lr, cfg.batch_size, cfg.weight_decay, cfg.dropout,
-            cfg.lr_schedule, cfg.epochs, cfg.momentum) == \
-        ("momentum", 0.01, 64, 1e-3, 0.3, "cosine", 50.0, 0.9)
+            cfg.lr_schedule, cfg.augment, cfg.epochs, cfg.momentum) == \
+        ("momentum", 0.01, 64, 1e-3, 0.3, "cosine", "shift:1", 50.0, 0.9)
     assert config.recipe_note(cfg) == (
         "--model adam-mnist's recipe (docs/conv.md): --optimizer momentum --lr 0.01 "
-        "--batch-size 64 --weight-decay 0.001 --dropout 0.3 --lr-schedule cosine --epochs 50")
+        "--batch-size 64 --weight-decay 0.001 --dropout 0.3 --lr-schedule cosine "
+        "--augment shift:1 --epochs 50")
+    # --augment none keeps the images as they are
+    cfg = config.parse(["--model", "adam-mnist", "--augment", "none"])
+    assert cfg.augment == "none" and config.recipe_note(cfg).endswith(
+        "in effect instead: --augment none")
     cfg = config.parse(["--model", "adam-mnist", "--lr", "0.02", "--optimizer", "adagrad",
                         "--steps", "100"])
     assert (cfg.optimizer, cfg.lr, cfg.epochs, cfg.steps, cfg.dropout) == \
