@@ -122,7 +122,7 @@ def _check_dataset(cfg: config.Config) -> data.DatasetInfo:
     info = data.open_dataset(cfg.data)
     aug = parse_augment(getattr(cfg, "augment", None))
     if aug is not None:
-        check_image_shape(aug, info.image_shape, info.n_features, cfg.data)
+        check_image_shape(aug, info.image_shape, cfg.data)
     if cfg.model is not None:
         convnet.build(cfg, info)  # refuses a flat dataset, a spec that does not fit
         return info

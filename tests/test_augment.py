@@ -89,10 +89,10 @@ def test_the_grammar_and_the_refusals():
         with pytest.raises(ConfigError, match="--augment takes shift:K"):
             parse_augment(bad)
     with pytest.raises(ConfigError, match="declares no image_shape"):
-        check_image_shape(Shift(1), None, 64, "flat.h5")
+        check_image_shape(Shift(1), None, "flat.h5")
     with pytest.raises(ConfigError, match="out of itself; give at most 7"):
-        check_image_shape(Shift(8), (1, 8, 8), 64, "digits.h5")
-    check_image_shape(Shift(7), (1, 8, 8), 64, "digits.h5")
+        check_image_shape(Shift(8), (1, 8, 8), "digits.h5")
+    check_image_shape(Shift(7), (1, 8, 8), "digits.h5")
 
 
 def test_a_replica_draws_moved_batches_when_the_option_is_given():

@@ -429,28 +429,19 @@ def _external(proto, out: Path, data_name: str) -> None:
     that is not there."""
     import onnx
     from onnx import TensorProto, external_data_helper
-    data = out.with_name(data_name)
-    tmp = data.with_name(f"{data_name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            for tensor in proto.graph.initializer:
-                if not tensor.name.startswith("table"):
-                    continue
-                offset = f.tell()
-                f.write(tensor.raw_data)
-                external_data_helper.set_external_data(tensor, data_name, offset,
-                                                       len(tensor.raw_data))
-                tensor.ClearField("raw_data")
-                tensor.data_location = TensorProto.EXTERNAL
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, data)
-    except OSError as exc:
-        tmp.unlink(missing_ok=True)
-        raise ConfigError(f"cannot write {data}: {exc}") from exc
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+
+    def write_tables(f) -> None:
+        for tensor in proto.graph.initializer:
+            if not tensor.name.startswith("table"):
+                continue
+            offset = f.tell()
+            f.write(tensor.raw_data)
+            external_data_helper.set_external_data(tensor, data_name, offset,
+                                                   len(tensor.raw_data))
+            tensor.ClearField("raw_data")
+            tensor.data_location = TensorProto.EXTERNAL
+
+    _atomic(out.with_name(data_name), write_tables)
     _atomic(out, lambda f: f.write(proto.SerializeToString()))
     onnx.checker.check_model(str(out))
 

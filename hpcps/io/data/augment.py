@@ -19,18 +19,16 @@ from hpcps.errors import ConfigError
 from hpcps.options import Shift
 
 
-def check_image_shape(aug: Shift, image_shape, n_features: int, path: str) -> None:
+def check_image_shape(aug: Shift, image_shape, path: str) -> None:
     """Refuse ``--augment`` (parsed by :func:`hpcps.options.parse_augment`) on data without
-    images, or a shift as large as the image."""
+    images, or a shift as large as the image (``image_shape`` as the dataset's info gives it,
+    already checked against the rows' width)."""
     if image_shape is None:
         raise ConfigError(f"--augment {aug.text} moves images, and {path} declares no "
                           "image_shape (its rows are not images): drop --augment, or write "
                           "the data with their image shape (python -m hpcps.data convert "
                           "--image-shape C,H,W)")
-    c, h, w = (int(v) for v in image_shape)
-    if c * h * w != n_features:
-        raise ConfigError(f"{path}: image_shape {[c, h, w]} does not hold {n_features} "
-                          "features")
+    _, h, w = (int(v) for v in image_shape)
     if aug.k >= min(h, w):
         raise ConfigError(f"--augment {aug.text}: a shift of {aug.k} pixels would move a "
                           f"{h}x{w} image out of itself; give at most {min(h, w) - 1}")
