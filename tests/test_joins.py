@@ -186,7 +186,7 @@ def test_joined_replica_goes_on_through_a_shard_failover_healed_by_a_spare(mnist
     dead one's sets while the joined replica trains on. Every set ends with 2 copies,
     committed = applied, the joined replica's pushes counted."""
     with Job(tmp_path / "run", mnist_h5, n=5,
-             extra=["--steps", "12000", "--servers", "2", "--ps-copies", "2", "--spares", "1",
+             extra=["--steps", "8000", "--servers", "2", "--ps-copies", "2", "--spares", "1",
                     "--joins", "1"], what="a run with a join and a shard's death") as job:
         job.at_step(1000)
         if not join_first:
@@ -214,7 +214,7 @@ def test_a_spare_that_joined_after_a_failover_replaces_a_replica(mnist_h5, tmp_p
     replica 1 is SIGKILLed: the joined spare takes its data shard and trains, routed to the
     sets' primaries as they are since the failover (rank 0 hands it its view of them)."""
     with Job(tmp_path / "run", mnist_h5, n=7,
-             extra=["--steps", "10000", "--servers", "3", "--ps-copies", "2", "--spares", "1",
+             extra=["--steps", "7000", "--servers", "3", "--ps-copies", "2", "--spares", "1",
                     "--joins", "1"],
              what="a run with a failover, a join and a replica's death") as job:
         job.at_step(1000)
@@ -242,7 +242,7 @@ def test_joined_replicas_killed_while_their_pushes_are_read_do_not_abort_the_sha
     and drops sends to a joined peer whose process is gone (``RoutedComm``), so the shard
     outlives every death and the job ends with code 0 (without both: lost in 3 runs of 5)."""
     wide = [x if x != "784,64,10" else "784,1024,10" for x in RUN]
-    with Job(tmp_path / "run", mnist_h5, n=2, run=wide, extra=["--steps", "6000", "--joins", "4"],
+    with Job(tmp_path / "run", mnist_h5, n=2, run=wide, extra=["--steps", "3500", "--joins", "4"],
              what="a run whose joined replicas are killed") as job:
         job.at_step(200)
         for j in range(4):
