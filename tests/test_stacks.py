@@ -113,6 +113,26 @@ def test_summary_names_the_missing_ranks(tmp_path):
     assert "no stack written within 0 s by rank(s) 1, 2" in text, text
 
 
+def test_ranks_the_failure_found_gone_are_not_waited_for(tmp_path):
+    """A failure that names lost ranks (a dead shard, PeerTimeout's ``lost``) waits for their
+    stacks only LOST_GRACE_S past the live ranks' (a dead rank writes none, and the job ends
+    that much sooner), and says so; a live rank's stack is still waited for."""
+    a, b = _dumper(tmp_path, rank=0, size=3), _dumper(tmp_path, rank=1, size=3)
+    b.write("alive")
+    started = time.monotonic()
+    try:
+        raise PeerTimeout("every copy of chunk set 0 is lost", lost=(2, 0))
+    except PeerTimeout as exc:
+        text, defer = a.explain(exc, timeout=60)  # would wait 30 s for rank 2
+    took = time.monotonic() - started
+    assert took < stacks.LOST_GRACE_S + stacks.REFRESH_S + 3, took
+    assert defer == 0.0 and "stacks of 2 of 3 ranks" in text, text
+    assert "no stack written by rank(s) 2, which the run had already lost" in text, text
+    assert "no stack written within" not in text, text
+    # without the loss named, rank 2 is waited for (and then reported missing)
+    assert stacks.summarize(a.collect(0.3), 3, a.dir, 0.3).count("within 0 s by rank(s) 2")
+
+
 @pytest.mark.parametrize("strategy", ["downpour", "sync"])
 def test_a_stalled_rank_is_named_with_every_stack(strategy, digits_h5, tmp_path):
     """The issue's check: a stalled rank ends the job at --timeout with every rank's stack in

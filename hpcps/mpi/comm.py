@@ -54,9 +54,15 @@ def peer_failed(exc: BaseException) -> bool:
 
 
 class PeerTimeout(HpcpsError):
-    """Another rank did not answer in time."""
+    """Another rank did not answer in time. ``lost``: the world ranks the raiser already
+    knows are gone (shards found dead, replicas dropped): the stack dump that explains the
+    failure (:mod:`hpcps.runtime.stacks`) does not wait for theirs."""
 
     exit_code = 5
+
+    def __init__(self, *args, lost=()):
+        super().__init__(*args)
+        self.lost = tuple(sorted(set(lost)))
 
 
 class PeerFailed(PeerTimeout):

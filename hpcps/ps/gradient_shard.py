@@ -314,7 +314,7 @@ class GradientShard:
         if replica in self.liveness.fatal:
             raise PeerTimeout(f"replica {replica} (world rank 0, the chief: it evaluates, writes "
                               f"the final checkpoint and reports) is lost: {why}; the run "
-                              "cannot finish without it")
+                              "cannot finish without it", lost=(0,))
         if replica < 0 or replica in self.stats.lost_replicas or replica in self.done:
             return
         self.liveness.drop(replica)

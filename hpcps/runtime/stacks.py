@@ -47,6 +47,9 @@ REFRESH_S = 1.0
 # wait timed out); its watchdog leaves it this long, so that the unwinding is not what is
 # written (the server of a stalled run was once recorded "at updatecache (linecache.py)")
 UNWIND_GRACE_S = 1.0
+# a rank the failure found gone (dead, or silent past the heartbeat timeout) gets this long
+# past the other ranks' dumps to write its own (it is likely dead: it writes none)
+LOST_GRACE_S = 2.0
 REQUEST = "request"
 ASK = "ask"      # stacks/ask-<token>: a live job asked for its stacks (python -m hpcps.stacks)
 JOB = "job"      # stacks/job: the running job's token and size, written by rank 0
@@ -270,23 +273,32 @@ class StackDumper:
             first = _create_once(self.request_path(), reason + "\n")
         except OSError as exc2:
             return f"\n  (no stack dumps: cannot write to {self.dir}: {exc2})", 0.0
-        dumps = self.collect(wait_s)
-        return summarize(dumps, self.size, self.dir, wait_s), 0.0 if first else wait_s + 5
+        # ranks the failure found gone (a dead shard): a dead rank writes nothing
+        lost = set(getattr(exc, "lost", ())) - {self.rank}
+        dumps = self.collect(wait_s, lost=lost)
+        return (summarize(dumps, self.size, self.dir, wait_s, lost=lost),
+                0.0 if first else wait_s + 5)
 
-    def collect(self, wait_s: float) -> dict[int, Dump]:
-        """Every rank's dump of this job that appears within ``wait_s`` seconds.
+    def collect(self, wait_s: float, lost=frozenset()) -> dict[int, Dump]:
+        """Every rank's dump of this job that appears within ``wait_s`` seconds. The ranks in
+        ``lost`` (the failure found them gone: dead, or silent past the heartbeat timeout)
+        are waited for only ``LOST_GRACE_S`` past the others' dumps: a dead rank writes
+        none, and the wait would only delay the end of the job.
 
         Once all are in, they are read once more ``REFRESH_S`` later: a rank that timed out
         too may have been caught by its watchdog while unwinding, and then rewrites its file
         with the frames of its own timed-out wait."""
         deadline = time.monotonic() + wait_s
         dumps: dict[int, Dump] = {}
+        others = [r for r in range(self.size) if r not in lost]
         while len(dumps) < self.size and time.monotonic() < deadline:
             for r in range(self.size):
                 if r not in dumps:
                     d = read_dump(self.path(r), self.token)
                     if d is not None:
                         dumps[r] = d
+            if all(r in dumps for r in others):
+                deadline = min(deadline, time.monotonic() + LOST_GRACE_S)
             time.sleep(0.1)
         time.sleep(REFRESH_S)
         for r in dumps:
@@ -341,13 +353,14 @@ def read_dump(path: Path, token: str | None = None) -> Dump | None:
 
 
 def summarize(dumps: dict[int, Dump], size: int, where_dir: Path, wait_s: float,
-              stalled: bool = True) -> str:
+              stalled: bool = True, lost=()) -> str:
     """The lines the error message gets: first the ranks not waiting on another rank (the
     likely cause of the stall, when ``stalled``), then the waiting ones, then those that
-    wrote nothing."""
+    wrote nothing, then those of ``lost`` (the failure found them gone) that wrote nothing."""
     idle = [d for r, d in sorted(dumps.items()) if d.waiting is None]
     waiting = [d for r, d in sorted(dumps.items()) if d.waiting is not None]
-    missing = [r for r in range(size) if r not in dumps]
+    missing = [r for r in range(size) if r not in dumps and r not in lost]
+    gone = sorted(r for r in lost if r not in dumps)
     lines = [f"stacks of {len(dumps)} of {size} ranks in {where_dir}/rank-K.txt"]
     if idle:
         lines.append("not waiting on another rank"
@@ -361,6 +374,9 @@ def summarize(dumps: dict[int, Dump], size: int, where_dir: Path, wait_s: float,
         lines.append(f"  no stack written within {wait_s:.0f} s by rank(s) "
                      f"{', '.join(map(str, missing))}: killed, holding the GIL in a C call, or "
                      "on a node that does not see the run directory")
+    if gone:
+        lines.append(f"  no stack written by rank(s) {', '.join(map(str, gone))}, which the "
+                     "run had already lost (dead, or silent past --heartbeat-timeout)")
     return "\n" + "\n".join(lines)
 
 

@@ -644,13 +644,20 @@ class ReplicatedServer:
                 self.final_sent.add(h)
 
     # -- losses --------------------------------------------------------------------------------
+    def _lost_ranks(self, *more: int) -> list[int]:
+        """World ranks of the shards found dead and the replicas dropped, and ``more``: the
+        ranks a failure this shard reports need not be asked for their stacks."""
+        return [*(self.shard_ranks[x] for x in self.dead if x < len(self.shard_ranks)),
+                *(self.replica_ranks[r] for r in self.lost_replicas
+                  if r < len(self.replica_ranks)), *more]
+
     def _lose_replica(self, r: int, why: str) -> None:
         if r < 0 or r in self.lost_replicas:
             return
         if r == 0:
             raise PeerTimeout(f"replica 0 (world rank 0, the chief: it evaluates, writes the "
                               f"final checkpoint and reports) is lost: {why}; the run cannot "
-                              "finish without it")
+                              "finish without it", lost=self._lost_ranks(self.replica_ranks[0]))
         ended = r not in self.done
         if ended:
             self.replicas.drop(r)
@@ -681,13 +688,14 @@ class ReplicatedServer:
             if self.primary_of(h) is None:
                 raise PeerTimeout(f"every copy of chunk set {h} (shards "
                                   f"{self.holders[h]}) is lost: the run cannot go "
-                                  "on (raise --ps-copies or --spares to survive more failures)")
+                                  "on (raise --ps-copies or --spares to survive more failures)",
+                                  lost=self._lost_ranks())
         for h in self.sets:
             if self.role[h] == "secondary" and self.primary_of(h) == self.me:
                 if h not in self.filled:
                     raise PeerTimeout(f"every full copy of chunk set {h} is lost: this spare "
                                       f"(shard {self.me}) was still receiving it from its "
-                                      "primary when the primary died")
+                                      "primary when the primary died", lost=self._lost_ranks())
                 self._take_over(h, d, silent)
             elif self.role[h] == "primary":
                 self.acked[h].pop(d, None)
