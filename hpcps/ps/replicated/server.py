@@ -647,9 +647,8 @@ class ReplicatedServer:
     def _lost_ranks(self, *more: int) -> list[int]:
         """World ranks of the shards found dead and the replicas dropped, and ``more``: the
         ranks a failure this shard reports need not be asked for their stacks."""
-        return [*(self.shard_ranks[x] for x in self.dead if x < len(self.shard_ranks)),
-                *(self.replica_ranks[r] for r in self.lost_replicas
-                  if r < len(self.replica_ranks)), *more]
+        return [*(self.shard_ranks[x] for x in self.dead),
+                *(self.replica_ranks[r] for r in self.lost_replicas), *more]
 
     def _lose_replica(self, r: int, why: str) -> None:
         if r < 0 or r in self.lost_replicas:
