@@ -76,6 +76,35 @@ def test_a_run_dir_that_cannot_be_joined_is_named_at_once(tmp_path):
     with open(tmp_path / "metrics.jsonl", "a") as fh:
         fh.write(json.dumps(start) + "\n")
     assert not_joinable(tmp_path) is None
+    for end in ("summary", "stop"):  # a run that ended, then one resumed from it
+        with open(tmp_path / "metrics.jsonl", "a") as fh:
+            fh.write(json.dumps({"kind": "progress"}) + "\n" + json.dumps({"kind": end}) + "\n")
+        assert f"has ended (its {end} is written)" in not_joinable(tmp_path)
+        with open(tmp_path / "metrics.jsonl", "a") as fh:
+            fh.write(json.dumps(start) + "\n")
+        assert not_joinable(tmp_path) is None
+
+
+def test_a_launch_stops_waiting_for_a_listener_that_closed_its_port(tmp_path):
+    """A launch that waits for a port, or for its request to be claimed, gives up as soon as
+    the run is seen ending (the listener's port file gone), not after its timeout."""
+    import threading
+    from hpcps.mpi import joins
+    port = tmp_path / "port-0"
+    port.write_text(json.dumps({"port": "x", "id": joins.identity()}))
+    threading.Timer(0.3, port.unlink).start()
+    t0 = time.monotonic()
+    assert not joins._claimed(tmp_path / "r.to-0", 30.0, port, joins.identity())
+    assert time.monotonic() - t0 < 3 and not (tmp_path / "r.to-0").exists()
+    assert "closed its port" in joins._stopped(port, joins.identity())
+    t0 = time.monotonic()
+    why = joins._wait_port(tmp_path, 1, 30.0, lambda: "the run has ended")
+    assert why == "the run has ended" and time.monotonic() - t0 < 3
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    ident = {"host": joins.HOST, "pid": gone.pid, "start": procfs.stat(gone.pid).start}
+    gone.wait()
+    port.write_text("{}")
+    assert f"pid {gone.pid}) has ended" in joins._stopped(port, ident)
 
 
 class _Inter:
@@ -117,6 +146,22 @@ def test_a_send_to_a_gone_peer_on_this_host_is_dropped_and_its_messages_still_ta
         comm.Recv(bytearray(1), rank, 8)
     assert inters[2].calls == [("Recv", 0, 8)]
     assert inters[3].calls == inters[4].calls == [("Send", 0, 7), ("Recv", 0, 8)]
+
+
+def test_a_launch_ready_after_the_chief_ended_its_training_is_sent_away(monkeypatch):
+    """A launch that says JOIN_READY once the chief has sent its DONE (the shards may have
+    ended) leaves at once (RELEASE), even when the job had no idle spare to release; made a
+    replica, it would wait for parameters nobody serves and fail after --timeout."""
+    from hpcps.mpi.protocol import Tag
+    from hpcps.ps import spares
+    pool = spares.SparePool(object(), Layout.plan(3, servers=1, joins=1), timeout=0)
+    sent = []
+    monkeypatch.setattr(pool, "_send", lambda buf, dest, tag: sent.append((dest, tag)))
+    monkeypatch.setattr(pool, "_assign", lambda *a: pytest.fail(f"assigned: {a}"))
+    pool.release()  # the chief's training is over; no spare was idle
+    pool._joined({"first": 3, "n": 1, "want": "replica"})
+    assert sent == [(3, Tag.RELEASE)]
+    assert pool.joins[0]["wants"] == "released" and pool.figures()["spares_idle_at_end"] == 0
 
 
 def test_join_help_needs_no_mpi():

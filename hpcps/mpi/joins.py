@@ -409,10 +409,13 @@ def connect(run_dir, want: str, timeout: float, comm=None) -> tuple[RoutedComm, 
     err, port0 = None, None
     if lead:
         err = not_joinable(run_dir)
-        port0 = _wait_port(d, 0, timeout) if err is None else None
+        port0 = _wait_port(d, 0, timeout, lambda: not_joinable(run_dir)) if err is None else None
         if err is None and port0 is None:
-            err = (f"no running job listens in {d} (started with --joins J, in this run "
-                   f"directory? {timeout:.0f} s waited for {d / PORT_FILE.format(rank=0)})")
+            err = not_joinable(run_dir) or (
+                f"no running job listens in {d} (started with --joins J, in this run "
+                f"directory? {timeout:.0f} s waited for {d / PORT_FILE.format(rank=0)})")
+        elif err is None and isinstance(port0, str):
+            err, port0 = port0, None
     err = comm.bcast(err)
     if err is not None:
         raise JoinError(err)
@@ -423,15 +426,21 @@ def connect(run_dir, want: str, timeout: float, comm=None) -> tuple[RoutedComm, 
         """Connect to listener ``rank`` once it claimed the request (None if it did not
         within ``wait_s``: dead, or never looking; connecting to a dead rank's port crashes
         this process under MPICH)."""
-        claimed = _claimed(d / f"{rid}.to-{rank}", wait_s) if lead else None
+        claimed = _claimed(d / f"{rid}.to-{rank}", wait_s, d / PORT_FILE.format(rank=rank),
+                           port["id"]) if lead else None
         if not comm.bcast(claimed):
             return None
         return comm.Connect(port["port"] if lead else "", root=0)
 
     inter0 = to(0, port0, timeout)
     if inter0 is None:
-        raise JoinError(f"no job answered in {timeout:.0f} s from {d} (the port file is "
-                        "there, but nobody took the request: has the job ended?)")
+        ended, why = (not_joinable(run_dir), _stopped(d / PORT_FILE.format(rank=0),
+                                                      port0["id"])) if lead else (None, None)
+        raise JoinError(comm.bcast(
+            ended or f"the job in {run_dir} stopped taking joins while this launch "
+            f"connected: its chief {why}" if ended or why else
+            f"no job answered in {timeout:.0f} s from {d} (the port file is there, but "
+            "nobody took the request: is the job stuck?)"))
     welcome = None
     if lead:
         inter0.send({"want": want, "ids": ids}, dest=0, tag=Tag.JOIN_HELLO)
@@ -447,18 +456,25 @@ def connect(run_dir, want: str, timeout: float, comm=None) -> tuple[RoutedComm, 
     out = RoutedComm(None, me, int(welcome["n_world"]), int(welcome["slots"]))
     out.add(inter0, 0)
     out.watch(0, comm.bcast(port0["id"] if lead else None))
-    unreached = []
+    unreached, closing = [], []  # closing: listeners that closed their ports (run ending)
+
+    def ending() -> str | None:  # the run ended, or the chief closed its port
+        return not_joinable(run_dir) or _stopped(d / PORT_FILE.format(rank=0), port0["id"])
     for rank in welcome["listeners"]:
-        port = _wait_port(d, rank, timeout) if lead else None
+        port = _wait_port(d, rank, timeout, ending) if lead else None
+        closed = isinstance(port, str)  # the run is ending: this port will not come
+        port = None if closed else port
         inter = to(rank, port, min(timeout, CLAIM_S)) if comm.bcast(port is not None) else None
-        if inter is None:  # dead (its death not yet known to the chief), or stuck
-            unreached.append(rank)
+        if inter is None:  # dead (its death not yet known to the chief), stuck, or ending
+            if port is not None:  # it may have closed its port while asked (a dead
+                closed = not (d / PORT_FILE.format(rank=rank)).exists()  # one leaves it)
+            (closing if comm.bcast(closed) else unreached).append(rank)
             continue
         if lead:
             inter.send({"first": first, "ids": ids}, dest=0, tag=Tag.JOIN_HELLO)
         out.add(inter, rank)
         out.watch(rank, comm.bcast(port["id"] if lead else None))
-    welcome["unreached"] = unreached
+    welcome["unreached"], welcome["closing"] = unreached, closing
     if lead:  # connected to every listener: the chief may hand these ranks out
         out.send({"first": first, "n": comm.Get_size(), "want": want,
                   "unreached": unreached}, 0, Tag.JOIN_READY)
@@ -473,36 +489,57 @@ def connect(run_dir, want: str, timeout: float, comm=None) -> tuple[RoutedComm, 
 
 def not_joinable(run_dir) -> str | None:
     """Why no launch can join the job in ``run_dir``, when that shows at once: no such
-    directory, or its newest run started without --joins (None: wait for its port)."""
+    directory, its newest run started without --joins, or that run has ended (its summary,
+    or the stop of a preempted run, is written). None: wait for its port."""
     run = Path(run_dir)
     if not run.is_dir():
         return f"{run} is not a directory: give the running job's run directory (its --run-dir)"
-    last = None
     try:
-        with open(run / "metrics.jsonl", "rb") as fh:
-            for line in fh:
-                if line.startswith(b'{"kind": "start"'):
-                    last = line
+        text = (run / "metrics.jsonl").read_bytes()
     except OSError:
         return None  # the job is starting: its metrics are not there yet
-    try:
-        joins = json.loads(last)["config"].get("joins") if last is not None else None
-    except (ValueError, KeyError, TypeError):
+    at = text.rfind(b'\n{"kind": "start"') + 1  # 0: the first line, or no start at all
+    if not text.startswith(b'{"kind": "start"', at):
         return None
-    if last is not None and not joins:
+    newest = text[at:]
+    try:
+        joins = json.loads(newest[:newest.find(b"\n")])["config"].get("joins")
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return None
+    if not joins:
         return (f"the job in {run} was started without --joins: ranks join only a job started "
                 "with --joins J (J ranks at most)")
+    for kind in ("summary", "stop"):
+        if b'\n{"kind": "%s"' % kind.encode() in newest:
+            return (f"the run in {run} has ended (its {kind} is written): there is no job to "
+                    "join; start one with --joins J (or --resume it)")
     return None
 
 
-def _claimed(request: Path, wait_s: float) -> bool:
+def _stopped(port_file: Path, ident: dict) -> str | None:
+    """Why the listener of ``port_file`` takes no connection any more, if it shows: it
+    stopped listening (its port file is gone), or its process on this host has ended."""
+    if not port_file.exists():
+        return "it closed its port (the run is ending)"
+    if ident.get("host") == HOST and is_gone(int(ident["pid"]), ident.get("start")):
+        return f"its process (pid {ident['pid']}) has ended"
+    return None
+
+
+def _claimed(request: Path, wait_s: float, port_file: Path, ident: dict) -> bool:
     """Write ``request`` and wait until its listener claims it (renames it away); False if
-    it did not within ``wait_s`` and the request was withdrawn first."""
+    it did not within ``wait_s``, or stopped listening (:func:`_stopped`) first, and the
+    request was withdrawn first."""
     request.touch()
     deadline = time.monotonic() + wait_s
+    looked = time.monotonic()
     while time.monotonic() < deadline:
         if not request.exists():
             return True
+        if time.monotonic() - looked > 0.25:
+            looked = time.monotonic()
+            if _stopped(port_file, ident):
+                break
         time.sleep(0.02)
     try:
         request.unlink()  # withdrawn: a listener that looks later finds nothing to accept
@@ -511,10 +548,13 @@ def _claimed(request: Path, wait_s: float) -> bool:
     return False
 
 
-def _wait_port(d: Path, rank: int, timeout: float) -> dict | None:
-    """Listener ``rank``'s port file: its port's name and its process (``identity``)."""
+def _wait_port(d: Path, rank: int, timeout: float, why_not=None) -> dict | str | None:
+    """Listener ``rank``'s port file: its port's name and its process (``identity``); None
+    past ``timeout``, or what ``why_not()`` (looked at twice a second) says if it says why
+    the port will never come."""
     path = d / PORT_FILE.format(rank=rank)
     deadline = time.monotonic() + timeout
+    looked = time.monotonic()
     while True:
         try:
             return json.loads(path.read_text())
@@ -522,4 +562,9 @@ def _wait_port(d: Path, rank: int, timeout: float) -> dict | None:
             pass
         if time.monotonic() > deadline:
             return None
+        if why_not is not None and time.monotonic() - looked > 0.5:
+            looked = time.monotonic()
+            why = why_not()
+            if why:
+                return why
         time.sleep(0.05)

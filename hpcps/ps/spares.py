@@ -116,7 +116,8 @@ class SparePool:
         self.data_of = {r: r for r in range(self.R)}  # replica index -> its data shard
         self.gone: dict[int, str] = {}  # replica index -> "lost" or "left"
         self.replacements: list[dict] = []
-        self.released: list[int] = []
+        self.released: list[int] = []  # the spares idle at the end, sent away
+        self.over = False  # the chief's training ended (its DONE sent): no more assignments
         self.say = say
         self._small = Message(0)
         self._st = status()
@@ -196,7 +197,7 @@ class SparePool:
                    "as_replica": None, "data_shard": None, "assigned_at": None,
                    "first_step_at": None}
             self.joins.append(rec)
-            if self.released:  # the run is over: it leaves at once
+            if self.over:  # the shards may have ended: it leaves at once
                 self._send(Message(0).buf, v, Tag.RELEASE)
                 rec["wants"] = "released"
             elif got["want"] == "replica":
@@ -288,6 +289,7 @@ class SparePool:
     def release(self) -> None:
         """The chief's training is over: the spares still idle leave. No launch may join
         any more; one let in already is waited for (``timeout``) and sent away."""
+        self.over = True  # even with no spare idle: a launch ready now is sent away
         self.slots.open = False
         joins.stop_listening(self.comm)
         msg = Message(0)
