@@ -82,6 +82,7 @@ def test_the_first_layer_is_the_fastest_way_unless_within_the_margin(blas_s, wan
     assert got["way"] == want, got
     assert set(got["seconds"]) == {"avx2", "blas"}
     assert got["seconds"]["avx2"] >= 0.010 and "best of 3 rounds" in got["why"]
+    assert ("blas not 10% faster, so avx2 is kept" in got["why"]) == (want == "avx2"), got
 
 
 def test_the_engine_times_its_ways_at_the_first_call_and_keeps_them(monkeypatch):

@@ -188,8 +188,10 @@ def time_ways(make, ways, usual, run, budget_s=CHOICE_BUDGET_S, rounds=CHOICE_RO
     if best[fastest] < (1.0 - CHOICE_MARGIN) * best[usual]:
         way = fastest
     times = ", ".join(f"{w} {best[w] * 1e3 / CHOICE_STEPS:.3g} ms" for w in ways)
+    kept = (f"; {fastest} not {CHOICE_MARGIN:.0%} faster, so {usual} is kept"
+            if way != fastest else "")
     return {"way": way, "seconds": {w: round(best[w], 6) for w in ways},
-            "why": f"timed at start: {times} a mini-batch (best of {done} rounds)"}
+            "why": f"timed at start: {times} a mini-batch (best of {done} rounds){kept}"}
 
 
 def _first_layer_way(way) -> str:
