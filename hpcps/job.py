@@ -558,6 +558,8 @@ def guarded(world, role: str, fn, *args, stacks: StackDumper | None = None,
             time.sleep(defer_s)  # the reporting rank's abort usually ends us first
         print(f"hpcps: rank {world.Get_rank()} of {world.Get_size()} on {host()} ({role}) "
               f"failed: {detail}", file=sys.stderr, flush=True)
+        if stacks is not None:
+            stacks.announce_end(code)
         abort(code)
 
 

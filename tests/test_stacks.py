@@ -133,6 +133,47 @@ def test_ranks_the_failure_found_gone_are_not_waited_for(tmp_path):
     assert stacks.summarize(a.collect(0.3), 3, a.dir, 0.3).count("within 0 s by rank(s) 2")
 
 
+_ENDING_RANK = """
+import sys, time
+from hpcps.runtime import stacks
+me = stacks.StackDumper(sys.argv[1], 1, 3, "server", "tok", "here").start()
+if sys.argv[2] == "stop":  # ending on its own once the announcement is out: left to it
+    while not me.ending_path().exists():
+        time.sleep(0.05)
+    me.stop()
+time.sleep(stacks.ENDING_GRACE_S + 2 if sys.argv[2] == "stop" else 60)
+print("never ended")
+"""
+
+
+@pytest.mark.parametrize("then", ["ended", "stop"])
+def test_a_rank_left_running_by_an_abort_ends_with_its_code(tmp_path, then):
+    """Where an abort ends only the aborting rank (Open MPI under --enable-recovery), the
+    aborting rank's announcement (``stacks/ending-<token>``) ends every other rank's process
+    ENDING_GRACE_S later with the same exit code and one line, not after --timeout; the
+    announcement of another job is ignored, and a rank ending on its own is left to it."""
+    proc = subprocess.Popen([sys.executable, "-c", _ENDING_RANK, str(tmp_path), then],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    time.sleep(0.5)
+    other_job = stacks.StackDumper(tmp_path, 0, 3, "replica", "old", "here")
+    other_job.announce_end(9)
+    time.sleep(stacks.POLL_S + 0.5)
+    assert proc.poll() is None
+    _dumper(tmp_path, rank=0, size=3, token="tok").announce_end(5)
+    started = time.monotonic()
+    out, err = proc.communicate(timeout=90)
+    took = time.monotonic() - started
+    if then == "stop":
+        assert proc.returncode == 0 and "never ended" in out and not err, (out, err)
+        return
+    assert proc.returncode == 5 and "never ended" not in out, (proc.returncode, out, err)
+    assert took < stacks.ENDING_GRACE_S + stacks.POLL_S + 3, took
+    assert err.strip().splitlines() == [
+        "hpcps: rank 1 of 3 on here (server) ends: rank 0 aborted the job (exit code 5) and "
+        "MPI left this rank running"], err
+
+
 @pytest.mark.parametrize("strategy", ["downpour", "sync"])
 def test_a_stalled_rank_is_named_with_every_stack(strategy, digits_h5, tmp_path):
     """The issue's check: a stalled rank ends the job at --timeout with every rank's stack in

@@ -28,8 +28,8 @@ file, and the command prints the same summary and exits; training goes on.
 Limits: a rank whose process holds the GIL without releasing it (a C extension computing
 with the GIL held) cannot run its watchdog, and a node that does not see the run directory
 never sees the request; both show as "no stack written" in the summary. A rank killed before
-the timed-out rank aborts writes nothing. Cost while nothing is wrong: two failed opens (the
-request and the ask) per rank every ``POLL_S`` seconds.
+the timed-out rank aborts writes nothing. Cost while nothing is wrong: three failed opens (the
+request, the ask and the ending announcement, ``ENDING``) per rank every ``POLL_S`` seconds.
 """
 from __future__ import annotations
 
@@ -51,6 +51,13 @@ UNWIND_GRACE_S = 1.0
 # past the other ranks' dumps to write its own (it is likely dead: it writes none)
 LOST_GRACE_S = 2.0
 REQUEST = "request"
+# stacks/ending-<token>: a rank is aborting the job (its exit code and rank). Where the abort
+# ends every rank (MPICH) nobody reads it in time; where it ends only the aborting rank (Open
+# MPI under --enable-recovery treats an MPI_Abort as that rank's failure), every other
+# rank's watchdog ends its own process ENDING_GRACE_S after it appears, instead of each
+# waiting out --timeout on the ranks gone.
+ENDING = "ending"
+ENDING_GRACE_S = 3.0
 ASK = "ask"      # stacks/ask-<token>: a live job asked for its stacks (python -m hpcps.stacks)
 JOB = "job"      # stacks/job: the running job's token and size, written by rank 0
 ASKED = "asked: "  # an answer's reason: this, then the ask's id
@@ -233,18 +240,54 @@ class StackDumper:
         except OSError:
             return None
 
+    def ending_path(self) -> Path:
+        return self.dir / f"{ENDING}-{self.token}"
+
+    def announce_end(self, code: int) -> None:
+        """This rank aborts the job with exit code ``code`` now: the other ranks' watchdogs
+        end their processes with it if the abort does not end them first (see ENDING)."""
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            _create_once(self.ending_path(), f"{code}\n{self.rank}\n")
+        except OSError:
+            pass  # the abort alone, then: the others end by their own timeouts
+
+    def _ending(self) -> tuple[int, int] | None:
+        """(exit code, rank) of the rank ending this job, or None while none is."""
+        try:
+            code, rank = self.ending_path().read_text().split()[:2]
+            return int(code), int(rank)
+        except (OSError, ValueError):
+            return None
+
     def _watch(self) -> None:
-        answered = None
+        answered, requested = None, False
         while not self._stop.wait(POLL_S):
-            reason = self._request()
+            ending = self._ending()
+            if ending is not None and ending[1] != self.rank:
+                self._end(*ending)
+                return
+            reason = None if requested else self._request()
             if reason is not None:
+                requested = True
                 if not self.written.wait(UNWIND_GRACE_S):
                     self._write_or_say(reason)
-                return
+                continue
             asked = self._asked()
             if asked is not None and asked != answered:
                 answered = asked
                 self._write_or_say(f"{ASKED}{asked}", final=False)
+
+    def _end(self, code: int, rank: int) -> None:
+        """Rank ``rank`` is aborting the job: end this process with its exit code, unless the
+        abort (or this rank's own end) comes first."""
+        if self._stop.wait(ENDING_GRACE_S):
+            return  # this rank is ending on its own
+        print(f"hpcps: rank {self.rank} of {self.size} on {self.host} ({self.role}) ends: "
+              f"rank {rank} aborted the job (exit code {code}) and MPI left this rank "
+              "running", file=sys.stderr, flush=True)
+        from hpcps.runtime.faults import leave
+        leave(code)
 
     def _write_or_say(self, reason: str, final: bool = True) -> None:
         try:
