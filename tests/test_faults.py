@@ -255,7 +255,9 @@ class Job:
             name = "the job" if p is self.proc else f"join launch {self.joins.index(p) + 1}"
             tails.append(f"--- {name} (exit code {p.returncode}), last output:\n"
                          f"{(out or '')[-1500:]}")
-        if where:
+        # with the launches' last output, stacks or not (a job that failed at start wrote
+        # none: its output says why)
+        if issubclass(typ, AssertionError):
             raise AssertionError(f"{exc}\n{where}\n" + "\n".join(tails)) from None
         return False
 
