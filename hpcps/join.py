@@ -74,8 +74,8 @@ def main(argv: list[str] | None = None) -> int:
             _say(f"rank(s) {welcome['unreached']} of the job took no connection within "
                  "10 s (dead, their death not yet known to rank 0, or stuck): not reached", me)
         if welcome["closing"]:
-            _say(f"rank(s) {welcome['closing']} of the job had closed their ports: the run is "
-                 "ending", me)
+            _say(f"rank(s) {welcome['closing']} of the job not connected: the run is ending",
+                 me)
         result = cfg.spec.run(ctx)
         result = {**result, "role": "spare", "joined": True,
                   "peak_rss_bytes": memory.peak_rss_bytes(), "blas_used": job._blas_chosen(),

@@ -94,17 +94,19 @@ def test_a_launch_stops_waiting_for_a_listener_that_closed_its_port(tmp_path):
     port.write_text(json.dumps({"port": "x", "id": joins.identity()}))
     threading.Timer(0.3, port.unlink).start()
     t0 = time.monotonic()
-    assert not joins._claimed(tmp_path / "r.to-0", 30.0, port, joins.identity())
+    gone = lambda: joins._stopped(port, joins.identity())  # noqa: E731
+    assert not joins._claimed(tmp_path / "r.to-0", 30.0, gone)
     assert time.monotonic() - t0 < 3 and not (tmp_path / "r.to-0").exists()
     assert "closed its port" in joins._stopped(port, joins.identity())
     t0 = time.monotonic()
     why = joins._wait_port(tmp_path, 1, 30.0, lambda: "the run has ended")
     assert why == "the run has ended" and time.monotonic() - t0 < 3
-    gone = subprocess.Popen([sys.executable, "-c", "pass"])
-    ident = {"host": joins.HOST, "pid": gone.pid, "start": procfs.stat(gone.pid).start}
-    gone.wait()
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    ident = {"host": joins.HOST, "pid": dead.pid, "start": procfs.stat(dead.pid).start}
+    dead.wait()
     port.write_text("{}")
-    assert f"pid {gone.pid}) has ended" in joins._stopped(port, ident)
+    assert f"pid {dead.pid}) has ended" in joins._stopped(port, ident)
+    assert joins._stopped(port, joins.identity()) is None  # alive, listening
 
 
 class _Inter:

@@ -21,8 +21,11 @@ listener therefore accepts only when a connection is about to come: the launch w
 launch connects once the request is claimed. A listener that claims nothing within
 ``CLAIM_S`` (the chief: the launch's timeout) is taken for dead and the request withdrawn, so
 no listener accepts a connection that will not come, and no launch connects to a dead rank's
-port (which crashes it under MPICH's UCX transport). The serving loop stops for the
-connection alone (milliseconds on one node).
+port (which crashes it under MPICH's UCX transport). The launch gives up sooner when it sees
+why (:func:`_stopped`, :func:`not_joinable`): the listener's process on this host has ended,
+it removed its port file, or the run is ending (the chief's port file gone, or the run's
+summary written). The serving loop stops for the connection alone (milliseconds on one
+node).
 
 Sends to a dead peer. MPICH creates its UCX endpoints without a peer-failure mode, so a send
 to a rank of another launch that has died ends the sender (SIGSEGV, measured: every time, even
@@ -422,25 +425,34 @@ def connect(run_dir, want: str, timeout: float, comm=None) -> tuple[RoutedComm, 
     rid = comm.bcast(uuid.uuid4().hex[:12] if lead else None)
     ids = comm.gather(identity())
 
+    def ending() -> str | None:  # the run ended, or the chief closed its port
+        return not_joinable(run_dir) or _stopped(d / PORT_FILE.format(rank=0), port0["id"])
+
     def to(rank: int, port: dict | None, wait_s: float):
         """Connect to listener ``rank`` once it claimed the request (None if it did not
         within ``wait_s``: dead, or never looking; connecting to a dead rank's port crashes
         this process under MPICH)."""
-        claimed = _claimed(d / f"{rid}.to-{rank}", wait_s, d / PORT_FILE.format(rank=rank),
-                           port["id"]) if lead else None
+        def gone() -> str | None:  # it stopped listening, or the run is ending
+            return _stopped(d / PORT_FILE.format(rank=rank), port["id"]) or (
+                ending() if rank != 0 else not_joinable(run_dir))
+        claimed = _claimed(d / f"{rid}.to-{rank}", wait_s, gone) if lead else None
         if not comm.bcast(claimed):
             return None
         return comm.Connect(port["port"] if lead else "", root=0)
 
     inter0 = to(0, port0, timeout)
     if inter0 is None:
-        ended, why = (not_joinable(run_dir), _stopped(d / PORT_FILE.format(rank=0),
-                                                      port0["id"])) if lead else (None, None)
-        raise JoinError(comm.bcast(
-            ended or f"the job in {run_dir} stopped taking joins while this launch "
-            f"connected: its chief {why}" if ended or why else
-            f"no job answered in {timeout:.0f} s from {d} (the port file is there, but "
-            "nobody took the request: is the job stuck?)"))
+        why = None
+        if lead:
+            why = not_joinable(run_dir)  # the run ended meanwhile
+            stopped = _stopped(d / PORT_FILE.format(rank=0), port0["id"])
+            if why is None and stopped:
+                why = (f"the job in {run_dir} stopped taking joins while this launch "
+                       f"connected: its chief {stopped}")
+            elif why is None:
+                why = (f"no job answered in {timeout:.0f} s from {d} (the port file is there, "
+                       "but nobody took the request: is the job stuck?)")
+        raise JoinError(comm.bcast(why))
     welcome = None
     if lead:
         inter0.send({"want": want, "ids": ids}, dest=0, tag=Tag.JOIN_HELLO)
@@ -456,18 +468,15 @@ def connect(run_dir, want: str, timeout: float, comm=None) -> tuple[RoutedComm, 
     out = RoutedComm(None, me, int(welcome["n_world"]), int(welcome["slots"]))
     out.add(inter0, 0)
     out.watch(0, comm.bcast(port0["id"] if lead else None))
-    unreached, closing = [], []  # closing: listeners that closed their ports (run ending)
-
-    def ending() -> str | None:  # the run ended, or the chief closed its port
-        return not_joinable(run_dir) or _stopped(d / PORT_FILE.format(rank=0), port0["id"])
+    unreached, closing = [], []  # closing: not connected because the run is ending
     for rank in welcome["listeners"]:
         port = _wait_port(d, rank, timeout, ending) if lead else None
         closed = isinstance(port, str)  # the run is ending: this port will not come
         port = None if closed else port
         inter = to(rank, port, min(timeout, CLAIM_S)) if comm.bcast(port is not None) else None
         if inter is None:  # dead (its death not yet known to the chief), stuck, or ending
-            if port is not None:  # it may have closed its port while asked (a dead
-                closed = not (d / PORT_FILE.format(rank=rank)).exists()  # one leaves it)
+            if port is not None and lead:  # it closed its port while asked, or the run
+                closed = not (d / PORT_FILE.format(rank=rank)).exists() or bool(ending())
             (closing if comm.bcast(closed) else unreached).append(rank)
             continue
         if lead:
@@ -526,19 +535,19 @@ def _stopped(port_file: Path, ident: dict) -> str | None:
     return None
 
 
-def _claimed(request: Path, wait_s: float, port_file: Path, ident: dict) -> bool:
+def _claimed(request: Path, wait_s: float, gone=None) -> bool:
     """Write ``request`` and wait until its listener claims it (renames it away); False if
-    it did not within ``wait_s``, or stopped listening (:func:`_stopped`) first, and the
-    request was withdrawn first."""
+    it did not within ``wait_s``, or before ``gone()`` (looked at 4 times a second) said why
+    it never will, and the request was withdrawn first."""
     request.touch()
     deadline = time.monotonic() + wait_s
     looked = time.monotonic()
     while time.monotonic() < deadline:
         if not request.exists():
             return True
-        if time.monotonic() - looked > 0.25:
+        if gone is not None and time.monotonic() - looked > 0.25:
             looked = time.monotonic()
-            if _stopped(port_file, ident):
+            if gone():
                 break
         time.sleep(0.02)
     try:
