@@ -232,8 +232,9 @@ def test_joined_replica_goes_on_through_a_shard_failover_healed_by_a_spare(mnist
     it does not connect to the dead shard). The spare becomes shard 2 and takes a copy of the
     dead one's sets while the joined replica trains on. Every set ends with 2 copies,
     committed = applied, the joined replica's pushes counted."""
-    # 12,000 steps: a launch that joins before rank 0 knows of the death waits up to 10 s for
-    # the dead shard's connection before it trains (8,000 let the job end first: 1 CI run)
+    # 12,000 steps: a launch that joins before rank 0 knows of the death once waited up to 10 s
+    # for the dead shard's connection before it trained, and 8,000 let the job end first (1
+    # CI run); it now sees the shard's process gone, and the margin stays
     with Job(tmp_path / "run", mnist_h5, n=5,
              extra=["--steps", "12000", "--servers", "2", "--ps-copies", "2", "--spares", "1",
                     "--joins", "1"], what="a run with a join and a shard's death") as job:
