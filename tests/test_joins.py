@@ -166,6 +166,23 @@ def test_a_launch_ready_after_the_chief_ended_its_training_is_sent_away(monkeypa
     assert pool.joins[0]["wants"] == "released" and pool.figures()["spares_idle_at_end"] == 0
 
 
+def test_two_threads_finding_the_same_peer_gone_both_drop_their_sends(monkeypatch):
+    """The heartbeat thread and the main thread may find one dead peer at once: each drops
+    its send (a KeyError here once ended a joined replica with a traceback)."""
+    from hpcps.mpi import joins
+    comm = joins.RoutedComm(None, 5, 2, 4)
+    inter = _Inter()
+    comm.add(inter, 2)
+    comm.watch(2, {"host": joins.HOST, "pid": 1, "start": 0})
+
+    def gone_and_found_by_the_other_thread(pid, start):
+        comm._local.pop(2, None)  # the other thread got there between the look and the drop
+        return True
+    monkeypatch.setattr(joins, "is_gone", gone_and_found_by_the_other_thread)
+    comm.Send(b"x", 2, 7)
+    assert comm.Isend(b"x", 2, 7) == joins.MPI.REQUEST_NULL and inter.calls == []
+
+
 def test_join_help_needs_no_mpi():
     from test_plugin_strategy import BLOCK_MPI, python
     run = BLOCK_MPI + "import runpy; sys.argv = ['hpcps.join', *sys.argv[1:]]\n" \

@@ -161,7 +161,7 @@ class RoutedComm:
         local = self._local.get(rank)
         if local is not None and is_gone(*local):
             self._gone.add(rank)  # for good: no more looks in /proc
-            del self._local[rank]
+            self._local.pop(rank, None)  # another thread (the heartbeats) may have found it
             return None, None
         return self._route(rank)
 
