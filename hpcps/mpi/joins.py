@@ -433,8 +433,7 @@ def connect(run_dir, want: str, timeout: float, comm=None) -> tuple[RoutedComm, 
         within ``wait_s``: dead, or never looking; connecting to a dead rank's port crashes
         this process under MPICH)."""
         def gone() -> str | None:  # it stopped listening, or the run is ending
-            return _stopped(d / PORT_FILE.format(rank=rank), port["id"]) or (
-                ending() if rank != 0 else not_joinable(run_dir))
+            return _stopped(d / PORT_FILE.format(rank=rank), port["id"]) or ending()
         claimed = _claimed(d / f"{rid}.to-{rank}", wait_s, gone) if lead else None
         if not comm.bcast(claimed):
             return None
