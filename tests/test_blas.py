@@ -269,17 +269,32 @@ def test_mkl_wheel_installed_means_mkl_loads():
     assert "mkl" in AVAILABLE, blas.mkl_error
 
 
-def test_the_system_search_for_mkl_runs_only_after_the_wheels_paths(monkeypatch):
-    """``ctypes.util.find_library`` (which starts ldconfig, gcc and ld) is the last
-    candidate, asked for only when the ones under sys.prefix did not load."""
+def test_mkl_is_looked_for_under_sys_prefix_then_on_the_loaders_path_without_a_subprocess(
+        monkeypatch):
+    """The wheel's files come first, then the sonames for the dynamic loader's own search
+    (LD_LIBRARY_PATH, as ``module load`` sets it); nothing starts a process (the system
+    search of ``ctypes.util.find_library`` ran ldconfig, gcc and ld in every rank). Where
+    MKL is absent, each candidate's line says why it was not used."""
     import ctypes.util
-    asked = []
-    monkeypatch.setattr(ctypes.util, "find_library", lambda name: asked.append(name) or None)
-    cands = blas._mkl_candidates()
-    first = [next(cands) for _ in range(3)]
-    assert all(c.startswith(os.path.join(sys.prefix, "lib")) for c in first), first
-    assert asked == []
-    assert list(cands) == [] and asked == ["mkl_rt"]
+    import subprocess
+    started = []
+    monkeypatch.setattr(ctypes.util, "find_library", lambda name: started.append(name))
+    monkeypatch.setattr(subprocess, "Popen", lambda *a, **k: started.append(a))
+    cands = list(blas._mkl_candidates())
+    lib = os.path.join(sys.prefix, "lib")
+    assert cands[:3] == [os.path.join(lib, f"libmkl_rt.so{v}") for v in (".3", ".2", "")]
+    assert cands[3:] == ["libmkl_rt.so.3", "libmkl_rt.so.2", "libmkl_rt.so"]
+    # where nothing loads: one line per candidate
+    monkeypatch.setattr(blas, "_mkl", None)
+    monkeypatch.setattr(blas, "mkl_error", None)
+    monkeypatch.setattr(blas, "_mkl_candidates",
+                        lambda: ["/no/such/dir/libmkl_rt.so.3", "libhpcps-no-such-mkl.so.3"])
+    with pytest.raises(ConfigError) as err:
+        blas._load_mkl()
+    assert "/no/such/dir/libmkl_rt.so.3: no such file" in str(err.value)
+    assert "libhpcps-no-such-mkl.so.3: not on the loader's path (LD_LIBRARY_PATH" \
+        in str(err.value)
+    assert started == []
 
 
 def test_environment_variable(tmp_path):

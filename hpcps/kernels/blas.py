@@ -17,12 +17,13 @@ each product's fastest round (:func:`decide`). That takes 0.05-0.5 s, once per p
 (:data:`TIME_BUDGET_S`). :func:`info` says what was chosen and why.
 
 MKL comes from the PyPI ``mkl`` wheel (``pip install "hpcps[mkl]"``; it puts
-``libmkl_rt.so.3`` in ``<sys.prefix>/lib``) or from anywhere ``ctypes.util.find_library``
-finds ``mkl_rt``. It is loaded with ctypes and set, before any other MKL call, to the LP64
-interface (32-bit integers, as the kernels pass) and the SEQUENTIAL threading layer: every
-thread that calls it is one of our own (Hogwild threads, OpenMP threads over tiles), so
-MKL must not start threads of its own. A small product is checked against NumPy before the
-kernels are pointed at it.
+``libmkl_rt.so.3`` in ``<sys.prefix>/lib``) or from anywhere the dynamic loader finds
+``libmkl_rt.so.3``, ``.so.2`` or ``.so`` (``LD_LIBRARY_PATH``, as a cluster's ``module
+load`` sets it, and the ld.so cache). It is loaded with ctypes and set, before any other MKL
+call, to the LP64 interface (32-bit integers, as the kernels pass) and the SEQUENTIAL
+threading layer: every thread that calls it is one of our own (Hogwild threads, OpenMP
+threads over tiles), so MKL must not start threads of its own. A small product is checked
+against NumPy before the kernels are pointed at it.
 
 Environment
 -----------
@@ -50,7 +51,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import ctypes.util
 import importlib
 import importlib.abc
 import importlib.util
@@ -92,15 +92,14 @@ __all__ = ["DEFAULT", "NAMES", "current", "decide", "ensure", "info", "mlp_shape
 
 
 def _mkl_candidates():
-    """Paths (or sonames) to try for libmkl_rt, in order. The system's search comes last and
-    runs only when asked for the next one: ``ctypes.util.find_library`` starts ldconfig, gcc
-    and ld (0.1 s and more on a busy machine, in every process that loads MKL)."""
+    """Paths (or sonames) to try for libmkl_rt, in order: the files under sys.prefix, then
+    the sonames, which the dynamic loader looks for on its own search path. (Not
+    ``ctypes.util.find_library``: it starts ldconfig, gcc and ld, 30 ms of CPU time and more
+    in every rank, forked after MPI_Init, which some interconnects' MPI warn about; and a
+    library it finds only on gcc's link path would not load at run time anyway.)"""
     lib = os.path.join(sys.prefix, "lib")
-    for name in ("libmkl_rt.so.3", "libmkl_rt.so.2", "libmkl_rt.so"):
-        yield os.path.join(lib, name)
-    found = ctypes.util.find_library("mkl_rt")
-    if found:
-        yield found
+    names = ("libmkl_rt.so.3", "libmkl_rt.so.2", "libmkl_rt.so")
+    return [*(os.path.join(lib, name) for name in names), *names]
 
 
 def _check_sgemm(address):
@@ -140,7 +139,9 @@ def _load_mkl():
         try:
             lib = ctypes.CDLL(cand)            # RTLD_LOCAL
         except OSError as exc:
-            tried.append(f"{cand}: {exc}")
+            absent = os.sep not in cand and f"{cand}: cannot open shared object" in str(exc)
+            tried.append(f"{cand}: not on the loader's path (LD_LIBRARY_PATH, ld.so cache)"
+                         if absent else f"{cand}: {exc}")
             continue
         path = cand
         break
