@@ -35,7 +35,7 @@ from hpcps.io import checkpoint, data
 from hpcps.model import convnet
 from hpcps.model.spec import is_embedding_spec
 from hpcps.io.tables import TABLES_DIR, table_files
-from hpcps.runtime import faults, memory, slurm, timeline
+from hpcps.runtime import faults, keeper, memory, slurm, timeline
 from hpcps.mpi import joins
 from hpcps.mpi.comm import (PeerTimeout, ReplicaExchange, allgather_obj, barrier, bcast_obj,
                              dup_comm, gather_obj, host)
@@ -597,8 +597,12 @@ def main(argv: list[str] | None = None) -> int:
     stream = _agree(world, _plan_feed, cfg, info, layout, budgets)
     ctx = _agree(world, _setup, cfg, world, layout, info, ckpt, run_dir, stream)
     may_lose = cfg.heartbeat_timeout is not None  # replicas may die (hpcps.runtime.faults)
-    if may_lose:  # no world-wide vote with ranks that may die: signals act as usual
-        flag.uninstall()
+    if may_lose:  # no world-wide stop vote with ranks that may die
+        if cfg.spec.stops_alone:  # rank 0's SIGTERM stops the run by the strategy's messages
+            flag.without_vote(hydra=keeper.under_hydra())
+            ctx.stop_flag = flag
+        else:  # signals act as usual
+            flag.uninstall()
         _agree(world, faults.check_thread_level)
         verdict = faults.launcher_verdict(faults.ancestry(), os.environ)
         if rank == 0 and verdict:
@@ -633,14 +637,22 @@ def main(argv: list[str] | None = None) -> int:
                   "blas_used": _blas_chosen(), "first_layer": _first_layer_chosen(),
                   "train_rows": _train_rows(ctx)}
         if may_lose:
+            code = 0  # the reporter's: 75 when rank 0 stopped the run early (stops_alone)
+
+            def summarize(results: list) -> None:
+                nonlocal code
+                mine = results[ctx.reporter]
+                stopped = bool(mine.get("stopped_early")) and \
+                    mine.get("step", ctx.start_step) < ctx.total_steps
+                code = PREEMPTED_EXIT if stopped else 0
+                _summary(ctx, results, time.perf_counter() - t_start, stopped)
+
             lost = faults.finish(world, ctx.reporter, result, ctx.grid.layout, cfg.timeout,
-                                 lambda results: _summary(ctx, results,
-                                                          time.perf_counter() - t_start),
-                                 grace=faults.ending_grace(cfg.heartbeat_timeout))
+                                 summarize, grace=faults.ending_grace(cfg.heartbeat_timeout))
             m.close()
             if lost:  # MPI_Finalize would wait for the dead ranks
-                faults.leave(0)
-            return 0
+                faults.leave(code)
+            return code
         stopped = ctx.stop.finish()  # every rank leaves the vote after the same round
         live = ctx.grid.world  # the world, or its survivors after a death (ULFM's shrink)
         barrier(live, cfg.timeout, "every rank to finish training")

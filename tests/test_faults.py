@@ -15,6 +15,7 @@ from mpirun import (ROOT, below_the_watcher, end_launch, mpi_flavor, mpiexec_cmd
                     tagged_env)
 
 from hpcps import config
+from hpcps.io import checkpoint
 from hpcps.errors import ConfigError
 from hpcps.runtime.faults import launcher_verdict
 from hpcps.runtime.keeper import KEEPER_ENV
@@ -181,6 +182,11 @@ def summary(run_dir):
     return next(r for r in recs if r["kind"] == "summary")
 
 
+def summary_last(run_dir):
+    """The summary of the run directory's last run (a resumed run appends its own)."""
+    return records(run_dir, "summary")[-1]
+
+
 class Job:
     """A job under a schedule of signals and joins: the one runner of the fault, spare and
     join tests. Launched when made; used as a context manager around the schedule::
@@ -305,6 +311,54 @@ def test_sigkill_of_a_replica_mid_run(mnist_h5, tmp_path):
     stall = max(b - a for a, b in zip(times, times[1:]))
     assert stall < 2 + 8, (stall, times)
     assert ended_s < healthy_s + 2 + 15, (ended_s, healthy_s)
+
+
+# -- SIGTERM to a run whose ranks may die (no stop vote): rank 0 stops it ----------------------
+@pytest.mark.parametrize("who,n,extra", [
+    pytest.param("every rank", 4, [], marks=pytest.mark.openmpi),
+    ("every rank", 6, ["--servers", "2", "--ps-copies", "2", "--spares", "1"]),
+    pytest.param("the shard, then rank 0", 4, ["--n-fetch", "3"], marks=pytest.mark.openmpi),
+])
+def test_sigterm_stops_a_run_that_survives_deaths_with_its_checkpoint_and_75(
+        mnist_h5, tmp_path, who, n, extra):
+    """Preemption of a run without a stop vote (--heartbeat-timeout, ranks under the keeper):
+    SIGTERM to mpiexec reaches every rank; rank 0 stops at the end of its iteration and its
+    DONE tells the shards, whose replies tell the replicas that did not get the signal (the
+    others leave on theirs); shards and spares keep their signal and serve until every
+    replica is done. The job ends within seconds (before --timeout, 30 s) with exit code 75,
+    a stop record and the final checkpoint at the summary's step, nobody lost; --resume auto
+    continues from that step. A SIGTERM to the shard alone stops nothing (the shard serves
+    on, alive at the end). Under Open MPI the launcher gets SIGUSR1, which mpirun forwards
+    (on a SIGTERM of its own it ends the ranks: docs/mpi.md), and a rank not started by
+    Hydra takes as a stop request."""
+    steps = ["--steps", "6000"]
+    sig = signal.SIGTERM
+    with Job(tmp_path / "run", mnist_h5, n=n, extra=[*steps, *extra], what=who) as job:
+        job.at_step(1000)
+        if who == "every rank":
+            target = job.proc.pid  # mpiexec: it forwards the signal to every keeper
+            sig = signal.SIGUSR1 if mpi_flavor() == "openmpi" else signal.SIGTERM
+        else:
+            job.signal(n - 1, signal.SIGTERM)  # the shard: kept until the end
+            job.at_step(1500)
+            target = find_rank(job.proc.pid, 0, LIMIT_S)
+        os.kill(target, sig)
+        sent = time.monotonic()
+    ended_s = time.monotonic() - sent
+    assert job.proc.returncode == 75, job.out[-3000:]
+    assert ended_s < 20, (ended_s, job.out[-3000:])
+    s = job.summary
+    assert s["stopped_early"] and s["lost_ranks"] == [], s
+    assert s["step"] < 6000
+    (stop,) = records(job.run_dir, "stop")
+    assert stop["signal"] == sig.name and stop["step"] <= s["step"], stop
+    assert checkpoint.peek_step(s["checkpoint"]) == s["step"]
+    if n == 4 and who == "every rank":
+        again = launch(job.run_dir, mnist_h5, n, [*steps, "--resume", "auto"])
+        out = finish(again, "the resumed run")
+        assert again.returncode == 0, out[-3000:]
+        assert records(job.run_dir, "start")[-1]["start_step"] == s["step"]
+        assert summary_last(job.run_dir)["step"] >= 6000
 
 
 # -- a primary server shard killed mid-run (--ps-copies) -----------------------------------------

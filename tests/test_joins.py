@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -208,7 +209,9 @@ def test_launches_join_as_replica_and_spare_and_the_spare_replaces_a_killed_repl
     """1 shard and 2 replicas (3 ranks), --joins 3. One rank joins and trains at once (rank
     3, replica 2, data shard 0); one joins idle (rank 4, spare 1); replica 1 is SIGKILLed and
     the joined spare takes its data shard; a launch of 2 ranks finds 1 slot left and is
-    refused in one line. The job and the joins end with code 0."""
+    refused in one line. Then rank 0 alone gets SIGTERM: it stops the run, and the joined
+    replicas, which got no signal, end when the shards tell them; the job ends with 75 and
+    its checkpoint, the joins with 0."""
     with Job(tmp_path / "run", mnist_h5, n=3, extra=["--steps", "20000", "--joins", "3"],
              what="a run joined by 2 launches") as job:
         job.at_step(1000)
@@ -220,8 +223,9 @@ def test_launches_join_as_replica_and_spare_and_the_spare_replaces_a_killed_repl
         job.wait("replacement", 1, "the joined spare replacing replica 1")
         big = job.join(2, "replica")
         out_big = output(big, LIMIT_S)
+        job.signal(0, signal.SIGTERM)
     out, outs = job.out, [job.outs[first], job.outs[second]]
-    assert job.proc.returncode == 0, out[-3000:]
+    assert job.proc.returncode == 75, out[-3000:]
     assert [p.returncode for p in (first, second)] == [0, 0], outs
     assert big.returncode == 2, out_big
     assert "1 slot(s) left, the launch has 2 rank(s)" in out_big
@@ -237,6 +241,7 @@ def test_launches_join_as_replica_and_spare_and_the_spare_replaces_a_killed_repl
     assert rep["training_again_s"] is not None and rep["training_again_s"] < 2.0, rep
     assert "trained" in outs[1] and "as replica 3 on data shard 1" in outs[1]
     assert s["test_accuracy"] > 0.9
+    assert s["stopped_early"] and s["lost_ranks"] == [1] and s["step"] < 20000, s
     assert "rank 3 joined the run as spare 0: replica 2 on data shard 0" in out
 
 

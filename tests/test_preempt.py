@@ -17,13 +17,13 @@ from pathlib import Path
 import h5py
 import pytest
 from faultinject import records
-from mpirun import ROOT, end_launch, mpiexec, tagged_env, train
+from mpirun import ROOT, end_launch, mpi_flavor, mpiexec, tagged_env, train
 
 from hpcps import config
 
 from hpcps.io import checkpoint
 
-from hpcps.runtime import slurm
+from hpcps.runtime import keeper, slurm
 from hpcps.errors import PREEMPTED_EXIT, CheckpointError, ConfigError
 
 QUICK = ["--layers", "64,32,10", "--progress-every", "0.1",
@@ -179,6 +179,44 @@ def test_a_duplicate_sigterm_is_one_request_and_a_later_one_kills():
                          text=True, timeout=60, cwd=ROOT)
     assert run.stdout.split() == ["alive", "SIGTERM"], (run.stdout, run.stderr)
     assert run.returncode == -signal.SIGTERM, (run.returncode, run.stderr)
+
+
+WITHOUT_VOTE_PROBE = """
+import os, signal, sys
+from hpcps.runtime.stop import SignalFlag
+flag = SignalFlag().install()
+flag.without_vote(hydra=sys.argv[1] == "hydra")
+os.kill(os.getpid(), signal.SIGUSR1)
+print(flag.name or "nothing", flush=True)
+os.kill(os.getpid(), signal.SIGTERM)
+print(flag.name, flush=True)
+"""
+
+
+def test_without_a_vote_sigusr1_asks_for_a_stop_except_under_hydra():
+    """A run whose ranks may die keeps its signals as stop requests (downpour stops by its
+    own messages), but under Hydra SIGUSR1 is the notice of a dead rank: ignored there."""
+    got = {}
+    for where in ("hydra", "srun"):
+        run = subprocess.run([sys.executable, "-c", WITHOUT_VOTE_PROBE, where],
+                             capture_output=True, text=True, timeout=60, cwd=ROOT)
+        assert run.returncode == 0, run.stderr
+        got[where] = run.stdout.split()
+    assert got == {"hydra": ["nothing", "SIGTERM"], "srun": ["SIGUSR1", "SIGTERM"]}
+
+
+@pytest.mark.skipif(mpi_flavor() != "mpich", reason="Hydra is MPICH's launcher")
+def test_hydra_is_recognised_by_the_environment_it_gives_its_ranks():
+    """keeper.under_hydra reads a variable Hydra sets in every process it starts: this
+    Hydra's ranks have it, and a process outside any launcher has not."""
+    code = "from hpcps.runtime.keeper import under_hydra; print(under_hydra())"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop(keeper.HYDRA_ENV, None)
+    run = subprocess.run([mpiexec(), "-n", "1", sys.executable, "-c", code], env=env,
+                         capture_output=True, text=True, timeout=60)
+    alone = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                           text=True, timeout=60)
+    assert (run.stdout.strip(), alone.stdout.strip()) == ("True", "False"), (run, alone)
 
 
 def test_a_finished_run_exits_0_and_signals_after_it_change_nothing(digits_h5, tmp_path):

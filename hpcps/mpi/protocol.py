@@ -85,6 +85,8 @@ class H(IntEnum):
     SET = 10          # --ps-copies > 1: which chunk set (a home shard's chunks) a message is of
     SEQ = 11          # --ps-copies > 1, PUSH: the replica's push count, 1, 2, ... (dedup, acks)
     PEER = 12         # NEW_PRIMARY: the shard found dead; SET_STATE, REPL_ACK: pushes applied
+    STOP = 13         # DONE from rank 0, PARAMS: 1 when the run stops early (rank 0 stopped on
+    #                   a signal in a run without a stop vote): push what you have and end
 
 
 HEADER_SLOTS = len(H)

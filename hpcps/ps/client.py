@@ -104,7 +104,8 @@ class Client:
                            "staleness": float(h[H.STALENESS]),
                            "max_staleness": float(h[H.MAX_STALENESS]),
                            "clock": float(h[H.CLOCK]),
-                           "unpersisted": unpersisted([m.header for m in self._params])}
+                           "unpersisted": unpersisted([m.header for m in self._params]),
+                           "stopping": any(m.header[H.STOP] for m in self._params)}
         return self.last_reply
 
     def _slot_for(self, s: int, slot: int):
@@ -157,8 +158,11 @@ class Client:
             tr.message(f"push {Tag(tag).name.lower().replace('_', ' ')}", sent, t0,
                        shards=self.server_ranks)
 
-    def done(self) -> None:
-        """Wait for outstanding pushes, then tell every shard this replica is finished."""
+    def done(self, stop: bool = False) -> None:
+        """Wait for outstanding pushes, then tell every shard this replica is finished
+        (``stop``: rank 0 stopped the run early, and the shards tell the other replicas to
+        end)."""
+        self._ask.header[H.STOP] = float(stop)
         pending = [r for pair in self._push_req for r in pair if r != REQUEST_NULL]
         wait_all(pending, self.timeout, f"server ranks {self.server_ranks} to take the last pushes")
         for dest in self.server_ranks:

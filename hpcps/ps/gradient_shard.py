@@ -166,6 +166,7 @@ class GradientShard:
         self.tick = tick
         self.stats = ShardStats()
         self.done: set[int] = set()  # replicas no longer expected: finished, or lost
+        self.stopping = False  # rank 0 stopped the run early (its DONE said so)
         self.liveness = liveness
         self.epochs = epochs
         self.persist = persist
@@ -358,6 +359,8 @@ class GradientShard:
     def _recv_done(self, src: int, status) -> bool:
         self.net.take(self._small.buf, src, Tag.DONE)
         sender = int(self._small.header[H.SENDER])
+        if self._small.header[H.STOP]:  # rank 0 stopped early: the replicas end too
+            self.stopping = True
         if self.epochs is not None:  # answered, even if it was (wrongly) taken for lost
             self.epochs.on_done(sender)
         if sender in self.done:  # lost before its DONE arrived
@@ -471,6 +474,7 @@ class GradientShard:
         h[H.LOSS_SUM] = self._last_loss
         h[H.STALENESS] = self._win_stale / self._win_pushes if self._win_pushes else 0.0
         h[H.MAX_STALENESS] = self._win_stale_max
+        h[H.STOP] = float(self.stopping)
         if self.persist is not None:
             h[H.UNPERSISTED] = self.persist.unpersisted(self.step)  # since the last flush
         self._win_loss = self._win_stale = self._win_stale_max = 0.0

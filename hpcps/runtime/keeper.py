@@ -12,10 +12,11 @@ MPI connection closes: it sends SIGUSR1 to the others and lets them run.
 
 So the keeper is the process Hydra starts: it starts ``python -m hpcps.train`` with the same
 arguments as its child, closes its own copy of the PMI connection (so the child's death
-closes it), forwards SIGTERM and SIGINT to the child, ignores Hydra's SIGUSR1, waits, and
-exits with the child's exit code, or with 0 after printing which signal killed it (a
-non-zero exit while other ranks run would make Hydra kill them). The run's summary names the
-lost ranks. The keeper imports neither MPI nor NumPy.
+closes it), forwards SIGTERM and SIGINT to the child, ignores Hydra's SIGUSR1 (its notice
+that a rank died; under another launcher, such as ``srun``, SIGUSR1 is a stop request and is
+forwarded too), waits, and exits with the child's exit code, or with 0 after printing which
+signal killed it (a non-zero exit while other ranks run would make Hydra kill them). The
+run's summary names the lost ranks. The keeper imports neither MPI nor NumPy.
 """
 from __future__ import annotations
 
@@ -24,17 +25,25 @@ import signal
 import sys
 
 KEEPER_ENV = "HPCPS_KEEPER"  # set in the child's environment: "started by hpcps.keeper"
+HYDRA_ENV = "HYDI_CONTROL_FD"  # set by Hydra (MPICH's mpiexec) in every process it starts
+
+
+def under_hydra(environ=None) -> bool:
+    """Whether this process was started by Hydra, which sends SIGUSR1 to the survivors
+    when a rank dies (with ``-disable-auto-cleanup``): there SIGUSR1 cannot mean "stop"."""
+    return HYDRA_ENV in (os.environ if environ is None else environ)
 
 
 USAGE = """usage: mpiexec -disable-auto-cleanup -n N python -m hpcps.keeper [train options]
        srun --wait=0 ... python -m hpcps.keeper [train options]
 
 The keeper starts one rank of hpcps.train as its child and keeps that rank's death from ending
-the whole job: it forwards SIGTERM and SIGINT to the child, ignores the launcher's SIGUSR1 and
-exits with the child's exit code, or with 0 (after saying which signal killed the child) so that
-the launcher leaves the other ranks running. Use it for runs whose replicas or shards may die
-(--heartbeat-timeout, --ps-copies > 1; docs/fault-tolerance.md). Every option is passed to
-hpcps.train unchanged: python -m hpcps.train --help lists them."""
+the whole job: it forwards SIGTERM and SIGINT to the child (and SIGUSR1, except under mpiexec's
+Hydra, which sends it when a rank dies) and exits with the child's exit code, or with 0 (after
+saying which signal killed the child) so that the launcher leaves the other ranks running. Use
+it for runs whose replicas or shards may die (--heartbeat-timeout, --ps-copies > 1;
+docs/fault-tolerance.md). Every option is passed to hpcps.train unchanged: python -m
+hpcps.train --help lists them."""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -42,7 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     if argv in (["-h"], ["--help"]):
         print(USAGE)
         return 0
-    signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # Hydra: "a rank died"; the child decides
+    # until the child has its own handlers: Hydra's "a rank died", or an early stop request
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     env = dict(os.environ, **{KEEPER_ENV: "1"})
     pid = os.fork()
     if pid == 0:
@@ -60,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
         except ProcessLookupError:
             pass
 
-    for s in (signal.SIGTERM, signal.SIGINT):
+    for s in (signal.SIGTERM, signal.SIGINT) + (() if under_hydra() else (signal.SIGUSR1,)):
         signal.signal(s, forward)
     while True:
         try:

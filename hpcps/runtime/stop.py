@@ -30,6 +30,13 @@ Two ways to use a vote, one per kind of strategy:
 Every rank calls :meth:`StopVote.finish` after its role: it joins rounds, marked finished,
 until a round shows every rank finished. Every rank sees the same sequence of round results,
 so they all leave after the same round and no request is left pending at ``MPI_Finalize``.
+
+A run whose ranks may die (``--heartbeat-timeout``) has no vote: a collective over every
+rank would hang on a dead one. A strategy that declares ``stops_alone`` (downpour) keeps each
+rank's :class:`SignalFlag` (:meth:`SignalFlag.without_vote`) and stops by its own messages:
+rank 0 stops on its flag, and its DONE makes the shards tell the other replicas to end
+(``docs/fault-tolerance.md``). Elsewhere each rank gets the signals' usual actions back
+(:meth:`SignalFlag.uninstall`).
 """
 from __future__ import annotations
 
@@ -66,6 +73,14 @@ class SignalFlag:
         for s in signals:
             signal.signal(s, self._handle)
         return self
+
+    def without_vote(self, hydra: bool) -> None:
+        """For runs without a stop vote whose strategy stops by its own messages
+        (``Strategy.stops_alone``): SIGTERM stays recorded, and SIGUSR1 too unless the rank
+        runs under ``hydra``, whose ``mpiexec -disable-auto-cleanup`` sends it to the
+        survivors when a rank dies (it is ignored there)."""
+        if hydra:
+            signal.signal(signal.SIGUSR1, signal.SIG_IGN)
 
     def uninstall(self) -> None:
         """For runs without a stop vote (ranks may die, :mod:`hpcps.runtime.faults`): SIGTERM gets

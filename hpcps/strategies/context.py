@@ -33,7 +33,7 @@ from hpcps.mpi.comm import ReplicaExchange, gather_to_root
 from hpcps.mpi.topology import Grid
 from hpcps.options import RunConfig, parse_augment
 from hpcps.runtime.metrics import Metrics
-from hpcps.runtime.stop import StopVote
+from hpcps.runtime.stop import SignalFlag, StopVote
 from hpcps.strategies import feed
 from hpcps.strategies.feed import Feed
 
@@ -93,6 +93,9 @@ class Context:
     reporter: int = 0                  # the rank that logs and prints the summary
     resumed: dict | None = None        # the metrics saved in the --resume checkpoint
     stop: StopVote | None = None       # SIGTERM/SIGUSR1 agreed among the ranks (hpcps.runtime.stop)
+    # a run without that vote (ranks may die) of a strategy that stops without one
+    # (Strategy.stops_alone): this rank's SIGTERM, recorded; None: SIGTERM ends the rank
+    stop_flag: SignalFlag | None = None
     # (whole params, split) -> figures without prefix, {"loss": .., "auc": ..}: how the chief
     # scores a model whose evaluation needs more than its parameters (an embedding model's
     # rows live on the server shards); None: loss and accuracy of the forward pass

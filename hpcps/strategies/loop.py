@@ -268,6 +268,7 @@ class ReplicaLoop(ABC):
         # summary averages them over the replicas' ranks)
         iterations = max(1, -(-self.done // self.T))
         return {"train_s": train_s, **result, "figures": figures,
+                "stopped_early": self.stopped_early,
                 "step_s": loop_s / iterations, "pass_s": self.source.pass_s / iterations,
                 "pass_cpu_s": self.source.pass_cpu_s / iterations,
                 "cpu_s": loop_cpu_s / iterations}
@@ -276,12 +277,17 @@ class ReplicaLoop(ABC):
         """After ``iteration`` (1, 2, ...): whether this rank leaves the loop now."""
         stop = self.ctx.stop
         if stop is None:
-            return False
+            return self.stops_alone()
         if self.lockstep:
             return stop.agreed_at(iteration)
         if self.replica_vote is not None:
             return self.replica_vote.agreed_at(iteration, stop.poll())
         return stop.poll()
+
+    def stops_alone(self) -> bool:
+        """In a run without a stop vote (``ctx.stop_flag``, :attr:`Strategy.stops_alone`):
+        whether this rank stops now; a strategy that can stop so says when."""
+        return False
 
     def _member_lost(self, exc: Exception, next_it: int) -> int:
         """A lockstep collective failed before iteration ``next_it``: where MPI reported the
@@ -335,10 +341,12 @@ class ReplicaLoop(ABC):
         self.stopped_early = True
         if not self.ctx.grid.is_chief:
             return
-        step, flag = self.global_step(), self.ctx.stop.flag
-        why = f"{flag.name} received" if flag.raised else "a stop signal reached another rank"
+        step = self.global_step()
+        flag = self.ctx.stop.flag if self.ctx.stop is not None else self.ctx.stop_flag
+        mine = flag is not None and flag.raised
+        why = f"{flag.name} received" if mine else "a stop signal reached another rank"
         self.ctx.metrics.record("stop", echo=False, step=step,
-                                signal=flag.name or None, reason=why)
+                                signal=flag.name if mine else None, reason=why)
         self.ctx.metrics.message(f"stopping early at step {step}: {why}; writing the "
                                  "checkpoint (exit code 75: resume with --resume auto)")
 

@@ -188,7 +188,8 @@ class ReplicatedClient:
         self.last_reply = {"step": int(hd[H.STEPS]), "loss": float(hd[H.LOSS_SUM]),
                            "staleness": float(hd[H.STALENESS]),
                            "max_staleness": float(hd[H.MAX_STALENESS]),
-                           "clock": float(hd[H.CLOCK]), "unpersisted": 0}
+                           "clock": float(hd[H.CLOCK]), "unpersisted": 0,
+                           "stopping": any(m.header[H.STOP] for m in self._params)}
         return self.last_reply
 
     def _slot(self, h: int, slot: int):
@@ -229,8 +230,10 @@ class ReplicatedClient:
             data = fill_packed(self._slot(h, slot), body, steps, loss_sum, rows, f"set {h}")
             self._send(h, slot, data, tag)
 
-    def done(self) -> None:
-        """Wait until every push is committed, then tell every live shard."""
+    def done(self, stop: bool = False) -> None:
+        """Wait until every push is committed, then tell every live shard (``stop``: rank 0
+        stopped the run early, and the shards tell the other replicas to end)."""
+        self._done_msg.header[H.STOP] = float(stop)
         self._wait(lambda: all(a >= self.seq for a in self.acked) and all(
             done(r) for pair in self._push_req for r in pair),
             lambda: f"server ranks {self.route} to commit the last pushes")

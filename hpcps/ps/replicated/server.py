@@ -134,6 +134,7 @@ class ReplicatedServer:
         self.held: list[tuple[int, int, int, float]] = []  # fetches (set, rank, replica, since)
         self.final_sent: set[int] = set()  # sets whose final state went to the chief
         self.ended = False                 # the chief holds every set: leave
+        self.stopping = False              # rank 0 stopped the run early (its DONE)
         self.sends: list[tuple[object, object, int]] = []  # (request, buffer, dest rank)
         self.ckpt: dict[int, dict[int, np.ndarray]] = {}
         self.takeovers: list[dict] = []
@@ -438,6 +439,10 @@ class ReplicatedServer:
     def _recv_done(self, src: int, status) -> bool:
         self.net.take(self._small.buf, src, Tag.DONE)
         sender = int(self._small.header[H.SENDER])
+        if self._small.header[H.STOP]:  # rank 0 stopped early: the replicas end too
+            self.stopping = True
+            for cs in self.sets.values():
+                cs.stopping = True
         if sender not in self.done:
             self.done.add(sender)
             for cs in self.sets.values():  # SSP: no longer waited for (every copy hears it)
@@ -533,6 +538,7 @@ class ReplicatedServer:
 
     def _add_set(self, h: int) -> None:
         self.sets[h] = self.make_set(h)
+        self.sets[h].stopping = self.stopping
         self.role[h] = "secondary"
         self.last_seq[h], self.applied[h], self.committed[h] = {}, 0, 0
         self.acked[h] = {x: 0 for x in self.holders[h] if x != self.me}

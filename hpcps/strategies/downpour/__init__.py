@@ -298,5 +298,6 @@ STRATEGY = Strategy(
     summarize="hpcps.strategies.downpour.summary:summarize",
     summary_lines=summary_lines,
     tags=Tag,
+    stops_alone=True,
     cost="hpcps.strategies.downpour.cost:COST",
 )

@@ -310,7 +310,17 @@ class DownpourReplica(ReplicaLoop):
     def global_step(self) -> int:
         return self.info["step"]
 
+    def stops_alone(self) -> bool:
+        """Rank 0 of a run whose ranks may die stops on its SIGTERM; its DONE tells the
+        shards, whose replies then tell the other replicas (:meth:`run_complete`)."""
+        flag = self.ctx.stop_flag
+        return self.ctx.grid.is_chief and flag is not None and flag.raised
+
     def run_complete(self) -> bool:
+        if self.info.get("stopping"):  # rank 0 stopped the run early
+            self.ctx.metrics.message(f"replica {self.replica} ends: rank 0 stopped the run at "
+                                     f"global step {self.info['step']}")
+            return True
         if self.leave is not None and self.leave.raised:
             self.left = True
             self.ctx.metrics.message(f"replica {self.replica} leaves on SIGTERM at global "
@@ -350,7 +360,9 @@ class DownpourReplica(ReplicaLoop):
             self.epochs.advance(self.T)
         wait_all(self.release_reqs, self.cfg.timeout,
                  "other replicas to take the warm-start release")
-        self.client.done()  # every push committed, DONE sent: nobody waits for this one
+        # every push committed, DONE sent: nobody waits for this one (rank 0's, when it
+        # stopped early, makes the shards tell the others to end)
+        self.client.done(stop=self.stopped_early and self.ctx.grid.is_chief)
         if self.left:
             spares.report_left(Transport(self.ctx.grid.world), self.replica)
         if self.pool is not None:
