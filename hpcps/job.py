@@ -20,8 +20,10 @@ job; the default run directory is ``runs/slurm-<job id>`` (:mod:`hpcps.runtime.s
 """
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import os
+import signal
 import sys
 import time
 import traceback
@@ -569,6 +571,10 @@ def main(argv: list[str] | None = None) -> int:
     rank, size = world.Get_rank(), world.Get_size()
     t_start = time.perf_counter()
     flag = SignalFlag().install()  # from here on SIGTERM/SIGUSR1 ask for a stop, not death
+    if keeper.under_hydra():  # Hydra's SIGUSR1 ("a rank ended") may come while this rank ends,
+        # after Python has given the signal its default action back: death, which the keeper
+        # would report as a lost rank after an ordinary refusal
+        atexit.register(signal.signal, signal.SIGUSR1, signal.SIG_IGN)
     cfg = _agree(world, config.parse, argv)
     _agree(world, slurm.check_tasks, os.environ, size)
     layout = _agree(world, plan, cfg, size)

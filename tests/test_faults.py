@@ -313,6 +313,18 @@ def test_sigkill_of_a_replica_mid_run(mnist_h5, tmp_path):
     assert ended_s < healthy_s + 2 + 15, (ended_s, healthy_s)
 
 
+@pytest.mark.skipif(mpi_flavor() != "mpich", reason="the keeper and Hydra's SIGUSR1 are MPICH's")
+def test_a_run_refused_under_the_keeper_names_no_rank_lost(mnist_h5, tmp_path):
+    """Every rank refuses the options and exits 2; Hydra sends the others SIGUSR1 ("a rank
+    ended") while they end, after Python gave the signal its default action back: it killed
+    them, and the keeper reported a lost rank after an ordinary refusal (2 launches of 2)."""
+    for attempt in range(3):
+        out = finish(launch(tmp_path / f"run{attempt}", mnist_h5, 3, ["--strategy", "sync"]),
+                     "a refused run")
+        assert "--heartbeat-timeout applies only to" in out, out[-2000:]
+        assert "was killed by" not in out, out[-2000:]
+
+
 # -- SIGTERM to a run whose ranks may die (no stop vote): rank 0 stops it ----------------------
 @pytest.mark.parametrize("who,n,extra", [
     pytest.param("every rank", 4, [], marks=pytest.mark.openmpi),
