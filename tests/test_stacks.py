@@ -206,8 +206,8 @@ def test_a_live_job_answers_every_ask_and_a_time_out_still_reports(tmp_path):
     try:
         assert (tmp_path / "stacks" / "job").read_text().split() == ["job-1", "2"]
         for _ in range(2):
-            text, answered, size = stacks.ask(tmp_path, wait_s=10)
-            assert (answered, size) == (2, 2), text
+            text, answered, size, ended = stacks.ask(tmp_path, wait_s=10)
+            assert (answered, size, ended) == (2, 2, None), text
             assert "stacks of 2 of 2 ranks" in text and "likely cause" not in text, text
             assert "not waiting on another rank: rank 0, rank 1" in text, text
         assert not any(d.written.is_set() for d in ranks)
@@ -258,6 +258,10 @@ def test_python_m_hpcps_stacks_asks_a_running_job_which_goes_on(digits_h5, tmp_p
         proc.wait()
         raise
     assert proc.returncode == 75, out[-3000:]
-    gone = subprocess.run([sys.executable, "-m", "hpcps.stacks", str(run_dir), "--wait", "1"],
+    # the job has ended: said at once, not after --wait (10 s by default)
+    asked = time.monotonic()
+    gone = subprocess.run([sys.executable, "-m", "hpcps.stacks", str(run_dir)],
                           capture_output=True, text=True, env=env, timeout=60)
-    assert gone.returncode == 1 and "did not answer within 1 s" in gone.stderr, gone.stderr
+    assert gone.returncode == 1, gone.stdout + gone.stderr
+    assert f"the run in {run_dir} has ended (its summary is written)" in gone.stderr, gone.stderr
+    assert time.monotonic() - asked < 8, "waited for the ranks of a job that has ended"

@@ -53,6 +53,7 @@ from mpi4py import MPI
 
 from hpcps import procfs
 from hpcps.errors import ConfigError, HpcpsError
+from hpcps.io.runlog import run_ended
 from hpcps.mpi.comm import Poller
 from hpcps.mpi.protocol import Tag
 
@@ -517,10 +518,10 @@ def not_joinable(run_dir) -> str | None:
     if not joins:
         return (f"the job in {run} was started without --joins: ranks join only a job started "
                 "with --joins J (J ranks at most)")
-    for kind in ("summary", "stop"):
-        if b'\n{"kind": "%s"' % kind.encode() in newest:
-            return (f"the run in {run} has ended (its {kind} is written): there is no job to "
-                    "join; start one with --joins J (or --resume it)")
+    ended = run_ended(run)
+    if ended is not None:
+        return (f"the run in {run} has ended ({ended}): there is no job to join; start one "
+                "with --joins J (or --resume it)")
     return None
 
 

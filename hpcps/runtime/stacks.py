@@ -41,6 +41,8 @@ import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
+from hpcps.io.runlog import run_ended
+
 POLL_S = 0.5
 REFRESH_S = 1.0
 # a rank asked for its stack that timed out too writes its own dump as it unwinds (where its
@@ -61,6 +63,7 @@ ENDING_GRACE_S = 3.0
 ASK = "ask"      # stacks/ask-<token>: a live job asked for its stacks (python -m hpcps.stacks)
 JOB = "job"      # stacks/job: the running job's token and size, written by rank 0
 ASKED = "asked: "  # an answer's reason: this, then the ask's id
+ENDED_EVERY_S = 0.5  # how often an ask looks whether the run has ended (its metrics' tail)
 TOP_FRAMES = 3
 # frames of these functions are the machinery of waiting, not where a rank is
 _WAIT_FUNCS = {("comm.py", "wait_all"), ("serve.py", "serve"), ("comm.py", "barrier"),
@@ -424,10 +427,11 @@ def summarize(dumps: dict[int, Dump], size: int, where_dir: Path, wait_s: float,
 
 
 # -- asking a live job -------------------------------------------------------------------------
-def ask(run_dir, wait_s: float = 10.0) -> tuple[str, int, int]:
+def ask(run_dir, wait_s: float = 10.0) -> tuple[str, int, int, str | None]:
     """Ask the job running in ``run_dir`` for every rank's stack without stopping it: write a
     new id to ``stacks/ask-<token>``, wait at most ``wait_s`` seconds for every rank's
-    answer, and return (the summary, ranks that answered, the job's size). Raises
+    answer, and return (the summary, ranks that answered, the job's size, how the run ended
+    when its metrics say it has: then the ranks still missing are not waited for). Raises
     FileNotFoundError when the directory names no job (``stacks/job``)."""
     d = stacks_dir(run_dir)
     try:
@@ -440,14 +444,17 @@ def ask(run_dir, wait_s: float = 10.0) -> tuple[str, int, int]:
     _replace_text(d / f"{ASK}-{token}", asked + "\n")
     deadline = time.monotonic() + wait_s
     dumps: dict[int, Dump] = {}
-    while len(dumps) < size and time.monotonic() < deadline:
+    ended, looked = run_ended(run_dir), time.monotonic()
+    while len(dumps) < size and time.monotonic() < deadline and ended is None:
         for r in range(size):
             if r not in dumps:
                 got = read_dump(d / f"rank-{r}.txt", token)
                 if got is not None and got.reason == ASKED + asked:
                     dumps[r] = got
         time.sleep(0.1)
-    return summarize(dumps, size, d, wait_s, stalled=False), len(dumps), size
+        if time.monotonic() - looked > ENDED_EVERY_S:
+            ended, looked = run_ended(run_dir), time.monotonic()
+    return summarize(dumps, size, d, wait_s, stalled=False), len(dumps), size, ended
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -462,10 +469,14 @@ def main(argv: list[str] | None = None) -> int:
                    help="seconds to wait for the ranks' answers (default 10)")
     args = p.parse_args(argv)
     try:
-        text, answered, size = ask(args.run_dir, args.wait)
+        text, answered, size, ended = ask(args.run_dir, args.wait)
     except (FileNotFoundError, OSError) as exc:
         print(f"hpcps.stacks: error: {exc}", file=sys.stderr)
         return 2
+    if ended is not None and answered < size:
+        print(f"hpcps.stacks: the run in {args.run_dir} has ended ({ended}): no job to ask",
+              file=sys.stderr)
+        return 1
     print(text.lstrip("\n"))
     if answered < size:
         print(f"hpcps.stacks: {size - answered} of {size} ranks did not answer within "
