@@ -79,14 +79,16 @@ class H(IntEnum):
     MAX_STALENESS = 4  # PARAMS: max staleness over the same window
     EXAMPLES = 5      # PUSH_ACTIVATIONS: rows k of inputs and errors in the message
     SENDER = 6        # replica index of the sender (for messages and error reports)
-    VECTOR = 7        # sandblaster FETCH / SB_PUSH: which of the shard's vectors
+    VECTOR = 7        # sandblaster FETCH / SB_PUSH: which of the shard's vectors; as STOP below
     CLOCK = 8         # PARAMS under a staleness bound: steps completed by the slowest live replica
     UNPERSISTED = 9   # PARAMS with --persist-every: global steps applied since the last flush
     SET = 10          # --ps-copies > 1: which chunk set (a home shard's chunks) a message is of
     SEQ = 11          # --ps-copies > 1, PUSH: the replica's push count, 1, 2, ... (dedup, acks)
     PEER = 12         # NEW_PRIMARY: the shard found dead; SET_STATE, REPL_ACK: pushes applied
-    STOP = 13         # DONE from rank 0, PARAMS: 1 when the run stops early (rank 0 stopped on
-    #                   a signal in a run without a stop vote): push what you have and end
+    # downpour's DONE from rank 0 and PARAMS: 1 when the run stops early (rank 0 stopped on a
+    # signal in a run without a stop vote): push what you have and end. VECTOR's slot (an
+    # alias: downpour never sends VECTOR), so that the header keeps its size
+    STOP = 7
 
 
 HEADER_SLOTS = len(H)
