@@ -94,7 +94,8 @@ class Context:
     resumed: dict | None = None        # the metrics saved in the --resume checkpoint
     stop: StopVote | None = None       # SIGTERM/SIGUSR1 agreed among the ranks (hpcps.runtime.stop)
     # a run without that vote (ranks may die) of a strategy that stops without one
-    # (Strategy.stops_alone): this rank's SIGTERM, recorded; None: SIGTERM ends the rank
+    # (Strategy.stops_alone): this rank's SIGTERM (and SIGUSR1 outside Hydra), recorded;
+    # None: SIGTERM ends the rank
     stop_flag: SignalFlag | None = None
     # (whole params, split) -> figures without prefix, {"loss": .., "auc": ..}: how the chief
     # scores a model whose evaluation needs more than its parameters (an embedding model's

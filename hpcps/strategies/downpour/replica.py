@@ -311,8 +311,9 @@ class DownpourReplica(ReplicaLoop):
         return self.info["step"]
 
     def stops_alone(self) -> bool:
-        """Rank 0 of a run whose ranks may die stops on its SIGTERM; its DONE tells the
-        shards, whose replies then tell the other replicas (:meth:`run_complete`)."""
+        """Rank 0 of a run whose ranks may die stops on its signal (``ctx.stop_flag``); its
+        DONE tells the shards, whose replies then tell the other replicas
+        (:meth:`run_complete`)."""
         flag = self.ctx.stop_flag
         return self.ctx.grid.is_chief and flag is not None and flag.raised
 
