@@ -31,7 +31,12 @@ def run_ended(run_dir: str | os.PathLike) -> str | None:
     except OSError:
         return None
     at = text.rfind(b'\n{"kind": "start"')
-    newest = text[at:] if at >= 0 else text
+    return ended_in(text[at:] if at >= 0 else text)
+
+
+def ended_in(newest: bytes) -> str | None:
+    """:func:`run_ended` for the newest run's records already read (its lines, from its
+    start record on, or a tail of them that begins with a line break)."""
     for kind in ENDS:
         if b'\n{"kind": "%s"' % kind.encode() in newest:
             return f"its {kind} is written"

@@ -53,7 +53,7 @@ from mpi4py import MPI
 
 from hpcps import procfs
 from hpcps.errors import ConfigError, HpcpsError
-from hpcps.io.runlog import run_ended
+from hpcps.io.runlog import ended_in
 from hpcps.mpi.comm import Poller
 from hpcps.mpi.protocol import Tag
 
@@ -518,7 +518,7 @@ def not_joinable(run_dir) -> str | None:
     if not joins:
         return (f"the job in {run} was started without --joins: ranks join only a job started "
                 "with --joins J (J ranks at most)")
-    ended = run_ended(run)
+    ended = ended_in(newest)  # the file is read already
     if ended is not None:
         return (f"the run in {run} has ended ({ended}): there is no job to join; start one "
                 "with --joins J (or --resume it)")
