@@ -272,6 +272,15 @@ class Job:
     def summary(self) -> dict:
         return summary(self.run_dir)
 
+    def report(self, chars: int = 3000) -> str:
+        """The job's last output and each join launch's, for an assertion's message (a job
+        that failed after its schedule: a join's own output may say why)."""
+        parts = [f"--- the job (exit code {self.proc.returncode}):\n{self.out[-chars:]}"]
+        for i, p in enumerate(self.joins):
+            parts.append(f"--- join launch {i + 1} (exit code {p.returncode}):\n"
+                         f"{(self.outs.get(p) or output(p) or '')[-chars // 2:]}")
+        return "\n".join(parts)
+
 
 @pytest.mark.openmpi
 def test_sigkill_of_a_replica_mid_run(mnist_h5, tmp_path):

@@ -322,6 +322,6 @@ def test_joined_replicas_killed_while_their_pushes_are_read_do_not_abort_the_sha
             job.wait("join", j + 1, "a launch --as replica")
             time.sleep(1.5)
             job.signal(0, launch=newcomer)
-    assert job.proc.returncode == 0, job.out[-3000:]
-    assert "Aborted" not in job.out and "process_vm_readv" not in job.out, job.out[-3000:]
+    assert job.proc.returncode == 0, job.report()
+    assert "Aborted" not in job.out and "process_vm_readv" not in job.out, job.report()
     assert len(job.summary["joins"]) == 4
