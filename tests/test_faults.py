@@ -507,6 +507,46 @@ def test_sigkill_of_a_sandblaster_replica_mid_run(mnist_h5, tmp_path):
     assert s["step"] >= 60 and s["test_accuracy"] >= base["test_accuracy"] - 0.005, (s, base)
 
 
+@pytest.mark.parametrize("who", [
+    pytest.param("every rank", marks=pytest.mark.openmpi),
+    "a replica, then the coordinator",
+])
+def test_sigterm_stops_a_sandblaster_run_that_survives_deaths_at_its_coordinator(
+        mnist_h5, tmp_path, who):
+    """Sandblaster with --heartbeat-timeout (no stop vote): the coordinator decides for the
+    run, so its signal stops it: the final checkpoint through the shard, STOP to the
+    replicas, exit code 75 within seconds, nobody lost; --resume auto goes on from that step.
+    A replica or shard that gets the signal alone keeps it and works on (before, SIGTERM to
+    mpiexec killed every rank, nothing was saved, and mpiexec exited 0)."""
+    n, coordinator, steps = 5, 4, 60
+    run = [*SB_RUN[:SB_RUN.index("--steps")], "--steps", str(steps),
+           *SB_RUN[SB_RUN.index("--steps") + 2:]]
+    sig = signal.SIGUSR1 if mpi_flavor() == "openmpi" else signal.SIGTERM
+    with Job(tmp_path / "run", mnist_h5, n=n, run=run, what=who) as job:
+        job.at_step(8)
+        if who == "every rank":
+            target = job.proc.pid  # mpiexec: it forwards the signal to every rank
+        else:
+            job.signal(0, signal.SIGTERM)  # replica 0: kept, it goes on computing portions
+            job.at_step(14)
+            target = find_rank(job.proc.pid, coordinator, LIMIT_S)
+        os.kill(target, sig)
+        sent = time.monotonic()
+    assert job.proc.returncode == 75, job.out[-3000:]
+    assert time.monotonic() - sent < 20, job.out[-3000:]
+    s = job.summary
+    assert s["stopped_early"] and s["lost_ranks"] == [] and s["step"] < steps, s
+    (stop,) = records(job.run_dir, "stop")
+    assert stop["signal"] == sig.name and stop["step"] == s["step"], stop
+    assert checkpoint.peek_step(s["checkpoint"]) == s["step"]
+    if who == "every rank":
+        again = launch(job.run_dir, mnist_h5, n, ["--resume", "auto"], run=run)
+        out = finish(again, "the resumed sandblaster run")
+        assert again.returncode == 0, out[-3000:]
+        assert records(job.run_dir, "start")[-1]["start_step"] == s["step"]
+        assert summary_last(job.run_dir)["step"] >= steps
+
+
 # -- a lockstep strategy's rank killed mid-run: checkpoint, exit 75, resume on the rest ------
 LOCKSTEP_STEPS = 6000
 LOCKSTEP_RUN = ["--layers", "784,64,10", "--steps", str(LOCKSTEP_STEPS), "--batch-size", "32",

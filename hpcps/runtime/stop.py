@@ -32,10 +32,11 @@ until a round shows every rank finished. Every rank sees the same sequence of ro
 so they all leave after the same round and no request is left pending at ``MPI_Finalize``.
 
 A run whose ranks may die (``--heartbeat-timeout``) has no vote: a collective over every
-rank would hang on a dead one. A strategy that declares ``stops_alone`` (downpour) keeps each
-rank's :class:`SignalFlag` (:meth:`SignalFlag.without_vote`) and stops by its own messages:
-rank 0 stops on its flag, and its DONE makes the shards tell the other replicas to end
-(``docs/fault-tolerance.md``). Elsewhere each rank gets the signals' usual actions back
+rank would hang on a dead one. A strategy that declares ``stops_alone`` keeps each rank's
+:class:`SignalFlag` (:meth:`SignalFlag.without_vote`) and stops by its own messages
+(``docs/fault-tolerance.md``): in downpour rank 0 stops on its flag, and its DONE makes the
+shards tell the other replicas to end; in sandblaster the coordinator stops on its flag and
+ends the run as at its last step. Elsewhere each rank gets the signals' usual actions back
 (:meth:`SignalFlag.uninstall`).
 """
 from __future__ import annotations

@@ -135,9 +135,13 @@ class Context:
                           self.feed.eval_rows if self.feed is not None else feed.EVAL_ROWS)
 
     def stop_requested(self) -> bool:
-        """At a safe point of a rank that runs at its own pace: poll the stop vote (never
-        waits); True once this rank should stop (see :mod:`hpcps.runtime.stop`)."""
-        return self.stop is not None and self.stop.poll()
+        """At a safe point of a rank that runs at its own pace and decides for the run (a
+        coordinator): poll the stop vote (never waits); True once this rank should stop. In
+        a run without a vote (``stop_flag``, :attr:`Strategy.stops_alone`): True once this
+        rank got the signal itself (see :mod:`hpcps.runtime.stop`)."""
+        if self.stop is not None:
+            return self.stop.poll()
+        return self.stop_flag is not None and self.stop_flag.raised
 
     def stop_tick(self) -> None:
         """For serving loops: take part in the stop vote without acting on it (a shard

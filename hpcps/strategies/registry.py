@@ -93,10 +93,11 @@ class Strategy:
     tags : the strategy's own message tags, an IntEnum made by :func:`message_tags` (the
         parameter server's and the run's shared tags are in :mod:`hpcps.mpi.protocol`).
     stops_alone : in a run whose ranks may die (``--heartbeat-timeout``), where there is no
-        stop vote (a world-wide collective), it stops on a signal to rank 0 (SIGTERM, and
-        SIGUSR1 outside Hydra) by its own messages, with the final checkpoint and exit code
-        75 (``ctx.stop_flag``; the other ranks keep the signal for their own use or until
-        the end). False: SIGTERM ends each rank it reaches.
+        stop vote (a world-wide collective), it stops on a signal to the rank that reports
+        (rank 0, or the coordinator; SIGTERM, and SIGUSR1 outside Hydra) by its own
+        messages, with the final checkpoint and exit code 75 (``ctx.stop_flag``; the other
+        ranks keep the signal for their own use or until the end). False: SIGTERM ends
+        each rank it reaches.
     cost : its cost model for the scaling tool (``python -m hpcps.scaling``): a
         :class:`~hpcps.strategies.cost.CostModel`, or its import path
         (``"hpcps.strategies.sync.cost:COST"``, loaded when the tool asks); None: the tool

@@ -169,4 +169,5 @@ STRATEGY = Strategy(
     summary_lines=_summary_lines,
     cost="hpcps.strategies.sandblaster.cost:COST",
     tags=Tag,
+    stops_alone=True,  # the coordinator's signal: final checkpoint, STOP to the replicas
 )

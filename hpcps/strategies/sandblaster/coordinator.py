@@ -233,9 +233,11 @@ def run_coordinator(ctx: Context) -> dict:
         _check_health(space, opt.f, ctx.start_step + space.evaluations)
     next_eval = _next(ctx.start_step, cfg.eval_every)
     next_ckpt = _next(ctx.start_step, cfg.checkpoint_every)
+    stopped = False
     while ctx.start_step + space.evaluations < ctx.total_steps:
         if ctx.stop_requested():  # SIGTERM/SIGUSR1 (hpcps.runtime.stop): checkpoint below, then end
             _note_stop(ctx, ctx.start_step + space.evaluations)
+            stopped = True
             break
         if not whole and not fresh:  # next batch: the objective changed, and its gradient at x
             runner.data_batch += 1
@@ -300,13 +302,13 @@ def run_coordinator(ctx: Context) -> dict:
             "ending_grace_s": max(faults.ending_grace(cfg.heartbeat_timeout),
                                   runner.replica_timeout)} \
         if cfg.heartbeat_timeout is not None else {}
-    return {"step": step, "train_s": train_s, **final, **lost,
+    return {"step": step, "train_s": train_s, **final, **lost, "stopped_early": stopped,
             "checkpoint": str(ctx.run_dir / "checkpoint.h5"),
             "examples_per_s": rate(batch_n * space.evaluations, train_s), "figures": figures}
 
 
 def _note_stop(ctx: Context, step: int) -> None:
-    flag = ctx.stop.flag
+    flag = ctx.stop.flag if ctx.stop is not None else ctx.stop_flag
     why = f"{flag.name} received" if flag.raised else "a stop signal reached another rank"
     ctx.metrics.record("stop", echo=False, step=step, signal=flag.name or None, reason=why)
     ctx.metrics.message(f"stopping early at step {step}: {why}; writing the checkpoint (exit "
