@@ -565,12 +565,15 @@ def guarded(world, role: str, fn, *args, stacks: StackDumper | None = None,
         abort(code)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, early=()) -> int:
+    """Run the job. ``early``: the signals :func:`hpcps.train.catch_early` caught before
+    this rank's handlers were installed."""
     argv = list(sys.argv[1:] if argv is None else argv)
     world = world_comm()
     rank, size = world.Get_rank(), world.Get_size()
     t_start = time.perf_counter()
-    flag = SignalFlag().install()  # from here on SIGTERM/SIGUSR1 ask for a stop, not death
+    # from here on SIGTERM/SIGUSR1 ask for a stop, not death (and those that came earlier)
+    flag = SignalFlag().install(early=early)
     if keeper.under_hydra():  # Hydra's SIGUSR1 ("a rank ended") may come while this rank ends,
         # after Python has given the signal its default action back: death, which the keeper
         # would report as a lost rank after an ordinary refusal

@@ -15,7 +15,9 @@ Examples::
 from __future__ import annotations
 
 import os
+import signal
 import sys
+import time
 
 # One BLAS thread per rank unless the user says otherwise: ranks already fill the cores, and
 # OpenBLAS's own threads on top oversubscribe them (measured 4x slower with 4 ranks on 2 cores).
@@ -35,6 +37,22 @@ def launcher_rank(environ=os.environ) -> int:
     return 0
 
 
+def catch_early(signals=(signal.SIGTERM, signal.SIGUSR1)) -> list[tuple[int, float]]:
+    """Record ``signals`` from now on, until the job installs its own handlers
+    (:meth:`hpcps.runtime.stop.SignalFlag.install`, which takes what was recorded): a
+    preemption that reaches a rank while it imports NumPy and starts MPI (about a second)
+    then stops the run with its checkpoint and exit code 75 like a later one, instead of
+    killing the rank (under the keeper, a killed rank is a lost rank and the job exited 0)."""
+    caught: list[tuple[int, float]] = []
+
+    def note(signum, frame):
+        caught.append((signum, time.monotonic()))
+
+    for s in signals:
+        signal.signal(s, note)
+    return caught
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if "-h" in argv or "--help" in argv or "--version" in argv:
@@ -46,8 +64,9 @@ def main(argv: list[str] | None = None) -> int:
                 from hpcps import config
                 config.build_parser().print_help()
         return 0
+    early = catch_early()
     from hpcps import job
-    return job.main(argv)
+    return job.main(argv, early=early)
 
 
 if __name__ == "__main__":

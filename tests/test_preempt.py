@@ -219,6 +219,88 @@ def test_hydra_is_recognised_by_the_environment_it_gives_its_ranks():
     assert (run.stdout.strip(), alone.stdout.strip()) == ("True", "False"), (run, alone)
 
 
+EARLY_PROBE = """
+import os, signal, sys, time
+from hpcps.train import catch_early
+from hpcps.runtime.stop import SignalFlag
+early = catch_early()
+os.kill(os.getpid(), getattr(signal, sys.argv[1]))
+flag = SignalFlag().install(early=early)
+if sys.argv[2] == "hydra":
+    flag.without_vote(hydra=True)
+elif sys.argv[2] == "uninstall":
+    flag.uninstall()
+    time.sleep(5)
+print(flag.name or "nothing", flush=True)
+"""
+
+
+def test_a_signal_before_the_jobs_handlers_is_taken_when_they_come():
+    """What :func:`hpcps.train.catch_early` records while a rank imports and starts MPI is
+    the flag's, as if it came after; an early SIGUSR1 under Hydra (a rank died) is dropped
+    with the rest of Hydra's, and an early SIGTERM in a run whose SIGTERM is a death
+    (:meth:`SignalFlag.uninstall`) kills the rank then."""
+    def probe(sig, how):
+        return subprocess.run([sys.executable, "-c", EARLY_PROBE, sig, how], cwd=ROOT,
+                              capture_output=True, text=True, timeout=60)
+    assert probe("SIGTERM", "vote").stdout.split() == ["SIGTERM"]
+    assert probe("SIGUSR1", "vote").stdout.split() == ["SIGUSR1"]
+    assert probe("SIGUSR1", "hydra").stdout.split() == ["nothing"]
+    assert probe("SIGTERM", "hydra").stdout.split() == ["SIGTERM"]
+    died = probe("SIGTERM", "uninstall")
+    assert died.returncode == -signal.SIGTERM and not died.stdout, died
+
+
+def _mpi_loaded(pid: int) -> bool:
+    try:
+        return "libmpi" in Path(f"/proc/{pid}/maps").read_text()
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(mpi_flavor() != "mpich", reason="ranks found by PMI_RANK; the keeper")
+@pytest.mark.parametrize("how", ["vote", "keeper"])
+def test_a_signal_while_the_ranks_start_stops_the_run_with_75(how, digits_h5, tmp_path):
+    """SIGTERM to mpiexec as soon as every rank has loaded MPI (it then still starts MPI and
+    imports the rest of hpcps, about a second, before its handlers are installed): the run
+    stops at its first steps with a checkpoint and exit code 75, as a later signal does.
+    Before, the ranks died on the signal: mpiexec exited 15 (a Slurm script does not
+    requeue that), and under the keeper 0, as if the run had completed."""
+    n = 3
+    cmd = [mpiexec(), "-n", str(n), sys.executable, "-m", "hpcps.train"]
+    extra = []
+    if how == "keeper":
+        cmd = [mpiexec(), "-disable-auto-cleanup", "-n", str(n), sys.executable, "-m",
+               "hpcps.keeper"]
+        extra = ["--heartbeat-timeout", "5"]
+    args = ["--data", str(digits_h5), "--run-dir", str(tmp_path), "--steps", "20000",
+            "--batch-size", "16", *QUICK, *extra]
+    env, tag = tagged_env({**os.environ, "OPENBLAS_NUM_THREADS": "1",
+                           "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")})
+    proc = subprocess.Popen([*cmd, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env=env, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            pids = rank_pids(proc.pid)
+            if len(pids) == n and all(_mpi_loaded(p) for p in pids.values()):
+                break
+            assert proc.poll() is None and time.monotonic() < deadline, "no ranks with MPI"
+            time.sleep(0.005)
+        os.kill(proc.pid, signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+    except BaseException:
+        end_launch(proc.pid, tag)
+        proc.communicate()
+        raise
+    assert proc.returncode == PREEMPTED_EXIT, out[-3000:]
+    assert "was killed by" not in out, out[-3000:]
+    (stop,) = records(tmp_path, "stop")
+    summary = records(tmp_path, "summary")[-1]
+    assert summary["stopped_early"] and stop["signal"] == "SIGTERM", (summary, stop)
+    assert checkpoint.load(tmp_path / "checkpoint.h5").step == summary["step"] < 20000
+
+
 def test_a_finished_run_exits_0_and_signals_after_it_change_nothing(digits_h5, tmp_path):
     """A run that was never signalled ends with 0; the vote adds no exit code of its own."""
     run = train(3, "--strategy", "downpour", "--data", str(digits_h5), "--run-dir",

@@ -69,8 +69,14 @@ class SignalFlag:
         self.duplicate_s = duplicate_s
         self._first_term: float | None = None  # time.monotonic() of the first SIGTERM
 
-    def install(self, signals=SIGNALS) -> "SignalFlag":
-        """Install the handlers of ``signals`` (main thread only, as Python requires)."""
+    def install(self, signals=SIGNALS, early=()) -> "SignalFlag":
+        """Install the handlers of ``signals`` (main thread only, as Python requires), and
+        take the ``early`` ones first: (signal, ``time.monotonic()``) pairs that came before
+        these handlers, caught by :func:`hpcps.train.catch_early` while the rank imported
+        and MPI started (the default action would have ended the rank, and under the keeper
+        a rank ended by a signal is a lost rank, not a stop)."""
+        for signum, at in list(early):
+            self._note(signum, at)
         for s in signals:
             signal.signal(s, self._handle)
         return self
@@ -82,6 +88,8 @@ class SignalFlag:
         survivors when a rank dies (it is ignored there)."""
         if hydra:
             signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+            if self.signum == signal.SIGUSR1:  # one that came early: Hydra's, not a stop
+                self.signum = None
 
     def uninstall(self) -> None:
         """For runs without a stop vote (ranks may die, :mod:`hpcps.runtime.faults`): SIGTERM gets
@@ -90,10 +98,14 @@ class SignalFlag:
         action would end them too)."""
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+        if self.signum == signal.SIGTERM:  # one that came early: its usual action, now
+            os.kill(os.getpid(), signal.SIGTERM)
 
     def _handle(self, signum, frame) -> None:
+        self._note(signum, time.monotonic())
+
+    def _note(self, signum: int, now: float) -> None:
         if signum == signal.SIGTERM:
-            now = time.monotonic()
             if self._first_term is None:
                 self._first_term = now
             elif now - self._first_term > self.duplicate_s:
