@@ -236,6 +236,20 @@ def test_bad_csv_cell_and_missing_label_column_exit_with_data_error(tmp_path, ta
     assert len(err) == 1 and "no column named 'kind'" in err[0] and "f0, f1, class" in err[0]
 
 
+def test_a_csv_not_separated_by_commas_is_named_so(tmp_path, capsys):
+    """A semicolon-separated file reads as one column: the refusal names the column and the
+    separator it seems to use, and a NaN feature is shown as the number it is."""
+    (tmp_path / "s.csv").write_text("x1;x2;label\n1;2;0\n3;4;1\n")
+    assert main(["convert", str(tmp_path / "s.csv"), "--out", str(tmp_path / "o.h5")]) == 3
+    err = capsys.readouterr().err.strip()
+    assert "no feature column besides the label column 'x1;x2;label'" in err, err
+    assert "separated by ';'?" in err, err
+    np.savez(tmp_path / "n.npz", x=np.array([[1.0, 2.0], [3.0, np.nan]]), y=np.array([0, 1]))
+    assert main(["convert", str(tmp_path / "n.npz"), "--out", str(tmp_path / "o.h5")]) == 3
+    err = capsys.readouterr().err.strip()
+    assert "row 1, column '1' holds nan:" in err, err
+
+
 @pytest.mark.parametrize("args, code, message", [
     (["--test-fraction", "0"], 2, "--test-fraction must be in"),
     (["--test-fraction", "0.5", "--validation-fraction", "0.5"], 2, "--validation-fraction"),

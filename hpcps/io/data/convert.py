@@ -184,7 +184,7 @@ def _finite(x: np.ndarray, where: str, first_row: int, columns: list[str] | None
     if not ok.all():
         r, c = (int(i) for i in np.argwhere(~ok)[0])
         col = columns[c] if columns else str(c)
-        raise DataError(f"{where}: row {first_row + r}, column {col!r} holds {x[r, c]!r}: "
+        raise DataError(f"{where}: row {first_row + r}, column {col!r} holds {x[r, c]}: "
                         "features must be finite float32 numbers")
     return x32
 
@@ -212,7 +212,11 @@ def open_csv(path: Path, label: str | None = None, chunk_rows: int = DEFAULT_CHU
                             f"the header has: {shown}")
     features = [i for i in range(len(header)) if i != label_col]
     if not features:
-        raise DataError(f"{path}: no feature column besides the label column {label!r}")
+        sep = next((s for s in (";", "\t", "|") if s in header[0]), None)
+        hint = (f" (its header is the one column {header[0]!r}: separated by {sep!r}? "
+                "hpcps reads comma-separated files)") if len(header) == 1 and sep else ""
+        what = f"besides the label column {header[label_col]!r}" if labelled else "at all"
+        raise DataError(f"{path}: no feature column {what}{hint}")
     names = [header[i] for i in features]
 
     def blocks() -> Iterator[tuple[np.ndarray, np.ndarray | None]]:
