@@ -236,6 +236,23 @@ def test_bad_csv_cell_and_missing_label_column_exit_with_data_error(tmp_path, ta
     assert len(err) == 1 and "no column named 'kind'" in err[0] and "f0, f1, class" in err[0]
 
 
+def test_unscaled_features_are_warned_about_and_kept(tmp_path):
+    """8-bit pixels kept as 0-255 train poorly: convert says so (and how to scale), and
+    writes the values as given; features within [-100, 100] pass without a word."""
+    from hpcps.io.data.convert import convert
+    x = np.arange(40 * 6, dtype=np.uint8).reshape(40, 6)
+    np.savez(tmp_path / "p.npz", x=x, y=np.arange(40) % 2)
+    said: list[str] = []
+    out = convert(tmp_path / "p.npz", tmp_path / "p.h5", log=said.append)
+    assert any("reach 239 in magnitude" in s and "x / 255" in s for s in said), said
+    with h5py.File(out) as f:
+        assert f["train/x"][:].max() <= 239 and f["train/x"][:].max() > 200
+    np.savez(tmp_path / "q.npz", x=x / 255.0, y=np.arange(40) % 2)
+    said.clear()
+    convert(tmp_path / "q.npz", tmp_path / "q.h5", log=said.append)
+    assert not any("magnitude" in s for s in said), said
+
+
 def test_a_csv_not_separated_by_commas_is_named_so(tmp_path, capsys):
     """A semicolon-separated file reads as one column: the refusal names the column and the
     separator it seems to use, and a NaN feature is shown as the number it is."""

@@ -560,10 +560,13 @@ def convert(input_path: str | os.PathLike, out_path: str | os.PathLike, *,
         x_description=source.x_description, image_shape=source.image_shape,
         attrs={"split": json.dumps(how)})
     runs = RunCounter()
+    largest = 0.0  # the largest |feature|: a hint when the input was not scaled
     with writer:
         first = 0
         for x, raw in source.blocks():
             n = len(x)
+            if n:
+                largest = max(largest, float(np.abs(x).max()))
             if raw is None:
                 raise DataError(f"{source.path}: no labels")
             y = labels.number(raw, f"{source.path}, rows {first}..{first + n - 1}")
@@ -586,7 +589,14 @@ def convert(input_path: str | os.PathLike, out_path: str | os.PathLike, *,
         log(f"warning: the rows of {input_path} come grouped by class: each rank reads a "
             "contiguous block of rows, so most ranks would see few classes; shuffle the input's "
             "rows before converting")
+    if largest > UNSCALED:
+        log(f"warning: features of {input_path} reach {largest:g} in magnitude; the networks "
+            "train poorly (or diverge) on inputs far from [-1, 1]: scale them before "
+            "converting (8-bit pixels: x / 255; other columns: standardize each)")
     return out
+
+
+UNSCALED = 100.0  # convert warns when a feature's magnitude passes this
 
 
 class RunCounter:
