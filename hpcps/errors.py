@@ -15,13 +15,28 @@ them into one message and one exit code on every rank. The codes, in one place (
 75    :data:`PREEMPTED_EXIT`: stopped early on SIGTERM or SIGUSR1 with a checkpoint written,
       or (:class:`CollectiveLost`) a peer of a lockstep strategy's collective never answered;
       resubmit (or requeue) the job with ``--resume auto`` to continue (``hpcps.runtime.stop``)
-130   interrupted (Ctrl-C)
+130   :data:`INTERRUPTED_EXIT`: interrupted (Ctrl-C), no checkpoint written (:func:`interrupted`)
 ====  ===============================================================================
 """
 
 # "Checkpointed, resubmit me": BSD sysexits' EX_TEMPFAIL ("a temporary failure; the user is
 # invited to retry"), far from the small codes above so a job script can tell it apart.
 PREEMPTED_EXIT = 75
+INTERRUPTED_EXIT = 130  # Ctrl-C (SIGINT), as a shell reports a process it interrupted
+
+
+def interrupted(rank: int) -> None:
+    """Ctrl-C reached this rank: one line for the job (rank 0's), no traceback. The same
+    Ctrl-C often comes twice (from the terminal and forwarded by mpiexec): the second is
+    ignored, so that it cannot break into the ending. Light (no NumPy, no MPI): it also
+    serves a rank interrupted while it starts."""
+    import signal
+    import sys
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if rank == 0:
+        print(f"hpcps: interrupted (Ctrl-C): the job ends with exit code {INTERRUPTED_EXIT}, "
+              "without a checkpoint (SIGTERM or SIGUSR1 stop it with one)", file=sys.stderr,
+              flush=True)
 
 
 class HpcpsError(Exception):

@@ -42,8 +42,8 @@ from hpcps.mpi import joins
 from hpcps.mpi.comm import (PeerTimeout, ReplicaExchange, allgather_obj, barrier, bcast_obj,
                              dup_comm, gather_obj, host)
 from hpcps.options import parse_augment, parse_inject_slow
-from hpcps.errors import (PREEMPTED_EXIT, CheckpointError, CollectiveLost, ConfigError, HpcpsError,
-                          NonFiniteError)
+from hpcps.errors import (INTERRUPTED_EXIT, PREEMPTED_EXIT, CheckpointError, CollectiveLost,
+                          ConfigError, HpcpsError, NonFiniteError, interrupted)
 from hpcps.runtime.metrics import Metrics
 from hpcps.ps.liveness import Dismissed
 from hpcps.model.mlp import InitialWeights, SingleExchange
@@ -545,10 +545,13 @@ def guarded(world, role: str, fn, *args, stacks: StackDumper | None = None,
         print(f"hpcps: rank {world.Get_rank()} of {world.Get_size()} on {host()} ({role}): "
               f"{exc}", file=sys.stderr, flush=True)
         faults.leave(0)
+    except KeyboardInterrupt:
+        interrupted(world.Get_rank())
+        if stacks is not None:
+            stacks.announce_end(INTERRUPTED_EXIT)
+        abort(INTERRUPTED_EXIT)
     except BaseException as exc:
         code = exc.exit_code if isinstance(exc, HpcpsError) else 1
-        if isinstance(exc, KeyboardInterrupt):
-            code = 130
         detail = str(exc) if isinstance(exc, HpcpsError) else traceback.format_exc()
         defer_s = float(getattr(exc, "defer_s", 0.0)) if isinstance(exc, HpcpsError) else 0.0
         if isinstance(exc, (PeerTimeout, CollectiveLost)) and stacks is not None:

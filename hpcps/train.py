@@ -65,8 +65,18 @@ def main(argv: list[str] | None = None) -> int:
                 config.build_parser().print_help()
         return 0
     early = catch_early()
-    from hpcps import job
-    return job.main(argv, early=early)
+    try:
+        from hpcps import job
+        return job.main(argv, early=early)
+    except KeyboardInterrupt:  # while the job starts (guarded's handles it once it runs)
+        from hpcps.errors import INTERRUPTED_EXIT, interrupted
+        interrupted(launcher_rank())
+        mpi = sys.modules.get("mpi4py.MPI")
+        if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
+            # the others may be waiting on this rank in a collective, where a Ctrl-C of
+            # their own is not seen until it returns: end them all
+            mpi.COMM_WORLD.Abort(INTERRUPTED_EXIT)
+        return INTERRUPTED_EXIT
 
 
 if __name__ == "__main__":

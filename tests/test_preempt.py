@@ -301,6 +301,35 @@ def test_a_signal_while_the_ranks_start_stops_the_run_with_75(how, digits_h5, tm
     assert checkpoint.load(tmp_path / "checkpoint.h5").step == summary["step"] < 20000
 
 
+@pytest.mark.skipif(mpi_flavor() != "mpich", reason="ranks found by PMI_RANK")
+def test_ctrl_c_ends_the_job_with_130_and_one_line(digits_h5, tmp_path):
+    """SIGINT to every rank of a running job (as Ctrl-C in a terminal reaches the foreground
+    group): one line from rank 0, no traceback from any rank, exit code 130 at once (a
+    rank interrupted in Python aborts the job; the others may be inside a collective, where
+    a KeyboardInterrupt would not be seen until it returns)."""
+    args = ["--strategy", "sync", "--data", str(digits_h5), "--run-dir", str(tmp_path),
+            "--steps", "200000", "--batch-size", "16", *QUICK]
+    cmd = [mpiexec(), "-n", "3", sys.executable, "-m", "hpcps.train", *args]
+    env, tag = tagged_env({**os.environ, "OPENBLAS_NUM_THREADS": "1",
+                           "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")})
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not [r for r in records(tmp_path, "progress") if r["step"] >= 200]:
+            assert proc.poll() is None and time.monotonic() < deadline, "no progress"
+            time.sleep(0.05)
+        for pid in rank_pids(proc.pid).values():
+            os.kill(pid, signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+    except BaseException:
+        end_launch(proc.pid, tag)
+        proc.communicate()
+        raise
+    assert proc.returncode == 130, out[-3000:]
+    assert "Traceback" not in out and out.count("interrupted (Ctrl-C)") == 1, out[-3000:]
+
+
 def test_a_finished_run_exits_0_and_signals_after_it_change_nothing(digits_h5, tmp_path):
     """A run that was never signalled ends with 0; the vote adds no exit code of its own."""
     run = train(3, "--strategy", "downpour", "--data", str(digits_h5), "--run-dir",

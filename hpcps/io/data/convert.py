@@ -215,7 +215,8 @@ def open_csv(path: Path, label: str | None = None, chunk_rows: int = DEFAULT_CHU
         sep = next((s for s in (";", "\t", "|") if s in header[0]), None)
         hint = (f" (its header is the one column {header[0]!r}: separated by {sep!r}? "
                 "hpcps reads comma-separated files)") if len(header) == 1 and sep else ""
-        what = f"besides the label column {header[label_col]!r}" if labelled else "at all"
+        what = (f"besides the label column {header[label_col]!r}" if label_col is not None
+                else "at all")
         raise DataError(f"{path}: no feature column {what}{hint}")
     names = [header[i] for i in features]
 
