@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 
 for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
@@ -47,6 +48,11 @@ def _say(text: str, rank: int, err: bool = False) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    # SIGTERM and SIGINT wait until this launch has connected: a launch that died between
+    # asking a listener for a connection and making it would hold that rank of the job in
+    # MPI_Comm_accept for good (hpcps.mpi.joins)
+    from hpcps.train import catch_early
+    deferred = catch_early((signal.SIGTERM, signal.SIGINT))
     from hpcps import job
     from hpcps.errors import HpcpsError
     from hpcps.mpi import joins
@@ -59,6 +65,14 @@ def main(argv: list[str] | None = None) -> int:
         if joins.launch_rank() == 0:
             _say(str(exc), -1, err=True)
         return exc.exit_code
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    if deferred:  # connected (the job's listeners are free again): now the signal acts
+        sig = deferred[0][0]
+        _say(f"{signal.Signals(sig).name} while joining: connected, leaving now (the job "
+             "goes on without this rank)", world.Get_rank(), err=True)
+        faults.leave(128 + sig)
     cfg, n_world = welcome["cfg"], int(welcome["n_world"])
     me = world.Get_rank()
     try:

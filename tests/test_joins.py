@@ -204,6 +204,28 @@ def test_a_join_to_no_job_fails_in_one_line(tmp_path):
 
 
 # -- runs ----------------------------------------------------------------------------------------
+def test_a_request_whose_launch_died_before_connecting_is_not_accepted(mnist_h5, tmp_path):
+    """A launch that dies (SIGKILL: nothing defers it) after asking the chief for a
+    connection: the chief claims the request, sees that its process is gone, and does not
+    accept (MPI_Comm_accept has no timeout: it would wait for good, and the run with it).
+    The job goes on and ends with exit code 0."""
+    from hpcps.mpi import joins
+    with Job(tmp_path / "run", mnist_h5, n=3, extra=["--steps", "3000", "--joins", "1"],
+             what="a run asked for a connection by a dead launch") as job:
+        job.at_step(200)
+        dead = subprocess.Popen([sys.executable, "-c", "pass"])
+        ident = {"host": joins.HOST, "pid": dead.pid, "start": procfs.stat(dead.pid).start}
+        dead.wait()
+        request = joins.join_dir(job.run_dir) / "abc123.to-0"
+        request.write_text(json.dumps(ident))
+        deadline = time.monotonic() + 30
+        while request.exists():  # claimed (renamed) within a look or two
+            assert time.monotonic() < deadline, "the chief did not claim the request"
+            time.sleep(0.05)
+    assert job.proc.returncode == 0, job.report()
+    assert not list(joins.join_dir(job.run_dir).glob("abc123.*")), "the claim was kept"
+
+
 def test_launches_join_as_replica_and_spare_and_the_spare_replaces_a_killed_replica(
         mnist_h5, tmp_path):
     """1 shard and 2 replicas (3 ranks), --joins 3. One rank joins and trains at once (rank

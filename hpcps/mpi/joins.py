@@ -16,9 +16,12 @@ one intercommunicator away, under its world rank.
 When to accept. MPICH's ``MPI_Comm_accept`` holds the lock every MPI call of the process takes,
 so a thread waiting in it would stop the rank (measured: a shard's serving loop froze). A
 listener therefore accepts only when a connection is about to come: the launch writes
-``RUN_DIR/join/<id>.to-<rank>``; the listener, which looks at that folder at most every
-``LOOK_EVERY_S`` when it probes for messages, claims the request (renames it) and accepts; the
-launch connects once the request is claimed. A listener that claims nothing within
+``RUN_DIR/join/<id>.to-<rank>``, naming its lead process; the listener, which looks at that
+folder at most every ``LOOK_EVERY_S`` when it probes for messages, claims the request (renames
+it) and, unless that process has died meanwhile, accepts; the launch connects once the
+request is claimed. Between the claim and the connection the launch defers SIGTERM and SIGINT
+(:mod:`hpcps.join`), so that only a SIGKILL in those milliseconds can leave a listener
+waiting. A listener that claims nothing within
 ``CLAIM_S`` (the chief: the launch's timeout) is taken for dead and the request withdrawn, so
 no listener accepts a connection that will not come, and no launch connects to a dead rank's
 port (which crashes it under MPICH's UCX transport). The launch gives up sooner when it sees
@@ -273,10 +276,14 @@ class RoutedComm:
         for name in sorted(names):
             if not name.endswith(suffix):
                 continue
+            claimed = self.dir / (name[:-len(suffix)] + f".claimed-{self.me}")
             try:  # claim the request: the launch connects only once it is claimed
-                os.rename(self.dir / name, self.dir / (name[:-len(suffix)] + f".claimed-{self.me}"))
+                os.rename(self.dir / name, claimed)
             except OSError:
                 continue  # the launch gave up waiting (or another look took it)
+            if _requester_gone(claimed):  # it died after asking: nobody would connect
+                claimed.unlink(missing_ok=True)
+                continue
             self._accept()
 
     def _accept(self) -> None:
@@ -535,11 +542,24 @@ def _stopped(port_file: Path, ident: dict) -> str | None:
     return None
 
 
+def _requester_gone(request: Path) -> bool:
+    """Whether the launch that wrote ``request`` (its lead's :func:`identity`) has died on
+    this host: an accept for it would wait for a connection that never comes, holding the
+    listener for good (MPI has no timeout on it)."""
+    try:
+        ident = json.loads(request.read_text() or "{}")
+    except (OSError, ValueError):
+        return False
+    return bool(ident.get("host") == HOST and ident.get("pid")
+                and is_gone(int(ident["pid"]), ident.get("start")))
+
+
 def _claimed(request: Path, wait_s: float, gone=None) -> bool:
-    """Write ``request`` and wait until its listener claims it (renames it away); False if
-    it did not within ``wait_s``, or before ``gone()`` (looked at 4 times a second) said why
-    it never will, and the request was withdrawn first."""
-    request.touch()
+    """Write ``request`` (naming this process, the launch's lead) and wait until its
+    listener claims it (renames it away); False if it did not within ``wait_s``, or before
+    ``gone()`` (looked at 4 times a second) said why it never will, and the request was
+    withdrawn first."""
+    _write_atomic(request, json.dumps(identity()))
     deadline = time.monotonic() + wait_s
     looked = time.monotonic()
     while time.monotonic() < deadline:
