@@ -518,7 +518,7 @@ def test_sigterm_stops_a_sandblaster_run_that_survives_deaths_at_its_coordinator
     replicas, exit code 75 within seconds, nobody lost; --resume auto goes on from that step.
     A replica or shard that gets the signal alone keeps it and works on (before, SIGTERM to
     mpiexec killed every rank, nothing was saved, and mpiexec exited 0)."""
-    n, coordinator, steps = 5, 4, 60
+    n, coordinator, steps = 5, 4, 30
     run = [*SB_RUN[:SB_RUN.index("--steps")], "--steps", str(steps),
            *SB_RUN[SB_RUN.index("--steps") + 2:]]
     sig = signal.SIGUSR1 if mpi_flavor() == "openmpi" else signal.SIGTERM
