@@ -226,6 +226,27 @@ def test_a_request_whose_launch_died_before_connecting_is_not_accepted(mnist_h5,
     assert not list(joins.join_dir(job.run_dir).glob("abc123.*")), "the claim was kept"
 
 
+def test_a_launch_signalled_while_it_connects_connects_then_leaves(mnist_h5, tmp_path):
+    """SIGTERM reaches the joining rank while it asks the chief for a connection (its
+    request file is there): the launch holds it, connects to every listener, then leaves
+    with exit code 143 and one line; no listener is left waiting in an accept, and the job
+    goes on to exit code 0 (it takes the rank for lost, as any dead replica)."""
+    from hpcps.mpi import joins
+    with Job(tmp_path / "run", mnist_h5, n=3, extra=["--steps", "5000", "--joins", "1"],
+             what="a run joined by a launch signalled while it connects") as job:
+        job.at_step(200)
+        newcomer = job.join(1, "replica")
+        deadline = time.monotonic() + 60
+        while not list(joins.join_dir(job.run_dir).glob("*.to-*")):
+            assert newcomer.poll() is None and time.monotonic() < deadline, job.report()
+            time.sleep(0.002)
+        job.signal(0, signal.SIGTERM, launch=newcomer)
+        out = output(newcomer, LIMIT_S)
+    assert job.proc.returncode == 0, job.report()
+    assert newcomer.returncode == 128 + signal.SIGTERM, out[-3000:]
+    assert "SIGTERM while joining: connected, leaving now" in out, out[-3000:]
+
+
 def test_launches_join_as_replica_and_spare_and_the_spare_replaces_a_killed_replica(
         mnist_h5, tmp_path):
     """1 shard and 2 replicas (3 ranks), --joins 3. One rank joins and trains at once (rank
