@@ -635,7 +635,16 @@ def test_every_copy_of_a_set_lost_ends_the_job_naming_the_set(mnist_h5, tmp_path
     assert "every copy of chunk set 0 (shards [0, 1]) is lost: the run cannot go on" in out, \
         out[-3000:]
     assert "raise --ps-copies or --spares" in out
-    # the dead shards' stacks are not waited for (the dump's wait is --timeout / 2, 15 s)
+    # the dead shards' stacks are not waited for (the dump's wait is --timeout / 2, 15 s):
+    # from the dump's request to the job's announced end took 4.5 s here, where a wait for
+    # them would take 15 s or more
     assert "no stack written by rank(s) 3, 4, which the run had already lost" in out, out[-3000:]
-    assert time.monotonic() - killed_at < 15, "the job waited for the dead shards' stacks"
+    (asked,) = (tmp_path / "stacks").glob("request-*")
+    (ended,) = (tmp_path / "stacks").glob("ending-*")
+    dump_s = ended.stat().st_mtime - asked.stat().st_mtime
+    assert dump_s < 10, f"the job waited {dump_s:.1f} s for the dead shards' stacks"
+    # and the job ended before --timeout (30 s): 11.8-14.0 s after the kill here (2026-11-28,
+    # Open MPI, 2 shared cores: the loss found in about 6 s, the stacks, the announced end),
+    # 15.8 s in one CI run
+    assert time.monotonic() - killed_at < 25, "the job did not end well before --timeout"
     assert "wrote checkpoint" in out and (tmp_path / "checkpoint.h5").exists(), out[-3000:]
