@@ -57,6 +57,17 @@ def rank_pids(root_pid: int) -> dict[int, int]:
     return found
 
 
+def start(cmd: list[str]) -> subprocess.Popen:
+    """``cmd`` (a launch) started in a session of its own with hpcps on its path, its output
+    piped; ``proc.tag`` ends its processes alone (:func:`mpirun.end_launch`)."""
+    env, tag = tagged_env({**os.environ, "OPENBLAS_NUM_THREADS": "1",
+                           "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")})
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env, start_new_session=True)
+    proc.tag = tag  # type: ignore[attr-defined]
+    return proc
+
+
 def run_and_signal(n: int, args: list[str], run_dir: Path, sig: int, target: str,
                    after_step: int, timeout: float = 120):
     """Start ``mpiexec -n n python -m hpcps.train args``; once a progress record past
@@ -64,11 +75,7 @@ def run_and_signal(n: int, args: list[str], run_dir: Path, sig: int, target: str
     one rank (``target="rank:R"``) or to mpiexec and every rank at once (``target="all"``,
     as ``pkill -f hpcps.train`` does: each rank gets it twice, directly and forwarded).
     Returns (exit code, output, the step signalled at)."""
-    cmd = [mpiexec(), "-n", str(n), sys.executable, "-m", "hpcps.train", *args]
-    env, tag = tagged_env({**os.environ, "OPENBLAS_NUM_THREADS": "1",
-                           "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")})
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=env, start_new_session=True)
+    proc = start([mpiexec(), "-n", str(n), sys.executable, "-m", "hpcps.train", *args])
     deadline = time.monotonic() + timeout
     sent_at = None
     try:
@@ -92,7 +99,7 @@ def run_and_signal(n: int, args: list[str], run_dir: Path, sig: int, target: str
             time.sleep(0.05)
         out, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
     except BaseException:
-        end_launch(proc.pid, tag)
+        end_launch(proc.pid, proc.tag)
         proc.communicate()
         raise
     return proc.returncode, out, sent_at
@@ -275,10 +282,7 @@ def test_a_signal_while_the_ranks_start_stops_the_run_with_75(how, digits_h5, tm
         extra = ["--heartbeat-timeout", "5"]
     args = ["--data", str(digits_h5), "--run-dir", str(tmp_path), "--steps", "20000",
             "--batch-size", "16", *QUICK, *extra]
-    env, tag = tagged_env({**os.environ, "OPENBLAS_NUM_THREADS": "1",
-                           "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")})
-    proc = subprocess.Popen([*cmd, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, env=env, start_new_session=True)
+    proc = start([*cmd, *args])
     try:
         deadline = time.monotonic() + 60
         while True:
@@ -290,7 +294,7 @@ def test_a_signal_while_the_ranks_start_stops_the_run_with_75(how, digits_h5, tm
         os.kill(proc.pid, signal.SIGTERM)
         out, _ = proc.communicate(timeout=60)
     except BaseException:
-        end_launch(proc.pid, tag)
+        end_launch(proc.pid, proc.tag)
         proc.communicate()
         raise
     assert proc.returncode == PREEMPTED_EXIT, out[-3000:]
@@ -309,11 +313,7 @@ def test_ctrl_c_ends_the_job_with_130_and_one_line(digits_h5, tmp_path):
     a KeyboardInterrupt would not be seen until it returns)."""
     args = ["--strategy", "sync", "--data", str(digits_h5), "--run-dir", str(tmp_path),
             "--steps", "200000", "--batch-size", "16", *QUICK]
-    cmd = [mpiexec(), "-n", "3", sys.executable, "-m", "hpcps.train", *args]
-    env, tag = tagged_env({**os.environ, "OPENBLAS_NUM_THREADS": "1",
-                           "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")})
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=env, start_new_session=True)
+    proc = start([mpiexec(), "-n", "3", sys.executable, "-m", "hpcps.train", *args])
     try:
         deadline = time.monotonic() + 60
         while not [r for r in records(tmp_path, "progress") if r["step"] >= 200]:
@@ -323,7 +323,7 @@ def test_ctrl_c_ends_the_job_with_130_and_one_line(digits_h5, tmp_path):
             os.kill(pid, signal.SIGINT)
         out, _ = proc.communicate(timeout=60)
     except BaseException:
-        end_launch(proc.pid, tag)
+        end_launch(proc.pid, proc.tag)
         proc.communicate()
         raise
     assert proc.returncode == 130, out[-3000:]
