@@ -314,8 +314,7 @@ class DownpourReplica(ReplicaLoop):
         """Rank 0 of a run whose ranks may die stops on its signal (``ctx.stop_flag``); its
         DONE tells the shards, whose replies then tell the other replicas
         (:meth:`run_complete`)."""
-        flag = self.ctx.stop_flag
-        return self.ctx.grid.is_chief and flag is not None and flag.raised
+        return self.ctx.grid.is_chief and self.ctx.stop_requested()
 
     def run_complete(self) -> bool:
         if self.info.get("stopping"):  # rank 0 stopped the run early
