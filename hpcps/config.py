@@ -312,6 +312,12 @@ def _read_toml(path: str) -> dict[str, Any]:
     return out
 
 
+# what a value of each option type must be, for the message refusing another
+_EXPECTED = {int: "an integer", float: "a number", bool: "true or false",
+             LAYERS: "a list of integers or a string such as \"784,512,10\"",
+             TAU_TYPE: "a positive number or \"auto\""}
+
+
 def _check_types(values: dict[str, Any]) -> None:
     """TOML values arrive untyped; refuse a string where a number belongs, and the like."""
     for name, v in values.items():
@@ -336,7 +342,8 @@ def _check_types(values: dict[str, Any]) -> None:
         else:
             ok = isinstance(v, str)
         if not ok:
-            raise ConfigError(f"{name} has the wrong type: got {v!r}")
+            want = _EXPECTED.get(o.type, "a string")
+            raise ConfigError(f"{name} has the wrong type: got {v!r}, expected {want}")
 
 
 @functools.cache

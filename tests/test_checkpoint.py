@@ -316,8 +316,18 @@ def test_not_hdf5_missing_and_wrong_files(tmp_path):
     for name in ("text.h5", "empty.h5", "header.h5"):
         with pytest.raises(CheckpointError, match="unreadable"):
             checkpoint.load(tmp_path / name)
-    with pytest.raises(CheckpointError, match="directory"):
+    with pytest.raises(CheckpointError, match="is a directory, not a file$"):
         checkpoint.load(tmp_path)
+    # a run directory given where its checkpoint was meant: the message names the file(s)
+    run = tmp_path / "run"
+    run.mkdir()
+    checkpoint.save(run / "checkpoint.h5", make(step=7))
+    with pytest.raises(CheckpointError, match=f"holds {run / 'checkpoint.h5'}; give that file$"):
+        checkpoint.load(run)
+    checkpoint.save(run / "checkpoint-old.h5", make(step=3))
+    with pytest.raises(CheckpointError, match=f"holds {run / 'checkpoint.h5'}, "
+                       f"{run / 'checkpoint-old.h5'}; give one of them$"):
+        checkpoint.load(run)
     with h5py.File(tmp_path / "other.h5", "w") as f:
         f["x"] = np.zeros(3)
     with pytest.raises(CheckpointError, match="not an hpcps checkpoint"):

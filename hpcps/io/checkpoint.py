@@ -405,7 +405,8 @@ def load_with_header(path: str | os.PathLike) -> tuple[Checkpoint, dict[str, Any
     if not path.exists():
         raise CheckpointError(f"checkpoint not found: {path}")
     if path.is_dir():
-        raise CheckpointError(f"checkpoint {path} is a directory, not a file")
+        raise CheckpointError(f"checkpoint {path} is a directory, not a file"
+                              + _files_in_run_dir(path))
 
     def missing(what: str) -> CheckpointError:
         return CheckpointError(f"checkpoint {path} lacks {what}: not a complete hpcps checkpoint")
@@ -528,6 +529,24 @@ def _persisted_step(f: h5py.File) -> int:
     return int(steps.min())
 
 
+def _candidates(directory: Path) -> list[Path]:
+    """The files ``checkpoint*.h5`` in ``directory``, by step (highest first), then newest."""
+    found = [p for p in directory.glob("checkpoint*.h5") if p.is_file()] \
+        if directory.is_dir() else []
+    return sorted(found, key=lambda p: (peek_step(p) or -1, p.stat().st_mtime), reverse=True)
+
+
+def _files_in_run_dir(directory: Path) -> str:
+    """For the message when a directory is given as a checkpoint: the checkpoints it holds
+    (a run directory holds ``checkpoint.h5``), or nothing to add."""
+    found = _candidates(directory)
+    if not found:
+        return ""
+    if len(found) == 1:
+        return f": it holds {found[0]}; give that file"
+    return f": it holds {', '.join(map(str, found))}; give one of them"
+
+
 def peek_step(path: str | os.PathLike) -> int | None:
     """The step of the checkpoint at ``path`` from its root attribute alone (no arrays read;
     for a persistence manifest, its chunks' steps), or None when there is no readable
@@ -558,9 +577,7 @@ def latest(run_dir: str | os.PathLike) -> tuple[Checkpoint | None, list[str]]:
         the user decides (the message names each file and its problem).
     """
     directory = Path(run_dir)
-    found = [p for p in directory.glob("checkpoint*.h5") if p.is_file()] \
-        if directory.is_dir() else []
-    found.sort(key=lambda p: (peek_step(p) or -1, p.stat().st_mtime), reverse=True)
+    found = _candidates(directory)
     skipped: list[str] = []
     for path in found:
         try:
