@@ -299,3 +299,37 @@ def test_rows_grouped_by_class_are_warned_about(tmp_path):
     said = []
     cv.convert(tmp_path / "d.npz", tmp_path / "o.h5", log=said.append)
     assert any("grouped by class" in s for s in said)
+
+
+def test_class_numbers_without_rows_are_warned_about_and_one_class_is_refused(tmp_path):
+    """Labels counted from 1 leave class 0 without rows (the model's output for it is never
+    right): convert writes the file and says so, naming the cause; numbers with gaps name
+    the missing ones; a file of one class is refused (at conversion, and as a dataset)."""
+    rng = np.random.default_rng(3)
+    x = rng.random((60, 3)).astype(np.float32)
+    said: list[str] = []
+    np.savez(tmp_path / "one.npz", x=x, y=rng.integers(1, 3, 60))
+    out = cv.convert(tmp_path / "one.npz", tmp_path / "one.h5", log=said.append)
+    assert open_dataset(out).n_classes == 3
+    assert any("no row has class 0" in s and "counted from 1" in s for s in said), said
+    said.clear()
+    np.savez(tmp_path / "gaps.npz", x=x, y=np.where(np.arange(60) % 2, 0, 4))
+    cv.convert(tmp_path / "gaps.npz", tmp_path / "gaps.h5", log=said.append)
+    assert any("no row has classes 1, 2, 3:" in s and "counted from 1" not in s
+               for s in said), said
+    said.clear()
+    np.savez(tmp_path / "ok.npz", x=x, y=np.arange(60) % 3)  # 0..2 all present; names too
+    cv.convert(tmp_path / "ok.npz", tmp_path / "ok.h5", log=said.append)
+    write_csv(tmp_path / "n.csv", x, ["b" if i % 2 else "a" for i in range(60)])
+    cv.convert(tmp_path / "n.csv", tmp_path / "n.h5", log=said.append, label="class")
+    assert not any("no row has" in s for s in said), said
+    np.savez(tmp_path / "single.npz", x=x, y=np.full(60, 7))
+    with pytest.raises(DataError, match="every row has the label '7': a classifier needs"):
+        cv.convert(tmp_path / "single.npz", tmp_path / "single.h5", log=quiet)
+    assert not (tmp_path / "single.h5").exists()
+    with h5py.File(tmp_path / "ok.h5", "r+") as f:  # a user's own file of one class
+        for split in ("train", "test"):
+            f[f"{split}/y"][...] = 0
+        f.attrs["n_classes"] = 1
+    with pytest.raises(DataError, match="every label is 0 .n_classes 1.: a classifier needs"):
+        open_dataset(tmp_path / "ok.h5")

@@ -119,6 +119,10 @@ class Labels:
             local[i] = self.ids.setdefault(key, len(self.ids))
         return local[inverse.reshape(-1)]
 
+    def first(self) -> str:
+        """The first label seen (for a message about a file of one class)."""
+        return next(iter(self.ids))
+
     def finish(self) -> tuple[int, np.ndarray, list[str] | None]:
         """(n_classes, lookup from provisional to final ids, class names or None)."""
         keys = list(self.ids)
@@ -579,6 +583,9 @@ def convert(input_path: str | os.PathLike, out_path: str | os.PathLike, *,
                     runs.add(y[keep])
             first += n
         n_classes, lut, names = labels.finish()
+        if len(lut) < 2:
+            raise DataError(f"{input_path}: every row has the label {labels.first()!r}: a "
+                            "classifier needs rows of at least 2 classes")
         if class_names is not None:
             names = class_names  # every folder is a class, sorted: the lookup keeps that order
         grouped = runs.grouped()
@@ -586,6 +593,13 @@ def convert(input_path: str | os.PathLike, out_path: str | os.PathLike, *,
         out = writer.finish(n_classes, lut, names)
     log(f"wrote {out}: " + " / ".join(f"{rows[s]} {s}" for s in splits) +
         f" rows, {source.n_features} features, {n_classes} classes")
+    unused = sorted(set(range(n_classes)) - set(lut.tolist())) if names is None else []
+    if unused:
+        log(f"warning: the labels of {input_path} are class numbers 0..{n_classes - 1}, but "
+            f"no row has {_some(unused)}: the model keeps an output for every number, and "
+            "those outputs are never the right answer" +
+            (" (labels counted from 1? subtract 1 from them before converting)"
+             if unused == [0] else ""))
     if grouped:
         log(f"warning: the rows of {input_path} come grouped by class: each rank reads a "
             "contiguous block of rows, so most ranks would see few classes; shuffle the input's "
@@ -595,6 +609,14 @@ def convert(input_path: str | os.PathLike, out_path: str | os.PathLike, *,
             "train poorly (or diverge) on inputs far from [-1, 1]: scale them before "
             "converting (8-bit pixels: x / 255; other columns: standardize each)")
     return out
+
+
+def _some(classes: list[int]) -> str:
+    """``class 0``, ``classes 3, 5``, or the first few of many and how many more."""
+    if len(classes) == 1:
+        return f"class {classes[0]}"
+    shown = ", ".join(map(str, classes[:5]))
+    return f"classes {shown}" + (f" and {len(classes) - 5} more" if len(classes) > 5 else "")
 
 
 UNSCALED = 100.0  # convert warns when a feature's magnitude passes this

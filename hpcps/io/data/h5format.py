@@ -443,6 +443,9 @@ def _check_layout(f: h5py.File, path: Path) -> tuple[dict[str, tuple], int]:
             raise DataError(f"{path}: n_classes attribute {n_classes!r} is not an integer")
         if n_classes <= max_label:
             raise DataError(f"{path}: label {max_label} found but n_classes is {n_classes}")
+    if n_classes < 2:
+        raise DataError(f"{path}: every label is 0 (n_classes {n_classes}): a classifier needs "
+                        "rows of at least 2 classes")
     return splits, n_classes
 
 
