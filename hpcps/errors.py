@@ -10,6 +10,7 @@ them into one message and one exit code on every rank. The codes, in one place (
  3    :class:`DataError`: datasets (missing, not HDF5, wrong layout, non-finite features)
  4    :class:`CheckpointError`: checkpoints (missing, corrupt, incompatible, non-finite)
  5    ``hpcps.mpi.comm.PeerTimeout``: a rank waited longer than ``--timeout`` on another
+      (``PeerDied``: or MPI failed a receive because its sender had died)
  6    ``hpcps.compress.codec.CodecError``: a corrupt compressed message
  7    :class:`NonFiniteError`: training produced a NaN or an infinity and was stopped
 75    :data:`PREEMPTED_EXIT`: stopped early on SIGTERM or SIGUSR1 with a checkpoint written,

@@ -243,9 +243,11 @@ class Run:
         return self.stdout + self.stderr
 
 
-def run_mpi(n: int, args: list[str], timeout: float = 240, cwd=None, env=None) -> Run:
-    """Run ``mpiexec -n n <python> args...``; kill it and fail if it outlives ``timeout``."""
-    cmd = [*mpiexec_cmd(n), sys.executable, *args]
+def run_mpi(n: int, args: list[str], timeout: float = 240, cwd=None, env=None,
+            survive_rank_death: bool = False) -> Run:
+    """Run ``mpiexec -n n <python> args...``; kill it and fail if it outlives ``timeout``
+    (``survive_rank_death``: :func:`mpiexec_cmd`'s)."""
+    cmd = [*mpiexec_cmd(n, survive_rank_death=survive_rank_death), sys.executable, *args]
     full_env = dict(os.environ)
     full_env.setdefault("OPENBLAS_NUM_THREADS", "1")
     full_env["PYTHONPATH"] = str(ROOT) + os.pathsep + full_env.get("PYTHONPATH", "")

@@ -124,3 +124,30 @@ def test_a_message_whose_sender_died_before_it_was_taken_is_dropped(monkeypatch)
     monkeypatch.setattr(mpicomm, "PEER_FAILURE", frozenset())
     with pytest.raises(MPI.Exception):
         mpicomm.Transport(_DyingSender()).take(bytearray(8), 1, 9)
+
+
+@pytest.mark.parametrize("how", ["take", "wait"])
+def test_a_sender_dead_before_its_large_message_is_copied_is_named(how):
+    """MPICH copies a large message on one node from the sender's memory, and fails the
+    receive when the sender has died (``process_vm_readv``: no such process). The receiver
+    reports the dead rank in one line (exit code 5), where it printed MPI's error stack: a
+    downpour shard whose replica was killed (or ran out of memory) mid-push, without
+    ``--heartbeat-timeout``. ``tests/scripts/dead_sender.py`` sets the death up."""
+    import json
+
+    from mpirun import ROOT, mpi_flavor, run_mpi
+    if mpi_flavor() != "mpich":
+        pytest.skip("MPICH's copy from the sender's memory (Open MPI moves it otherwise)")
+    run = run_mpi(2, [str(ROOT / "tests" / "scripts" / "dead_sender.py"), how], timeout=120,
+                  survive_rank_death=True)
+    lines = [line for line in run.stdout.splitlines() if line.startswith("{")]
+    assert lines, run.output[-3000:]
+    out = json.loads(lines[-1])
+    if how == "take":
+        assert out["raised"] == "PeerDied" and out["lost"] == [1], out
+        assert out["message"].startswith("rank 1 died while this rank received its PUSH "
+                                         "message"), out
+    else:
+        assert out["raised"] == "PeerFailed", out
+        assert out["message"].startswith("rank 1's push: a rank it received from died"), out
+    assert out["exit_code"] == 5

@@ -26,7 +26,7 @@ from hpcps.blocks import block_counts, displacements
 from hpcps.compress import bf16
 from hpcps.compress.bf16 import FP32, Wire
 from hpcps.errors import HpcpsError
-from hpcps.mpi.protocol import Tag
+from hpcps.mpi.protocol import Tag, tag_name
 
 
 # Reduction operations and wildcards, so that the layers above name them without mpi4py.
@@ -53,6 +53,15 @@ def peer_failed(exc: BaseException) -> bool:
     return isinstance(exc, MPI.Exception) and exc.Get_error_class() in PEER_FAILURE
 
 
+def sender_vanished(exc: BaseException) -> bool:
+    """Whether ``exc`` is MPICH failing a receive because its sender's process is gone: on
+    one node MPICH copies a large message straight from the sender's memory
+    (``process_vm_readv``), which fails with ESRCH once the sender has died. Without ULFM
+    this error, raised at once, is the only sign MPI gives of the death (other transfers
+    with a dead rank stay pending)."""
+    return isinstance(exc, MPI.Exception) and "process_vm_readv failed (errno 3)" in str(exc)
+
+
 class PeerTimeout(HpcpsError):
     """Another rank did not answer in time. ``lost``: the world ranks the raiser already
     knows are gone (shards found dead, replicas dropped): the stack dump that explains the
@@ -68,6 +77,20 @@ class PeerTimeout(HpcpsError):
 class PeerFailed(PeerTimeout):
     """MPI reported a rank waited on dead (ULFM): the survivors may shrink the communicator
     (:func:`shrink`) and go on."""
+
+
+class PeerDied(PeerFailed):
+    """A rank died while this one received its message, and MPI said so (without ULFM:
+    :func:`sender_vanished`). Where nothing survives a death (no ``--heartbeat-timeout``),
+    the job ends with this message and the dead rank's number instead of MPI's error stack."""
+
+    def __init__(self, src: int, tag: int):
+        name = tag_name(tag)
+        super().__init__(f"rank {src} died while this rank received its {name} message (MPI "
+                         "could not copy it from that process: process_vm_readv, no such "
+                         f"process): rank {src} was killed or ran out of memory",
+                         lost=(src,))
+        self.src = src
 
 
 class PeerGone(Exception):
@@ -115,10 +138,14 @@ def _testall(reqs, what: str) -> bool:
         errors = [exc] if exc.Get_error_class() != MPI.ERR_IN_STATUS else \
             [MPI.Exception(st.Get_error()) for st in statuses if st.Get_error() != MPI.SUCCESS]
         failed = [e for e in errors if peer_failed(e)]
-        if not failed:
-            raise
-        raise PeerFailed(f"{what}: MPI reports that a rank it waited on died "
-                         f"({failed[0].Get_error_string()})") from None
+        if failed:
+            raise PeerFailed(f"{what}: MPI reports that a rank it waited on died "
+                             f"({failed[0].Get_error_string()})") from None
+        if any(sender_vanished(e) for e in errors):
+            raise PeerFailed(f"{what}: a rank it received from died half-way (MPI could not "
+                             "copy from that process: process_vm_readv, no such process)"
+                             ) from None
+        raise
 
 
 def wait_all(reqs, timeout: float, what: str, spin_s: float = 0.0) -> None:
@@ -310,6 +337,8 @@ class Transport:
         try:
             self.comm.Recv(buf, source=src, tag=tag)
         except MPI.Exception as exc:
+            if sender_vanished(exc):
+                raise PeerDied(src, tag) from None
             self._peer_failed(exc)
             raise PeerGone(src, tag) from None
 

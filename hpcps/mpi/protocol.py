@@ -69,6 +69,15 @@ class Tag(IntEnum):
     NEVER = 99
 
 
+def tag_name(tag: int) -> str:
+    """A message tag's name (``PUSH``), or its number for a tag :class:`Tag` does not name (a
+    strategy's own)."""
+    try:
+        return Tag(tag).name
+    except ValueError:
+        return f"tag {tag}"
+
+
 class H(IntEnum):
     """Slots of the float64 message header."""
 

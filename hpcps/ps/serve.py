@@ -22,18 +22,11 @@ from typing import Any, Callable, Mapping
 from hpcps import trace
 from hpcps.mpi.comm import (PeerGone, PeerTimeout, Poller, Transport, size_of, source_of, status,
                             tag_of)
-from hpcps.mpi.protocol import Tag
+from hpcps.mpi.protocol import tag_name
 
 Handler = Callable[[int, Any], "bool | None"]  # (source, the probed status)
 Tick = Callable[[], "bool | None"]
 TICK_EVERY = 64  # messages between two ticks of a busy loop
-
-
-def _tag_name(tag: int) -> str:
-    try:
-        return Tag(tag).name
-    except ValueError:
-        return f"tag {tag}"
 
 
 def serve(comm, handlers: Mapping[int, Handler], timeout: float,
@@ -87,7 +80,7 @@ def serve(comm, handlers: Mapping[int, Handler], timeout: float,
         except PeerGone:  # (ULFM) its sender died before it was taken: lost with it; the
             continue  # sender is found dead by its silence, as without ULFM
         if tr is not None:  # the handler's time: receiving the message and acting on it
-            tr.message(f"{_tag_name(tag)} from rank {source}", nbytes, t0, source=source)
+            tr.message(f"{tag_name(tag)} from rank {source}", nbytes, t0, source=source)
         if finished:
             return
         handled += 1
