@@ -333,3 +333,16 @@ def test_class_numbers_without_rows_are_warned_about_and_one_class_is_refused(tm
         f.attrs["n_classes"] = 1
     with pytest.raises(DataError, match="every label is 0 .n_classes 1.: a classifier needs"):
         open_dataset(tmp_path / "ok.h5")
+
+
+def test_a_csv_without_its_header_row_is_refused(tmp_path):
+    """A CSV whose first line is data would lose that row to the header silently: refused,
+    saying what to add; a header with a numeric feature name and a named label passes."""
+    x = np.arange(12, dtype=np.float32).reshape(4, 3) / 10
+    np.savetxt(tmp_path / "h.csv", np.c_[x, [0, 1, 0, 1]], delimiter=",", fmt="%g")
+    with pytest.raises(DataError, match=r"h.csv: the first line is all numbers \(0,0.1,0.2,0\), "
+                       r"a row of data.*add one \(f0,f1,...,label\)"):
+        cv.convert(tmp_path / "h.csv", tmp_path / "h.h5", log=quiet)
+    (tmp_path / "ok.csv").write_text("1,2,3,label\n" + (tmp_path / "h.csv").read_text())
+    out = cv.convert(tmp_path / "ok.csv", tmp_path / "ok.h5", log=quiet, test_fraction=0.5)
+    assert sum(len(y) for _, y in rows_of(out).values()) == 4

@@ -94,7 +94,16 @@ def test_unlabelled_rows_are_scored_as_evaluate_scores_them(run, digits_h5, tmp_
 def test_unlabelled_input_refusals(run, tmp_path, capsys):
     _, ckpt, _ = run
     (tmp_path / "narrow.csv").write_text("a,b\n1,2\n")
+    wide = np.full((3, 64), 0.5, np.float32)
+    np.savetxt(tmp_path / "headless.csv", wide, delimiter=",")  # its first row would be lost
+    wide[1, 7] = np.nan
+    np.save(tmp_path / "nan.npy", wide)
     cases = [
+        (["--input", str(tmp_path / "headless.csv"), "--predict", str(tmp_path / "p.csv")], 3,
+         "the first line is all numbers (5.000000000000000000e-01,"),
+        (["--input", str(tmp_path / "nan.npy"), "--predict", str(tmp_path / "p.csv")], 3,
+         "the array holds 1 non-finite value(s) (NaN or infinity) in rows 0..2; the first is "
+         "row 1, column 7 (nan). Its predictions would be NaN"),
         (["--input", str(tmp_path / "narrow.csv"), "--predict", str(tmp_path / "p.csv")], 3,
          "has 2 columns; the model takes 64 features"),
         (["--input", str(tmp_path / "narrow.csv")], 2, "--input FILE needs --predict OUT"),

@@ -444,12 +444,12 @@ def input_blocks(path: str | os.PathLike, split: str, n_features: int, batch: in
             arr = np.load(path, mmap_mode="r", allow_pickle=False)
         except (OSError, ValueError) as exc:
             raise DataError(f"cannot read --input {path} as a NumPy array: {exc}") from exc
-        rows, name = arr.reshape(len(arr), -1) if arr.ndim > 1 else arr, "x"
+        rows, name = arr.reshape(len(arr), -1) if arr.ndim > 1 else arr, "the array"
         yield from _checked_blocks(rows, path, name, n_features, batch)
         return
     try:
         with h5py.File(path, "r") as f:
-            name = "x" if "x" in f else f"{split}/x"
+            name = "/x" if "x" in f else f"/{split}/x"
             if not isinstance(f.get(name), h5py.Dataset):
                 raise DataError(f"--input {path} has neither /x nor /{split}/x: an unlabelled "
                                 "file holds its rows in /x (N, D)")
@@ -465,7 +465,7 @@ def _checked_blocks(rows, path: Path, name: str, n_features: int, batch: int):
     for lo in range(0, rows.shape[0], batch):
         with np.errstate(over="ignore"):
             x = np.ascontiguousarray(rows[lo:lo + batch], dtype=np.float32)
-        check_finite_rows(x, path, "input", lo, rows.dtype, name)
+        check_finite_rows(x, path, None, lo, rows.dtype, name)
         yield x
 
 

@@ -204,6 +204,12 @@ def open_csv(path: Path, label: str | None = None, chunk_rows: int = DEFAULT_CHU
     if not header:
         raise DataError(f"{path} is empty: a CSV needs a header row naming its columns")
     header = [h.strip() for h in header]
+    if all(_is_number(h) for h in header):
+        shown = ",".join(header[:4]) + (",..." if len(header) > 4 else "")
+        raise DataError(f"{path}: the first line is all numbers ({shown}), a row of data, not "
+                        "the header row naming the columns that a CSV needs here: add one "
+                        f"({'f0,f1,...,label' if labelled else 'f0,f1,...'}), or rename "
+                        "columns named by numbers")
     label_col = None
     if labelled:
         if label is None:
@@ -247,6 +253,14 @@ def open_csv(path: Path, label: str | None = None, chunk_rows: int = DEFAULT_CHU
     what = f"the {len(names)} feature columns of {path.name}: {', '.join(names[:8])}" + \
         (", ..." if len(names) > 8 else "")
     return Source("CSV", path, len(features), blocks, what)
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 def _csv_block(path: Path, rows: list[list[str]], lines: list[int], features: list[int],

@@ -584,11 +584,13 @@ def _check_val(f: h5py.File, path: Path, n_features: int, n_classes: int) -> tup
     return dx.shape, y
 
 
-def check_finite_rows(x: np.ndarray, path, split: str, lo: int = 0, stored=np.float32,
-                      dataset: str = "x") -> None:
+def check_finite_rows(x: np.ndarray, path, split: str | None, lo: int = 0,
+                      stored=np.float32, dataset: str = "x") -> None:
     """Refuse features holding NaN or infinity: they would make every loss NaN.
 
-    ``x`` holds rows ``lo ..`` of ``/{split}/{dataset}`` as read (float32); ``stored`` is the dtype
+    ``x`` holds rows ``lo ..`` of ``/{split}/{dataset}`` as read (float32); ``split`` None:
+    rows to score (``hpcps.evaluate --input``), whose predictions they would make NaN;
+    ``stored`` is the dtype
     in the file (a float64 value beyond float32's range becomes infinite on reading). One
     pass, no temporary: the sum of all values is finite exactly when no value is NaN or
     infinite, unless finite values overflow the sum, in which case the rows are looked at
@@ -613,10 +615,12 @@ def check_finite_rows(x: np.ndarray, path, split: str, lo: int = 0, stored=np.fl
     if np.dtype(stored).itemsize > 4 and not np.isnan(value):
         why = f" (the file stores {np.dtype(stored)}; values beyond float32's range " \
               "become infinite when read)"
-    raise DataError(f"{path}: /{split}/{dataset} holds {count} non-finite value(s) (NaN or "
-                    f"infinity) in rows {lo}..{lo + len(x) - 1}; the first is row {lo + row}, "
-                    f"column {col} ({value}){why}. Training on it would make every loss NaN: "
-                    "replace or drop those values before training")
+    where, use = (f"/{split}/{dataset}", "Training on it would make every loss NaN: replace "
+                  "or drop those values before training") if split is not None else \
+        (f"{dataset}", "Its predictions would be NaN: replace or drop those values")
+    raise DataError(f"{path}: {where} holds {count} non-finite value(s) (NaN or infinity) in "
+                    f"rows {lo}..{lo + len(x) - 1}; the first is row {lo + row}, column {col} "
+                    f"({value}){why}. {use}")
 
 
 # --------------------------------------------------------------------------------------------
