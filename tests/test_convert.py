@@ -346,3 +346,27 @@ def test_a_csv_without_its_header_row_is_refused(tmp_path):
     (tmp_path / "ok.csv").write_text("1,2,3,label\n" + (tmp_path / "h.csv").read_text())
     out = cv.convert(tmp_path / "ok.csv", tmp_path / "ok.h5", log=quiet, test_fraction=0.5)
     assert sum(len(y) for _, y in rows_of(out).values()) == 4
+
+
+def test_a_long_conversion_shows_its_progress(tmp_path, table, monkeypatch):
+    """A line every PROGRESS_S seconds (here every block): the rows read so far, and how far
+    along: of the rows an array counts ahead, or the share of a CSV file read."""
+    x, y = table
+    monkeypatch.setattr(cv, "PROGRESS_S", 0.0)
+    np.savez(tmp_path / "t.npz", x=x, y=y)
+    said: list[str] = []
+    cv.convert(tmp_path / "t.npz", tmp_path / "a.h5", chunk_rows=100, log=said.append)
+    assert [s for s in said if s.startswith("converting")] == [
+        "converting t.npz: 100 rows read of 300 (33%)",
+        "converting t.npz: 200 rows read of 300 (67%)",
+        "converting t.npz: 300 rows read of 300 (100%)"]
+    big = np.tile(x, (40, 1))  # 12,000 rows: the file is read in pieces
+    write_csv(tmp_path / "t.csv", big, np.tile(y, 40))
+    said.clear()
+    cv.convert(tmp_path / "t.csv", tmp_path / "b.h5", chunk_rows=3000, label="class",
+               log=said.append)
+    lines = [s for s in said if s.startswith("converting t.csv: ")]
+    assert [int(s.split()[2].replace(",", "")) for s in lines] == [3000, 6000, 9000, 12000]
+    shares = [int(s.split("(about ")[1].split("%")[0]) for s in lines]
+    assert shares == sorted(shares) and shares[-1] == 100, lines
+    assert 40 <= shares[1] <= 60, lines  # 6,000 of 12,000 rows read: about half of the file
