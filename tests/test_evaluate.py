@@ -18,6 +18,7 @@ from mpirun import ROOT, train
 from test_train import QUICK, records
 
 from hpcps.io import checkpoint, data
+from hpcps.tools import evaluate as ev_module
 from hpcps.tools.evaluate import main
 from hpcps.model.mlp import MLP
 
@@ -190,3 +191,18 @@ def test_without_data_the_checkpoints_dataset_is_used(trained, digits_h5, tmp_pa
     assert "no --data given" in err and "no-such-folder/digits.h5" in err
     assert "give --data PATH" in err
 
+
+
+def test_a_long_evaluation_shows_its_progress_on_stderr(trained, digits_h5, monkeypatch,
+                                                         capsys):
+    """A line on stderr every PROGRESS_S seconds (here every piece): the rows scored of the
+    split's; stdout keeps only the figures (--json stays one JSON object)."""
+    ckpt, _ = trained
+    monkeypatch.setattr(ev_module, "PROGRESS_S", 0.0)
+    monkeypatch.setattr(ev_module, "EVAL_ROWS", 100)
+    assert main([str(ckpt), "--data", str(digits_h5), "--json", "--batch", "50"]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["n"] == 360
+    assert [line for line in err.splitlines() if "scored" in line] == [
+        f"hpcps.evaluate: scored {n} of 360 rows ({round(100 * n / 360)}%)"
+        for n in (100, 200, 300, 360)]

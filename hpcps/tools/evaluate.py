@@ -59,6 +59,7 @@ import argparse
 import json
 import os
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -199,6 +200,25 @@ def evaluate(model: MLP | ConvNet, flat: np.ndarray, x: np.ndarray, y: np.ndarra
     """Run ``model`` over ``x`` in batches of ``batch`` rows and score it against ``y``
     (:func:`evaluate_pieces` on one piece)."""
     return evaluate_pieces(model, flat, [(x, y)], batch)
+
+
+PROGRESS_S = 5.0  # seconds between two lines of progress of a long evaluation
+
+
+def with_progress(pieces, total: int | None, say=None):
+    """``pieces`` (row blocks, or ``(x, y)`` pieces) as they come, with a line on stderr every
+    :data:`PROGRESS_S` seconds: ``hpcps.evaluate: scored 409,600 of 800,000 rows (51%)``."""
+    if say is None:
+        def say(line):
+            print(line, file=sys.stderr, flush=True)
+    done, shown = 0, time.monotonic()
+    for piece in pieces:
+        yield piece
+        done += len(piece[1] if isinstance(piece, tuple) else piece)
+        if time.monotonic() - shown >= PROGRESS_S:
+            of = f" of {total:,} rows ({100 * done / total:.0f}%)" if total else " rows"
+            say(f"hpcps.evaluate: scored {done:,}{of}")
+            shown = time.monotonic()
 
 
 def evaluate_pieces(model: MLP | ConvNet, flat: np.ndarray, pieces, batch: int = 2000
@@ -484,8 +504,8 @@ def score_input(args: argparse.Namespace) -> tuple[dict[str, Any], list[str]]:
     """``--input FILE --predict OUT``: predictions of unlabelled rows; (facts, notes)."""
     ckpt = checkpoint.load(args.checkpoint)
     model, flat = model_of(ckpt)
-    predicted, probs = predict(model, flat, input_blocks(args.input, args.split,
-                                                         model.sizes[0], args.batch))
+    predicted, probs = predict(model, flat, with_progress(
+        input_blocks(args.input, args.split, model.sizes[0], args.batch), None))
     facts = model_facts(args, ckpt, model)
     facts.update(input=str(args.input), n=int(len(predicted)),
                  predicted_counts=np.bincount(predicted, minlength=probs.shape[1]).tolist())
@@ -508,7 +528,8 @@ def run(args: argparse.Namespace) -> tuple[Evaluation, dict[str, Any], list[str]
     notes = check_fits(ckpt, list(model.sizes), info)
     source, which = split_source(path, args.split, ckpt, info.n_train, info.n_features,
                                  file_has_val=bool(data.val_rows(path)))
-    ev = evaluate_pieces(model, flat, chunks(source, max(args.batch, EVAL_ROWS)), args.batch)
+    ev = evaluate_pieces(model, flat, with_progress(chunks(source, max(args.batch, EVAL_ROWS)),
+                                                    len(source)), args.batch)
     facts = model_facts(args, ckpt, model)
     facts.update(dataset=str(path), dataset_name=info.name, split=which)
     if args.predict is not None:
@@ -549,7 +570,8 @@ def run_embedding(args: argparse.Namespace, ckpt: checkpoint.Checkpoint
                                  data.CategoricalRows.of(info),
                                  sizes={"train": info.n_train, "test": info.n_test})
     ys, zs = [], []
-    for (all_ids, all_dense), y in chunks(source, max(args.batch, EVAL_ROWS)):
+    for (all_ids, all_dense), y in with_progress(chunks(source, max(args.batch, EVAL_ROWS)),
+                                                 len(source)):
         piece = Features(all_ids, all_dense)
         z = np.empty(len(y), dtype=np.float64)
         for lo in range(0, len(z), args.batch):
