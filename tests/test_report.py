@@ -117,6 +117,22 @@ def test_a_killed_run_is_read_up_to_its_cut_line(runs, tmp_path, capsys):
     assert row["test_accuracy"] == last_eval["test_accuracy"]
     assert row["step"] == max(r["step"] for r in map(json.loads, lines[:-1]) if "step" in r)
     assert "no summary (stopped?)" in captured.out
+    # a stop recorded before the end: where and why, and whether its checkpoint was written
+    cut = [json.loads(line) for line in lines[:-1] if line.startswith("{")]
+    step = max(r["step"] for r in cut if "step" in r)
+    for kept in (False, True):
+        ended = cut + [{"kind": "stop", "time_s": 9.0, "step": step, "signal": None,
+                        "reason": "a collective failed: waited 15 s"}]
+        if kept:
+            ended.append({"kind": "checkpoint", "time_s": 9.1, "step": step, "path": "c.h5"})
+        (killed / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ended))
+        (row,) = table_rows([load_run(killed)])
+        assert row["status"] == (f"stopping at step {step} (a failure"
+                                 f"{', checkpointed' if kept else ''}), no summary")
+    ended[-2]["signal"] = "SIGTERM"
+    (killed / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ended))
+    assert table_rows([load_run(killed)])[0]["status"] == (
+        f"stopping at step {step} (SIGTERM, checkpointed), no summary")
 
 
 def test_resumed_run_counts_time_on_and_adds_up(tmp_path):

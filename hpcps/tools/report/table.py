@@ -69,14 +69,26 @@ def table_rows(runs: list[Run]) -> list[dict[str, Any]]:
 def _status(run: Run) -> str:
     """How the last segment (from the last start record) ended: ``finished`` (a summary),
     ``stopped early`` (a summary of a run stopped by SIGTERM or SIGUSR1 at a safe point, its
-    checkpoint written: ``--resume auto`` continues it), or ``no summary (stopped?)`` (killed,
-    or still running)."""
+    checkpoint written: ``--resume auto`` continues it), ``stopping at step N (why), no
+    summary`` (a stop was recorded, then the job ended before its summary: by the failure that
+    stopped it, or killed; ``checkpointed`` when the checkpoint of that step was recorded),
+    or ``no summary (stopped?)`` (killed, or still running)."""
+    stop, saved = None, set()
     for rec in reversed(run.records):
-        if rec.get("kind") == "summary":
+        kind = rec.get("kind")
+        if kind == "summary":
             return "stopped early" if rec.get("stopped_early") else "finished"
-        if rec.get("kind") == "start":
+        if kind == "start":
             break
-    return "no summary (stopped?)"
+        if kind == "stop" and stop is None:
+            stop = rec
+        if kind == "checkpoint":
+            saved.add(rec.get("step"))
+    if stop is None:
+        return "no summary (stopped?)"
+    why = stop.get("signal") or "a failure"
+    kept = ", checkpointed" if stop.get("step") in saved else ""
+    return f"stopping at step {stop.get('step')} ({why}{kept}), no summary"
 
 
 COLUMNS = (  # (key, heading, format)
