@@ -108,7 +108,7 @@ def test_dense_readers_refuse_a_categorical_file_and_back(tmp_path):
     with h5py.File(dense, "w") as f:
         for split in ("train", "test"):
             f[f"{split}/x"] = np.zeros((4, 2), np.float32)
-            f[f"{split}/y"] = np.zeros(4, np.int64)
+            f[f"{split}/y"] = np.arange(4, dtype=np.int64) % 2  # two classes
     assert open_dataset(dense).n_train == 4
     with pytest.raises(DataError, match="holds dense features"):
         open_categorical(dense)
