@@ -33,7 +33,7 @@ import numpy as np
 
 from hpcps import config, trace
 from hpcps.compress.bf16 import Wire
-from hpcps.io import checkpoint, data
+from hpcps.io import checkpoint, data, runlog
 from hpcps.model import convnet
 from hpcps.model.spec import is_embedding_spec
 from hpcps.io.tables import TABLES_DIR, table_files
@@ -591,6 +591,7 @@ def main(argv: list[str] | None = None, early=()) -> int:
     run_dir = _agree(world, config.run_dir_for, cfg, stamp, slurm.job_name(os.environ))
     given = bool(cfg.run_dir)
     _agree(world, check_run_dir, run_dir, given)
+    _agree(world, lambda: runlog.hold(run_dir) if rank == 0 else None)  # one job per directory
     # --joins: the chief and every rank that is or may become a shard listen for newcomers
     world = _agree(world, joins.routed, world, run_dir, layout.joins,
                    rank == 0 or rank in layout.shard_table, cfg.timeout)

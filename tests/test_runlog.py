@@ -31,3 +31,43 @@ def test_only_the_tail_is_read_and_a_start_before_it_still_counts(tmp_path):
     write(tmp_path, ["summary"])
     assert runlog.run_ended(tmp_path) == "its summary is written"
     assert (tmp_path / "metrics.jsonl").stat().st_size > 2 * runlog.TAIL_BYTES
+
+
+def test_a_second_job_in_a_run_directory_in_use_is_refused_until_the_first_ends(tmp_path,
+                                                                              digits_h5):
+    """Two jobs in one run directory would write over each other's checkpoint and metrics:
+    while a process holds the directory (here a stand-in for a job's rank 0, so the test
+    needs no second job running), a job there ends at once with exit code 2 and one message
+    naming the holder, and writes nothing. The kernel drops the lock however the holder
+    ends: once it is SIGKILLed, the same job runs."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from mpirun import train
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from hpcps.io import runlog; "
+         "runlog.hold(sys.argv[1]); print('held', flush=True); time.sleep(300)", str(run_dir)],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        args = ("--strategy", "sync", "--layers", "64,32,10", "--data", str(digits_h5),
+                "--steps", "20", "--run-dir", str(run_dir))
+        run = train(2, *args, timeout=120)
+        assert run.returncode == 2, run.output
+        errors = [ln for ln in run.stderr.splitlines() if "error" in ln]
+        assert len(errors) == 1 and (f"run directory {run_dir} is in use by a running job (pid "
+                                     f"{holder.pid} on ") in errors[0], run.stderr
+        assert not (run_dir / "metrics.jsonl").exists()
+    finally:
+        os.kill(holder.pid, signal.SIGKILL)
+        holder.wait()
+    run = train(2, *args, timeout=120)
+    assert run.returncode == 0, run.output
+    assert runlog.run_ended(run_dir) == "its summary is written"
+    runlog.hold(run_dir)  # this process now; a second hold of its own is no conflict
+    runlog.hold(run_dir)

@@ -41,3 +41,54 @@ def ended_in(newest: bytes) -> str | None:
         if b'\n{"kind": "%s"' % kind.encode() in newest:
             return f"its {kind} is written"
     return None
+
+
+# --------------------------------------------------------------------------------------------
+# One job per run directory
+
+LOCK_NAME = ".hpcps-lock"  # in the run directory; locked by the job's rank 0 while it lives
+_HELD: dict[str, int] = {}  # run directory -> the descriptor holding its lock, in this process
+
+
+def hold(run_dir: str | os.PathLike) -> None:
+    """Lock ``run_dir`` for this process's lifetime (its job's rank 0), or refuse: two jobs
+    in one run directory would write over each other's checkpoint and interleave their
+    metrics (a job launched twice, a requeued job while the old one still runs).
+
+    The lock is ``flock`` on :data:`LOCK_NAME`, which the kernel drops when the process
+    ends, however it ends: a killed job leaves nothing to clean up. The file names its
+    holder (pid, host, start), for the message. A file system that cannot lock (some network
+    file systems) leaves the directory unguarded, as before.
+
+    Raises
+    ------
+    ConfigError
+        Another live process holds the lock: the message names it.
+    """
+    import fcntl
+    import socket
+    import time
+
+    from hpcps.errors import ConfigError
+
+    key = str(Path(run_dir).resolve())
+    if key in _HELD:
+        return
+    path = Path(run_dir) / LOCK_NAME
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 512, 0).decode(errors="replace").strip() or "a process"
+        os.close(fd)
+        raise ConfigError(f"run directory {run_dir} is in use by a running job ({holder}): "
+                          "two jobs in one directory would overwrite each other's checkpoint "
+                          "and metrics; give another --run-dir, or let that job end first "
+                          "(--resume auto then continues it)") from None
+    except OSError:  # no locks on this file system: unguarded
+        os.close(fd)
+        return
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}, since "
+                  f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode(), 0)
+    _HELD[key] = fd
