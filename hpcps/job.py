@@ -179,6 +179,26 @@ def _resolve_auto(cfg: config.Config, run_dir: Path) -> tuple[config.Config, lis
     return dataclasses.replace(cfg, resume=str(ckpt.path)), skipped
 
 
+def fresh_stamp(cfg: config.Config, slurm_job: str | None) -> str:
+    """The time stamp naming a new default run directory (``runs/<strategy>-<stamp>``; rank
+    0 decides). Made unique: when another run of the strategy started in the same second (a
+    loop of launches), its directory exists and this one takes ``<stamp>-2``, ``-3``, ...,
+    claimed by creating it, so that two launches racing cannot both take one."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    if cfg.run_dir or cfg.resume or slurm_job:
+        return stamp  # not a default of its own: the stamp names nothing
+    for k in range(1, 1000):
+        name = stamp if k == 1 else f"{stamp}-{k}"
+        try:
+            config.default_run_dir(cfg, name).mkdir(parents=True, exist_ok=False)
+            return name
+        except FileExistsError:
+            continue
+        except OSError:
+            break  # check_run_dir says what is wrong with the directory
+    return stamp
+
+
 def check_run_dir(run_dir: Path, given: bool) -> None:
     """Create the run directory if needed and make sure this rank can write into it, so that
     a run never trains for hours and then fails to write its metrics or checkpoint.
@@ -586,7 +606,8 @@ def main(argv: list[str] | None = None, early=()) -> int:
     layout = _agree(world, plan, cfg, size)
     _agree(world, _ensure_dataset, cfg, rank)
     info = _agree(world, _check_dataset, cfg)
-    stamp, token = bcast_obj(world, (time.strftime("%Y%m%d-%H%M%S"), f"{host()}-{os.getpid()}-"
+    stamp, token = bcast_obj(world, (fresh_stamp(cfg, slurm.job_name(os.environ)),
+                                     f"{host()}-{os.getpid()}-"
                                      f"{time.time():.6f}") if rank == 0 else None)
     run_dir = _agree(world, config.run_dir_for, cfg, stamp, slurm.job_name(os.environ))
     given = bool(cfg.run_dir)

@@ -71,3 +71,24 @@ def test_a_second_job_in_a_run_directory_in_use_is_refused_until_the_first_ends(
     assert runlog.run_ended(run_dir) == "its summary is written"
     runlog.hold(run_dir)  # this process now; a second hold of its own is no conflict
     runlog.hold(run_dir)
+
+
+def test_a_default_run_directory_of_the_same_second_gets_a_suffix(tmp_path, digits_h5):
+    """Launches in the same second without --run-dir (a loop of runs) each get a directory:
+    the stamped one is taken, so the run goes to ``<stamp>-2``. The stamps of the next
+    seconds are taken ahead here, so the test does not depend on when the job starts."""
+    import time
+
+    from mpirun import train
+
+    now = time.time()
+    taken = {time.strftime("%Y%m%d-%H%M%S", time.localtime(now + s)) for s in range(60)}
+    for stamp in taken:
+        (tmp_path / "runs" / f"sync-{stamp}").mkdir(parents=True)
+    run = train(2, "--strategy", "sync", "--layers", "64,32,10", "--data", str(digits_h5),
+                "--steps", "20", cwd=tmp_path, timeout=120)
+    assert run.returncode == 0, run.output
+    used = [p for p in (tmp_path / "runs").iterdir() if any(p.iterdir())]
+    assert len(used) == 1 and used[0].name.endswith("-2"), used
+    assert used[0].name[len("sync-"):-2] in taken
+    assert f"metrics: runs/{used[0].name}/metrics.jsonl" in run.stdout
