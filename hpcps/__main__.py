@@ -48,7 +48,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     module, _ = COMMANDS[argv[0]]
     sys.argv = [f"hpcps {argv[0]}", *argv[1:]]
-    return importlib.import_module(module).main(argv[1:])
+    from hpcps.io.hdf5_writes import leave  # (a write that failed can crash HDF5's exit)
+    return leave(importlib.import_module(module).main(argv[1:]))
 
 
 if __name__ == "__main__":

@@ -432,3 +432,39 @@ def test_inspect_cli(tmp_path):
         assert "Traceback" not in run.stderr
     run = inspect("--help")
     assert run.returncode == 0 and "--json" in run.stdout and "Exit status" in run.stdout
+
+
+FULL_DISK = r"""
+import resource, signal, sys
+sys.path.insert(0, sys.argv[2])
+from test_checkpoint import make
+from hpcps.io import checkpoint
+from hpcps.errors import CheckpointError
+path = sys.argv[1]
+checkpoint.save(path, make(step=3, sizes=(6, 5, 3)))
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails (EFBIG)
+resource.setrlimit(resource.RLIMIT_FSIZE, (200_000, 200_000))
+try:
+    checkpoint.save(path, make(step=9, sizes=(64, 2048, 10)))  # about 1 MB
+except CheckpointError as exc:
+    print("refused:", exc)
+print("step", checkpoint.load(path).step, flush=True)
+import os
+os._exit(0)  # HDF5's state after the failed close can crash its cleanup at exit (a job aborts)
+"""
+
+
+def test_a_write_the_file_system_refuses_is_one_message_and_keeps_the_old_checkpoint(tmp_path):
+    """A full disk or a quota, here a file-size limit: HDF5 fails the write deep in its cache
+    and its objects fail again as they are freed (tracebacks on stderr, then an unrelated
+    "slist already enabled?" on close). save() raises one CheckpointError with the system's
+    reason, prints nothing else, leaves no temporary file and keeps the old checkpoint."""
+    path = tmp_path / "c.h5"
+    run = subprocess.run([sys.executable, "-c", FULL_DISK, str(path), str(Path(__file__).parent)],
+                         capture_output=True, text=True, env=ENV, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.splitlines() == [
+        f"refused: cannot write checkpoint {path}: File too large (the checkpoint there "
+        "before is unchanged: make room, then --resume auto continues from it)", "step 3"]
+    assert run.stderr == ""
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.h5"]

@@ -77,6 +77,7 @@ import numpy as np
 
 from hpcps import __version__
 from hpcps.errors import CheckpointError
+from hpcps.io.hdf5_writes import WriteGuard, release, write_failure
 from hpcps.io.checkpoint_state import (PARAM_NAME, Checkpoint, architecture_sizes,
                                        check_compatible, check_finite, checked, conv_model,
                                        layer_sizes, nonfinite)
@@ -344,18 +345,29 @@ def save(path: str | os.PathLike, ckpt: Checkpoint, virtual: dict | None = None)
     path = Path(path)
     checked(ckpt)  # refuse bad input before touching the file system
     tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    try:
-        tmp.unlink(missing_ok=True)  # a stale temp of a crashed save by a process with our pid
-        _write(tmp, ckpt, virtual)
-        os.replace(tmp, path)
-    except BaseException as exc:
+    failed: list[str] = []
+    with WriteGuard() as guard:
         try:
-            tmp.unlink(missing_ok=True)
-        except OSError:
-            pass
-        if isinstance(exc, OSError):
-            raise CheckpointError(f"cannot write checkpoint {path}: {exc}") from exc
-        raise
+            tmp.unlink(missing_ok=True)  # a stale temp of a crashed save by a process with our pid
+            _write(tmp, ckpt, virtual)
+            guard.check()
+            os.replace(tmp, path)
+        except BaseException as exc:
+            try:
+                tmp.unlink(missing_ok=True)
+            except OSError:
+                pass
+            why = write_failure(exc)
+            if why is None:
+                raise
+            failed.append(why)
+            guard.failed.append(why)  # (what HDF5 printed meanwhile is dropped)
+            release(exc)
+        # (a failed write's h5py objects are freed here, with the exception, quietly)
+    if failed:
+        kept = (" (the checkpoint there before is unchanged: make room, then --resume auto "
+                "continues from it)") if path.exists() else ""
+        raise CheckpointError(f"cannot write checkpoint {path}: {failed[0]}{kept}")
     _fsync_dir(path.parent)
     return path
 

@@ -72,6 +72,7 @@ from hpcps.io.data.categorical import Features
 from hpcps.io.data.convert import read_unlabelled_csv
 from hpcps.io.data.h5format import check_finite_rows
 from hpcps.io.data.stream import EVAL_ROWS, RowSource, chunks
+from hpcps.io.hdf5_writes import write_failure
 from hpcps.errors import CheckpointError, ConfigError, DataError, HpcpsError
 from hpcps.io import tables
 from hpcps.model.convnet import ConvNet
@@ -296,9 +297,12 @@ def write_rows(path: str | os.PathLike, predicted: np.ndarray, probs: np.ndarray
         else:
             _write_h5(tmp, predicted, probs, labels, about)
         os.replace(tmp, path)
-    except OSError as exc:
+    except (OSError, RuntimeError) as exc:
         tmp.unlink(missing_ok=True)
-        raise ConfigError(f"cannot write predictions to {path}: {exc}") from exc
+        why = write_failure(exc)
+        if why is None and isinstance(exc, RuntimeError):
+            raise
+        raise ConfigError(f"cannot write predictions to {path}: {why or exc}") from None
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise

@@ -104,6 +104,7 @@ import numpy as np
 
 from hpcps.blocks import block_range
 from hpcps.errors import DataError
+from hpcps.io.hdf5_writes import WriteGuard, release, write_failure
 
 FORMAT = "hpcps-dataset"
 LAYOUT_VERSION = 2  # the newest layout this module knows
@@ -230,38 +231,55 @@ class DenseWriter:
             raise DataError(f"image shape {list(image_shape)} holds {int(np.prod(image_shape))} "
                             f"values but each row has {self.n_features}")
         chunk_rows = max(1, (1 << 20) // (4 * max(1, self.n_features)))
+        self.guard = WriteGuard()  # until finish or abort: HDF5's write failures, recorded
         try:
             self.out_path.parent.mkdir(parents=True, exist_ok=True)
             self.f = h5py.File(self.tmp_path, "w")
         except OSError as exc:
+            self.guard.close()
             raise DataError(f"cannot write dataset {self.out_path}: {exc.strerror or exc}; "
                             "give a path in a directory you can write to") from exc
-        f = self.f
-        f.attrs["format"] = FORMAT
-        f.attrs["layout_version"] = DENSE_LAYOUT_VERSION
-        f.attrs["name"] = name
-        f.attrs["description"] = description
-        f.attrs["source"] = source
-        if image_shape is not None:
-            f.attrs["image_shape"] = np.asarray(image_shape, dtype=np.int64)
-        for key, value in (attrs or {}).items():
-            f.attrs[key] = value
-        for split in self.splits:
-            group = f.create_group(split)
-            group.attrs["description"] = f"{split} split of {name}"
-            dx = group.create_dataset("x", shape=(0, self.n_features), dtype=np.float32,
-                                      maxshape=(None, self.n_features),
-                                      chunks=(chunk_rows, self.n_features))
-            dx.attrs["description"] = f"{split} examples, one per row: {x_description}"
-            group.create_dataset("y", shape=(0,), dtype=np.int64, maxshape=(None,),
-                                 chunks=(max(chunk_rows, 1 << 14),))
+        try:
+            f = self.f
+            f.attrs["format"] = FORMAT
+            f.attrs["layout_version"] = DENSE_LAYOUT_VERSION
+            f.attrs["name"] = name
+            f.attrs["description"] = description
+            f.attrs["source"] = source
+            if image_shape is not None:
+                f.attrs["image_shape"] = np.asarray(image_shape, dtype=np.int64)
+            for key, value in (attrs or {}).items():
+                f.attrs[key] = value
+            for split in self.splits:
+                group = f.create_group(split)
+                group.attrs["description"] = f"{split} split of {name}"
+                dx = group.create_dataset("x", shape=(0, self.n_features), dtype=np.float32,
+                                          maxshape=(None, self.n_features),
+                                          chunks=(chunk_rows, self.n_features))
+                dx.attrs["description"] = f"{split} examples, one per row: {x_description}"
+                group.create_dataset("y", shape=(0,), dtype=np.int64, maxshape=(None,),
+                                     chunks=(max(chunk_rows, 1 << 14),))
+        except BaseException as exc:
+            self._fail(exc)
+            raise
 
     def __enter__(self) -> "DenseWriter":
         return self
 
     def __exit__(self, kind, exc, tb) -> None:
         if kind is not None:
-            self.abort()
+            self._fail(exc)
+
+    def _fail(self, exc: BaseException):
+        """Remove the temporary file after ``exc``; a write the file system refused (a full
+        disk, a quota) becomes one DataError with its reason, without HDF5's tracebacks."""
+        why = write_failure(exc)
+        if why is not None:
+            self.guard.failed.append(why)
+            release(exc)
+        self.abort()
+        if why is not None:
+            raise DataError(f"cannot write dataset {self.out_path}: {why}") from None
 
     def append(self, split: str, x: np.ndarray, y: np.ndarray) -> None:
         """Add rows ``x`` (n, D) with labels ``y`` (n,) at the end of ``split``."""
@@ -275,6 +293,7 @@ class DenseWriter:
         dx[lo:] = np.asarray(x, dtype=np.float32)
         dy[lo:] = np.asarray(y, dtype=np.int64)
         self.rows[split] = lo + n
+        self.guard.check()  # a failed write HDF5 only reported as its objects were freed
 
     def finish(self, n_classes: int, relabel: np.ndarray | None = None,
                class_names: list[str] | None = None) -> Path:
@@ -308,14 +327,12 @@ class DenseWriter:
                     dtype=h5py.string_dtype("utf-8", max(1, *(len(n.encode())
                                                               for n in class_names))))
             self.f.close()
+            self.guard.check()
             publish(self.tmp_path, self.out_path)
-        except OSError as exc:
-            self.abort()
-            raise DataError(f"cannot write dataset {self.out_path}: {exc.strerror or exc}") \
-                from exc
-        except BaseException:
-            self.abort()
+        except BaseException as exc:
+            self._fail(exc)
             raise
+        self.guard.close()
         return self.out_path
 
     def abort(self) -> None:
@@ -325,6 +342,7 @@ class DenseWriter:
         except Exception:  # already closed, or the disk failed: the file goes anyway
             pass
         self.tmp_path.unlink(missing_ok=True)
+        self.guard.close()
 
 
 # --------------------------------------------------------------------------------------------
