@@ -48,6 +48,10 @@ def ended_in(newest: bytes) -> str | None:
 
 LOCK_NAME = ".hpcps-lock"  # in the run directory; locked by the job's rank 0 while it lives
 _HELD: dict[str, int] = {}  # run directory -> the descriptor holding its lock, in this process
+# seconds a job waits for the lock before it refuses: the launcher of a job that has just
+# ended may return before its rank 0 is gone (Open MPI after an abort), and a run resumed at
+# once (--resume auto) would be refused
+LOCK_WAIT_S = 10.0
 
 
 def hold(run_dir: str | os.PathLike) -> None:
@@ -56,9 +60,10 @@ def hold(run_dir: str | os.PathLike) -> None:
     metrics (a job launched twice, a requeued job while the old one still runs).
 
     The lock is ``flock`` on :data:`LOCK_NAME`, which the kernel drops when the process
-    ends, however it ends: a killed job leaves nothing to clean up. The file names its
-    holder (pid, host, start), for the message. A file system that cannot lock (some network
-    file systems) leaves the directory unguarded, as before.
+    ends, however it ends: a killed job leaves nothing to clean up. A lock held is waited
+    for :data:`LOCK_WAIT_S` seconds first (a job that has just ended may still be going).
+    The file names its holder (pid, host, start), for the message. A file system that
+    cannot lock (some network file systems) leaves the directory unguarded, as before.
 
     Raises
     ------
@@ -76,8 +81,16 @@ def hold(run_dir: str | os.PathLike) -> None:
         return
     path = Path(run_dir) / LOCK_NAME
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    deadline = time.monotonic() + LOCK_WAIT_S
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
     except BlockingIOError:
         holder = os.pread(fd, 512, 0).decode(errors="replace").strip() or "a process"
         os.close(fd)
