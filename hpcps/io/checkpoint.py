@@ -77,10 +77,10 @@ import numpy as np
 
 from hpcps import __version__
 from hpcps.errors import CheckpointError
-from hpcps.io.hdf5_writes import WriteGuard, release, write_failure
 from hpcps.io.checkpoint_state import (PARAM_NAME, Checkpoint, architecture_sizes,
                                        check_compatible, check_finite, checked, conv_model,
                                        layer_sizes, nonfinite)
+from hpcps.io.hdf5_writes import WriteGuard, release, write_failure
 
 # The record and its checks are checkpoint_state's; importers keep naming them from here.
 __all__ = ["DESCRIPTION", "FORMAT", "LAYOUT_VERSION", "PARAM_NAME", "PERSISTED", "Checkpoint",
@@ -345,7 +345,7 @@ def save(path: str | os.PathLike, ckpt: Checkpoint, virtual: dict | None = None)
     path = Path(path)
     checked(ckpt)  # refuse bad input before touching the file system
     tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    failed: list[str] = []
+    why = None
     with WriteGuard() as guard:
         try:
             tmp.unlink(missing_ok=True)  # a stale temp of a crashed save by a process with our pid
@@ -360,14 +360,13 @@ def save(path: str | os.PathLike, ckpt: Checkpoint, virtual: dict | None = None)
             why = write_failure(exc)
             if why is None:
                 raise
-            failed.append(why)
-            guard.failed.append(why)  # (what HDF5 printed meanwhile is dropped)
+            guard.failed.append(why)  # (for hdf5_writes.leave: the process saw a write fail)
             release(exc)
         # (a failed write's h5py objects are freed here, with the exception, quietly)
-    if failed:
+    if why is not None:
         kept = (" (the checkpoint there before is unchanged: make room, then --resume auto "
                 "continues from it)") if path.exists() else ""
-        raise CheckpointError(f"cannot write checkpoint {path}: {failed[0]}{kept}")
+        raise CheckpointError(f"cannot write checkpoint {path}: {why}{kept}")
     _fsync_dir(path.parent)
     return path
 

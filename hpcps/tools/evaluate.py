@@ -206,19 +206,16 @@ def evaluate(model: MLP | ConvNet, flat: np.ndarray, x: np.ndarray, y: np.ndarra
 PROGRESS_S = 5.0  # seconds between two lines of progress of a long evaluation
 
 
-def with_progress(pieces, total: int | None, say=None):
+def with_progress(pieces, total: int | None):
     """``pieces`` (row blocks, or ``(x, y)`` pieces) as they come, with a line on stderr every
     :data:`PROGRESS_S` seconds: ``hpcps.evaluate: scored 409,600 of 800,000 rows (51%)``."""
-    if say is None:
-        def say(line):
-            print(line, file=sys.stderr, flush=True)
     done, shown = 0, time.monotonic()
     for piece in pieces:
         yield piece
         done += len(piece[1] if isinstance(piece, tuple) else piece)
         if time.monotonic() - shown >= PROGRESS_S:
             of = f" of {total:,} rows ({100 * done / total:.0f}%)" if total else " rows"
-            say(f"hpcps.evaluate: scored {done:,}{of}")
+            print(f"hpcps.evaluate: scored {done:,}{of}", file=sys.stderr, flush=True)
             shown = time.monotonic()
 
 
