@@ -376,21 +376,17 @@ def test_a_write_the_file_system_refuses_ends_the_conversion_with_one_line(tmp_p
     """A full disk or a quota, here a file-size limit on the command: HDF5 fails writes as
     its objects are freed (tracebacks, never raised) and the process could crash at exit.
     The command says the reason in one line, exits 3, and leaves no file behind."""
-    import resource
-    import signal
     import subprocess
     import sys
 
+    from fsize import limited_to
+
     x = np.random.default_rng(0).random((20000, 16)).astype(np.float32)  # 1.3 MB of x
     np.savez(tmp_path / "big.npz", x=x, y=np.arange(20000) % 3)
-
-    def limited():
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails (EFBIG)
-        resource.setrlimit(resource.RLIMIT_FSIZE, (300_000, 300_000))
-
     run = subprocess.run([sys.executable, "-m", "hpcps.data", "convert", str(tmp_path / "big.npz"),
                           "--out", str(tmp_path / "out" / "big.h5"), "--chunk-rows", "1000"],
-                         capture_output=True, text=True, preexec_fn=limited, timeout=120)
+                         capture_output=True, text=True, preexec_fn=limited_to(300_000),
+                         timeout=120)
     assert run.returncode == 3, (run.returncode, run.stderr[-3000:])
     assert run.stderr.splitlines() == [
         f"hpcps.data: error: cannot write dataset {tmp_path / 'out' / 'big.h5'}: File too large"]

@@ -397,6 +397,24 @@ def test_cli_errors_exit_with_data_error_code(tmp_path):
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.parametrize("dataset", [["digits"],
+                                     ["synthetic-ctr", "--rows", "20000", "--fields", "8"]])
+def test_prepare_onto_a_full_disk_is_one_line_and_leaves_nothing(tmp_path, dataset):
+    """A write the file system refuses (here a file-size limit on the command, a full disk's
+    stand-in): the dense writer and the categorical one both end with the system's reason in
+    one line, exit code 3, and no file, temporary or not, left behind."""
+    from fsize import limited_to
+
+    out = tmp_path / "out" / "d.h5"
+    result = subprocess.run([sys.executable, "-m", "hpcps.data", "prepare", *dataset, "--out",
+                             str(out)], capture_output=True, text=True, cwd=tmp_path,
+                            preexec_fn=limited_to(100_000), timeout=120)
+    assert result.returncode == DataError.exit_code, result.stderr[-3000:]
+    assert result.stderr.splitlines() == [
+        f"hpcps.data: error: cannot write dataset {out}: File too large"], result.stderr[-3000:]
+    assert list(out.parent.iterdir()) == []
+
+
 # ------------------------------------------------------------------------------ package
 
 

@@ -30,7 +30,13 @@ import numpy as np
 
 from hpcps.blocks import block_range
 from hpcps.errors import DataError
-from hpcps.io.data.h5format import FORMAT, _attr_str, _open_h5, check_finite_rows, publish
+from hpcps.io.data.h5format import (
+    FORMAT,
+    AtomicFile,
+    _attr_str,
+    _open_h5,
+    check_finite_rows,
+)
 from hpcps.io.data.stream import Column, RowSource, chunks
 
 CATEGORICAL_LAYOUT_VERSION = 2
@@ -137,15 +143,16 @@ def check_labels(y: np.ndarray, path, split: str, label_kind: str, lo: int = 0) 
 # Writing
 
 
-class CategoricalWriter:
+class CategoricalWriter(AtomicFile):
     """Write one categorical dataset file, a block of rows at a time, atomically.
 
     Each split's datasets are created at their full size up front (contiguous, unfiltered, as
     in layout 1) and filled with :meth:`write`, so memory holds one block, not the file. The
     file goes to ``out_path.tmp-<pid>`` and is renamed over ``out_path`` by :meth:`close` only
     when every row of every split has been written; leaving the ``with`` block by an exception
-    removes it (use it in a ``with`` block). Nothing in the file depends on the time or the
-    path, so the same rows give the same bytes.
+    removes it (use it in a ``with`` block), and a write the file system refuses is one
+    DataError (:class:`~hpcps.io.data.h5format.AtomicFile`). Nothing in the file depends on
+    the time or the path, so the same rows give the same bytes.
 
     Parameters
     ----------
@@ -165,7 +172,6 @@ class CategoricalWriter:
 
     def __init__(self, out_path, *, name: str, description: str, source: str, split_note: str,
                  fields, n_rows: dict, dense_names=(), label_description: str):
-        self.out_path = Path(out_path)
         self.fields = tuple(fields)
         if not self.fields:
             raise DataError("a categorical dataset needs at least one field")
@@ -179,30 +185,20 @@ class CategoricalWriter:
         self._written = {s: 0 for s in SPLITS}
         self._max_id = {s: np.full(len(self.fields), PAD_ID, np.int64) for s in SPLITS}
         self._positives = {s: 0 for s in SPLITS}
-        self._tmp = self.out_path.with_name(f"{self.out_path.name}.tmp-{os.getpid()}")
         n_cols = int(_columns(self.fields)[-1])
-        try:
-            self.out_path.parent.mkdir(parents=True, exist_ok=True)
-            self._f = h5py.File(self._tmp, "w")
-        except OSError as exc:
-            self._cleanup()
-            raise DataError(f"cannot write dataset {self.out_path}: {exc.strerror or exc}; give "
-                            "a path in a directory you can write to") from exc
+        super().__init__(out_path)
         try:
             self._create(name, description, source, split_note, dense_names,
                          label_description, n_cols)
         except BaseException as exc:
-            self._cleanup()
-            if isinstance(exc, OSError):
-                raise DataError(f"cannot write dataset {self.out_path}: "
-                                f"{exc.strerror or exc}") from exc
+            self.fail(exc)
             raise
 
     def _create(self, name, description, source, split_note, dense_names, label_description,
                 n_cols) -> None:
         """Root attributes and each split's datasets at full size."""
         names = [fl.name for fl in self.fields]
-        f = self._f
+        f = self.f
         f.attrs["format"] = FORMAT
         f.attrs["layout_version"] = CATEGORICAL_LAYOUT_VERSION
         f.attrs["kind"] = KIND
@@ -256,11 +252,16 @@ class CategoricalWriter:
             if dense.shape != (n, self.n_dense):
                 raise DataError(f"dense features {dense.shape}, expected ({n}, {self.n_dense})")
             check_finite_rows(dense, self.out_path, split, lo, dataset="dense")
-        g = self._f[split]
-        g["ids"][lo:lo + n] = ids
-        g["y"][lo:lo + n] = y
-        if dense is not None:
-            g["dense"][lo:lo + n] = dense
+        try:
+            g = self.f[split]
+            g["ids"][lo:lo + n] = ids
+            g["y"][lo:lo + n] = y
+            if dense is not None:
+                g["dense"][lo:lo + n] = dense
+            self.guard.check()  # a failed write HDF5 only reported as its objects were freed
+        except BaseException as exc:
+            self.fail(exc)
+            raise
         if n:
             starts = _columns(self.fields)
             col_max = ids.max(axis=0)
@@ -276,7 +277,7 @@ class CategoricalWriter:
         if spec is None or len(values) != spec.vocab:
             raise DataError(f"vocab for {field!r}: {len(values)} values, field declares "
                             f"{getattr(spec, 'vocab', 'no such field')}")
-        group = self._f.require_group("vocab")
+        group = self.f.require_group("vocab")
         group.attrs["description"] = "raw value of each id, per field: /vocab/<field>[id]"
         group.create_dataset(field, data=np.array([str(v).encode() for v in values]),
                              track_times=False)
@@ -286,37 +287,14 @@ class CategoricalWriter:
         short = {s: (w, self.n_rows[s]) for s, w in self._written.items() if w != self.n_rows[s]}
         if short:
             raise DataError(f"not every row was written (written, declared): {short}")
-        for split in SPLITS:
-            self._f[split]["ids"].attrs["field_max_id"] = self._max_id[split]
-            self._f[split]["y"].attrs["positives"] = self._positives[split]
-        self._f.close()
         try:
-            publish(self._tmp, self.out_path)
-        except OSError as exc:
-            self._cleanup()
-            raise DataError(f"cannot write dataset {self.out_path}: {exc.strerror or exc}") \
-                from exc
-        return self.out_path
-
-    def _cleanup(self) -> None:
-        f = getattr(self, "_f", None)
-        if f is not None and f.id.valid:
-            f.close()
-        try:
-            self._tmp.unlink(missing_ok=True)
-        except OSError:
-            pass  # nowhere to write means nothing was written
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, exc_type, exc, tb):
-        if exc_type is not None:
-            self._cleanup()
-            if isinstance(exc, OSError):
-                raise DataError(f"cannot write dataset {self.out_path}: "
-                                f"{exc.strerror or exc}") from exc
-        return False
+            for split in SPLITS:
+                self.f[split]["ids"].attrs["field_max_id"] = self._max_id[split]
+                self.f[split]["y"].attrs["positives"] = self._positives[split]
+        except BaseException as exc:
+            self.fail(exc)
+            raise
+        return self.commit()
 
 
 # --------------------------------------------------------------------------------------------

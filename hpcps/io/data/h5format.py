@@ -93,6 +93,7 @@ by the writer and by each rank for the rows it reads.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 from dataclasses import asdict, dataclass
@@ -128,6 +129,80 @@ def publish(tmp_path, out_path) -> None:
     os.replace(tmp_path, out_path)
 
 
+class AtomicFile:
+    """An HDF5 file written whole or not at all: at ``out_path.tmp-<pid>``, renamed onto
+    ``out_path`` by :meth:`commit` (after an fsync) only when complete, so a crash or a full
+    disk never leaves a half-written file where training would find it, and a file being
+    read by a running job is never modified in place.
+
+    Leaving a ``with`` block by an exception (or :meth:`abort`) removes the temporary file.
+    A write the file system refuses (a full disk, a quota) becomes one :class:`DataError`
+    with the system's reason; HDF5's own reports of it are kept off stderr
+    (:class:`~hpcps.io.hdf5_writes.WriteGuard`) until the file is committed or removed.
+    The dataset writers below build on it; ``f`` is the open ``h5py.File``."""
+
+    def __init__(self, out_path: str | os.PathLike):
+        self.out_path = Path(out_path)
+        self.tmp_path = self.out_path.with_name(f"{self.out_path.name}.tmp-{os.getpid()}")
+        self.ended = False
+        self.guard = WriteGuard()
+        try:
+            self.out_path.parent.mkdir(parents=True, exist_ok=True)
+            self.f = h5py.File(self.tmp_path, "w")
+        except OSError as exc:
+            self.guard.close()
+            why = write_failure(exc) or str(exc)
+            hint = "" if getattr(exc, "errno", None) in (errno.ENOSPC, errno.EDQUOT) else \
+                "; give a path in a directory you can write to"
+            raise DataError(f"cannot write dataset {self.out_path}: {why}{hint}") from exc
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, exc, tb) -> None:
+        if kind is not None:
+            self.fail(exc)
+
+    def fail(self, exc: BaseException) -> None:
+        """Remove the temporary file after ``exc``; a write the file system refused becomes
+        one DataError with its reason, without HDF5's tracebacks (else ``exc`` goes on)."""
+        if self.ended:
+            return  # (commit's own failure, leaving the with block)
+        why = write_failure(exc)
+        if why is not None:
+            self.guard.failed.append(why)
+            release(exc)
+        self.abort()
+        if why is not None:
+            raise DataError(f"cannot write dataset {self.out_path}: {why}") from None
+
+    def commit(self) -> Path:
+        """Close the file, fsync it and rename it onto ``out_path``."""
+        try:
+            self.f.close()
+            self.guard.check()  # a failed write HDF5 only reported as its objects were freed
+            publish(self.tmp_path, self.out_path)
+        except BaseException as exc:
+            self.fail(exc)
+            raise
+        self.ended = True
+        self.guard.close()
+        return self.out_path
+
+    def abort(self) -> None:
+        """Close and remove the temporary file; ``out_path`` is left as it was."""
+        self.ended = True
+        try:
+            self.f.close()
+        except Exception:  # already closed, or the disk failed: the file goes anyway
+            pass
+        try:
+            self.tmp_path.unlink(missing_ok=True)
+        except OSError:
+            pass  # nowhere to write means nothing was written
+        self.guard.close()
+
+
 def write_dataset(
     out_path: str | os.PathLike,
     *,
@@ -141,12 +216,9 @@ def write_dataset(
     image_shape: tuple[int, int, int] | None = None,
     val: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> Path:
-    """Write one dense dataset file (``layout_version`` 1), atomically: the Python way to
-    bring your own data that is in memory (``python -m hpcps.data convert`` for files).
-
-    The file is written to ``out_path.tmp-<pid>`` and renamed over ``out_path`` only when
-    complete, so a crash or a full disk never leaves a half-written file where training
-    would find it, and a file being read by a running job is never modified in place.
+    """Write one dense dataset file (``layout_version`` 1), atomically (:class:`AtomicFile`):
+    the Python way to bring your own data that is in memory (``python -m hpcps.data
+    convert`` for files).
 
     Parameters
     ----------
@@ -157,46 +229,36 @@ def write_dataset(
     train, test : (x (N, D) floating, y (N,) integer) of each split.
     image_shape : (C, H, W) when each row is an image flattened C, H, W (conv models).
     val : optional validation split (x, y), written as /val.
+
+    Raises
+    ------
+    DataError
+        The file cannot be written (the system's reason).
     """
-    out_path = Path(out_path)
-    tmp_path = out_path.with_name(f"{out_path.name}.tmp-{os.getpid()}")
-    try:
-        out_path.parent.mkdir(parents=True, exist_ok=True)
-        with h5py.File(tmp_path, "w") as f:
-            f.attrs["format"] = FORMAT
-            f.attrs["layout_version"] = DENSE_LAYOUT_VERSION
-            f.attrs["name"] = name
-            f.attrs["n_classes"] = int(n_classes)
-            f.attrs["description"] = description
-            f.attrs["source"] = source
-            if image_shape is not None:
-                f.attrs["image_shape"] = np.asarray(image_shape, dtype=np.int64)
-            parts = [(SPLITS[0], train), (SPLITS[1], test)]
-            if val is not None:
-                parts.append((VAL, val))
-            for split, (x, y) in parts:
-                group = f.create_group(split)
-                group.attrs["description"] = f"{split} split of {name}"
-                dx = group.create_dataset("x", data=np.ascontiguousarray(x, dtype=np.float32))
-                dx.attrs["description"] = f"{split} examples, one per row: {x_description}"
-                dy = group.create_dataset("y", data=np.ascontiguousarray(y, dtype=np.int64))
-                dy.attrs["description"] = (
-                    f"class label (0..{n_classes - 1}) of each row of /{split}/x"
-                )
-        publish(tmp_path, out_path)
-    except BaseException as exc:
-        try:
-            tmp_path.unlink(missing_ok=True)
-        except OSError:
-            pass  # nowhere to write means nothing was written
-        if isinstance(exc, OSError):
-            raise DataError(f"cannot write dataset {out_path}: {exc.strerror or exc}; give a "
-                            "path in a directory you can write to") from exc
-        raise
-    return out_path
+    with AtomicFile(out_path) as out:
+        f = out.f
+        f.attrs["format"] = FORMAT
+        f.attrs["layout_version"] = DENSE_LAYOUT_VERSION
+        f.attrs["name"] = name
+        f.attrs["n_classes"] = int(n_classes)
+        f.attrs["description"] = description
+        f.attrs["source"] = source
+        if image_shape is not None:
+            f.attrs["image_shape"] = np.asarray(image_shape, dtype=np.int64)
+        parts = [(SPLITS[0], train), (SPLITS[1], test)]
+        if val is not None:
+            parts.append((VAL, val))
+        for split, (x, y) in parts:
+            group = f.create_group(split)
+            group.attrs["description"] = f"{split} split of {name}"
+            dx = group.create_dataset("x", data=np.ascontiguousarray(x, dtype=np.float32))
+            dx.attrs["description"] = f"{split} examples, one per row: {x_description}"
+            dy = group.create_dataset("y", data=np.ascontiguousarray(y, dtype=np.int64))
+            dy.attrs["description"] = f"class label (0..{n_classes - 1}) of each row of /{split}/x"
+        return out.commit()
 
 
-class DenseWriter:
+class DenseWriter(AtomicFile):
     """Write a dense dataset file (layout 1) in row blocks, atomically, without knowing how many
     rows each split will get: what :mod:`hpcps.io.data.convert` uses for inputs larger than
     memory.
@@ -221,8 +283,6 @@ class DenseWriter:
                  splits: tuple[str, ...] = SPLITS, name: str, description: str, source: str,
                  x_description: str, image_shape: tuple[int, int, int] | None = None,
                  attrs: dict | None = None):
-        self.out_path = Path(out_path)
-        self.tmp_path = self.out_path.with_name(f"{self.out_path.name}.tmp-{os.getpid()}")
         self.n_features = int(n_features)
         self.splits = tuple(splits)
         self.name = name
@@ -231,14 +291,7 @@ class DenseWriter:
             raise DataError(f"image shape {list(image_shape)} holds {int(np.prod(image_shape))} "
                             f"values but each row has {self.n_features}")
         chunk_rows = max(1, (1 << 20) // (4 * max(1, self.n_features)))
-        self.guard = WriteGuard()  # until finish or abort: HDF5's write failures, recorded
-        try:
-            self.out_path.parent.mkdir(parents=True, exist_ok=True)
-            self.f = h5py.File(self.tmp_path, "w")
-        except OSError as exc:
-            self.guard.close()
-            raise DataError(f"cannot write dataset {self.out_path}: {exc.strerror or exc}; "
-                            "give a path in a directory you can write to") from exc
+        super().__init__(out_path)
         try:
             f = self.f
             f.attrs["format"] = FORMAT
@@ -260,26 +313,8 @@ class DenseWriter:
                 group.create_dataset("y", shape=(0,), dtype=np.int64, maxshape=(None,),
                                      chunks=(max(chunk_rows, 1 << 14),))
         except BaseException as exc:
-            self._fail(exc)
+            self.fail(exc)
             raise
-
-    def __enter__(self) -> "DenseWriter":
-        return self
-
-    def __exit__(self, kind, exc, tb) -> None:
-        if kind is not None:
-            self._fail(exc)
-
-    def _fail(self, exc: BaseException):
-        """Remove the temporary file after ``exc``; a write the file system refused (a full
-        disk, a quota) becomes one DataError with its reason, without HDF5's tracebacks."""
-        why = write_failure(exc)
-        if why is not None:
-            self.guard.failed.append(why)
-            release(exc)
-        self.abort()
-        if why is not None:
-            raise DataError(f"cannot write dataset {self.out_path}: {why}") from None
 
     def append(self, split: str, x: np.ndarray, y: np.ndarray) -> None:
         """Add rows ``x`` (n, D) with labels ``y`` (n,) at the end of ``split``."""
@@ -326,23 +361,10 @@ class DenseWriter:
                     [n.encode() for n in class_names],
                     dtype=h5py.string_dtype("utf-8", max(1, *(len(n.encode())
                                                               for n in class_names))))
-            self.f.close()
-            self.guard.check()
-            publish(self.tmp_path, self.out_path)
         except BaseException as exc:
-            self._fail(exc)
+            self.fail(exc)
             raise
-        self.guard.close()
-        return self.out_path
-
-    def abort(self) -> None:
-        """Close and remove the temporary file; ``out_path`` is left as it was."""
-        try:
-            self.f.close()
-        except Exception:  # already closed, or the disk failed: the file goes anyway
-            pass
-        self.tmp_path.unlink(missing_ok=True)
-        self.guard.close()
+        return self.commit()
 
 
 # --------------------------------------------------------------------------------------------
