@@ -179,19 +179,20 @@ def test_resume_on_another_shard_count(ctr_h5, tmp_path, strategy):
             *(["--warmup-steps", "10"] if strategy == "downpour" else [])]
     first = mpirun.train(4, *args, "--servers", "2", "--steps", "40", timeout=180)
     assert first.returncode == 0, first.output
-    before = read_tables(run_dir, 5, "shard-*-of-2.h5")
+    before = read_tables(run_dir, 5, "shard-*-of-2.step-*.h5")
     auc = summary(run_dir)["test_auc"]
     again = mpirun.train(5, *args, "--servers", "3", "--steps", "40", "--resume", "auto",
                          timeout=180)
     assert again.returncode == 0 and "resumed from" in again.stdout, again.output
-    after = read_tables(run_dir, 5, "shard-*-of-3.h5")
+    after = read_tables(run_dir, 5, "shard-*-of-3.step-*.h5")
     for t in range(5):
         assert set(before[t]) == set(after[t])
         for i, (row, acc) in before[t].items():
             np.testing.assert_array_equal(after[t][i][0], row)
             np.testing.assert_array_equal(after[t][i][1], acc)
         for s in range(3):
-            with h5py.File(run_dir / "tables" / f"shard-{s}-of-3.h5", "r") as f:
+            (path,) = (run_dir / "tables").glob(f"shard-{s}-of-3.step-*.h5")
+            with h5py.File(path, "r") as f:
                 ids = f[f"table{t}/ids"][()]
             assert np.all(place(np.full(len(ids), t), ids, 3) == s)
     assert summary(run_dir)["test_auc"] == pytest.approx(auc, abs=1e-6)
@@ -200,12 +201,15 @@ def test_resume_on_another_shard_count(ctr_h5, tmp_path, strategy):
     assert more.returncode == 0, more.output
     s = summary(run_dir)
     assert s["step"] >= 120 and s["test_auc"] > 0.7
-    # the rows on disk are those of the final checkpoint's step, on every shard
+    # the rows on disk are those of the final checkpoint's step, on every shard: the files of
+    # the earlier checkpoints (of 2 shards and of 3) were removed once a newer one was written
     steps = set()
-    for path in (run_dir / "tables").glob("shard-*-of-3.h5"):
+    for path in (run_dir / "tables").glob("shard-*-of-3.step-*.h5"):
         with h5py.File(path, "r") as f:
             steps.add(int(f.attrs["step"]))
     assert steps == {s["step"]}, steps
+    assert sorted(p.name for p in (run_dir / "tables").iterdir()) == \
+        [f"shard-{k}-of-3.step-{s['step']}.h5" for k in range(3)]
     # hpcps.report shows the AUC of the run (its two segments)
     import subprocess
     import sys
@@ -216,6 +220,46 @@ def test_resume_on_another_shard_count(ctr_h5, tmp_path, strategy):
     head, _, row = rep.stdout.splitlines()[:3]
     assert "final AUC" in head and "final accuracy" not in head
     assert f"{s['test_auc']:.4f}" in row
+
+
+def test_a_shard_that_cannot_write_its_table_file_leaves_the_checkpoint_before_whole(tmp_path):
+    """2 shards, a checkpoint every 20 steps; at step 40 shard 1's file system refuses its
+    table file (a file-size limit on that rank alone, a full disk's stand-in) after shard 0
+    has written its own. The job ends with exit code 4 and one line naming the file and the
+    reason; the checkpoint of step 20 and both its table files are still there, and
+    ``--resume auto`` continues from it; once the checkpoint of 40 is written, only its files
+    are left."""
+    from hpcps.io.checkpoint import peek_step
+    from hpcps.io.data.synthetic_ctr import prepare_synthetic_ctr
+    from hpcps.mpi.topology import Layout
+
+    data = tmp_path / "ctr.h5"  # many distinct ids: each checkpoint's files are larger
+    prepare_synthetic_ctr(data, rows=30000, fields=8, vocab=10**6, zipf=0.0, seed=1,
+                          log=lambda *_: None)
+    run_dir = tmp_path / "run"
+    args = ["--model", SPEC, "--data", str(data), "--servers", "2", "--steps", "40",
+            "--batch-size", "64", "--checkpoint-every", "20", "--warmup-steps", "10",
+            "--run-dir", str(run_dir), "--timeout", "60"]
+    shard1 = Layout.plan(4, servers=2).server_ranks[1]
+    run = mpirun.run_mpi(4, [str(mpirun.ROOT / "tests" / "scripts" / "limited_train.py"),
+                             *args], timeout=180,
+                         env={"HPCPS_TEST_FSIZE": "400000",
+                              "HPCPS_TEST_FSIZE_RANK": str(shard1)})
+    assert run.returncode == 4, run.output[-3000:]
+    failed = [line for line in run.stderr.splitlines() if "failed:" in line]
+    assert len(failed) == 1 and "Traceback" not in run.stderr, run.stderr[-3000:]
+    assert (f"(server) failed: cannot write embedding table file "
+            f"{run_dir / 'tables' / 'shard-1-of-2.step-40.h5'}: ") in failed[0], failed
+    assert "the checkpoint before and its table files are unchanged" in failed[0], failed
+    assert peek_step(run_dir / "checkpoint.h5") == 20
+    names = sorted(p.name for p in (run_dir / "tables").iterdir())
+    assert names == ["shard-0-of-2.step-20.h5", "shard-0-of-2.step-40.h5",
+                     "shard-1-of-2.step-20.h5"], names
+    again = mpirun.train(4, *args, "--resume", "auto", timeout=180)
+    assert again.returncode == 0, again.output[-3000:]
+    assert "resumed from" in again.stdout and "at step 20" in again.stdout, again.stdout
+    assert sorted(p.name for p in (run_dir / "tables").iterdir()) == \
+        ["shard-0-of-2.step-40.h5", "shard-1-of-2.step-40.h5"]
 
 
 def test_resume_without_the_tables_is_refused(ctr_h5, tmp_path):

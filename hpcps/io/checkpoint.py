@@ -80,7 +80,7 @@ from hpcps.errors import CheckpointError
 from hpcps.io.checkpoint_state import (PARAM_NAME, Checkpoint, architecture_sizes,
                                        check_compatible, check_finite, checked, conv_model,
                                        layer_sizes, nonfinite)
-from hpcps.io.hdf5_writes import WriteGuard, release, write_failure
+from hpcps.io.hdf5_writes import replace_whole
 
 # The record and its checks are checkpoint_state's; importers keep naming them from here.
 __all__ = ["DESCRIPTION", "FORMAT", "LAYOUT_VERSION", "PARAM_NAME", "PERSISTED", "Checkpoint",
@@ -345,24 +345,12 @@ def save(path: str | os.PathLike, ckpt: Checkpoint, virtual: dict | None = None)
     path = Path(path)
     checked(ckpt)  # refuse bad input before touching the file system
     tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    why = None
-    with WriteGuard() as guard:
-        try:
-            tmp.unlink(missing_ok=True)  # a stale temp of a crashed save by a process with our pid
-            _write(tmp, ckpt, virtual)
-            guard.check()
-            os.replace(tmp, path)
-        except BaseException as exc:
-            try:
-                tmp.unlink(missing_ok=True)
-            except OSError:
-                pass
-            why = write_failure(exc)
-            if why is None:
-                raise
-            guard.failed.append(why)  # (for hdf5_writes.leave: the process saw a write fail)
-            release(exc)
-        # (a failed write's h5py objects are freed here, with the exception, quietly)
+
+    def write(tmp: Path) -> None:
+        tmp.unlink(missing_ok=True)  # a stale temp of a crashed save by a process with our pid
+        _write(tmp, ckpt, virtual)
+
+    why = replace_whole(tmp, path, write)
     if why is not None:
         kept = (" (the checkpoint there before is unchanged: make room, then --resume auto "
                 "continues from it)") if path.exists() else ""

@@ -114,3 +114,28 @@ def release(exc: BaseException) -> None:
     tb = exc.__traceback__
     if tb is not None:
         traceback.clear_frames(tb)
+
+
+def replace_whole(tmp, path, write) -> str | None:
+    """``write(tmp)`` (which writes, flushes and closes the file ``tmp``), then ``tmp`` renamed
+    onto ``path``, under a :class:`WriteGuard`. Returns None, or the system's reason when the
+    file system refused a write: ``tmp`` is then removed and ``path`` left as it was. Any other
+    failure is raised, ``tmp`` removed."""
+    why = None
+    with WriteGuard() as guard:
+        try:
+            write(tmp)
+            guard.check()
+            os.replace(tmp, path)
+        except BaseException as exc:
+            try:
+                tmp.unlink(missing_ok=True)
+            except OSError:
+                pass
+            why = write_failure(exc)
+            if why is None:
+                raise
+            guard.failed.append(why)  # (for leave: the process saw a write fail)
+            release(exc)
+        # (a failed write's h5py objects are freed here, with the exception, quietly)
+    return why

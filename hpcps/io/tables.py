@@ -1,8 +1,8 @@
 """Embedding tables on disk: each server shard's rows in one HDF5 file beside the checkpoint.
 
 An embedding model's checkpoint is ``checkpoint.h5`` (the fc layers, as any model's) and the
-directory ``tables/`` beside it, one file per server shard, ``shard-<s>-of-<S>.h5``, each
-written by its shard alone (no table is ever gathered on one rank)::
+directory ``tables/`` beside it, one file per server shard, ``shard-<s>-of-<S>.step-<N>.h5``,
+each written by its shard alone (no table is ever gathered on one rank)::
 
     /                       attrs: format "hpcps-embedding-rows", shard, n_shards, step,
                                    dim, n_tables, placement (how ids map to shards)
@@ -16,6 +16,10 @@ Plain enough for h5py: ``f["table0/rows"][()]``. The files of one checkpoint sha
 (a resumed run re-hashes them onto its own, :meth:`hpcps.ps.rows.RowShard.load`). Files of
 another shard count or step may sit beside them (an earlier run in the same directory) and are
 passed over.
+
+A new checkpoint's files take new names, so the set of the checkpoint before stays whole
+until ``checkpoint.h5`` names the new step: a shard that cannot write its file (a full disk)
+or dies writing it leaves that checkpoint usable. :func:`prune` then removes the older sets.
 """
 from __future__ import annotations
 
@@ -27,64 +31,101 @@ import h5py
 import numpy as np
 
 from hpcps.errors import CheckpointError
+from hpcps.io.hdf5_writes import replace_whole
 
 TABLES_DIR = "tables"  # beside checkpoint.h5
 FORMAT = "hpcps-embedding-rows"
 
 
-def shard_file(directory: Path, shard: int, n_shards: int) -> Path:
-    return Path(directory) / f"shard-{shard}-of-{n_shards}.h5"
+def shard_file(directory: Path, shard: int, n_shards: int, step: int) -> Path:
+    return Path(directory) / f"shard-{shard}-of-{n_shards}.step-{int(step)}.h5"
 
 
 def write(path: Path, stores: Sequence, shard: int, n_shards: int, step: int) -> Path:
     """Write ``stores`` (one :class:`hpcps.ps.embedding_store.EmbeddingStore` per table: ids,
-    rows, accum, optimizer) as one file, to a temporary name fsynced and renamed into place."""
+    rows, accum, optimizer) as one file, to a temporary name fsynced and renamed into place.
+
+    Raises CheckpointError, leaving nothing behind, when the file system refuses the write (a
+    full disk, a quota): the reason in one line, HDF5's own reports of it kept off stderr."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
     dim = stores[0].dim if stores else 0
-    try:
-        with h5py.File(tmp, "w") as f:
-            f.attrs.update(format=FORMAT, shard=shard, n_shards=n_shards, step=int(step),
-                           dim=dim, n_tables=len(stores),
-                           placement="hpcps.kernels.embedding.place: splitmix64's finaliser "
-                                     "of id + (table + 1) * 0x9E3779B97F4A7C15, mod n_shards")
-            for t, store in enumerate(stores):
-                order = np.argsort(store.ids, kind="stable")
-                g = f.create_group(f"table{t}")
-                g.attrs.update(optimizer=store.optimizer, rows=len(store))
-                g.create_dataset("ids", data=store.ids[order])
-                g.create_dataset("rows", data=store.rows[order])
-                if store.accum is not None:
-                    g.create_dataset("accum", data=store.accum[order])
-        with open(tmp, "rb+") as fh:
-            os.fsync(fh.fileno())
-        tmp.replace(path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    why = replace_whole(tmp, path, lambda tmp: _write(tmp, stores, shard, n_shards, step, dim))
+    if why is not None:
+        kept = (" (the checkpoint before and its table files are unchanged: make room, then "
+                "--resume auto continues from it)") if (path.parent.parent /
+                                                       "checkpoint.h5").exists() else ""
+        raise CheckpointError(f"cannot write embedding table file {path}: {why}{kept}")
     return path
 
 
-def table_files(directory: Path, step: int, n_tables: int, dim: int) -> list[Path]:
-    """The table files in ``directory`` that hold the rows at global ``step``: the complete
-    set ``shard-<s>-of-<S>.h5``, s = 0..S-1, of one S, each with attributes ``step``,
-    ``n_tables`` and ``dim`` as asked. Raises CheckpointError when there is none."""
-    sets: dict[int, dict[int, Path]] = {}
+def _write(tmp: Path, stores: Sequence, shard: int, n_shards: int, step: int, dim: int) -> None:
+    with h5py.File(tmp, "w") as f:
+        f.attrs.update(format=FORMAT, shard=shard, n_shards=n_shards, step=int(step),
+                       dim=dim, n_tables=len(stores),
+                       placement="hpcps.kernels.embedding.place: splitmix64's finaliser "
+                                 "of id + (table + 1) * 0x9E3779B97F4A7C15, mod n_shards")
+        for t, store in enumerate(stores):
+            order = np.argsort(store.ids, kind="stable")
+            g = f.create_group(f"table{t}")
+            g.attrs.update(optimizer=store.optimizer, rows=len(store))
+            g.create_dataset("ids", data=store.ids[order])
+            g.create_dataset("rows", data=store.rows[order])
+            if store.accum is not None:
+                g.create_dataset("accum", data=store.accum[order])
+    with open(tmp, "rb+") as fh:
+        os.fsync(fh.fileno())
+
+
+def _sets(directory: Path) -> list[tuple[Path, tuple[int, int, int, int, int]]]:
+    """Every readable table file in ``directory`` with its (step, dim, n_tables, n_shards,
+    shard)."""
+    found = []
     for path in sorted(Path(directory).glob("shard-*-of-*.h5")):
         try:
             with h5py.File(path, "r") as f:
                 a = f.attrs
-                if (int(a["step"]), int(a["dim"]), int(a["n_tables"])) != (step, dim, n_tables):
-                    continue
-                sets.setdefault(int(a["n_shards"]), {})[int(a["shard"])] = path
+                found.append((path, (int(a["step"]), int(a["dim"]), int(a["n_tables"]),
+                                     int(a["n_shards"]), int(a["shard"]))))
         except (OSError, KeyError, ValueError):
             continue  # not a table file, or a torn one: another set may be whole
+    return found
+
+
+def prune(directory: Path, step: int, n_tables: int, dim: int) -> list[Path]:
+    """Remove the table files of steps before ``step`` once a complete set of ``step`` is in
+    ``directory`` (the checkpoint that names it is written); returns the files removed.
+    Files of later steps (a shard already past the next boundary) are kept."""
+    try:
+        table_files(directory, step, n_tables, dim)
+    except CheckpointError:
+        return []
+    gone = []
+    for path, (at, *_) in _sets(directory):
+        if at < step:
+            try:
+                path.unlink()
+                gone.append(path)
+            except OSError:
+                pass  # removed by another process, or not ours to remove: harmless
+    return gone
+
+
+def table_files(directory: Path, step: int, n_tables: int, dim: int) -> list[Path]:
+    """The table files in ``directory`` that hold the rows at global ``step``: the complete
+    set ``shard-<s>-of-<S>.step-<N>.h5``, s = 0..S-1, of one S, each with attributes ``step``,
+    ``n_tables`` and ``dim`` as asked. Raises CheckpointError when there is none."""
+    sets: dict[int, dict[int, Path]] = {}
+    for path, (at, d, t, n, shard) in _sets(directory):
+        if (at, d, t) == (step, dim, n_tables):
+            sets.setdefault(n, {})[shard] = path
     for n, got in sorted(sets.items()):
         if sorted(got) == list(range(n)):
             return [got[s] for s in range(n)]
     raise CheckpointError(f"{directory} holds no complete set of embedding table files "
-                          f"(shard-<s>-of-<S>.h5) of step {step} with {n_tables} tables of "
-                          f"{dim} dimensions: the checkpoint's rows are missing")
+                          f"(shard-<s>-of-<S>.step-<N>.h5) of step {step} with {n_tables} "
+                          f"tables of {dim} dimensions: the checkpoint's rows are missing")
 
 
 def read(files: Sequence[Path], table: int

@@ -24,11 +24,12 @@ import numpy as np
 
 from hpcps.blocks import block_range
 from hpcps.errors import ConfigError, NonFiniteError
-from hpcps.io import checkpoint, data
+from hpcps.io import checkpoint, data, tables
 from hpcps.io.data import DatasetInfo, RowSource
 from hpcps.io.data.augment import Augmented
 from hpcps.model import optim
 from hpcps.model.mlp import MLP
+from hpcps.model.spec import is_embedding_spec
 from hpcps.mpi.comm import ReplicaExchange, gather_to_root
 from hpcps.mpi.topology import Grid
 from hpcps.options import RunConfig, parse_augment
@@ -267,7 +268,9 @@ def save_checkpoint(ctx: Context, params: np.ndarray, opt_state: dict[str, np.nd
     """Write the whole-model state (MLP layout vectors) as one HDF5 checkpoint, atomically.
 
     Raises NonFiniteError, writing nothing, when the state holds NaN or infinity: the
-    checkpoint already in the run directory (the last finite one) stays as it was.
+    checkpoint already in the run directory (the last finite one) stays as it was. An
+    embedding model's shards have written their table files of ``step`` before; once the
+    checkpoint names it, the files of older steps are removed (:func:`hpcps.io.tables.prune`).
     """
     views = ctx.full_model.views
     bad = checkpoint.nonfinite({**{f"params/{k}": v for k, v in views(params).items()},
@@ -281,7 +284,11 @@ def save_checkpoint(ctx: Context, params: np.ndarray, opt_state: dict[str, np.nd
         params={k: np.ascontiguousarray(v) for k, v in views(params).items()},
         optimizer=ctx.cfg.optimizer, opt_state=state, step=int(step),
         config=ctx.cfg.to_dict(), dataset=ctx.dataset.to_dict(), metrics=dict(metrics or {}))
-    return checkpoint.save(checkpoint_path(ctx), ckpt)
+    path = checkpoint.save(checkpoint_path(ctx), ckpt)
+    if is_embedding_spec(ctx.cfg.model):  # the table files of older checkpoints: superseded
+        tables.prune(path.parent / tables.TABLES_DIR, int(step), ctx.full_model.n_tables,
+                     ctx.full_model.dim)
+    return path
 
 
 def state_from_checkpoint(model: MLP, ckpt: checkpoint.Checkpoint,

@@ -10,9 +10,10 @@ from hpcps.strategies.context import Context
 from hpcps.strategies.gradients import EmbeddingSource
 
 
-def tables_path(ctx: Context, shard: int) -> Path:
-    """Where server shard ``shard`` writes its rows: ``tables/shard-<s>-of-<S>.h5``."""
-    return shard_file(ctx.run_dir / TABLES_DIR, shard, ctx.grid.layout.servers)
+def tables_path(ctx: Context, shard: int, step: int) -> Path:
+    """Where server shard ``shard`` writes its rows at ``step``:
+    ``tables/shard-<s>-of-<S>.step-<N>.h5``."""
+    return shard_file(ctx.run_dir / TABLES_DIR, shard, ctx.grid.layout.servers, step)
 
 
 def row_shard(ctx: Context) -> RowShard:

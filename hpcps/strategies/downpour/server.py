@@ -124,7 +124,7 @@ def run_server(ctx: Context) -> dict:
 
     def on_boundary(step: int) -> None:
         if rows is not None:
-            rows.write(tables_path(ctx, s), s, grid.layout.servers, step)
+            rows.write(tables_path(ctx, s, step), s, grid.layout.servers, step)
         got = gather()
         if got is not None:
             path = save_checkpoint(ctx, got[0], got[1], step)
@@ -160,7 +160,8 @@ def run_server(ctx: Context) -> dict:
     with_spares(server, layout, liveness)
     stats = server.serve(rows.handlers() if rows is not None else None)
     if rows is not None:
-        rows.write(tables_path(ctx, s), s, grid.layout.servers, server.step)
+        rows.write(tables_path(ctx, s, server.step), s, grid.layout.servers,
+                   server.step)
     got = gather()
     if got is not None:
         msg = final_message(ctx)

@@ -12,7 +12,7 @@ layers, which every example updates, far more than the rows, which few examples 
 
 One update consumes R mini-batches, the global step advances by R (as sync). The chief
 writes the dense checkpoint; at the same step it asks the shards to write their rows
-(``tables/shard-<s>-of-<S>.h5``, :mod:`hpcps.io.tables`), and ``--resume`` reads both, on
+(``tables/shard-<s>-of-<S>.step-<N>.h5``, :mod:`hpcps.io.tables`), and ``--resume`` reads both, on
 any number of shards. Embedding models only: an MLP or a conv model is refused at start.
 """
 from hpcps.errors import ConfigError

@@ -20,12 +20,12 @@ def run(ctx: Context) -> dict:
 
     def on_save(src: int, status) -> bool:
         step = int(rows.header(src, Tag.SAVE_ROWS)[H.STEPS])
-        rows.write(tables_path(ctx, s), s, S, step)
+        rows.write(tables_path(ctx, s, step), s, S, step)
         return False
 
     def finished() -> bool:
         if len(done) == R and state["written"] is None:  # every push is in: the final rows
-            rows.write(tables_path(ctx, s), s, S, state["step"])
+            rows.write(tables_path(ctx, s, state["step"]), s, S, state["step"])
             state["written"] = state["step"]
         return len(done) == R and state["released"]
 
