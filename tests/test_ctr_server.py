@@ -222,13 +222,15 @@ def test_resume_on_another_shard_count(ctr_h5, tmp_path, strategy):
     assert f"{s['test_auc']:.4f}" in row
 
 
-def test_a_shard_that_cannot_write_its_table_file_leaves_the_checkpoint_before_whole(tmp_path):
+@pytest.mark.parametrize("strategy", ["downpour", "hybrid"])
+def test_a_shard_that_cannot_write_its_table_file_leaves_the_checkpoint_before_whole(
+        tmp_path, strategy):
     """2 shards, a checkpoint every 20 steps; at step 40 shard 1's file system refuses its
     table file (a file-size limit on that rank alone, a full disk's stand-in) after shard 0
     has written its own. The job ends with exit code 4 and one line naming the file and the
-    reason; the checkpoint of step 20 and both its table files are still there, and
-    ``--resume auto`` continues from it; once the checkpoint of 40 is written, only its files
-    are left."""
+    reason; the checkpoint of step 20 and both its table files are still there (hybrid's
+    chief writes checkpoint.h5 only once every shard's file is in), and ``--resume auto``
+    continues from it; once the checkpoint of 40 is written, only its files are left."""
     from hpcps.io.checkpoint import peek_step
     from hpcps.io.data.synthetic_ctr import prepare_synthetic_ctr
     from hpcps.mpi.topology import Layout
@@ -237,9 +239,10 @@ def test_a_shard_that_cannot_write_its_table_file_leaves_the_checkpoint_before_w
     prepare_synthetic_ctr(data, rows=30000, fields=8, vocab=10**6, zipf=0.0, seed=1,
                           log=lambda *_: None)
     run_dir = tmp_path / "run"
-    args = ["--model", SPEC, "--data", str(data), "--servers", "2", "--steps", "40",
-            "--batch-size", "64", "--checkpoint-every", "20", "--warmup-steps", "10",
-            "--run-dir", str(run_dir), "--timeout", "60"]
+    args = ["--strategy", strategy, "--model", SPEC, "--data", str(data), "--servers", "2",
+            "--steps", "40", "--batch-size", "64", "--checkpoint-every", "20",
+            "--run-dir", str(run_dir), "--timeout", "60",
+            *(["--warmup-steps", "10"] if strategy == "downpour" else [])]
     shard1 = Layout.plan(4, servers=2).server_ranks[1]
     run = mpirun.run_mpi(4, [str(mpirun.ROOT / "tests" / "scripts" / "limited_train.py"),
                              *args], timeout=180,

@@ -64,6 +64,7 @@ class Tag(IntEnum):
     JOIN_HELLO = 46   # newcomer -> listener, on their new intercommunicator: what it wants
     JOIN_WELCOME = 47  # the chief -> newcomer: its ranks and the job's configuration, or why not
     JOIN_READY = 48   # newcomer -> the chief: connected to every listener, ready to be a spare
+    ROWS_SAVED = 49   # shard -> world rank 0: its rows of global step STEPS are written
     # no message carries it: a receive posted with it never completes, standing for one from
     # a peer that MPI reported dead (ULFM, hpcps.mpi.comm.Transport)
     NEVER = 99

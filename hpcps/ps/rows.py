@@ -165,6 +165,13 @@ class RowShard:
         self.net.take(self._header, src, tag)
         return self._header.view(np.float64)
 
+    def saved(self, dest: int, step: int) -> None:
+        """ROWS_SAVED to ``dest`` (the chief): this shard's rows of global ``step`` are in
+        their table file."""
+        msg = ByteMessage(0)
+        msg.header[H.STEPS] = step
+        self.net.send_eager(msg.buf, dest, Tag.ROWS_SAVED)
+
     def on_release(self, src: int, status) -> bool:
         """ROWS_DONE: the chief has evaluated; the shard may leave."""
         self.header(src, Tag.ROWS_DONE)
@@ -330,6 +337,14 @@ class RowClient:
         msg.header[H.STEPS] = step
         for dest in self.ranks:
             self.net.send_eager(msg.buf, dest, tag)
+
+    def await_saved(self) -> None:
+        """Wait for every shard's ROWS_SAVED (world rank 0): the rows it was asked to write,
+        or its final rows, are on disk. Raises PeerTimeout after the timeout."""
+        got = [ByteMessage(0) for _ in self.ranks]
+        wait_all([self.net.post_recv(m.buf, dest, Tag.ROWS_SAVED)
+                  for m, dest in zip(got, self.ranks)], self.timeout,
+                 "every server shard to write its embedding table file (ROWS_SAVED)")
 
     def release(self) -> None:
         """ROWS_DONE to every shard (world rank 0, after the final evaluation)."""

@@ -93,7 +93,9 @@ class ReplicaLoop(ABC):
     checkpoint_metrics() -> dict : scalars saved with them (the chief's; read back from
         ``ctx.resumed`` on ``--resume``).
     after_loop() : after the last iteration (last push, drain messages, ...).
-    on_checkpoint(step) : after the chief wrote a periodic checkpoint at ``step``.
+    before_checkpoint(step) : on the chief, before it writes a periodic checkpoint at
+        ``step`` (state kept elsewhere, an embedding model's rows on the shards, is written
+        first, so that a checkpoint.h5 never names a step whose rows are not on disk).
     finish(train_s) -> dict : the final figures (collective parts included); the chief's
         dict goes into the summary: ``step``, ``test_accuracy``, ``test_loss`` (and
         ``val_accuracy``, ``val_loss`` with a validation split), ``checkpoint``,
@@ -180,9 +182,8 @@ class ReplicaLoop(ABC):
     def after_loop(self) -> None:
         return None
 
-    def on_checkpoint(self, step: int) -> None:
-        """After the chief wrote a periodic checkpoint at global ``step`` (state kept
-        elsewhere, an embedding model's rows on the shards, is saved at the same step)."""
+    def before_checkpoint(self, step: int) -> None:
+        """On the chief, before it writes a periodic checkpoint at global ``step``."""
         return None
 
     def finish(self, train_s: float) -> dict:
@@ -391,10 +392,10 @@ class ReplicaLoop(ABC):
             ctx.metrics.record("eval", step=step, epoch=round(ctx.epochs(step), 3),
                                **periodic_evaluation(ctx, full, step))
         if saving:
+            self.before_checkpoint(step)
             path = save_checkpoint(ctx, full, state, step, {"train_loss": self.last_loss,
                                                             **self.checkpoint_metrics()})
             ctx.metrics.record("checkpoint", echo=False, step=step, path=str(path))
-            self.on_checkpoint(step)
 
 
 def run_position(ctx, step: int, elapsed: float) -> dict:

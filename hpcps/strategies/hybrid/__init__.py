@@ -10,10 +10,11 @@ replicas allreduce their dense gradients every step and apply the same update, a
 does, so the dense layers never go stale. Persia's argument: staleness hurts the dense
 layers, which every example updates, far more than the rows, which few examples share.
 
-One update consumes R mini-batches, the global step advances by R (as sync). The chief
-writes the dense checkpoint; at the same step it asks the shards to write their rows
-(``tables/shard-<s>-of-<S>.step-<N>.h5``, :mod:`hpcps.io.tables`), and ``--resume`` reads both, on
-any number of shards. Embedding models only: an MLP or a conv model is refused at start.
+One update consumes R mini-batches, the global step advances by R (as sync). At a checkpoint
+the chief asks the shards to write their rows (``tables/shard-<s>-of-<S>.step-<N>.h5``,
+:mod:`hpcps.io.tables`) and writes the dense checkpoint once every shard has, and
+``--resume`` reads both, on any number of shards. Embedding models only: an MLP or a conv
+model is refused at start.
 """
 from hpcps.errors import ConfigError
 from hpcps.model import optim

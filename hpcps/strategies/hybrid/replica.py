@@ -13,12 +13,15 @@ class HybridReplica(EmbeddingRows, SyncReplica):
     allreduce the dense gradient and apply it. The chief scores the model with the shards'
     rows and releases them after its final evaluation."""
 
-    def on_checkpoint(self, step: int) -> None:
-        self.rows.tell(Tag.SAVE_ROWS, step)  # the rows at the checkpoint's step
+    def before_checkpoint(self, step: int) -> None:
+        self.rows.tell(Tag.SAVE_ROWS, step)  # the rows at the checkpoint's step, written first
+        self.rows.await_saved()
 
     def after_loop(self) -> None:
         self.drain_rows()
         self.rows.tell(Tag.DONE, self.global_step())
+        if self.ctx.grid.is_chief:  # the shards' final rows are written before checkpoint.h5
+            self.rows.await_saved()
 
     def finish(self, train_s: float) -> dict:
         out = super().finish(train_s)

@@ -1,6 +1,7 @@
 """A hybrid server shard: rows only (the dense layers live on the replicas). It serves pulls
 and pushes until every replica is done and the chief has finished its final evaluation,
-writes its rows when the chief checkpoints and at the end."""
+writes its rows when the chief checkpoints and at the end, and tells the chief each time (it
+writes ``checkpoint.h5`` only once every shard's table file of the step is in)."""
 from __future__ import annotations
 
 from hpcps.mpi.protocol import H, Tag
@@ -21,11 +22,13 @@ def run(ctx: Context) -> dict:
     def on_save(src: int, status) -> bool:
         step = int(rows.header(src, Tag.SAVE_ROWS)[H.STEPS])
         rows.write(tables_path(ctx, s, step), s, S, step)
+        rows.saved(src, step)  # the chief writes checkpoint.h5 once every shard's file is in
         return False
 
     def finished() -> bool:
         if len(done) == R and state["written"] is None:  # every push is in: the final rows
             rows.write(tables_path(ctx, s, state["step"]), s, S, state["step"])
+            rows.saved(0, state["step"])  # world rank 0, the chief, writes the final checkpoint
             state["written"] = state["step"]
         return len(done) == R and state["released"]
 
