@@ -5,6 +5,7 @@ bound (compression, SSP waits, staleness) and sandblaster (L-BFGS step lengths).
 """
 from __future__ import annotations
 
+import io
 import json
 import os
 import shutil
@@ -133,6 +134,24 @@ def test_a_killed_run_is_read_up_to_its_cut_line(runs, tmp_path, capsys):
     (killed / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ended))
     assert table_rows([load_run(killed)])[0]["status"] == (
         f"stopping at step {step} (SIGTERM, checkpointed), no summary")
+
+
+def test_a_resumed_run_appends_after_a_record_cut_short_without_losing_its_own(tmp_path):
+    """The run before was killed while it wrote a record (no newline at the end of the file):
+    the resumed run's first record goes on a line of its own, so only the torn one is lost."""
+    from hpcps.runtime.metrics import Metrics
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"kind": "start", "time_s": 0.0}\n{"kind": "progress", "ti')
+    log = Metrics(tmp_path, stream=io.StringIO())
+    log.record("resume", echo=False, step=3)
+    log.record("summary", echo=False, step=5)
+    lines = path.read_text().splitlines()
+    assert lines[1] == '{"kind": "progress", "ti'
+    assert [json.loads(line)["kind"] for line in lines[2:]] == ["resume", "summary"]
+    run = load_run(tmp_path)
+    assert any("skipped line 2: not JSON" in note for note in run.notes), run.notes
+    assert [r["kind"] for r in run.records] == ["start", "resume", "summary"]
 
 
 def test_resumed_run_counts_time_on_and_adds_up(tmp_path):

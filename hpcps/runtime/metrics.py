@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -44,6 +45,20 @@ def _strict(v: Any) -> Any:
     if hasattr(v, "item"):  # NumPy scalars
         return _strict(v.item())
     return v
+
+
+def _append_to(path: Path):
+    """``path`` opened to append lines. A last record cut short (its run was killed as it wrote
+    it, or the disk filled) is ended first, so that it stays a line of its own: the next
+    record, appended by a resumed run, would otherwise join it and be lost with it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fh = open(path, "a", buffering=1)
+    if fh.tell() > 0:
+        with open(path, "rb") as written:
+            written.seek(-1, os.SEEK_END)
+            if written.read(1) != b"\n":
+                fh.write("\n")
+    return fh
 
 
 class Metrics:
@@ -87,8 +102,7 @@ class Metrics:
         if kind == "progress":
             self._last_progress = self.elapsed()
         if self._fh is None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._fh = open(self.path, "a", buffering=1)
+            self._fh = _append_to(self.path)
         self._fh.write(json.dumps(_strict(rec)) + "\n")
         if echo and self.bar and kind == "progress" and "done_pct" in fields:
             self.stream.write(progress.CLEAR + progress.bar_line(rec["time_s"], fields))
