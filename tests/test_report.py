@@ -136,6 +136,43 @@ def test_a_killed_run_is_read_up_to_its_cut_line(runs, tmp_path, capsys):
         f"stopping at step {step} (SIGTERM, checkpointed), no summary")
 
 
+METRICS_ONTO_A_FULL_DISK = """
+import io, json, resource, signal, sys
+from hpcps.runtime.metrics import Metrics
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails (EFBIG)
+log = Metrics(sys.argv[1], stream=io.StringIO())
+resource.setrlimit(resource.RLIMIT_FSIZE, (2000, resource.RLIM_INFINITY))  # the disk fills
+for step in range(40):
+    log.record("progress", echo=False, step=step, pad="x" * 50)
+resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+log.record("summary", echo=False, step=40)  # room again
+log.close()
+"""
+
+
+def test_metrics_onto_a_full_disk_warn_once_and_write_again_when_there_is_room(tmp_path):
+    """A full disk (a file-size limit, lifted later) does not end the run: one warning with
+    the reason, one when records are written again, and the file holds the records written
+    before and after, each on a line of its own (the one cut short alone lost)."""
+    run = subprocess.run([sys.executable, "-c", METRICS_ONTO_A_FULL_DISK, str(tmp_path)],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]
+    path = tmp_path / "metrics.jsonl"
+    warned = run.stderr.splitlines()
+    assert len(warned) == 2, warned
+    assert warned[0].startswith(f"hpcps: warning: cannot write {path}: File too large; "
+                                "training goes on"), warned
+    lines = path.read_text().splitlines()
+    kept = [json.loads(line) for line in lines if line.endswith("}")]
+    assert len(lines) - len(kept) <= 1  # the record the limit cut
+    steps = [r["step"] for r in kept]
+    assert steps[-1] == 40 and kept[-1]["kind"] == "summary"
+    assert steps[:-1] == list(range(len(steps) - 1)) and 10 < len(steps) < 40, steps
+    missing = 40 - (len(steps) - 1)
+    assert warned[1] == (f"hpcps: warning: writing {path} again: {missing} record(s) are "
+                         "missing from it"), warned
+
+
 def test_a_resumed_run_appends_after_a_record_cut_short_without_losing_its_own(tmp_path):
     """The run before was killed while it wrote a record (no newline at the end of the file):
     the resumed run's first record goes on a line of its own, so only the torn one is lost."""

@@ -47,18 +47,21 @@ def _strict(v: Any) -> Any:
     return v
 
 
-def _append_to(path: Path):
-    """``path`` opened to append lines. A last record cut short (its run was killed as it wrote
-    it, or the disk filled) is ended first, so that it stays a line of its own: the next
-    record, appended by a resumed run, would otherwise join it and be lost with it."""
+def _append_to(path: Path) -> int:
+    """``path`` opened to append lines: the file descriptor. A last record cut short (its run
+    was killed as it wrote it, or the disk filled) is ended first, so that it stays a line of
+    its own: the next record, appended by a resumed run, would otherwise join it and be lost
+    with it."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fh = open(path, "a", buffering=1)
-    if fh.tell() > 0:
-        with open(path, "rb") as written:
-            written.seek(-1, os.SEEK_END)
-            if written.read(1) != b"\n":
-                fh.write("\n")
-    return fh
+    fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        end = os.lseek(fd, 0, os.SEEK_END)
+        if end > 0 and os.pread(fd, 1, end - 1) != b"\n":
+            os.write(fd, b"\n")
+    except OSError:
+        os.close(fd)
+        raise
+    return fd
 
 
 class Metrics:
@@ -83,7 +86,9 @@ class Metrics:
         self._bar_shown = False
         self.t0 = time.perf_counter()
         self._last_progress = 0.0
-        self._fh = None
+        self._fd: int | None = None  # metrics.jsonl, opened at the first record
+        self._torn = False  # the last record was cut short by a full disk
+        self._lost_since: int | None = None  # records not written since a write failed
         if self.enabled:  # the file is opened at the first record: a run refused at start
             self.path = Path(run_dir) / "metrics.jsonl"  # (bad data) writes nothing
 
@@ -101,9 +106,7 @@ class Metrics:
             return rec
         if kind == "progress":
             self._last_progress = self.elapsed()
-        if self._fh is None:
-            self._fh = _append_to(self.path)
-        self._fh.write(json.dumps(_strict(rec)) + "\n")
+        self._append(json.dumps(_strict(rec)) + "\n")
         if echo and self.bar and kind == "progress" and "done_pct" in fields:
             self.stream.write(progress.CLEAR + progress.bar_line(rec["time_s"], fields))
             self.stream.flush()
@@ -112,6 +115,38 @@ class Metrics:
             body = "  ".join(f"{k}={_fmt(v)}" for k, v in fields.items())
             self._print(f"[hpcps {rec['time_s']:8.1f}s] {kind:<10} {body}")
         return rec
+
+    def _append(self, line: str) -> None:
+        """One record at the end of metrics.jsonl, in one write where it fits. A write the
+        file system refuses (a full disk, a quota) does not end the run: it is said once, on
+        stderr, and the records are written again once there is room (a record cut short
+        stays a line of its own). A checkpoint that cannot be written ends the run, with its
+        own message."""
+        data = b"\n" + line.encode() if self._torn else line.encode()
+        rest = memoryview(data)
+        try:
+            if self._fd is None:
+                self._fd = _append_to(self.path)
+            while rest:  # a write cut short by a full disk: the rest fails with its reason
+                rest = rest[os.write(self._fd, rest):]
+        except OSError as exc:
+            self._torn = self._torn or len(rest) < len(data)
+            self._lost(exc.strerror or str(exc))
+            return
+        self._torn = False
+        if self._lost_since is not None:
+            print(f"hpcps: warning: writing {self.path} again: {self._lost_since} record(s) "
+                  "are missing from it", file=sys.stderr, flush=True)
+            self._lost_since = None
+
+    def _lost(self, why: str) -> None:
+        if self._lost_since is None:
+            self._lost_since = 0
+            print(f"hpcps: warning: cannot write {self.path}: {why}; training goes on "
+                  "without its records until there is room (hpcps.report reads them; a "
+                  "checkpoint that cannot be written ends the run with exit code 4)",
+                  file=sys.stderr, flush=True)
+        self._lost_since += 1
 
     def _print(self, line: str) -> None:
         """A line of its own: a bar on screen stays, as it stood, on the line above (the next
@@ -129,9 +164,9 @@ class Metrics:
         if self._bar_shown:  # leave the last bar on screen, and the cursor below it
             print(file=self.stream, flush=True)
             self._bar_shown = False
-        if self._fh is not None:
-            self._fh.close()
-            self._fh = None
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
 
 class DivergenceWatch:
