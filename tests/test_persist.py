@@ -74,6 +74,34 @@ def test_the_mapping_rebuilds_every_layer(P, S, chunk):
 
 
 # -- the writer (no MPI) -------------------------------------------------------------------------
+CREATE_UNDER_A_LIMIT = """
+import resource, signal, sys
+from pathlib import Path
+import numpy as np
+from hpcps.errors import CheckpointError
+from hpcps.ps.persist import create_shard_file
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails (EFBIG)
+resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000))
+params = np.zeros(200_000, np.float32)  # 800 kB
+try:
+    create_shard_file(Path(sys.argv[1]), params, {}, [(0, len(params))], 0, 0)
+except CheckpointError as exc:
+    print(exc)
+"""
+
+
+def test_a_persistence_file_the_file_system_refuses_is_one_line(tmp_path):
+    """A full disk or quota (a file-size limit here) as a shard creates its file: one
+    CheckpointError line with the reason (exit code 4 in a run), no traceback, no file."""
+    path = tmp_path / "shard-0.h5"
+    run = subprocess.run([sys.executable, "-c", CREATE_UNDER_A_LIMIT, str(path)],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and run.stderr == "", run.stderr[-3000:]
+    assert run.stdout.splitlines() == [f"cannot write the persistence file {path}: File too "
+                                       "large (make room, or run without --persist-every)"]
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_the_writer_flushes_dirty_chunks_and_their_steps(tmp_path):
     params = np.arange(10, dtype=np.float32)
     state = {"accum": np.ones(10, np.float32)}

@@ -45,6 +45,9 @@ from pathlib import Path
 import h5py
 import numpy as np
 
+from hpcps.errors import CheckpointError
+from hpcps.io.hdf5_writes import replace_whole
+
 MANIFEST_NAME = "checkpoint-persisted.h5"
 STEP_DATASET = "persisted/chunk_step"
 
@@ -155,23 +158,31 @@ def create_shard_file(path: Path, params: np.ndarray, state: dict[str, np.ndarra
     ``chunks``: (at, length) of each chunk in the local vector. Written to a temporary name
     and renamed, so the file is either absent or whole."""
     tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
-    with h5py.File(tmp, "w") as f:
-        f.attrs["shard"] = shard
-        f.attrs["description"] = (
-            "one hpcps server shard's chunks of the parameters and optimizer state, "
-            "overwritten in place by its writer thread; read the run's "
-            "checkpoint-persisted.h5, which maps them back to layers")
-        f.create_dataset("params", data=params)
-        for key, vec in state.items():
-            f.create_dataset(f"state/{key}", data=vec)
-        f.create_dataset("chunk_step", data=np.full(len(chunks), step, dtype=np.int64))
-        f.create_dataset("chunk_at", data=np.array([at for at, _ in chunks], dtype=np.int64))
-        f.flush()
-        offsets = {name: f[name].id.get_offset()
-                   for name in ["params", "chunk_step"] + [f"state/{k}" for k in state]}
-    if any(v is None for v in offsets.values()):
-        raise RuntimeError(f"{tmp}: a dataset has no storage allocated")
-    os.replace(tmp, path)
+    offsets: dict[str, int] = {}
+
+    def write(tmp: Path) -> None:
+        with h5py.File(tmp, "w") as f:
+            f.attrs["shard"] = shard
+            f.attrs["description"] = (
+                "one hpcps server shard's chunks of the parameters and optimizer state, "
+                "overwritten in place by its writer thread; read the run's "
+                "checkpoint-persisted.h5, which maps them back to layers")
+            f.create_dataset("params", data=params)
+            for key, vec in state.items():
+                f.create_dataset(f"state/{key}", data=vec)
+            f.create_dataset("chunk_step", data=np.full(len(chunks), step, dtype=np.int64))
+            f.create_dataset("chunk_at", data=np.array([at for at, _ in chunks],
+                                                       dtype=np.int64))
+            f.flush()
+            offsets.update({name: f[name].id.get_offset() for name in
+                            ["params", "chunk_step"] + [f"state/{k}" for k in state]})
+        if any(v is None for v in offsets.values()):
+            raise RuntimeError(f"{tmp}: a dataset has no storage allocated")
+
+    why = replace_whole(tmp, path, write)
+    if why is not None:
+        raise CheckpointError(f"cannot write the persistence file {path}: {why} (make room, "
+                              "or run without --persist-every)")
     return offsets
 
 
