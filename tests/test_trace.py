@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from mpirun import train
+from mpirun import ROOT, run_mpi, train
 
 from hpcps import config, trace
 from hpcps.errors import ConfigError
@@ -102,3 +102,23 @@ def test_trace_of_a_four_rank_run(strategy, extra, servers, digits_h5, tmp_path)
     if strategy == "sync":
         assert any(e["name"] == "allreduce gradient" and e["args"]["bytes"] == 4 * 2411
                    for e in timed), "the allreduce carries the 2410 gradients and the loss"
+
+
+def test_a_trace_the_file_system_refuses_leaves_the_run_whole(digits_h5, tmp_path):
+    """Rank 0 may not write a file past 60 kB (RLIMIT_FSIZE, a full disk's stand-in): the
+    checkpoint (38 kB) fits, trace.json (about 100 kB) does not. The run ends as it would
+    have (exit code 0, its summary and checkpoint written) with one warning, and no
+    temporary file is left."""
+    run_dir = tmp_path / "run"
+    run = run_mpi(2, [str(ROOT / "tests" / "scripts" / "limited_train.py"), "--strategy",
+                      "sync", "--layers", "64,32,10", "--data", str(digits_h5), "--steps",
+                      "200", "--trace", "--run-dir", str(run_dir)], timeout=120,
+                  env={"HPCPS_TEST_FSIZE": "60000", "HPCPS_TEST_FSIZE_RANK": "0"})
+    assert run.returncode == 0, run.output[-3000:]
+    assert run.stderr.splitlines() == [f"hpcps: warning: cannot write {run_dir / 'trace.json'}: "
+                                       "File too large; the run ends without its trace"], \
+        run.stderr[-3000:]
+    kinds = [json.loads(line)["kind"] for line in (run_dir / "metrics.jsonl").open()]
+    assert kinds[-1] == "summary" and (run_dir / "checkpoint.h5").exists()
+    assert sorted(p.name for p in run_dir.glob("trace*")) == []
+

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import threading
 from pathlib import Path
 
@@ -89,7 +90,8 @@ def label(role) -> str:
 def finish(world, tl: Timeline, role, run_dir, timeout: float,
            extra: dict | None = None) -> Path | None:
     """Gather every rank's events on rank 0 and write ``run_dir/trace.json`` there
-    (collective over ``world``). Returns the path on rank 0, None elsewhere."""
+    (collective over ``world``). Returns the path on rank 0, None elsewhere, or when the file
+    system refuses the file (said on stderr, and the run ends as it would have)."""
     rank = world.Get_rank()
     names = {t.ident: t.name for t in threading.enumerate()}
     names[tl.main_ident] = "main"
@@ -111,6 +113,15 @@ def finish(world, tl: Timeline, role, run_dir, timeout: float,
     doc = trace.document([p["events"] for p in parts], other)
     path = Path(run_dir) / FILE
     tmp = path.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps(doc, separators=(",", ":")))
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(json.dumps(doc, separators=(",", ":")))
+        os.replace(tmp, path)
+    except OSError as exc:  # a full disk, a quota: the run's results matter more
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:
+            pass
+        print(f"hpcps: warning: cannot write {path}: {exc.strerror or exc}; the run ends "
+              "without its trace", file=sys.stderr, flush=True)
+        return None
     return path
