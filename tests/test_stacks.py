@@ -265,3 +265,27 @@ def test_python_m_hpcps_stacks_asks_a_running_job_which_goes_on(digits_h5, tmp_p
     assert gone.returncode == 1, gone.stdout + gone.stderr
     assert f"the run in {run_dir} has ended (its summary is written)" in gone.stderr, gone.stderr
     assert time.monotonic() - asked < 8, "waited for the ranks of a job that has ended"
+
+
+WRITE_UNDER_A_LIMIT = """
+import resource, signal, sys
+from pathlib import Path
+from hpcps.runtime import stacks
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails (EFBIG)
+resource.setrlimit(resource.RLIMIT_FSIZE, (1000, 1000))
+for write in (stacks._replace_text, stacks._create_once):
+    try:
+        write(Path(sys.argv[1]) / write.__name__, "x" * 5000)
+    except OSError as exc:
+        print(exc.strerror)
+"""
+
+
+def test_a_stack_file_the_file_system_refuses_leaves_no_temporary_file(tmp_path):
+    """A full disk (a file-size limit here): the writes of the stack directory fail with the
+    reason (each caller says it in one line) and leave no half-written temporary file."""
+    run = subprocess.run([sys.executable, "-c", WRITE_UNDER_A_LIMIT, str(tmp_path)],
+                         capture_output=True, text=True, timeout=60)
+    assert run.stdout.splitlines() == ["File too large"] * 2, run.stderr[-3000:]
+    assert list(tmp_path.iterdir()) == []
+

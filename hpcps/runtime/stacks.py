@@ -352,10 +352,19 @@ class StackDumper:
         return dumps
 
 
+def _written(tmp: Path, text: str) -> None:
+    """``tmp`` holding ``text``; on a failure (a full disk) it is removed, and the error raised."""
+    try:
+        tmp.write_text(text)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
 def _replace_text(path: Path, text: str) -> None:
     """Write ``path`` atomically: a reader sees the old text or the new, never a part."""
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(text)
+    _written(tmp, text)
     os.replace(tmp, path)
 
 
@@ -363,7 +372,7 @@ def _create_once(path: Path, text: str) -> bool:
     """Create ``path`` holding ``text`` unless it exists (atomic and exclusive: a hard link of
     a finished temporary file). True if this call created it."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}")
-    tmp.write_text(text)
+    _written(tmp, text)
     try:
         os.link(tmp, path)
         return True
