@@ -596,6 +596,32 @@ def test_a_dead_collective_member_ends_the_job_with_a_checkpoint_and_75(mnist_h5
     assert s["test_accuracy"] > 0.9, s["test_accuracy"]
 
 
+HYBRID_STEPS = 3000
+HYBRID_RUN = ["--strategy", "hybrid", "--model", "embed8,fc16,fc1", "--servers", "1",
+              "--steps", str(HYBRID_STEPS), "--batch-size", "32", "--eval-every", "0",
+              "--checkpoint-every", "0", "--progress-every", "0.1", "--timeout", "8"]
+
+
+def test_a_dead_hybrid_replica_ends_the_job_with_a_checkpoint_whose_rows_are_written(
+        ctr_h5, tmp_path):
+    """Hybrid trains its dense layers by allreduce: replica 2 (world rank 2 of 4) SIGKILLed
+    mid-run ends the job as sync's does (exit code 75 after --timeout), and the checkpoint the
+    chief writes names a step whose rows the shard has written too: ``--resume auto`` on the
+    3 ranks left continues from it to the end."""
+    proc = launch(tmp_path, ctr_h5, 4, KILLED_SLOW, run=HYBRID_RUN)
+    kill_at_step(proc, tmp_path, [2], 300)
+    out = finish(proc, "hybrid run with rank 2 killed")
+    assert proc.returncode == 75, out[-3000:]
+    (stop,) = records(tmp_path, "stop")
+    step = stop["step"]
+    assert 300 <= step < HYBRID_STEPS and checkpoint.peek_step(tmp_path / "checkpoint.h5") == step
+    again = launch(tmp_path, ctr_h5, 3, ["--resume", "auto"], run=HYBRID_RUN)
+    out = finish(again, "hybrid resumed on 3 ranks")
+    assert again.returncode == 0, out[-3000:]
+    assert f"at step {step}" in out, out[-3000:]
+    assert summary(tmp_path)["step"] >= HYBRID_STEPS
+
+
 @pytest.mark.openmpi
 @pytest.mark.parametrize("strategy", ["sync", "averaging"])
 def test_ulfm_shrinks_the_collectives_and_the_run_goes_on(mnist_h5, tmp_path, strategy):

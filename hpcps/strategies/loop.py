@@ -322,6 +322,7 @@ class ReplicaLoop(ABC):
         ctx, step = self.ctx, self.global_step()
         path = checkpoint_path(ctx)
         if ctx.grid.is_chief and not ctx.partitioned:
+            self.before_checkpoint(step)
             saved = save_checkpoint(ctx, self.params, self.checkpoint_state(), step,
                                     {"train_loss": self.last_loss, **self.checkpoint_metrics()})
             ctx.metrics.record("stop", echo=False, step=step, signal=None,

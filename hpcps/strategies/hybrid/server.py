@@ -43,8 +43,11 @@ def run(ctx: Context) -> dict:
         state["released"] = True
         return finished()
 
+    # the replicas wait on each other in the dense allreduce, and a replica's death is theirs
+    # to find (the chief then asks for the rows, writes the checkpoint and ends the job with
+    # 75, as sync's): a shard that hears nothing waits twice as long before it reports
     serve(grid.world, {**rows.handlers(), Tag.SAVE_ROWS: on_save, Tag.DONE: on_done,
-                       Tag.ROWS_DONE: on_release}, cfg.timeout,
+                       Tag.ROWS_DONE: on_release}, 2 * cfg.timeout,
           lambda: (f"{R - len(done)} replica(s) to finish (done: {sorted(done)})"
                    + ("" if state["released"] else "; the chief's final evaluation")),
           ctx.stop_tick)
