@@ -270,10 +270,11 @@ def test_python_m_hpcps_stacks_asks_a_running_job_which_goes_on(digits_h5, tmp_p
 WRITE_UNDER_A_LIMIT = """
 import resource, signal, sys
 from pathlib import Path
+from hpcps.io import runlog
 from hpcps.runtime import stacks
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails (EFBIG)
 resource.setrlimit(resource.RLIMIT_FSIZE, (1000, 1000))
-for write in (stacks._replace_text, stacks._create_once):
+for write in (runlog.replace_text, stacks._create_once):
     try:
         write(Path(sys.argv[1]) / write.__name__, "x" * 5000)
     except OSError as exc:

@@ -6,6 +6,9 @@ otherwise waits for ranks that are gone) and a launch deciding whether it can jo
 (:mod:`hpcps.mpi.joins`). Every run appends a ``start`` record first; it ends with a
 ``summary``, or with a ``stop`` (stopped early on a signal, or by a failed collective: the
 summary may never come), so either one after the newest start means the run is over.
+
+Also the lock that keeps one job per run directory (:func:`hold`), and :func:`replace_text`,
+how the small files of a run directory (stacks, join files, the trace) are written whole.
 """
 from __future__ import annotations
 
@@ -13,6 +16,19 @@ import os
 from pathlib import Path
 
 TAIL_BYTES = 1 << 16  # the end of the file that is read: records are far shorter
+
+
+def replace_text(path: Path, text: str) -> None:
+    """Write ``path`` whole: ``text`` into a hidden temporary file beside it (never matched by
+    a reader's pattern), renamed over it, so a reader sees the old text or the new, never a
+    part. On a failure (a full disk) the temporary file is removed and the OSError raised."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+        raise
 ENDS = ("summary", "stop")
 
 

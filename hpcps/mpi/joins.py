@@ -56,7 +56,7 @@ from mpi4py import MPI
 
 from hpcps import procfs
 from hpcps.errors import ConfigError, HpcpsError
-from hpcps.io.runlog import ended_in
+from hpcps.io.runlog import ended_in, replace_text
 from hpcps.mpi.comm import Poller
 from hpcps.mpi.protocol import Tag
 
@@ -88,12 +88,6 @@ def is_gone(pid: int, start: int | None) -> bool:
     now = procfs.stat(pid)
     return now is None or now.state in ("Z", "X", "x") or (start is not None
                                                           and now.start != start)
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 class RoutedComm:
@@ -256,7 +250,7 @@ class RoutedComm:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.port = MPI.Open_port()
         self.accept_timeout = timeout
-        _write_atomic(self.dir / PORT_FILE.format(rank=self.me),
+        replace_text(self.dir / PORT_FILE.format(rank=self.me),
                       json.dumps({"port": self.port, "id": identity()}))
 
     def look(self) -> None:
@@ -559,7 +553,7 @@ def _claimed(request: Path, wait_s: float, gone=None) -> bool:
     listener claims it (renames it away); False if it did not within ``wait_s``, or before
     ``gone()`` (looked at 4 times a second) said why it never will, and the request was
     withdrawn first."""
-    _write_atomic(request, json.dumps(identity()))
+    replace_text(request, json.dumps(identity()))
     deadline = time.monotonic() + wait_s
     looked = time.monotonic()
     while time.monotonic() < deadline:

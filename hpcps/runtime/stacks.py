@@ -41,7 +41,7 @@ import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
-from hpcps.io.runlog import run_ended
+from hpcps.io.runlog import replace_text, run_ended
 
 POLL_S = 0.5
 REFRESH_S = 1.0
@@ -202,7 +202,7 @@ class StackDumper:
                 ""]
         self.dir.mkdir(parents=True, exist_ok=True)
         path = self.path(self.rank)
-        _replace_text(path, "\n".join(head) + "\n".join(blocks) + "\n")
+        replace_text(path, "\n".join(head) + "\n".join(blocks) + "\n")
         if final:
             self.written.set()
         return path
@@ -214,7 +214,7 @@ class StackDumper:
         if self.rank == 0:
             try:
                 self.dir.mkdir(parents=True, exist_ok=True)
-                _replace_text(self.dir / JOB, f"{self.token}\n{self.size}\n")
+                replace_text(self.dir / JOB, f"{self.token}\n{self.size}\n")
             except OSError as exc:
                 print(f"hpcps: rank 0: cannot write {self.dir / JOB} ({exc}): "
                       "python -m hpcps.stacks cannot ask this job", file=sys.stderr, flush=True)
@@ -352,34 +352,18 @@ class StackDumper:
         return dumps
 
 
-def _written(tmp: Path, text: str) -> None:
-    """``tmp`` holding ``text``; on a failure (a full disk) it is removed, and the error raised."""
-    try:
-        tmp.write_text(text)
-    except OSError:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
-def _replace_text(path: Path, text: str) -> None:
-    """Write ``path`` atomically: a reader sees the old text or the new, never a part."""
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    _written(tmp, text)
-    os.replace(tmp, path)
-
-
 def _create_once(path: Path, text: str) -> bool:
     """Create ``path`` holding ``text`` unless it exists (atomic and exclusive: a hard link of
     a finished temporary file). True if this call created it."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}")
-    _written(tmp, text)
     try:
+        tmp.write_text(text)
         os.link(tmp, path)
         return True
     except FileExistsError:
         return False
     finally:
-        tmp.unlink()
+        tmp.unlink(missing_ok=True)  # (also after a write that failed: a full disk)
 
 
 def read_dump(path: Path, token: str | None = None) -> Dump | None:
@@ -450,7 +434,7 @@ def ask(run_dir, wait_s: float = 10.0) -> tuple[str, int, int, str | None]:
                                 "directory of an hpcps run (started by this version)?") from None
     size = int(size)
     asked = f"{os.getpid()}-{time.time():.6f}"
-    _replace_text(d / f"{ASK}-{token}", asked + "\n")
+    replace_text(d / f"{ASK}-{token}", asked + "\n")
     deadline = time.monotonic() + wait_s
     dumps: dict[int, Dump] = {}
     ended, looked = run_ended(run_dir), time.monotonic()

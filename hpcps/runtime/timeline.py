@@ -18,7 +18,6 @@ on with ``--timeout``), which writes one file that chrome://tracing and Perfetto
 from __future__ import annotations
 
 import json
-import os
 import sys
 import threading
 from pathlib import Path
@@ -26,6 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from hpcps import trace
+from hpcps.io.runlog import replace_text
 from hpcps.mpi.comm import Transport, bcast, gather_bytes, wait_all
 from hpcps.mpi.protocol import Tag
 
@@ -112,15 +112,9 @@ def finish(world, tl: Timeline, role, run_dir, timeout: float,
              **(extra or {})}
     doc = trace.document([p["events"] for p in parts], other)
     path = Path(run_dir) / FILE
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
     try:
-        tmp.write_text(json.dumps(doc, separators=(",", ":")))
-        os.replace(tmp, path)
+        replace_text(path, json.dumps(doc, separators=(",", ":")))
     except OSError as exc:  # a full disk, a quota: the run's results matter more
-        try:
-            tmp.unlink(missing_ok=True)
-        except OSError:
-            pass
         print(f"hpcps: warning: cannot write {path}: {exc.strerror or exc}; the run ends "
               "without its trace", file=sys.stderr, flush=True)
         return None
