@@ -168,6 +168,26 @@ def environ_left_as_found():
                     pytrace=False)
 
 
+def pytest_xdist_auto_num_workers(config):
+    """How many processes ``-n auto`` (the default, pyproject.toml) runs the tests in: one per
+    core this process may use, at most 4. Most tests launch several ranks each, so a second
+    test beside the first fills the cores while the first waits (on a timeout, a stalled or
+    killed rank, its own start); more than 4 at once only crowd the ranks."""
+    return max(1, min(len(os.sched_getaffinity(0)), 4))
+
+
+@pytest.fixture(scope="module")
+def emulated_hosts_to_ourselves():
+    """An exclusive lock held while a module brings bench/cluster's emulated hosts up and down
+    (test_cluster.py, test_hosts.py): their namespaces, links and addresses have fixed names,
+    one set per machine, so two test processes (``-n``) or suites must take turns."""
+    import fcntl
+    with open(Path(os.environ.get("TMPDIR", "/tmp")) / "hpcps-tests-emulated-hosts.lock",
+              "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file is closed
+        yield
+
+
 def pytest_ignore_collect(collection_path, config):
     """tests/mpi runs only under mpiexec with --with-mpi (test_mpi_suites.py launches it)."""
     if collection_path.name == "mpi" and collection_path.parent.name == "tests":

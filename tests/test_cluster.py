@@ -41,7 +41,8 @@ def _why_not() -> str | None:
     return None
 
 
-pytestmark = pytest.mark.skipif(_why_not() is not None, reason=str(_why_not()))
+pytestmark = [pytest.mark.skipif(_why_not() is not None, reason=str(_why_not())),
+              pytest.mark.usefixtures("emulated_hosts_to_ourselves")]
 
 
 def _env():

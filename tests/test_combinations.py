@@ -203,6 +203,63 @@ def judged(name: str, spec, row) -> bool:
 
 @functools.cache
 def acceptance(name: str) -> np.ndarray:
+    """Whether hpcps accepts each row of strategy ``name``'s product, in product order
+    (:func:`judge_product`), kept on disk between test processes under a key of everything the
+    verdicts depend on (:func:`_judgement_key`): each process that collects this module (one
+    per ``pytest -n`` worker) needs them, and judging the product costs about 40 s of CPU. The
+    first process judges while the others wait on a lock, then read its file."""
+    import fcntl
+    from conftest import mnist_cache_dir
+    where = mnist_cache_dir() / "combinations"
+    where.mkdir(parents=True, exist_ok=True)
+    path = where / f"acceptance-{name}-{_judgement_key(name)}.npy"
+    with open(where / f"acceptance-{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file is closed
+        try:
+            return np.load(path)
+        except (OSError, ValueError):
+            pass  # not judged yet (or a file cut short): judge it now
+        ok = judge_product(name)
+        kept = sorted(where.glob(f"acceptance-{name}-*.npy"), key=lambda p: p.stat().st_mtime)
+        for old in kept[:-7]:  # other sources' verdicts: keep the 7 newest, for other trees
+            old.unlink(missing_ok=True)
+        temporary = path.with_name(f".{path.name}.{os.getpid()}")
+        np.save(temporary, ok, allow_pickle=False)
+        temporary.with_name(temporary.name + ".npy").replace(path)  # np.save adds ".npy"
+        return ok
+
+
+def _judgement_key(name: str) -> str:
+    """A digest of what strategy ``name``'s verdicts depend on: hpcps's sources, the packages
+    of every strategy declaration (plug-ins too), this module and the sampler, the
+    ``HPCPS_*`` environment, the cores this process may use, the CPU's flags and the
+    versions of Python and NumPy."""
+    import hashlib
+    import importlib.util
+    import platform
+    from pathlib import Path
+
+    from hpcps.strategies.registry import _declaration_modules
+    here = Path(__file__).resolve().parent
+    roots = {Path(config.__file__).resolve().parent}
+    for module in _declaration_modules():
+        origin = importlib.util.find_spec(module).origin
+        roots.add(Path(origin).resolve().parent)
+    files = sorted({f for root in roots for f in root.rglob("*.py")})
+    files += [here / "test_combinations.py", here / "pairwise.py"]
+    digest = hashlib.sha256()
+    for f in files:
+        digest.update(str(f).encode() + b"\0" + f.read_bytes() + b"\0")
+    flags = [line for line in Path("/proc/cpuinfo").read_text().splitlines()
+             if line.startswith("flags")][:1] if Path("/proc/cpuinfo").exists() else []
+    digest.update(repr((name, sorted((k, v) for k, v in os.environ.items()
+                                     if k.startswith("HPCPS_")),
+                        len(os.sched_getaffinity(0)), os.cpu_count(), flags,
+                        platform.python_version(), np.__version__)).encode())
+    return digest.hexdigest()[:24]
+
+
+def judge_product(name: str) -> np.ndarray:
     """Whether hpcps accepts each row of strategy ``name``'s product, in product order, fast
     enough for the whole product (about 2 million rows for downpour). The command line is cut
     into the pieces each dimension adds, each piece is parsed once, and their options are merged

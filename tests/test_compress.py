@@ -548,7 +548,7 @@ def test_backend_follows_environment():
 
 @pytest.mark.skipif(os.environ.get("HPCPS_NO_EXTENSION") == "1", reason="already the reference")
 def test_suite_passes_on_the_reference_backend():
-    _run_python(["-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__],
+    _run_python(["-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-n", "0", __file__],
                 {"HPCPS_NO_EXTENSION": "1"})
 
 

@@ -54,7 +54,7 @@ pytestmark = pytest.mark.skipif(_why_not() is not None, reason=str(_why_not()))
 
 
 @pytest.fixture(scope="module")
-def two_hosts():
+def two_hosts(emulated_hosts_to_ourselves):
     netns = str(CLUSTER / "netns.sh")
     try:
         subprocess.run([netns, "up", "2", "10gbit"], check=True, timeout=60)

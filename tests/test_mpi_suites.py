@@ -11,7 +11,7 @@ from mpirun import ROOT, run_mpi
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4])
 def test_multi_rank_suite(n):
-    run = run_mpi(n, ["-m", "pytest", "--with-mpi", "-q", "-p", "no:cacheprovider",
+    run = run_mpi(n, ["-m", "pytest", "--with-mpi", "-q", "-p", "no:cacheprovider", "-n", "0",
                       str(ROOT / "tests" / "mpi")], timeout=300, cwd=ROOT)
     assert run.returncode == 0, run.output[-6000:]
     assert "passed" in run.output and "failed" not in run.output

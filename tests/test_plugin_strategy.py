@@ -148,14 +148,14 @@ def test_the_combination_matrix_runs_a_plugin(tmp_path):
     """The matrix builds the plug-in's rows from its declaration alone; two of them run."""
     env = {**os.environ, **ENV, "HPCPS_COMBINATIONS_ONLY": "oneshot"}
     listed = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q",
-                             "-p", "no:cacheprovider", "tests/test_combinations.py::"
+                             "-p", "no:cacheprovider", "-n", "0", "tests/test_combinations.py::"
                              "test_combination"], capture_output=True, text=True, env=env,
                             cwd=ROOT, timeout=300)
     ids = [line for line in listed.stdout.splitlines() if "test_combination[oneshot-" in line]
     assert len(ids) >= 6, listed.stdout[-2000:] + listed.stderr[-2000:]
     chosen = [ids[0], next(i for i in ids if "-P2-" in i or "-P3-" in i)]
     ran = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                          *chosen], capture_output=True, text=True, env=env, cwd=ROOT,
+                          "-n", "0", *chosen], capture_output=True, text=True, env=env, cwd=ROOT,
                          timeout=600)
     assert ran.returncode == 0 and "2 passed" in ran.stdout, ran.stdout[-3000:]
 
