@@ -281,7 +281,9 @@ def test_launches_join_as_replica_and_spare_and_the_spare_replaces_a_killed_repl
     assert joins[4]["wants"] == "spare"
     (rep,) = s["replacements"]
     assert (rep["replica"], rep["spare"], rep["spare_rank"], rep["data_shard"]) == (1, 1, 4, 1)
-    assert rep["training_again_s"] is not None and rep["training_again_s"] < 2.0, rep
+    # back in training within seconds of the death's detection, not after a timeout (30 s):
+    # 2.5 s measured with another test process beside this one on 2 cores (2026-11-29)
+    assert rep["training_again_s"] is not None and rep["training_again_s"] < 5.0, rep
     assert "trained" in outs[1] and "as replica 3 on data shard 1" in outs[1]
     assert s["test_accuracy"] > 0.9
     assert s["stopped_early"] and s["lost_ranks"] == [1] and s["step"] < 20000, s

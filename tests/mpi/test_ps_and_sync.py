@@ -1,4 +1,4 @@
-"""Multi-rank tests, run under ``mpiexec -n K python -m pytest --with-mpi tests/mpi``.
+"""Multi-rank tests, run under ``mpiexec -n K python -m pytest --with-mpi -n 0 tests/mpi``.
 
 ``tests/test_mpi_suites.py`` launches this file at K = 1, 2, 3 and 4 with a timeout, so the
 plain ``pytest`` command runs these too. Every test here is rank-generic.
