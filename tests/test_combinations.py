@@ -230,10 +230,18 @@ def acceptance(name: str) -> np.ndarray:
 
 
 def _judgement_key(name: str) -> str:
-    """A digest of what strategy ``name``'s verdicts depend on: hpcps's sources, the packages
-    of every strategy declaration (plug-ins too), this module and the sampler, the
-    ``HPCPS_*`` environment, the cores this process may use, the CPU's flags and the
-    versions of Python and NumPy."""
+    """A digest of what strategy ``name``'s verdicts depend on: :func:`_sources_digest` and
+    the strategy's name."""
+    import hashlib
+    return hashlib.sha256(f"{name}\0{_sources_digest()}".encode()).hexdigest()[:24]
+
+
+@functools.cache
+def _sources_digest() -> str:
+    """A digest of what every strategy's verdicts depend on, computed once per process:
+    hpcps's sources, the packages of every strategy declaration (plug-ins too), this module
+    and the sampler, the ``HPCPS_*`` environment, the cores this process may use, the CPU's
+    flags and the versions of Python and NumPy."""
     import hashlib
     import importlib.util
     import platform
@@ -252,11 +260,11 @@ def _judgement_key(name: str) -> str:
         digest.update(str(f).encode() + b"\0" + f.read_bytes() + b"\0")
     flags = [line for line in Path("/proc/cpuinfo").read_text().splitlines()
              if line.startswith("flags")][:1] if Path("/proc/cpuinfo").exists() else []
-    digest.update(repr((name, sorted((k, v) for k, v in os.environ.items()
-                                     if k.startswith("HPCPS_")),
+    digest.update(repr((sorted((k, v) for k, v in os.environ.items()
+                               if k.startswith("HPCPS_")),
                         len(os.sched_getaffinity(0)), os.cpu_count(), flags,
                         platform.python_version(), np.__version__)).encode())
-    return digest.hexdigest()[:24]
+    return digest.hexdigest()
 
 
 def judge_product(name: str) -> np.ndarray:
