@@ -40,7 +40,7 @@ from hpcps.io.tables import TABLES_DIR, table_files
 from hpcps.runtime import faults, keeper, memory, slurm, timeline
 from hpcps.mpi import joins
 from hpcps.mpi.comm import (PeerTimeout, ReplicaExchange, allgather_obj, barrier, bcast_obj,
-                             dup_comm, gather_obj, host)
+                             dedicate, dup_comm, gather_obj, host, usable_cores)
 from hpcps.options import parse_augment, parse_inject_slow
 from hpcps.errors import (INTERRUPTED_EXIT, PREEMPTED_EXIT, CheckpointError, CollectiveLost,
                           ConfigError, HpcpsError, NonFiniteError, interrupted)
@@ -626,7 +626,9 @@ def main(argv: list[str] | None = None, early=()) -> int:
             print(f"[hpcps] warning: {w}", flush=True)
     vote_comm = dup_comm(world, 1, cfg.timeout, "every rank to set up the stop vote")[0]
     # how much data each rank may hold, and so what streams: the same decision on every rank
-    on_node = allgather_obj(world, host()).count(host())
+    where = allgather_obj(world, (host(), usable_cores()))
+    on_node = [h for h, _ in where].count(host())
+    dedicate(where, cfg.threads)  # with a core each, waits for replies spin first
     budgets = allgather_obj(world, _agree(world, _data_budget, cfg, on_node))
     stream = _agree(world, _plan_feed, cfg, info, layout, budgets)
     ctx = _agree(world, _setup, cfg, world, layout, info, ckpt, run_dir, stream)

@@ -42,6 +42,44 @@ def test_since_counts_the_timeout_from_an_earlier_start():
         wait_until(lambda: False, 1.0, lambda: "x", since=time.monotonic() - 2.0)
 
 
+def _sleeps(monkeypatch) -> list:
+    """Every time.sleep the waits of hpcps.mpi.comm call from now on (they still sleep)."""
+    calls: list = []
+    real = time.sleep
+
+    def counted(s):
+        calls.append(s)
+        real(s)
+    monkeypatch.setattr(mpicomm.time, "sleep", counted)
+    return calls
+
+
+def test_a_wait_with_a_spin_never_sleeps_within_it_and_backs_off_after(monkeypatch):
+    slept = _sleeps(monkeypatch)
+    t = time.monotonic() + 0.03
+    wait_until(lambda: time.monotonic() > t, 5.0, lambda: "x", spin_s=0.2)
+    assert slept == []
+    t = time.monotonic() + 0.03  # without a spin, 200 idle rounds of yields, then sleeps
+    wait_until(lambda: time.monotonic() > t, 5.0, lambda: "x")
+    assert slept
+
+
+def test_ranks_with_a_core_each_spin_while_waiting_for_replies(monkeypatch):
+    monkeypatch.setattr(mpicomm, "host", lambda: "n1")
+    monkeypatch.setattr(mpicomm, "_reply_spin_s", 0.0)  # restored after the test
+    # two ranks bound to a core each, a third on another host
+    assert mpicomm.dedicate([("n1", (0,)), ("n1", (1,)), ("n2", (0,))])
+    assert mpicomm.reply_spin_s() == mpicomm.SPIN_S > 0
+    # unbound, two ranks on two cores; with two threads each they would share them
+    assert mpicomm.dedicate([("n1", (0, 1)), ("n1", (0, 1))])
+    assert not mpicomm.dedicate([("n1", (0, 1)), ("n1", (0, 1))], threads=2)
+    assert mpicomm.reply_spin_s() == 0.0
+    # three ranks on two cores; two ranks bound to the same core
+    assert not mpicomm.dedicate([("n1", (0, 1))] * 3)
+    assert not mpicomm.dedicate([("n1", (3,)), ("n1", (3,))])
+    assert mpicomm.dedicate([("n1", (3,))])
+
+
 def test_a_null_request_is_done():
     assert done(MPI.REQUEST_NULL) and mpicomm.test(MPI.REQUEST_NULL) is True
 

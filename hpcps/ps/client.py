@@ -11,7 +11,7 @@ import numpy as np
 from hpcps import trace
 from hpcps.compress.bf16 import FP32, Wire
 from hpcps.ps.chunks import ChunkPlan
-from hpcps.mpi.comm import REQUEST_NULL, Transport, wait_all
+from hpcps.mpi.comm import REQUEST_NULL, Transport, reply_spin_s, wait_all
 from hpcps.mpi.protocol import ByteMessage, H, Message, Tag
 from hpcps.ps.liveness import DROPPED, Dropped
 
@@ -85,7 +85,8 @@ class Client:
             reqs.append(self.net.post_recv(self._params[s].buf, dest, Tag.PARAMS))
         for dest in self.server_ranks:  # header only, to a rank that posted its receive first
             self.net.send_eager(self._ask.buf, dest, Tag.FETCH)
-        wait_all(reqs, self.timeout, f"parameters from server ranks {self.server_ranks}")
+        wait_all(reqs, self.timeout, f"parameters from server ranks {self.server_ranks}",
+                 reply_spin_s())
         if any(m.header[H.STEPS] == DROPPED for m in self._params):
             raise Dropped("a server shard lost this replica (silent past the heartbeat "
                           "timeout) and discards its pushes")

@@ -42,7 +42,7 @@ import numpy as np
 from hpcps.errors import NonFiniteError
 from hpcps.io import tables
 from hpcps.kernels.embedding import place
-from hpcps.mpi.comm import REQUEST_NULL, Transport, size_of, wait_all
+from hpcps.mpi.comm import REQUEST_NULL, Transport, reply_spin_s, size_of, wait_all
 from hpcps.mpi.protocol import HEADER_BYTES, ByteMessage, H, Tag
 from hpcps.ps.admission import Admission
 from hpcps.ps.embedding_store import EmbeddingStore
@@ -279,7 +279,7 @@ class RowClient:
             self.net.send_eager(data, dest, Tag.PULL_ROWS)
             self.bytes_sent += data.nbytes
         wait_all(reqs, self.timeout, f"embedding rows from server ranks "
-                 f"{[self.ranks[s] for s, _, _ in asked]}")
+                 f"{[self.ranks[s] for s, _, _ in asked]}", reply_spin_s())
         stacked = np.empty((len(ids), self.dim), dtype=np.float32)
         for s, _, _ in asked:
             a, b = int(cuts[s]), int(cuts[s + 1])

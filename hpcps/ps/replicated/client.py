@@ -8,8 +8,8 @@ import time
 import numpy as np
 
 from hpcps.compress.bf16 import FP32, Wire
-from hpcps.mpi.comm import (REQUEST_NULL, Transport, abandon, done, size_of, status, test,
-                             wait_until)
+from hpcps.mpi.comm import (REQUEST_NULL, Transport, abandon, done, reply_spin_s, size_of,
+                             status, test, wait_until)
 from hpcps.mpi.protocol import HEADER_BYTES, ByteMessage, H, Message, Tag
 from hpcps.ps.client import fill_packed
 from hpcps.ps.liveness import DROPPED, Dropped, HeartbeatThread
@@ -155,11 +155,11 @@ class ReplicatedClient:
             self.resent += 1
         return True
 
-    def _wait(self, ready, what) -> None:
+    def _wait(self, ready, what, spin_s: float = 0.0) -> None:
         """Wait for ``ready()``, taking acknowledgements and role changes meanwhile; a set
-        re-routed to a new primary starts the timeout again."""
+        re-routed to a new primary starts the timeout again (``spin_s``: ``wait_until``'s)."""
         wait_until(ready, self.timeout, lambda: f"{what()}; no shard took over",
-                   events=self._events)
+                   events=self._events, spin_s=spin_s)
 
     # -- the calls ------------------------------------------------------------------------------
     def fetch(self, params: np.ndarray) -> dict[str, float]:
@@ -170,7 +170,7 @@ class ReplicatedClient:
         for h in range(self.S):  # header only, to a rank that posted its receive first
             self.net.send_eager(self._ask[h].buf, self.route[h], Tag.FETCH)
         self._wait(lambda: all(done(r) for r in self._fetch_req),
-                   lambda: f"parameters from server ranks {self.route}")
+                   lambda: f"parameters from server ranks {self.route}", reply_spin_s())
         if any(m.header[H.STEPS] == DROPPED for m in self._params):
             raise Dropped("a server shard lost this replica (silent past the heartbeat "
                           "timeout) and discards its pushes")

@@ -9,7 +9,7 @@ import numpy as np
 from hpcps import trace
 
 from hpcps.compress.bf16 import Wire
-from hpcps.mpi.comm import PeerTimeout, Poller, Transport, status, wait_all
+from hpcps.mpi.comm import PeerTimeout, Poller, Transport, reply_spin_s, status, wait_all
 from hpcps.options import parse_inject_slow
 from hpcps.mpi.protocol import H, Message, Tag
 from hpcps.strategies.sandblaster import Tag as SandblasterTag
@@ -115,7 +115,7 @@ def _fetch(net, layout, plan, msgs, ask, vec, out, timeout) -> None:
     ask.header[H.VECTOR] = vec
     for s in range(plan.n_shards):
         net.send_eager(ask.buf, layout.server_rank(s), Tag.FETCH)
-    wait_all(reqs, timeout, "the server shards to send the parameters")
+    wait_all(reqs, timeout, "the server shards to send the parameters", reply_spin_s())
     for s in range(plan.n_shards):
         msgs[s].unpack()
         plan.put(s, msgs[s].payload, out)
