@@ -6,12 +6,15 @@ load from other processes falls on both alike, and reports the median examples/s
 ratio, the size of ``trace.json`` and its number of events. It also times, in this process,
 one recorded event (:meth:`hpcps.trace.Tracer.span`) and the check a run without ``--trace``
 makes at each event site (one global lookup and a None test), so the cost when off is stated
-per event, not only as a throughput difference lost in noise.
+per event, not only as a throughput difference lost in noise; and the end of a traced run (each
+rank packing its events, rank 0 merging them: ``merge``, for 4 ranks of 50,000 events and 16
+of 100,000, the most a rank keeps).
 
 Usage::
 
     python bench/bench_trace.py                  # digits, 64,32,10, 3 strategies x 4 ranks, ~5 min
     python bench/bench_trace.py --data /path/mnist.h5 --layers 784,512,512,10 --repeats 5
+    python bench/bench_trace.py --merge-only     # the end of a traced run alone, ~1 min
 
 The figures depend on the machine's load: state it with them (docs/tools.md).
 """
@@ -49,6 +52,32 @@ def per_event_costs(n: int = 1000, repeats: int = 300) -> dict:
             "events_recorded_while_timing": len(t.events)}
 
 
+def merge_costs(ranks: int = 4, events: int = 50_000) -> dict:
+    """The end of a traced run, in this process: ``ranks`` ranks' ``events`` events each
+    (a replica's mix: messages with bytes, passes) turned into trace-event dicts and packed
+    (:func:`hpcps.trace.pack`, which each rank does at once beside the others), then merged
+    into the file's text (:func:`hpcps.trace.merge`, rank 0 alone). Seconds, fastest of 3."""
+    import threading
+    import time
+
+    from hpcps import trace
+    me = threading.get_ident()
+    recorded = [("message" if i % 3 else "compute", "push gradient" if i % 3 else "gradient",
+                 1000 * i, 500, me, {"bytes": 12345, "shards": [1]} if i % 3 else
+                 {"examples": 32}) for i in range(events)]
+    packs, merges = [], []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        parts = [trace.pack(r, trace.chrome_events(r, "replica", recorded, 0.0, 0.0, {}, me),
+                            dropped=0) for r in range(ranks)]
+        t1 = time.perf_counter()
+        text = trace.merge(parts, {})
+        merges.append(time.perf_counter() - t1)
+        packs.append((t1 - t0) / ranks)
+    return {"ranks": ranks, "events_per_rank": events, "pack_s_per_rank": round(min(packs), 3),
+            "merge_s_on_rank_0": round(min(merges), 3), "file_bytes": len(text)}
+
+
 def run_config(mpiexec: str, strategy: str, ranks: int, args, repeats: int, tmp: Path,
                timeout: float) -> dict:
     rates = {"off": [], "on": []}
@@ -83,13 +112,22 @@ def main(argv=None) -> int:
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--timeout", type=float, default=600)
+    p.add_argument("--merge-only", action="store_true",
+                   help="time only the end of a traced run (in this process, seconds)")
     a = p.parse_args(argv)
+    merge = [merge_costs(4, 50_000), merge_costs(16, 100_000)]
+    if a.merge_only:
+        out = {"bench": "trace_merge", "machine": machine(None), "merge": merge}
+        print(json.dumps(out, indent=2))
+        from machine import save  # bench/machine.py
+        save("bench_trace_merge", out)  # bench/results/, for bench/render.py
+        return 0
     mpiexec = find_mpiexec()
     args = ["--data", a.data, "--layers", a.layers, "--steps", str(a.steps), "--batch-size",
             str(a.batch_size), "--eval-every", "0", "--checkpoint-every", "0",
             "--progress-every", "60"]
     out = {"bench": "trace", "machine": machine(mpiexec), "args": args,
-           "repeats": a.repeats, "per_event": per_event_costs(), "runs": []}
+           "repeats": a.repeats, "per_event": per_event_costs(), "merge": merge, "runs": []}
     with tempfile.TemporaryDirectory(prefix="hpcps-bench-trace-") as tmp:
         for strategy, ranks in CONFIGS:
             try:

@@ -306,10 +306,19 @@ def modelpar_conv_view(figures: dict) -> dict:
 
 # bench name -> figures -> {table name: table}; a bench without a view renders only the
 # tables its files carry ready-made
+def trace_merge_view(figures: dict) -> dict:
+    """bench_trace --merge-only: the end of a traced run (each rank's pack, rank 0's merge)."""
+    return {"merge": {"columns": ["ranks", "events per rank", "a rank packs its events (s)",
+                                  "rank 0 merges them (s)", "trace.json"],
+                      "rows": [[m["ranks"], f"{m['events_per_rank']:,}",
+                                f"{m['pack_s_per_rank']:.2f}", f"{m['merge_s_on_rank_0']:.2f}",
+                                f"{m['file_bytes'] / 1e6:,.0f} MB"] for m in figures["merge"]]}}
+
+
 VIEWS = {"bench_hogwild": hogwild_view, "bench_embeddings": embeddings_view,
          "bench_peers": peers_view, "soak_elastic": soak_view, "bench_wire": wire_view,
          "bench_cluster_check": check_view, "bench_stream": stream_view,
-         "bench_modelpar": modelpar_conv_view}
+         "bench_modelpar": modelpar_conv_view, "bench_trace_merge": trace_merge_view}
 
 
 def load(stem: str) -> dict:

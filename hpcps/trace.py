@@ -25,23 +25,34 @@ monotonic clock, per host) and moved onto rank 0's clock when the files are merg
 """
 from __future__ import annotations
 
+import itertools
+import json
+import struct
 import threading
 import time
+from collections import deque
 from contextlib import contextmanager
+
+import numpy as np
 
 STEP, COMPUTE, WAIT, MESSAGE = "step", "compute", "wait", "message"
 CATEGORIES = (STEP, COMPUTE, WAIT, MESSAGE)
 MAX_NAME = 120  # characters of an event name kept (wait descriptions can be long)
+# events each rank keeps: the latest; earlier ones are dropped and counted (about 0.4 KB each
+# in memory and 0.12 KB in the file: a long run's trace holds its last stretch, not all of it)
+MAX_EVENTS = 100_000
 
 ACTIVE: "Tracer | None" = None
 
 
 class Tracer:
     """One rank's events, in memory until the end of the run (``events``: tuples of
-    ``(cat, name, start_ns, dur_ns, thread id, args)`` on this process's clock)."""
+    ``(cat, name, start_ns, dur_ns, thread id, args)`` on this process's clock), the latest
+    ``max_events`` of them; :meth:`recorded` counts every one."""
 
-    def __init__(self):
-        self.events: list[tuple] = []
+    def __init__(self, max_events: int = MAX_EVENTS):
+        self.events: deque[tuple] = deque(maxlen=max_events)
+        self._seq = itertools.count()  # next() is atomic: threads count without a lock
         self.t0 = time.perf_counter_ns()
 
     @staticmethod
@@ -51,12 +62,23 @@ class Tracer:
     def span(self, cat: str, name: str, start_ns: int, args: dict | None = None) -> None:
         """A complete event from ``start_ns`` to now, on the calling thread."""
         end = time.perf_counter_ns()
-        # list.append is atomic under the GIL: threads record without a lock
+        # deque.append is atomic under the GIL: threads record without a lock
         self.events.append((cat, name, start_ns, end - start_ns, threading.get_ident(), args))
+        next(self._seq)
 
     def message(self, name: str, nbytes: int, start_ns: int, **args) -> None:
         """A message or collective of ``nbytes`` bytes, from ``start_ns`` to now."""
         self.span(MESSAGE, name, start_ns, {"bytes": int(nbytes), **args})
+
+    def recorded(self) -> int:
+        """Events recorded so far, kept or dropped (ask when no thread records)."""
+        n = next(self._seq)
+        self._seq = itertools.count(n)
+        return n
+
+    def kept(self) -> list[tuple]:
+        """The events kept, copied at once (a thread may still be recording)."""
+        return list(self.events.copy())  # deque.copy runs in C: no thread switch inside
 
 
 @contextmanager
@@ -117,9 +139,44 @@ def chrome_events(rank: int, label: str, events, offset_ns: float, base_ns: floa
     return out
 
 
-def document(per_rank: list[list[dict]], other: dict) -> dict:
-    """The merged file: every rank's events, sorted by time, in the JSON Object Format."""
-    meta = [e for evs in per_rank for e in evs if e["ph"] == "M"]
-    timed = sorted((e for evs in per_rank for e in evs if e["ph"] != "M"),
-                   key=lambda e: (e["ts"], e["pid"]))
-    return {"traceEvents": meta + timed, "displayTimeUnit": "ms", "otherData": other}
+_COMPACT = json.JSONEncoder(separators=(",", ":")).encode  # one encoder for every event
+
+
+def pack(rank: int, events: list[dict], **figures) -> bytes:
+    """One rank's part of the merged file, as bytes for the gather: its trace-event dicts
+    (:func:`chrome_events`) with the timed ones sorted by time, each encoded once here, so
+    that rank 0 merges the ranks' parts without decoding them (:func:`merge`); ``figures``
+    (JSON values) travel with them."""
+    meta = [e for e in events if e["ph"] == "M"]
+    timed = sorted((e for e in events if e["ph"] != "M"), key=lambda e: e["ts"])
+    head = json.dumps({"rank": rank, "meta": meta, "n": len(timed), **figures}).encode()
+    ts = np.array([e["ts"] for e in timed], dtype=np.float64)
+    body = "\n".join(map(_COMPACT, timed)).encode()
+    return struct.pack("<q", len(head)) + head + ts.tobytes() + body
+
+
+def unpack_head(part: bytes) -> dict:
+    """The figures of a :func:`pack`'ed part (its ``rank``, ``meta``, ``n`` and the rest)."""
+    (size,) = struct.unpack_from("<q", part)
+    return json.loads(part[8:8 + size])
+
+
+def merge(parts: list[bytes], other: dict) -> str:
+    """The merged file from every rank's :func:`pack`'ed part, in rank order: the metadata
+    events, then every timed event sorted by time (ties by rank, then as recorded), in the
+    JSON Object Format, with ``other`` as its ``otherData``."""
+    meta: list[dict] = []
+    stamps, lines = [], []
+    for part in parts:
+        head = unpack_head(part)
+        at = 8 + struct.unpack_from("<q", part)[0]
+        n = head["n"]
+        meta += head["meta"]
+        stamps.append(np.frombuffer(part, np.float64, n, at))
+        body = part[at + 8 * n:]
+        lines += body.split(b"\n") if n else []  # JSON escapes every newline in a string
+    order = np.argsort(np.concatenate(stamps) if stamps else np.zeros(0), kind="stable")
+    events = [_COMPACT(e) for e in meta]
+    timed = b",".join(lines[i] for i in order).decode()
+    return ('{"traceEvents":[' + ",".join(events + ([timed] if timed else [])) +
+            '],"displayTimeUnit":"ms","otherData":' + _COMPACT(other) + "}")

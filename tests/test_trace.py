@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 from mpirun import ROOT, run_mpi, train
 
@@ -24,9 +25,10 @@ def test_events_move_onto_rank_zero_clock_and_sort():
     t.span(trace.COMPUTE, "gradient", 5_000, {"examples": 16})
     t.events[-1] = (trace.COMPUTE, "gradient", 5_000, 2_000, t.events[-1][4], {"examples": 16})
     t.message("push gradient", 1234, 9_000)
-    a = trace.chrome_events(1, "replica 1", t.events, offset_ns=1_000, base_ns=4_000)
+    a = trace.chrome_events(1, "replica 1", t.kept(), offset_ns=1_000, base_ns=4_000)
     b = trace.chrome_events(0, "server 0", [("wait", "w", 4_500, 100, 7, None)], 0, 4_000)
-    doc = trace.document([a, b], {"x": 1})
+    doc = json.loads(trace.merge([trace.pack(0, b), trace.pack(1, a)], {"x": 1}))
+    assert doc["otherData"] == {"x": 1} and doc["displayTimeUnit"] == "ms"
     timed = [e for e in doc["traceEvents"] if e["ph"] == "X"]
     assert [e["ts"] for e in timed] == sorted(e["ts"] for e in timed)
     grad = next(e for e in timed if e["name"] == "gradient")
@@ -38,11 +40,59 @@ def test_events_move_onto_rank_zero_clock_and_sort():
     json.loads(json.dumps(doc))  # strict JSON
 
 
+def test_the_merge_interleaves_the_ranks_by_time_without_changing_an_event():
+    """Three ranks' events, with equal times across and within ranks, recorded out of order
+    (a span is recorded when it ends), names that need escaping, and a rank with none: the
+    merged file holds every event as it was, the metadata first in rank order, then the
+    timed ones by time, ties by rank and then as recorded."""
+    rng = np.random.default_rng(0)
+    per_rank = []
+    for r in range(3):
+        evs = [("wait" if k % 2 else "compute", f'w "{r}"\n{k}', int(rng.integers(0, 40)) * 500,
+                int(rng.integers(0, 900)), 7, {"bytes": k} if k % 3 else None)
+               for k in range(0 if r == 1 else 60)]
+        per_rank.append(trace.chrome_events(r, f"rank {r}", evs, 0.0, 0.0))
+    text = trace.merge([trace.pack(r, e, dropped=0) for r, e in enumerate(per_rank)], {})
+    got = json.loads(text)["traceEvents"]
+    meta = [e for evs in per_rank for e in evs if e["ph"] == "M"]
+    expected = meta + sorted((e for evs in per_rank for e in evs if e["ph"] != "M"),
+                             key=lambda e: (e["ts"], e["pid"]))
+    assert got == expected
+    assert trace.unpack_head(trace.pack(2, per_rank[2], dropped=5))["dropped"] == 5
+
+
+def test_a_tracer_keeps_its_last_events_and_counts_every_one():
+    t = trace.Tracer(max_events=5)
+    for k in range(12):
+        t.span(trace.COMPUTE, f"pass {k}", t.now())
+    assert [e[1] for e in t.kept()] == [f"pass {k}" for k in range(7, 12)]
+    assert t.recorded() == 12 and t.recorded() == 12  # asking does not count
+    t.message("push", 10, t.now())
+    assert t.recorded() == 13 and len(t.kept()) == 5
+
+
 def test_activated_sets_and_restores_the_recorder():
     assert trace.ACTIVE is None
     with trace.activated(trace.Tracer()) as t:
         assert trace.ACTIVE is t
     assert trace.ACTIVE is None
+
+
+def test_a_rank_that_dropped_events_says_so_in_the_file_and_on_stderr(tmp_path, capsys):
+    from types import SimpleNamespace
+
+    from mpi4py import MPI
+
+    from hpcps.runtime import timeline
+    tl = timeline.Timeline(trace.Tracer(max_events=5), 0.0, 0.0, 0.0)
+    for k in range(12):
+        tl.tracer.span(trace.COMPUTE, "gradient", tl.tracer.now())
+    path = timeline.finish(MPI.COMM_SELF, tl, SimpleNamespace(kind="coordinator"), tmp_path,
+                           10.0)
+    doc = json.loads(path.read_text())
+    assert doc["otherData"]["dropped_events"] == {"0": 7}
+    assert sum(e["ph"] == "X" for e in doc["traceEvents"]) == 5
+    assert "earlier ones were dropped on ranks [0]" in capsys.readouterr().err
 
 
 def test_trace_is_a_switch(tmp_path):

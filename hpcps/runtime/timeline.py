@@ -11,13 +11,15 @@ timestamps everything on rank 0). The offsets and their uncertainty are written 
 file (``otherData``).
 
 Merge: at the end of training every rank turns its events into trace-event dicts on rank 0's
-clock and sends them, as JSON bytes, to rank 0 (a gather over the world communicator, waited
-on with ``--timeout``), which writes one file that chrome://tracing and Perfetto
-(https://ui.perfetto.dev) open. A job that fails or is aborted writes no trace.
+clock, sorts them by time and encodes each as JSON, and sends them to rank 0 (a gather over
+the world communicator, waited on with ``--timeout``), which interleaves the ranks' encoded
+events by time without decoding them (:func:`hpcps.trace.merge`) and writes one file that
+chrome://tracing and Perfetto (https://ui.perfetto.dev) open. Each rank keeps its last
+:data:`hpcps.trace.MAX_EVENTS` events; the file counts the ones dropped before them
+(``otherData.dropped_events``). A job that fails or is aborted writes no trace.
 """
 from __future__ import annotations
 
-import json
 import sys
 import threading
 from pathlib import Path
@@ -95,25 +97,33 @@ def finish(world, tl: Timeline, role, run_dir, timeout: float,
     rank = world.Get_rank()
     names = {t.ident: t.name for t in threading.enumerate()}
     names[tl.main_ident] = "main"
-    events = trace.chrome_events(rank, label(role), tl.tracer.events, tl.offset_ns,
-                                 tl.base_ns, names, tl.main_ident)
-    mine = {"rank": rank, "offset_us": round(tl.offset_ns / 1000, 3),
-            "uncertainty_us": round(tl.uncertainty_ns / 1000, 3), "events": events}
-    data = np.frombuffer(json.dumps(mine).encode(), dtype=np.uint8)
-    gathered = gather_bytes(world, data, timeout, "every rank to send its trace events "
-                            "(--trace)")
+    kept = tl.tracer.kept()
+    events = trace.chrome_events(rank, label(role), kept, tl.offset_ns, tl.base_ns, names,
+                                 tl.main_ident)
+    mine = trace.pack(rank, events, offset_us=round(tl.offset_ns / 1000, 3),
+                      uncertainty_us=round(tl.uncertainty_ns / 1000, 3),
+                      dropped=tl.tracer.recorded() - len(kept))
+    gathered = gather_bytes(world, np.frombuffer(mine, dtype=np.uint8), timeout,
+                            "every rank to send its trace events (--trace)")
     if gathered is None:
         return None
-    parts = [json.loads(b) for b in gathered]
+    heads = [trace.unpack_head(b) for b in gathered]
+    dropped = {h["rank"]: h["dropped"] for h in heads if h["dropped"]}
     other = {"clock": "each rank's monotonic clock moved onto rank 0's by the offset "
                       "measured at start (Cristian's method)",
-             "offsets_us": {p["rank"]: p["offset_us"] for p in parts},
-             "uncertainty_us": {p["rank"]: p["uncertainty_us"] for p in parts},
+             "offsets_us": {h["rank"]: h["offset_us"] for h in heads},
+             "uncertainty_us": {h["rank"]: h["uncertainty_us"] for h in heads},
+             "events_kept_per_rank": trace.MAX_EVENTS, "dropped_events": dropped,
              **(extra or {})}
-    doc = trace.document([p["events"] for p in parts], other)
+    if dropped:
+        print(f"hpcps: note: --trace keeps each rank's last {trace.MAX_EVENTS:,} events; "
+              f"earlier ones were dropped on ranks {sorted(dropped)} (at most "
+              f"{max(dropped.values()):,} on one): the trace covers the run's end",
+              file=sys.stderr, flush=True)
+    text = trace.merge(gathered, other)
     path = Path(run_dir) / FILE
     try:
-        replace_text(path, json.dumps(doc, separators=(",", ":")))
+        replace_text(path, text)
     except OSError as exc:  # a full disk, a quota: the run's results matter more
         print(f"hpcps: warning: cannot write {path}: {exc.strerror or exc}; the run ends "
               "without its trace", file=sys.stderr, flush=True)
