@@ -141,6 +141,33 @@ def test_the_pass_cpu_time_leaves_out_the_wait_for_a_core(digits_h5, tmp_path):
     assert "ms of CPU time" in run.stdout
 
 
+def test_the_pass_cpu_time_of_one_thread_is_that_threads_alone():
+    """The prefetcher prepares the next mini-batch while the pass runs: with one thread its
+    CPU time is not the pass's; with Hogwild threads every thread's is."""
+    import threading
+    import time
+
+    from hpcps.strategies.gradients import PassTimer
+
+    def busy(seconds: float) -> None:
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            pass
+
+    for threads in (1, 2):
+        timer = PassTimer()
+        timer.threads = threads
+        other = threading.Thread(target=busy, args=(0.2,))
+        with timer.timed(1):
+            other.start()
+            time.sleep(0.2)  # this thread uses no CPU meanwhile
+            other.join()
+        if threads == 1:
+            assert timer.pass_cpu_s < 0.05, timer.pass_cpu_s
+        else:
+            assert timer.pass_cpu_s > 0.1, timer.pass_cpu_s
+
+
 def test_two_server_shards_and_n_push(digits_h5, tmp_path):
     run = train(5, "--data", str(digits_h5), "--run-dir", str(tmp_path), "--steps", "900",
                 "--servers", "2", "--n-push", "3", "--n-fetch", "2", "--warmup-steps", "0",

@@ -17,9 +17,12 @@ from hpcps.strategies.context import VAL, Context
 
 class PassTimer:
     """The seconds and CPU time of a replica's gradient passes (``pass_s``, ``pass_cpu_s``),
-    and their spans in the trace."""
+    and their spans in the trace. The CPU time is the calling thread's with one thread (the
+    prefetcher, preparing the next mini-batch meanwhile, is not the pass), the process's
+    with ``threads`` > 1 (the Hogwild threads compute it)."""
 
     pass_s = pass_cpu_s = 0.0
+    threads = 1
 
     @contextmanager
     def timed(self, examples: int):
@@ -28,12 +31,13 @@ class PassTimer:
         (downpour's ``--push activations`` keeps layer inputs and errors instead)."""
         tr = trace.ACTIVE
         t0 = tr.now() if tr is not None else 0
-        start, cpu = time.perf_counter(), time.process_time()
+        clock = time.thread_time if self.threads == 1 else time.process_time
+        start, cpu = time.perf_counter(), clock()
         try:
             yield
         finally:
             self.pass_s += time.perf_counter() - start
-            self.pass_cpu_s += time.process_time() - cpu
+            self.pass_cpu_s += clock() - cpu
             if tr is not None:
                 tr.span(trace.COMPUTE, "gradient", t0, {"examples": examples})
 
@@ -71,8 +75,8 @@ class GradientSource(PassTimer):
 
     ``pass_s`` adds up the seconds spent in calls (the passes, the threads' steps, weight
     decay): the replica's compute, reported per step in the summary; ``pass_cpu_s`` the CPU
-    time this process used in them (every thread's: on cores shared with more ranks than
-    cores, what the pass cost without the time it waited for a core).
+    time used in them (this thread's, or with T > 1 every thread's: on cores shared with more
+    ranks than cores, what the pass cost without the time it waited for a core).
     """
 
     def __init__(self, ctx: Context):
