@@ -155,10 +155,15 @@ def pack(rank: int, events: list[dict], **figures) -> bytes:
     return struct.pack("<q", len(head)) + head + ts.tobytes() + body
 
 
+def _split(part: bytes) -> tuple[dict, int]:
+    """A :func:`pack`'ed part's figures, and where its time stamps start."""
+    (size,) = struct.unpack_from("<q", part)
+    return json.loads(part[8:8 + size]), 8 + size
+
+
 def unpack_head(part: bytes) -> dict:
     """The figures of a :func:`pack`'ed part (its ``rank``, ``meta``, ``n`` and the rest)."""
-    (size,) = struct.unpack_from("<q", part)
-    return json.loads(part[8:8 + size])
+    return _split(part)[0]
 
 
 def merge(parts: list[bytes], other: dict) -> str:
@@ -168,8 +173,7 @@ def merge(parts: list[bytes], other: dict) -> str:
     meta: list[dict] = []
     stamps, lines = [], []
     for part in parts:
-        head = unpack_head(part)
-        at = 8 + struct.unpack_from("<q", part)[0]
+        head, at = _split(part)
         n = head["n"]
         meta += head["meta"]
         stamps.append(np.frombuffer(part, np.float64, n, at))

@@ -91,8 +91,10 @@ def test_a_rank_that_dropped_events_says_so_in_the_file_and_on_stderr(tmp_path, 
                            10.0)
     doc = json.loads(path.read_text())
     assert doc["otherData"]["dropped_events"] == {"0": 7}
+    assert doc["otherData"]["events_kept_per_rank"] == 5
     assert sum(e["ph"] == "X" for e in doc["traceEvents"]) == 5
-    assert "earlier ones were dropped on ranks [0]" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "keeps each rank's last 5 events" in err and "dropped on ranks [0]" in err
 
 
 def test_trace_is_a_switch(tmp_path):

@@ -113,10 +113,10 @@ def finish(world, tl: Timeline, role, run_dir, timeout: float,
                       "measured at start (Cristian's method)",
              "offsets_us": {h["rank"]: h["offset_us"] for h in heads},
              "uncertainty_us": {h["rank"]: h["uncertainty_us"] for h in heads},
-             "events_kept_per_rank": trace.MAX_EVENTS, "dropped_events": dropped,
+             "events_kept_per_rank": tl.tracer.events.maxlen, "dropped_events": dropped,
              **(extra or {})}
     if dropped:
-        print(f"hpcps: note: --trace keeps each rank's last {trace.MAX_EVENTS:,} events; "
+        print(f"hpcps: note: --trace keeps each rank's last {tl.tracer.events.maxlen:,} events; "
               f"earlier ones were dropped on ranks {sorted(dropped)} (at most "
               f"{max(dropped.values()):,} on one): the trace covers the run's end",
               file=sys.stderr, flush=True)
