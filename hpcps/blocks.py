@@ -15,14 +15,14 @@ displacements that ``Gatherv``/``Allgatherv``/``Scatterv`` take.
 """
 from __future__ import annotations
 
+from numbers import Integral
 from typing import Sequence
-
-import numpy as np
 
 
 def _check_int(func: str, arg_name: str, value: object) -> None:
-    # bool is an int subclass, but True blocks is a bug, not a count.
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+    # bool is an int subclass, but True blocks is a bug, not a count. (NumPy's integers are
+    # Integral: no NumPy import, which the start-up checks do without.)
+    if isinstance(value, bool) or not isinstance(value, Integral):
         raise ValueError(f"{func}: {arg_name} must be an int, got {value!r}")
 
 

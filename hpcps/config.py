@@ -22,7 +22,8 @@ from typing import TYPE_CHECKING, Any, Sequence
 from hpcps.errors import ConfigError
 from hpcps.model.spec import (CTR_PRESETS, PRESETS, is_embedding_spec, parse_ctr_spec, parse_spec,
                               preset_name)
-from hpcps.options import TAU_TYPE, Option, RunConfig, flag, parse_tau
+from hpcps.mpi.topology import Layout
+from hpcps.options import TAU_TYPE, Option, RunConfig, flag, parse_inject_slow, parse_tau
 from hpcps.strategies.registry import DEFAULT, Strategy, strategies
 
 ACTIVATIONS = ("relu", "tanh", "sigmoid")
@@ -510,6 +511,26 @@ def from_dict(d: dict[str, Any]):
 
 
 RESUME_AUTO = "auto"  # --resume auto: the run directory's newest valid checkpoint, if any
+
+
+def plan(cfg, n_world: int) -> Layout:
+    """The grid of ranks ``cfg`` asks for on ``n_world`` ranks (ConfigError if it cannot fit,
+    or if --inject-slow names a rank that is not a replica's)."""
+    layout = Layout.plan(n_world, cfg.servers, cfg.partitions, int(cfg.spec.coordinator),
+                         spares=getattr(cfg, "spares", None) or 0,
+                         joins=getattr(cfg, "joins", None) or 0)
+    if cfg.inject_slow is not None:
+        who, _ = parse_inject_slow(cfg.inject_slow)
+        n_rep = layout.replicas * layout.partitions
+        if who >= n_rep:
+            role = layout.role(who) if who < n_world else None
+            where = (f"outside the job's {n_world} ranks" if role is None else
+                     f"server shard {role.shard}" if role.is_server else
+                     f"spare {role.spare}" if role.kind == "spare" else "the coordinator")
+            raise ConfigError(f"--inject-slow {cfg.inject_slow} names world rank {who}, "
+                              f"{where}; it slows a replica: the replicas are ranks 0-"
+                              f"{n_rep - 1} here")
+    return layout
 
 
 def default_run_dir(cfg, stamp: str, slurm_job: str | None = None) -> Path:

@@ -1,6 +1,6 @@
 """One training job under MPI: config -> checks every rank agrees on -> grid of ranks -> this
 rank's role in the strategy -> summary. Started by :mod:`hpcps.train` (the command), which
-answers ``--help`` and ``--version`` before MPI is loaded.
+answers ``--help`` and ``--version`` and refuses bad options and layouts before MPI is loaded.
 
 Start-up checks (options, layout, dataset, checkpoint, run directory, whether the data fit
 each rank's memory budget or stream: :mod:`hpcps.strategies.feed`) run on every rank and
@@ -41,7 +41,7 @@ from hpcps.runtime import faults, keeper, memory, slurm, timeline
 from hpcps.mpi import joins
 from hpcps.mpi.comm import (PeerTimeout, ReplicaExchange, allgather_obj, barrier, bcast_obj,
                              dedicate, dup_comm, gather_obj, host, usable_cores)
-from hpcps.options import parse_augment, parse_inject_slow
+from hpcps.options import parse_augment
 from hpcps.errors import (INTERRUPTED_EXIT, PREEMPTED_EXIT, CheckpointError, CollectiveLost,
                           ConfigError, HpcpsError, NonFiniteError, interrupted)
 from hpcps.runtime.metrics import Metrics
@@ -368,26 +368,6 @@ def _validation_note(ctx: Context) -> str:
     return f"evaluations on {where}, the test set scored once at the end"
 
 
-def plan(cfg: config.Config, n_world: int) -> Layout:
-    """The grid of ranks ``cfg`` asks for on ``n_world`` ranks (ConfigError if it cannot fit,
-    or if --inject-slow names a rank that is not a replica's)."""
-    layout = Layout.plan(n_world, cfg.servers, cfg.partitions, int(cfg.spec.coordinator),
-                         spares=getattr(cfg, "spares", None) or 0,
-                         joins=getattr(cfg, "joins", None) or 0)
-    if cfg.inject_slow is not None:
-        who, _ = parse_inject_slow(cfg.inject_slow)
-        n_rep = layout.replicas * layout.partitions
-        if who >= n_rep:
-            role = layout.role(who) if who < n_world else None
-            where = (f"outside the job's {n_world} ranks" if role is None else
-                     f"server shard {role.shard}" if role.is_server else
-                     f"spare {role.spare}" if role.kind == "spare" else "the coordinator")
-            raise ConfigError(f"--inject-slow {cfg.inject_slow} names world rank {who}, "
-                              f"{where}; it slows a replica: the replicas are ranks 0-"
-                              f"{n_rep - 1} here")
-    return layout
-
-
 def _describe(cfg, layout: Layout) -> str:
     reps = f"{layout.replicas} replica(s) x {layout.partitions} partition(s)"
     coord = ", 1 coordinator" if layout.coordinator else ""
@@ -603,7 +583,7 @@ def main(argv: list[str] | None = None, early=()) -> int:
         atexit.register(signal.signal, signal.SIGUSR1, signal.SIG_IGN)
     cfg = _agree(world, config.parse, argv)
     _agree(world, slurm.check_tasks, os.environ, size)
-    layout = _agree(world, plan, cfg, size)
+    layout = _agree(world, config.plan, cfg, size)
     _agree(world, _ensure_dataset, cfg, rank)
     info = _agree(world, _check_dataset, cfg)
     stamp, token = bcast_obj(world, (fresh_stamp(cfg, slurm.job_name(os.environ)),

@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     # MPI_Comm_accept for good (hpcps.mpi.joins)
     from hpcps.train import catch_early
     deferred = catch_early((signal.SIGTERM, signal.SIGINT))
-    from hpcps import job
+    from hpcps import config, job
     from hpcps.errors import HpcpsError
     from hpcps.mpi import joins
     from hpcps.mpi.topology import Grid, Role
@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg, n_world = welcome["cfg"], int(welcome["n_world"])
     me = world.Get_rank()
     try:
-        layout = job.plan(cfg, n_world)
+        layout = config.plan(cfg, n_world)
         info = job._check_dataset(cfg)
         k = layout.spares + me - n_world
         grid = Grid(world, layout, Role("spare", spare=k), None, None, None)

@@ -178,6 +178,42 @@ WIRE_DTYPE = Option("wire_dtype", str, "the format of the values the ranks send 
                     "(docs/performance.md, bfloat16 on the wire)", choices=("fp32", "bf16"))
 # every option of compressed updates, in the order strategies list them
 COMPRESSION = (DENSITY, SPARSITY_WARMUP, RESIDUAL_CLIP, GRAD_CLIP)
+DEFAULT_DENSITY = 2e-3       # target density of --tau auto (docs/compression.md)
+MIN_WORDS = 32               # ... but at least this many words per step (small models)
+
+
+def check_compression(cfg, default_tau) -> None:
+    """Refuse compression options that would do nothing or cannot work (before defaults are
+    filled: ``cfg.tau`` None means the strategy's ``default_tau``)."""
+    tau = cfg.tau if cfg.tau is not None else default_tau
+    if tau != AUTO:
+        for name in ("density", "sparsity_warmup"):
+            if getattr(cfg, name) is not None:
+                flag = "--" + name.replace("_", "-")
+                raise ConfigError(f"{flag} sets the target of an adaptive threshold: it needs "
+                                  f"--tau auto, not --tau {tau:g}")
+    if cfg.density is not None and not cfg.density <= 1:
+        raise ConfigError(f"--density is a fraction of the elements, in (0, 1]; got "
+                          f"{cfg.density:g}")
+
+
+def describe_tau(cfg) -> str:
+    """``tau=0.002`` or ``tau auto (density 0.001, ...)``, and the clipping, for the start line."""
+    if cfg.tau == AUTO:
+        text = (f"tau auto (density {cfg.density or DEFAULT_DENSITY:g}, at least {MIN_WORDS} "
+                "words per step")
+        if cfg.sparsity_warmup:
+            text += f", sparsity warm-up {cfg.sparsity_warmup} steps"
+        text += ")"
+    else:
+        text = f"tau={cfg.tau}"
+    if cfg.residual_clip:
+        text += f", residual clip {cfg.residual_clip:g} tau"
+    if cfg.grad_clip:
+        text += f", gradient clip {cfg.grad_clip:g}/sqrt(R)"
+    return text
+
+
 INJECT_SLOW = Option("inject_slow", str, "for testing: RANK:FACTOR makes that replica rank "
                      "(world rank) FACTOR times slower, to show what one slow replica does "
                      "to the others; RANK:stall makes it stop answering after its first step "
@@ -189,10 +225,18 @@ WARMUP_STEPS = Option("warmup_steps", int, "warm start: replica 0 trains alone f
                       "once; not applied when resuming", check="nonneg")
 GOLOMB = Option("golomb", str, "on: Golomb-Rice code the index gaps of compressed messages "
                 "(default); off: send the raw 32-bit words", choices=("on", "off"))
+SCHEDULES = ("constant", "cosine")
+
+
+def varies(schedule: str | None) -> bool:
+    """Whether ``schedule`` (``--lr-schedule``) changes the rate over a run."""
+    return schedule not in (None, "constant")
+
+
 LR_SCHEDULE = Option("lr_schedule", str, "the learning rate over the run: constant (default) "
                      "or cosine, annealed from --lr at the start to 0 at the last step "
                      "(SGDR's cosine, no restarts); follows the global step, also on resume",
-                     choices=("constant", "cosine"))
+                     choices=SCHEDULES)
 WEIGHT_DECAY = Option("weight_decay", float, "L2 weight decay lambda: lambda * w (the gradient of "
                       "lambda/2 * |w|^2 over every weight and bias) is added to each gradient a "
                       "replica computes, before it is pushed, summed, thresholded or applied "
@@ -246,6 +290,7 @@ HEARTBEAT_TIMEOUT = Option(
     "for --replica-timeout, and a shard waits at most this long for a message to or from a "
     "replica. The chief, rank 0, must survive (default: none, any failure ends the job)",
     check="positive")
+DEFAULT_CHUNK_BYTES = 1 << 20
 CHUNK_BYTES = Option("chunk_bytes", int, "bytes per chunk of the parameter vector; chunks are "
                      "hashed to the server shards (Project Adam; default 1048576 = 1 MiB); a "
                      "model smaller than one chunk per shard is cut into one chunk per shard",

@@ -1,8 +1,9 @@
 """Train under MPI: ``mpiexec -n N python -m hpcps.train [options]`` (``--help`` lists them).
 
 ``--help`` and ``--version`` are answered here, before MPI is loaded (they work on a login node
-without an MPI launcher, once per job rather than once per rank); everything else runs the job
-(:mod:`hpcps.job`).
+without an MPI launcher, once per job rather than once per rank), and so is a command line
+whose options or layout of ranks are refused (:func:`refuse_early`); everything else runs the
+job (:mod:`hpcps.job`).
 
 Examples::
 
@@ -37,6 +38,51 @@ def launcher_rank(environ=os.environ) -> int:
     return 0
 
 
+# the number of ranks a launcher starts, read without MPI: MPICH's Hydra, Open MPI
+SIZE_VARIABLES = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE")
+
+
+def launcher_size(environ=os.environ) -> int | None:
+    """The number of ranks the launcher started, None when no launcher said it or when
+    ``srun`` started this task (whose PMI the MPI library may not speak: then MPI sees a
+    different number, which the job's own check reports:
+    :func:`hpcps.runtime.slurm.check_tasks`)."""
+    if "SLURM_PROCID" in environ:
+        return None
+    for name in SIZE_VARIABLES:
+        if environ.get(name, "").isdigit():
+            return int(environ[name])
+    return None
+
+
+def refuse_early(argv: list[str], environ=os.environ) -> int | None:
+    """Judge the command line before NumPy and MPI load: the options (:func:`hpcps.config.parse`)
+    and, where the launcher says how many ranks it started, the layout
+    (:func:`hpcps.config.plan`). These depend on nothing but the arguments and that number, so
+    every rank judges them alike and no vote is needed: on a refusal the first rank prints the
+    one message the job's checks would print, and every rank returns the exit code without
+    having started MPI (a refused start then costs each rank a fraction of a second instead of
+    its imports and ``MPI_Init``). None: nothing refused here, or a ``--config`` file was given
+    (a file may read differently on another node): the job checks everything again, files too,
+    with its vote."""
+    from hpcps import config
+    from hpcps.errors import ConfigError
+    try:
+        if vars(config.build_parser().parse_args(argv)).get("config"):
+            return None
+        cfg = config.parse(argv)
+        size = launcher_size(environ)
+        if size is not None:
+            config.plan(cfg, size)
+    except ConfigError as exc:
+        if launcher_rank(environ) == 0:
+            print(f"hpcps: error: {exc}", file=sys.stderr, flush=True)
+        return exc.exit_code
+    except Exception:  # a bug, not bad input: the job's check shows where, on the rank it hit
+        return None
+    return None
+
+
 def catch_early(signals=(signal.SIGTERM, signal.SIGUSR1)) -> list[tuple[int, float]]:
     """Record ``signals`` from now on, until the job installs its own handlers
     (:meth:`hpcps.runtime.stop.SignalFlag.install`, which takes what was recorded): a
@@ -65,6 +111,9 @@ def main(argv: list[str] | None = None) -> int:
                 config.build_parser().print_help()
         return 0
     early = catch_early()
+    refused = refuse_early(argv)
+    if refused is not None:
+        return refused
     try:
         from hpcps import job
         return job.main(argv, early=early)

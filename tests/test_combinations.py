@@ -323,13 +323,12 @@ def _judge_options(name: str, keys: list[tuple]) -> list:
 def _planned(name: str, fields: tuple, n: int) -> bool:
     """Whether the layout plan takes a row's options (``fields``, what :func:`_options`
     keeps: servers, partitions, inject_slow, spares) on ``n`` ranks besides its spares."""
-    from hpcps.job import plan  # imports mpi4py: only when the tests run
     servers, partitions, inject_slow, spares = fields
     cfg = types.SimpleNamespace(servers=servers, partitions=partitions,
                                 spec=strategies()[name], inject_slow=inject_slow,
                                 spares=spares)
     try:
-        plan(cfg, n + (spares or 0))
+        config.plan(cfg, n + (spares or 0))
     except ConfigError:
         return False
     return True
@@ -398,9 +397,8 @@ def verdict(argv: list[str], n: int) -> str | None:
 @functools.cache
 def _verdict(argv: tuple[str, ...], n: int) -> str | None:
     # cached: the pairwise sampler and the coverage test judge the same rows many times
-    from hpcps.job import plan  # imports mpi4py: only when the tests run
     try:
-        plan(config.parse(list(argv) + COMMON), n)
+        config.plan(config.parse(list(argv) + COMMON), n)
     except ConfigError as exc:
         return str(exc)
     return None

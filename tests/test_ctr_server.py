@@ -331,9 +331,8 @@ EMBEDDING_REFUSED = [["--weight-decay", "1e-4"], ["--strategy", "sync"],
 def _embedding_verdict(n, argv):
     from hpcps import config
     from hpcps.errors import ConfigError
-    from hpcps.job import plan
     try:
-        plan(config.parse(argv), n)
+        config.plan(config.parse(argv), n)
     except ConfigError as exc:
         return str(exc)
     return None

@@ -84,9 +84,20 @@ def test_declarations_import_no_mpi():
         tree = ast.parse(source)
         assert "mpi4py" not in source, init
         for target in imports(tree):
-            if target.startswith("hpcps.ps.chunks"):  # pure placement math
-                continue
             assert layer(target) not in mpi_layers, (init, target)
+
+
+def test_the_start_up_judgement_loads_neither_numpy_nor_mpi():
+    """:mod:`hpcps.config` (the options, every strategy's declaration, the layout plan) loads
+    neither NumPy nor MPI nor h5py: :func:`hpcps.train.refuse_early` judges a command line with
+    it before a rank loads them."""
+    import subprocess
+    import sys
+    code = ("import sys, hpcps.config; print(sorted(m for m in ('numpy', 'mpi4py.MPI', "
+            "'h5py') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=ROOT, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr
 
 
 def test_strategy_tags_stay_above_the_shared_ones():

@@ -202,10 +202,9 @@ def test_the_budget_rule():
 # -- the job's decision (hpcps.strategies.feed.plan), as every rank computes it --------------
 def _plan(argv, n, budgets, n_train=60000, n_test=10000, d=784, val=0):
     from hpcps import config
-    from hpcps.job import plan as layout_plan
     from hpcps.strategies.feed import plan
     cfg = config.parse(argv)
-    layout = layout_plan(cfg, n)
+    layout = config.plan(cfg, n)
     return plan(cfg, layout, n_train, n_test, d, val, [int(b * MIB) for b in budgets],
                 "test budget")
 

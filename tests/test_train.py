@@ -275,6 +275,47 @@ def test_bad_inputs_fail_fast_with_one_message(digits_h5, tmp_path):
         assert run.seconds < 30, (args, run.seconds)
 
 
+def test_a_refusal_of_the_options_or_layout_loads_neither_numpy_nor_mpi(tmp_path):
+    """Refused on the command line and the launcher's rank count alone: every rank exits 2
+    before importing NumPy or mpi4py (``-X importtime`` lists every module a rank imported),
+    and one message is printed. A refusal that needs the data still goes through the job."""
+    for args, needle in ((["--strategy", "sync", "--n-push", "2"], "--n-push"),
+                         (["--servers", "3", "--layers", LAYERS], "cannot lay out N=3")):
+        run = run_mpi(3, ["-X", "importtime", "-m", "hpcps.train", *args, "--run-dir",
+                          str(tmp_path / "r")], timeout=60)
+        assert run.returncode == 2, run.output
+        errors = [line for line in run.stderr.splitlines() if line.startswith("hpcps: error")]
+        assert len(errors) == 1 and needle in errors[0], run.stderr
+        imported = [line.rsplit("|", 1)[-1].strip() for line in run.stderr.splitlines()
+                    if line.startswith("import time:")]
+        assert imported.count("hpcps.config") == 3, run.stderr  # on every rank
+        assert not {"numpy", "mpi4py.MPI", "h5py"} & set(imported), imported
+        assert not (tmp_path / "r").exists()
+    run = run_mpi(3, ["-X", "importtime", "-m", "hpcps.train", "--layers", "784,10",
+                      "--data", str(ROOT / "tests" / "missing.h5")], timeout=60)
+    assert run.returncode == 3 and "mpi4py.MPI" in run.stderr, run.output
+
+
+def test_the_early_judgement_prints_on_the_first_rank_and_leaves_files_to_the_job(
+        tmp_path, capsys):
+    from hpcps.train import launcher_size, refuse_early
+    hydra = {"PMI_RANK": "0", "PMI_SIZE": "3"}
+    assert refuse_early(["--servers", "3"], hydra) == 2
+    assert capsys.readouterr().err.count("hpcps: error: cannot lay out N=3") == 1
+    assert refuse_early(["--servers", "3"], {**hydra, "PMI_RANK": "2"}) == 2
+    assert capsys.readouterr().err == ""  # the others say nothing
+    assert refuse_early(["--servers", "3"], {"OMPI_COMM_WORLD_RANK": "0",
+                                             "OMPI_COMM_WORLD_SIZE": "4"}) is None
+    # no rank count (a singleton), or srun's (MPI may see another: the job's check says so)
+    assert refuse_early(["--servers", "3"], {}) is None
+    assert launcher_size({**hydra, "SLURM_PROCID": "0"}) is None
+    toml = tmp_path / "c.toml"
+    toml.write_text("n_push = 2\n")  # refused with sync, but a file: the job reads it
+    assert refuse_early(["--strategy", "sync", "--config", str(toml)], hydra) is None
+    assert refuse_early(["--strategy", "sync", "--n-push", "2"], {}) == 2
+    assert "--n-push" in capsys.readouterr().err
+
+
 @pytest.mark.openmpi
 def test_failing_rank_aborts_the_job(tmp_path):
     run = run_mpi(3, [str(ROOT / "tests" / "scripts" / "abort_job.py")], timeout=60)

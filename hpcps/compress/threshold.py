@@ -72,8 +72,8 @@ import math
 
 import numpy as np
 
-from hpcps.errors import ConfigError
-from hpcps.options import AUTO, parse_tau
+from hpcps.options import AUTO, DEFAULT_DENSITY, MIN_WORDS, describe_tau, parse_tau
+from hpcps.options import check_compression as check_config
 
 __all__ = ["AUTO", "parse_tau", "warmup_density", "clip_norm", "Threshold", "Velocity",
            "ResidualWatch", "residual_norm", "DEFAULT_DENSITY", "MIN_WORDS", "check_config",
@@ -85,40 +85,6 @@ GAIN = 0.05                  # log tau moves by GAIN * log(smoothed / target den
 MAX_STEP = 1.1               # ... but by at most this factor in one step
 SMOOTHING = 0.1              # weight of the newest step in the density's moving average
 WARMUP_DENSITY_FACTOR = 64.0  # the sparsity warm-up starts at 64x the target density
-DEFAULT_DENSITY = 2e-3       # target density of --tau auto (docs/compression.md)
-MIN_WORDS = 32               # ... but at least this many words per step (small models)
-
-
-def check_config(cfg, default_tau) -> None:
-    """Refuse compression options that would do nothing or cannot work (before defaults are
-    filled: ``cfg.tau`` None means the strategy's ``default_tau``)."""
-    tau = cfg.tau if cfg.tau is not None else default_tau
-    if tau != AUTO:
-        for name in ("density", "sparsity_warmup"):
-            if getattr(cfg, name) is not None:
-                flag = "--" + name.replace("_", "-")
-                raise ConfigError(f"{flag} sets the target of an adaptive threshold: it needs "
-                                  f"--tau auto, not --tau {tau:g}")
-    if cfg.density is not None and not cfg.density <= 1:
-        raise ConfigError(f"--density is a fraction of the elements, in (0, 1]; got "
-                          f"{cfg.density:g}")
-
-
-def describe_tau(cfg) -> str:
-    """``tau=0.002`` or ``tau auto (density 0.001, ...)``, and the clipping, for the start line."""
-    if cfg.tau == AUTO:
-        text = (f"tau auto (density {cfg.density or DEFAULT_DENSITY:g}, at least {MIN_WORDS} "
-                "words per step")
-        if cfg.sparsity_warmup:
-            text += f", sparsity warm-up {cfg.sparsity_warmup} steps"
-        text += ")"
-    else:
-        text = f"tau={cfg.tau}"
-    if cfg.residual_clip:
-        text += f", residual clip {cfg.residual_clip:g} tau"
-    if cfg.grad_clip:
-        text += f", gradient clip {cfg.grad_clip:g}/sqrt(R)"
-    return text
 
 
 def target_density(density: float, n: int, min_words: int = MIN_WORDS) -> float:

@@ -21,6 +21,7 @@ import numpy as np
 
 from hpcps import kernels
 from hpcps.errors import ConfigError
+from hpcps.options import SCHEDULES, varies
 
 
 class SGD:
@@ -118,12 +119,6 @@ class LBFGSState:
 
 
 # --lr-schedule: the learning rate's multiplier over a run
-SCHEDULES = ("constant", "cosine")
-
-
-def varies(schedule: str | None) -> bool:
-    """Whether ``schedule`` (``--lr-schedule``) changes the rate over a run."""
-    return schedule not in (None, "constant")
 
 
 def lr_factor(schedule: str | None, step: int, total: int) -> float:

@@ -26,7 +26,6 @@ import numpy as np
 
 from hpcps.errors import ConfigError
 
-DEFAULT_CHUNK_BYTES = 1 << 20
 ITEM_BYTES = 4  # float32 parameters
 _MASK = np.uint64(0xFFFFFFFFFFFFFFFF)
 

@@ -53,10 +53,9 @@ from __future__ import annotations
 
 import math
 
-from hpcps.compress.threshold import check_config, describe_tau
 from hpcps.errors import ConfigError
 from hpcps.options import (AUTO, COMPRESSION, GOLOMB, LOOP_OPTIONS, TAU, WARMUP_STEPS, Option,
-                           check_loop_options)
+                           check_compression, check_loop_options, describe_tau)
 from hpcps.strategies.registry import Strategy, message_tags
 
 # UPDATE: a compressed weight-delta message, peer to peer; DONE: no more from this replica
@@ -81,7 +80,7 @@ def replica_lr(lr: float, replicas: int, rule: str) -> float:
 
 def _validate(cfg) -> None:
     check_loop_options(cfg)
-    check_config(cfg, STRATEGY.defaults["tau"])
+    check_compression(cfg, STRATEGY.defaults["tau"])
     if cfg.nesterov == "on":
         raise ConfigError("--strategy deadreckon runs momentum on each replica before "
                           "thresholding (Deep Gradient Compression's correction), without "

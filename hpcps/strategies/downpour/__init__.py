@@ -19,16 +19,13 @@ written by shard 0 while training goes on.
 """
 from __future__ import annotations
 
-from hpcps.compress.threshold import check_config, describe_tau
 from hpcps.errors import ConfigError
-from hpcps.model import optim
 from hpcps.model.spec import is_embedding_spec
-from hpcps.options import (CHUNK_BYTES, COMPRESSION, EMBEDDING_DEFAULTS, EMBEDDING_EPOCHS,
-                           EMBEDDING_OPTIONS, GOLOMB, HEARTBEAT_TIMEOUT, LOOP_OPTIONS, TAU,
-                           WARMUP_STEPS, Option, check_embedding_options, check_fault_options,
-                           check_loop_options, describe_rows, parse_augment,
-                           WIRE_DTYPE)
-from hpcps.ps.chunks import DEFAULT_CHUNK_BYTES
+from hpcps.options import (CHUNK_BYTES, COMPRESSION, DEFAULT_CHUNK_BYTES, EMBEDDING_DEFAULTS,
+                           EMBEDDING_EPOCHS, EMBEDDING_OPTIONS, GOLOMB, HEARTBEAT_TIMEOUT,
+                           LOOP_OPTIONS, TAU, WARMUP_STEPS, Option, check_compression,
+                           check_embedding_options, check_fault_options, check_loop_options,
+                           describe_rows, describe_tau, parse_augment, varies, WIRE_DTYPE)
 from hpcps.strategies.downpour.summary import summary_lines
 from hpcps.strategies.registry import SERVERS, Strategy, message_tags
 
@@ -78,7 +75,7 @@ def _validate_embeddings(cfg) -> None:
         "--softsync": cfg.softsync is not None, "--staleness-lr": cfg.staleness_lr == "on",
         "--weight-decay": bool(cfg.weight_decay), "--dropout": bool(cfg.dropout),
         "--augment": parse_augment(cfg.augment) is not None,
-        "--lr-schedule cosine": optim.varies(cfg.lr_schedule)})
+        "--lr-schedule cosine": varies(cfg.lr_schedule)})
 
 
 def _validate(cfg) -> None:
@@ -101,7 +98,7 @@ def _validate(cfg) -> None:
         raise ConfigError("--weight-decay is added to the gradients a replica pushes; with "
                           "--push activations the shards compute the fully connected layers' "
                           "updates from activations and errors instead: use --push gradients")
-    if cfg.push == "activations" and optim.varies(cfg.lr_schedule):
+    if cfg.push == "activations" and varies(cfg.lr_schedule):
         raise ConfigError("--lr-schedule scales the updates the shards apply; --push "
                           "activations computes the fully connected layers' updates at the "
                           "fixed --lr in a fused kernel: use --push gradients")
@@ -119,7 +116,7 @@ def _validate(cfg) -> None:
                 flag = "--" + name.replace("_", "-")
                 raise ConfigError(f"{flag} applies to downpour only with --compress threshold")
     else:
-        check_config(cfg, DOWNPOUR_TAU)
+        check_compression(cfg, DOWNPOUR_TAU)
         if cfg.optimizer == "momentum" and cfg.nesterov == "on":
             raise ConfigError("--compress threshold runs momentum on the replicas before "
                               "thresholding (Deep Gradient Compression's correction), without "

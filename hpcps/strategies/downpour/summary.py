@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
-from hpcps.compress.bf16 import Wire
 from hpcps.strategies.rows_summary import row_figures, row_lines
 
 if TYPE_CHECKING:
@@ -103,6 +102,8 @@ def summarize(ctx: Context, results: list[dict]) -> dict:
         out.update(_copies_figures(cfg.ps_copies, shards, out.get("shard_replacements", [])))
     pushed = sum(r["bytes_sent"] for r in reps) / trained
     if cfg.push == "activations":
+        # here, not at the top: the declaration imports this module, and imports no NumPy
+        from hpcps.compress.bf16 import Wire
         out.update(push_bytes_per_step=round(pushed),
                    dense_push_bytes_per_step=Wire.named(cfg.wire_dtype).itemsize
                    * ctx.full_model.n_params)

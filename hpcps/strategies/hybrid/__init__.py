@@ -17,11 +17,10 @@ the chief asks the shards to write their rows (``tables/shard-<s>-of-<S>.step-<N
 model is refused at start.
 """
 from hpcps.errors import ConfigError
-from hpcps.model import optim
 from hpcps.model.spec import is_embedding_spec
 from hpcps.options import (EMBEDDING_DEFAULTS, EMBEDDING_EPOCHS, EMBEDDING_OPTIONS,
                            LOOP_OPTIONS, check_embedding_options, check_loop_options,
-                           describe_rows, parse_augment, WIRE_DTYPE)
+                           describe_rows, parse_augment, varies, WIRE_DTYPE)
 from hpcps.strategies.lr_rule import LR_RULE_OPTIONS, describe_rate
 from hpcps.strategies.registry import SERVERS, Strategy
 from hpcps.strategies.rows_summary import row_lines
@@ -34,7 +33,7 @@ def _validate(cfg) -> None:
     check_embedding_options(cfg, True, {
         "--weight-decay": bool(cfg.weight_decay),
         "--dropout": bool(cfg.dropout), "--augment": parse_augment(cfg.augment) is not None,
-        "--lr-schedule cosine": optim.varies(cfg.lr_schedule)})
+        "--lr-schedule cosine": varies(cfg.lr_schedule)})
     check_loop_options(cfg)
 
 

@@ -43,9 +43,8 @@ from enum import IntEnum
 from typing import TYPE_CHECKING
 
 from hpcps.errors import CheckpointError, ConfigError
-from hpcps.options import (CHUNK_BYTES, HEARTBEAT_TIMEOUT, INJECT_SLOW, Option,
-                           check_fault_options, parse_inject_slow, WIRE_DTYPE)
-from hpcps.ps.chunks import DEFAULT_CHUNK_BYTES
+from hpcps.options import (CHUNK_BYTES, DEFAULT_CHUNK_BYTES, HEARTBEAT_TIMEOUT, INJECT_SLOW,
+                           Option, check_fault_options, parse_inject_slow, WIRE_DTYPE)
 from hpcps.strategies.registry import SERVERS, Strategy, message_tags
 
 if TYPE_CHECKING:
