@@ -275,6 +275,7 @@ def test_bad_inputs_fail_fast_with_one_message(digits_h5, tmp_path):
         assert run.seconds < 30, (args, run.seconds)
 
 
+@pytest.mark.openmpi
 def test_a_refusal_of_the_options_or_layout_loads_neither_numpy_nor_mpi(tmp_path):
     """Refused on the command line and the launcher's rank count alone: every rank exits 2
     before importing NumPy or mpi4py (``-X importtime`` lists every module a rank imported),
