@@ -65,9 +65,9 @@ def refuse_early(argv: list[str], environ=os.environ) -> int | None:
     its imports and ``MPI_Init``). None: nothing refused here, or a ``--config`` file was given
     (a file may read differently on another node): the job checks everything again, files too,
     with its vote."""
-    from hpcps import config
     from hpcps.errors import ConfigError
     try:
+        from hpcps import config  # declares every strategy: a plug-in may fail to import
         if vars(config.build_parser().parse_args(argv)).get("config"):
             return None
         cfg = config.parse(argv)
@@ -107,8 +107,13 @@ def main(argv: list[str] | None = None) -> int:
                 from hpcps import __version__
                 print(f"hpcps {__version__}")
             else:
-                from hpcps import config
-                config.build_parser().print_help()
+                from hpcps.errors import ConfigError
+                try:
+                    from hpcps import config
+                    config.build_parser().print_help()
+                except ConfigError as exc:  # a plug-in that cannot be imported
+                    print(f"hpcps: error: {exc}", file=sys.stderr, flush=True)
+                    return exc.exit_code
         return 0
     early = catch_early()
     refused = refuse_early(argv)

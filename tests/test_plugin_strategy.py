@@ -242,3 +242,16 @@ def test_no_strategy_name_in_the_shared_code():
 
 def test_the_plugin_folder_is_outside_hpcps():
     assert not (Path(ROOT) / "hpcps" / "strategies" / "oneshot").exists()
+
+
+def test_a_plugin_that_cannot_be_imported_is_refused_in_one_line(tmp_path):
+    """A misspelt ``HPCPS_STRATEGIES`` is bad input, not a bug: the run and ``--help`` end with
+    exit code 2 and one ``hpcps: error`` line naming the module, not a traceback per rank."""
+    env = {"HPCPS_STRATEGIES": "oneshot,no_such_strategy_module", "PYTHONPATH": ENV["PYTHONPATH"]}
+    run = train(3, "--strategy", "sync", "--run-dir", str(tmp_path / "r"), env=env, timeout=60)
+    helped = train(2, "--help", env=env, timeout=60)
+    for launch in (run, helped):
+        errors = [line for line in launch.stderr.splitlines() if line.startswith("hpcps: error")]
+        assert launch.returncode == 2, launch.output[-2000:]
+        assert len(errors) == 1 and "'no_such_strategy_module'" in errors[0], launch.stderr
+        assert "Traceback" not in launch.output, launch.output[-2000:]

@@ -25,6 +25,7 @@ from enum import IntEnum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
+from hpcps.errors import ConfigError
 from hpcps.options import Option, RunConfig
 
 if TYPE_CHECKING:  # annotations only: a declaration needs neither type at run time
@@ -274,13 +275,14 @@ def strategies() -> dict[str, Strategy]:
     for name in _declaration_modules():
         try:
             module = importlib.import_module(name)
-        except ImportError as exc:
-            raise ValueError(f"strategy module {name!r} ({PLUGINS_ENV} or an installed "
-                             f"plug-in) cannot be imported: {exc}") from exc
+        except ImportError as exc:  # what is installed or named, not a bug: exit code 2
+            raise ConfigError(f"strategy module {name!r} ({PLUGINS_ENV} or an installed "
+                              f"plug-in) cannot be imported: {exc}") from exc
         spec = getattr(module, "STRATEGY", None)
         if isinstance(spec, Strategy):
             if spec.name in found:
-                raise ValueError(f"two strategies named {spec.name!r}")
+                raise ConfigError(f"two strategies named {spec.name!r} (a plug-in named in "
+                                  f"{PLUGINS_ENV} or installed, and another)")
             found[spec.name] = spec
     if DEFAULT not in found:
         raise ValueError(f"the default strategy {DEFAULT!r} is not installed")
