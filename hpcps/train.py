@@ -55,6 +55,14 @@ def launcher_size(environ=os.environ) -> int | None:
     return None
 
 
+def _refused(exc, environ=os.environ) -> int:
+    """Print ``exc`` as the one ``hpcps: error`` line (on the first rank, as the job's vote
+    would) and return its exit code."""
+    if launcher_rank(environ) == 0:
+        print(f"hpcps: error: {exc}", file=sys.stderr, flush=True)
+    return exc.exit_code
+
+
 def refuse_early(argv: list[str], environ=os.environ) -> int | None:
     """Judge the command line before NumPy and MPI load: the options (:func:`hpcps.config.parse`)
     and, where the launcher says how many ranks it started, the layout
@@ -75,9 +83,7 @@ def refuse_early(argv: list[str], environ=os.environ) -> int | None:
         if size is not None:
             config.plan(cfg, size)
     except ConfigError as exc:
-        if launcher_rank(environ) == 0:
-            print(f"hpcps: error: {exc}", file=sys.stderr, flush=True)
-        return exc.exit_code
+        return _refused(exc, environ)
     except Exception:  # a bug, not bad input: the job's check shows where, on the rank it hit
         return None
     return None
@@ -112,8 +118,7 @@ def main(argv: list[str] | None = None) -> int:
                     from hpcps import config
                     config.build_parser().print_help()
                 except ConfigError as exc:  # a plug-in that cannot be imported
-                    print(f"hpcps: error: {exc}", file=sys.stderr, flush=True)
-                    return exc.exit_code
+                    return _refused(exc)
         return 0
     early = catch_early()
     refused = refuse_early(argv)

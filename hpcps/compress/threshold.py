@@ -72,12 +72,10 @@ import math
 
 import numpy as np
 
-from hpcps.options import AUTO, DEFAULT_DENSITY, MIN_WORDS, describe_tau, parse_tau
-from hpcps.options import check_compression as check_config
+from hpcps.options import AUTO, DEFAULT_DENSITY, MIN_WORDS, parse_tau
 
 __all__ = ["AUTO", "parse_tau", "warmup_density", "clip_norm", "Threshold", "Velocity",
-           "ResidualWatch", "residual_norm", "DEFAULT_DENSITY", "MIN_WORDS", "check_config",
-           "describe_tau", "target_density"]
+           "ResidualWatch", "residual_norm", "DEFAULT_DENSITY", "MIN_WORDS", "target_density"]
 
 UNIT_DIVISOR = 2**16         # tau = m * unit; the initial tau is m = 65536 units
 MAX_MULTIPLE = 2**40         # tau at most 2**30 times the initial tau (counts are int64)

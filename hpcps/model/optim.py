@@ -119,8 +119,6 @@ class LBFGSState:
 
 
 # --lr-schedule: the learning rate's multiplier over a run
-
-
 def lr_factor(schedule: str | None, step: int, total: int) -> float:
     """The learning rate's multiplier at global step ``step`` of a run of ``total``: 1 for
     ``constant`` (or None); for ``cosine``, 0.5 (1 + cos(pi step / total)), which falls from 1
