@@ -54,14 +54,23 @@ def _sleeps(monkeypatch) -> list:
     return calls
 
 
+def _after(calls: int):
+    """A predicate that turns true on its ``calls``-th call: counts polls, not time (a loaded
+    machine may take longer than any fixed time to yield 200 times)."""
+    n = [0]
+
+    def ready() -> bool:
+        n[0] += 1
+        return n[0] >= calls
+    return ready
+
+
 def test_a_wait_with_a_spin_never_sleeps_within_it_and_backs_off_after(monkeypatch):
     slept = _sleeps(monkeypatch)
-    t = time.monotonic() + 0.03
-    wait_until(lambda: time.monotonic() > t, 5.0, lambda: "x", spin_s=0.2)
+    wait_until(_after(300), 60.0, lambda: "x", spin_s=60.0)  # 300 polls within the spin
     assert slept == []
-    t = time.monotonic() + 0.03  # without a spin, 200 idle rounds of yields, then sleeps
-    wait_until(lambda: time.monotonic() > t, 5.0, lambda: "x")
-    assert slept
+    wait_until(_after(300), 60.0, lambda: "x")  # no spin: 200 idle rounds of yields, then sleeps
+    assert len(slept) == 300 - 200
 
 
 def test_ranks_with_a_core_each_spin_while_waiting_for_replies(monkeypatch):
