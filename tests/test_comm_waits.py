@@ -22,19 +22,41 @@ def test_wait_until_names_what_it_waited_for():
         wait_until(lambda: False, 0.05, lambda: "server rank 3 to answer")
 
 
-def test_an_event_starts_the_timeout_again():
-    t0 = time.monotonic()
+class _Clock:
+    """The clock of hpcps.mpi.comm's waits, moved only by the test: what a wait decides then
+    depends on the polls, not on how long a loaded machine took between them."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def test_an_event_starts_the_timeout_again(monkeypatch):
+    clock = _Clock()
+    monkeypatch.setattr(mpicomm, "time", clock)
     fired = []
 
+    def ready() -> bool:  # each poll takes 10 ms; ready 0.26 s in
+        clock.now += 0.01
+        return clock.now > 0.26
+
     def moved() -> bool:  # one event, 0.12 s in
-        if not fired and time.monotonic() > t0 + 0.12:
-            fired.append(1)
+        if not fired and clock.now > 0.12:
+            fired.append(clock.now)
             return True
         return False
 
-    # without the event the 0.2 s timeout ends at t0 + 0.2; with it, at about t0 + 0.32
-    wait_until(lambda: time.monotonic() > t0 + 0.26, 0.2, lambda: "x", events=moved)
+    # with the event the 0.2 s timeout starts again at 0.12 s and ends at about 0.32 s
+    wait_until(ready, 0.2, lambda: "x", events=moved)
     assert fired
+    clock.now = 0.0  # without it, it ends at 0.2 s, before the wait is ready
+    with pytest.raises(PeerTimeout):
+        wait_until(ready, 0.2, lambda: "x", events=lambda: False)
 
 
 def test_since_counts_the_timeout_from_an_earlier_start():
