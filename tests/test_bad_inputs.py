@@ -236,7 +236,8 @@ CASES = [
      "holds 1 non-finite value(s) (NaN or infinity) in rows 0..1436; the first is row 700, "
      "column 5 (nan)"),
     ("infinite test feature", _load_split("inf_test", "test"), 3,
-     "/test/x holds 1 non-finite value(s)"),
+     "/test/x holds 1 non-finite value(s) (NaN or infinity) in rows 0..359; the first is row "
+     "3, column 0 (-inf). Every evaluation on it would be NaN"),
     ("all features NaN", _load_split("all_nan", "train", 2, 3), 3,
      "holds 30656 non-finite value(s) (NaN or infinity) in rows 958..1436; the first is row "
      "958, column 0"),

@@ -655,9 +655,14 @@ def check_finite_rows(x: np.ndarray, path, split: str | None, lo: int = 0,
     if np.dtype(stored).itemsize > 4 and not np.isnan(value):
         why = f" (the file stores {np.dtype(stored)}; values beyond float32's range " \
               "become infinite when read)"
-    where, use = (f"/{split}/{dataset}", "Training on it would make every loss NaN: replace "
-                  "or drop those values before training") if split is not None else \
-        (f"{dataset}", "Its predictions would be NaN: replace or drop those values")
+    if split is None:
+        where, use = f"{dataset}", "Its predictions would be NaN: replace or drop those values"
+    elif split == "train":
+        where, use = (f"/{split}/{dataset}", "Training on it would make every loss NaN: "
+                      "replace or drop those values before training")
+    else:  # test or val: the rows the run scores
+        where, use = (f"/{split}/{dataset}", "Every evaluation on it would be NaN: replace or "
+                      "drop those values before training")
     raise DataError(f"{path}: {where} holds {count} non-finite value(s) (NaN or infinity) in "
                     f"rows {lo}..{lo + len(x) - 1}; the first is row {lo + row}, column {col} "
                     f"({value}){why}. {use}")
