@@ -6,6 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import h5py
 import numpy as np
 import pytest
 
@@ -50,10 +51,12 @@ def test_each_step_has_its_own_files_and_a_set_is_kept_until_a_newer_one_is_whol
 
 WRITE_UNDER_A_LIMIT = """
 import resource, signal, sys
+import h5py
 import numpy as np
 from hpcps.io import tables
 from hpcps.ps.embedding_store import EmbeddingStore
 from hpcps.errors import CheckpointError
+tables.PART_BYTES = int(sys.argv[2])
 big = EmbeddingStore(16, table=0)
 big.pull(np.arange(20000, dtype=np.int64))  # 20,000 rows of 16 floats: about 2 MB
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails (EFBIG)
@@ -65,15 +68,18 @@ except CheckpointError as exc:
 """
 
 
-def test_a_table_file_the_file_system_refuses_is_one_line_and_leaves_nothing(tmp_path):
+@pytest.mark.parametrize("part_bytes", [64 << 20, 64 << 10, 4 << 10])
+def test_a_table_file_the_file_system_refuses_is_one_line_and_leaves_nothing(tmp_path,
+                                                                            part_bytes):
     """A full disk or a quota (here a file-size limit): one CheckpointError with the system's
     reason, no HDF5 traceback on stderr, no temporary file left, and the set written before
-    still whole."""
+    still whole; also when the table is written in parts smaller than HDF5's sieve buffer
+    (64 KiB), which failed at the file's close and crashed HDF5 (a segmentation fault)."""
     (tmp_path / "checkpoint.h5").write_bytes(b"")  # a run directory with a checkpoint
     directory = tmp_path / "tables"
     before = write_set(directory, 3, 1)
-    run = subprocess.run([sys.executable, "-c", WRITE_UNDER_A_LIMIT, str(directory)],
-                         capture_output=True, text=True, timeout=120)
+    run = subprocess.run([sys.executable, "-c", WRITE_UNDER_A_LIMIT, str(directory),
+                          str(part_bytes)], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0 and run.stderr == "", run.stderr[-3000:]
     path = directory / "shard-0-of-1.step-7.h5"
     assert run.stdout.splitlines() == [
@@ -81,3 +87,101 @@ def test_a_table_file_the_file_system_refuses_is_one_line_and_leaves_nothing(tmp
         "its table files are unchanged: make room, then --resume auto continues from it)"]
     assert sorted(directory.iterdir()) == before
     assert tables.table_files(directory, 3, 2, DIM) == before
+
+
+# -- a table is never copied whole to be written or read -------------------------------------
+def _table(ids: np.ndarray, dim: int, seed: int) -> EmbeddingStore:
+    """A table of rows ``ids`` (in that slot order) with random rows and Adagrad state."""
+    rng = np.random.default_rng(seed)
+    store = EmbeddingStore(dim, seed=seed, optimizer="adagrad", capacity=len(ids))
+    store.load(ids, rng.standard_normal((len(ids), dim), dtype=np.float32),
+               rng.random((len(ids), dim), dtype=np.float32))
+    return store
+
+
+def _peak_bytes(fn):
+    """``fn()`` and the most bytes Python and NumPy held at once beyond what they held before
+    (tracemalloc counts NumPy's arrays)."""
+    import tracemalloc
+    tracemalloc.start()
+    try:
+        out = fn()
+        return out, tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+def test_a_table_is_written_sorted_by_id_a_part_at_a_time(tmp_path, monkeypatch):
+    """The file holds the rows and their state sorted by id, and writing it takes memory for
+    a part of them (here 256 KiB), not for a sorted copy of the whole table."""
+    monkeypatch.setattr(tables, "PART_BYTES", 256 << 10)
+    dim, ids = 64, np.random.default_rng(0).permutation(200_000)[:20_000].astype(np.int64)
+    store = _table(ids, dim, seed=0)
+    whole = store.rows.nbytes + store.accum.nbytes  # 10 MB: a copy of them was the old peak
+    path, peak = _peak_bytes(lambda: tables.write(tmp_path / "t.h5", [store], 0, 1, 7))
+    assert peak < whole / 8, (peak, whole)
+    order = np.argsort(ids)
+    with h5py.File(path, "r") as f:
+        assert (f["table0/ids"][()] == ids[order]).all()
+        assert np.array_equal(f["table0/rows"][()], store.rows[order])
+        assert np.array_equal(f["table0/accum"][()], store.accum[order])
+        assert f["table0"].attrs["rows"] == len(ids)
+    assert tables.count([path], 0) == (len(ids), "adagrad")
+
+
+def test_a_shard_takes_its_rows_from_every_file_a_part_at_a_time(tmp_path, monkeypatch):
+    """A shard resuming (here shard 1 of 4) from the files of 3 shards takes exactly the rows
+    placed on it, with their state, reading a part at a time: its peak memory is below the
+    files' rows (each file whole, and their concatenation, were the old peak: twice them)."""
+    from mpi4py import MPI
+
+    from hpcps.kernels.embedding import place
+    from hpcps.ps.rows import RowShard
+    monkeypatch.setattr(tables, "PART_BYTES", 256 << 10)
+    dim, ids = 64, np.random.default_rng(1).permutation(10**6)[:30_000].astype(np.int64)
+    sources = [_table(part, dim, seed=s) for s, part in enumerate(np.array_split(ids, 3))]
+    files = [tables.write(tmp_path / f"s{s}.h5", [store], s, 3, 5)
+             for s, store in enumerate(sources)]
+    whole = sum(s.rows.nbytes + s.accum.nbytes for s in sources)  # 15 MB
+    shard = RowShard(MPI.COMM_SELF, 1, dim, seed=9, optimizer="adagrad", lr=0.1)
+    taken, peak = _peak_bytes(lambda: shard.load(files, 1, 4))
+    assert peak < whole, (peak, whole)
+    mine = ids[place(np.zeros(len(ids), dtype=np.int64), ids, 4) == 1]
+    assert taken == len(mine) and sorted(shard.tables[0].ids) == sorted(mine)
+    got = shard.tables[0]
+    slot = {int(i): k for k, i in enumerate(got.ids)}
+    for source in sources:
+        for k, i in enumerate(source.ids):
+            if int(i) in slot:
+                assert np.array_equal(got.rows[slot[int(i)]], source.rows[k])
+                assert np.array_equal(got.accum[slot[int(i)]], source.accum[k])
+
+
+def test_a_table_write_over_half_the_timeout_is_warned_about(tmp_path, capsys):
+    """A shard serves nobody while it writes its rows, and the ranks waiting on it fail after
+    --timeout: a write that took over half of it says so, naming the shard, the file's size
+    and the option to raise; a quick one says nothing."""
+    import time
+    from types import SimpleNamespace as NS
+
+    from hpcps.strategies.embedding import write_rows
+
+    class Rows:  # a shard's rows whose write takes ``seconds``
+        def __init__(self, seconds):
+            self.seconds = seconds
+
+        def write(self, path, shard, n_shards, step):
+            time.sleep(self.seconds)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(b"x" * 2**20)
+            return path
+
+    ctx = NS(cfg=NS(timeout=0.6), grid=NS(role=NS(shard=1), layout=NS(servers=2)),
+             run_dir=tmp_path)
+    assert write_rows(ctx, Rows(0.0), 10) == tmp_path / "tables" / "shard-1-of-2.step-10.h5"
+    assert capsys.readouterr().out == ""
+    write_rows(ctx, Rows(0.4), 20)
+    out = capsys.readouterr().out
+    assert out.startswith("[hpcps] warning: server shard 1 took 0.") and out.count("\n") == 1
+    assert "to write its embedding table file (0.0 GiB, step 20), over half of --timeout 0.6 s" \
+        in out and "raise it" in out, out

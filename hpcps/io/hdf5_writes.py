@@ -18,6 +18,8 @@ import sys
 import threading
 import traceback
 
+import h5py
+
 
 def write_failure(exc: BaseException | None) -> str | None:
     """The system's reason when ``exc``, or an exception it was raised while handling, says a
@@ -114,6 +116,17 @@ def release(exc: BaseException) -> None:
     tb = exc.__traceback__
     if tb is not None:
         traceback.clear_frames(tb)
+
+
+def unbuffered(path) -> h5py.File:
+    """A new HDF5 file at ``path``, for writing a dataset a part at a time: without HDF5's
+    sieve buffer, each part goes to the file as it is written, so a refused write (a full
+    disk) fails there, as one ``OSError``. With the buffer, parts smaller than it (64 KiB)
+    wait in it, the failure comes out of the file's close, and HDF5 then crashed (a
+    segmentation fault) freeing the file's objects."""
+    fapl = h5py.h5p.create(h5py.h5p.FILE_ACCESS)
+    fapl.set_sieve_buf_size(0)
+    return h5py.File(h5py.h5f.create(os.fsencode(path), h5py.h5f.ACC_TRUNC, fapl=fapl))
 
 
 def replace_whole(tmp, path, write) -> str | None:

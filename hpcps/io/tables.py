@@ -31,7 +31,7 @@ import h5py
 import numpy as np
 
 from hpcps.errors import CheckpointError
-from hpcps.io.hdf5_writes import replace_whole
+from hpcps.io.hdf5_writes import replace_whole, unbuffered
 
 TABLES_DIR = "tables"  # beside checkpoint.h5
 FORMAT = "hpcps-embedding-rows"
@@ -60,8 +60,20 @@ def write(path: Path, stores: Sequence, shard: int, n_shards: int, step: int) ->
     return path
 
 
+# The most bytes of a table's rows and optimizer state a write or a read holds in memory at
+# once beside the table itself: a shard's table may be most of its memory, so a file is written
+# and read a part at a time, never as one sorted copy of the table.
+PART_BYTES = 64 << 20
+
+
+def part_rows(dim: int) -> int:
+    """Rows of width ``dim`` in one part: each its id, its values and at most ``dim`` values
+    of optimizer state, :data:`PART_BYTES` in all."""
+    return max(1, PART_BYTES // (8 + 8 * max(1, int(dim))))
+
+
 def _write(tmp: Path, stores: Sequence, shard: int, n_shards: int, step: int, dim: int) -> None:
-    with h5py.File(tmp, "w") as f:
+    with unbuffered(tmp) as f:
         f.attrs.update(format=FORMAT, shard=shard, n_shards=n_shards, step=int(step),
                        dim=dim, n_tables=len(stores),
                        placement="hpcps.kernels.embedding.place: splitmix64's finaliser "
@@ -71,9 +83,16 @@ def _write(tmp: Path, stores: Sequence, shard: int, n_shards: int, step: int, di
             g = f.create_group(f"table{t}")
             g.attrs.update(optimizer=store.optimizer, rows=len(store))
             g.create_dataset("ids", data=store.ids[order])
-            g.create_dataset("rows", data=store.rows[order])
+            by_slot = {"rows": store.rows}
             if store.accum is not None:
-                g.create_dataset("accum", data=store.accum[order])
+                by_slot["accum"] = store.accum
+            out = {name: g.create_dataset(name, shape=a.shape, dtype=a.dtype)
+                   for name, a in by_slot.items()}
+            step_rows = part_rows(dim)
+            for a in range(0, len(order), step_rows):  # sorted by id, a part at a time
+                part = order[a:a + step_rows]
+                for name, values in by_slot.items():
+                    out[name][a:a + len(part)] = values[part]
     with open(tmp, "rb+") as fh:
         os.fsync(fh.fileno())
 
@@ -130,18 +149,42 @@ def table_files(directory: Path, step: int, n_tables: int, dim: int) -> list[Pat
 
 def read(files: Sequence[Path], table: int
          ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, str | None]:
-    """Table ``table``'s rows from every file: (ids, rows, accum or None, optimizer)."""
-    ids, rows, accum, optimizer = [], [], [], None
+    """Table ``table``'s rows from every file: (ids, rows, accum or None, optimizer). The whole
+    table in memory: a tool's (``hpcps.evaluate``); a shard reads only its own rows, a part
+    at a time (:func:`read_parts`)."""
+    parts = list(read_parts(files, table, whole=True))
+    have = [a for _, _, a, _ in parts if a is not None]
+    return (np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]),
+            np.concatenate(have) if len(have) == len(parts) and have else None,
+            parts[-1][3] if parts else None)
+
+
+def read_parts(files: Sequence[Path], table: int, whole: bool = False):
+    """Table ``table``'s rows from every file in turn, a part of at most :data:`PART_BYTES`
+    of rows and optimizer state at a time (``whole``: each file's as one part, even an empty
+    one): yields (ids, rows, accum or None, optimizer) in the files' order."""
     for path in files:
         try:
             with h5py.File(path, "r") as f:
                 g = f[f"table{table}"]
-                ids.append(g["ids"][()])
-                rows.append(g["rows"][()])
-                accum.append(g["accum"][()] if "accum" in g else None)
+                n, optimizer = g["ids"].shape[0], str(g.attrs.get("optimizer", ""))
+                step = max(1, n) if whole else part_rows(g["rows"].shape[1])
+                for a in range(0, max(n, 1) if whole else n, step):
+                    yield (g["ids"][a:a + step], g["rows"][a:a + step],
+                           g["accum"][a:a + step] if "accum" in g else None, optimizer)
+        except (OSError, KeyError) as exc:
+            raise CheckpointError(f"cannot read table {table} from {path}: {exc}") from None
+
+
+def count(files: Sequence[Path], table: int) -> tuple[int, str | None]:
+    """Table ``table``'s rows in every file, and its optimizer, without reading the rows."""
+    n, optimizer = 0, None
+    for path in files:
+        try:
+            with h5py.File(path, "r") as f:
+                g = f[f"table{table}"]
+                n += int(g["ids"].shape[0])
                 optimizer = str(g.attrs.get("optimizer", ""))
         except (OSError, KeyError) as exc:
             raise CheckpointError(f"cannot read table {table} from {path}: {exc}") from None
-    have = [a for a in accum if a is not None]
-    return (np.concatenate(ids), np.concatenate(rows),
-            np.concatenate(have) if len(have) == len(accum) and have else None, optimizer)
+    return n, optimizer

@@ -199,11 +199,12 @@ class RowShard:
         hold the same optimizer's."""
         taken = 0
         for t, store in enumerate(self.tables):
-            ids, values, accum, optimizer = tables.read(files, t)
-            mine = place(np.full(len(ids), t, dtype=np.int64), ids, n_shards) == shard
-            same = accum is not None and optimizer == store.optimizer
-            store.load(ids[mine], values[mine], accum[mine] if same else None)
-            taken += int(mine.sum())
+            # a part at a time: the files hold every shard's rows, S times this shard's share
+            for ids, values, accum, optimizer in tables.read_parts(files, t):
+                mine = place(np.full(len(ids), t, dtype=np.int64), ids, n_shards) == shard
+                same = accum is not None and optimizer == store.optimizer
+                store.load(ids[mine], values[mine], accum[mine] if same else None)
+                taken += int(mine.sum())
         return taken
 
     def write(self, path: Path, shard: int, n_shards: int, step: int) -> Path:

@@ -2,6 +2,7 @@
 back from a checkpoint's table files) and where they are written."""
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 from hpcps.io.tables import TABLES_DIR, shard_file, table_files
@@ -14,6 +15,26 @@ def tables_path(ctx: Context, shard: int, step: int) -> Path:
     """Where server shard ``shard`` writes its rows at ``step``:
     ``tables/shard-<s>-of-<S>.step-<N>.h5``."""
     return shard_file(ctx.run_dir / TABLES_DIR, shard, ctx.grid.layout.servers, step)
+
+
+def write_rows(ctx: Context, rows: RowShard, step: int) -> Path:
+    """This server shard's rows at global ``step`` in their table file (:func:`tables_path`).
+
+    A shard writes while it serves nobody, and every rank waiting on it (replicas pulling
+    rows, the other shards gathering, the chief waiting for the file) fails after --timeout:
+    a write that took over half of it is warned about, on the terminal, while raising
+    --timeout still saves the next one (tables grow as rows are admitted)."""
+    shard = ctx.grid.role.shard
+    started = time.monotonic()
+    path = rows.write(tables_path(ctx, shard, step), shard, ctx.grid.layout.servers, step)
+    took = time.monotonic() - started
+    if took > ctx.cfg.timeout / 2:
+        size = path.stat().st_size / 2**30
+        print(f"[hpcps] warning: server shard {shard} took {took:.1f} s to write its embedding "
+              f"table file ({size:.1f} GiB, step {step}), over half of --timeout "
+              f"{ctx.cfg.timeout:g} s; the ranks waiting on it fail once a write takes longer "
+              "than --timeout: raise it", flush=True)
+    return path
 
 
 def row_shard(ctx: Context) -> RowShard:

@@ -93,8 +93,8 @@ def embedding_tables(path: str | os.PathLike, ckpt) -> dict[str, Any] | None:
         return {"missing": str(exc)}
     rows = []
     for t in range(len(fields)):
-        ids, _, accum, optimizer = tables.read(files, t)
-        rows.append({"table": t, "field": fields[t][0], "rows": int(len(ids)),
+        n, optimizer = tables.count(files, t)
+        rows.append({"table": t, "field": fields[t][0], "rows": n,
                      "vocab": fields[t][2], "optimizer": optimizer})
     return {"directory": str(directory), "files": len(files), "dim": dim, "per_table": rows}
 

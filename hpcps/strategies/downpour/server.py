@@ -18,7 +18,7 @@ from hpcps.ps.epochs import EpochKeeper
 from hpcps.ps.gradient_shard import GradientShard
 from hpcps.ps.liveness import Liveness
 from hpcps.ps.rows import RowShard
-from hpcps.strategies.embedding import row_shard, tables_path
+from hpcps.strategies.embedding import row_shard, write_rows
 from hpcps.ps.serve import serve
 from hpcps.model.spec import is_embedding_spec
 from hpcps.strategies.downpour import Tag as DownpourTag
@@ -124,7 +124,7 @@ def run_server(ctx: Context) -> dict:
 
     def on_boundary(step: int) -> None:
         if rows is not None:
-            rows.write(tables_path(ctx, s, step), s, grid.layout.servers, step)
+            write_rows(ctx, rows, step)
         got = gather()
         if got is not None:
             path = save_checkpoint(ctx, got[0], got[1], step)
@@ -160,8 +160,7 @@ def run_server(ctx: Context) -> dict:
     with_spares(server, layout, liveness)
     stats = server.serve(rows.handlers() if rows is not None else None)
     if rows is not None:
-        rows.write(tables_path(ctx, s, server.step), s, grid.layout.servers,
-                   server.step)
+        write_rows(ctx, rows, server.step)
     got = gather()
     if got is not None:
         msg = final_message(ctx)

@@ -7,27 +7,27 @@ from __future__ import annotations
 from hpcps.mpi.protocol import H, Tag
 from hpcps.ps.serve import serve
 from hpcps.strategies.context import Context
-from hpcps.strategies.embedding import row_shard, tables_path
+from hpcps.strategies.embedding import row_shard, write_rows
 from hpcps.strategies.rows_summary import row_figures
 
 
 def run(ctx: Context) -> dict:
     cfg, grid = ctx.cfg, ctx.grid
     layout = grid.layout
-    s, S, R = grid.role.shard, layout.servers, layout.replicas
+    s, R = grid.role.shard, layout.replicas
     rows = row_shard(ctx)
     done: set[int] = set()
     state = {"step": ctx.start_step, "released": False, "written": None}
 
     def on_save(src: int, status) -> bool:
         step = int(rows.header(src, Tag.SAVE_ROWS)[H.STEPS])
-        rows.write(tables_path(ctx, s, step), s, S, step)
+        write_rows(ctx, rows, step)
         rows.saved(src, step)  # the chief writes checkpoint.h5 once every shard's file is in
         return False
 
     def finished() -> bool:
         if len(done) == R and state["written"] is None:  # every push is in: the final rows
-            rows.write(tables_path(ctx, s, state["step"]), s, S, state["step"])
+            write_rows(ctx, rows, state["step"])
             rows.saved(0, state["step"])  # world rank 0, the chief, writes the final checkpoint
             state["written"] = state["step"]
         return len(done) == R and state["released"]
