@@ -184,4 +184,29 @@ def test_a_table_write_over_half_the_timeout_is_warned_about(tmp_path, capsys):
     out = capsys.readouterr().out
     assert out.startswith("[hpcps] warning: server shard 1 took 0.") and out.count("\n") == 1
     assert "to write its embedding table file (0.0 GiB, step 20), over half of --timeout 0.6 s" \
-        in out and "raise it" in out, out
+        in out and "raise --timeout" in out, out
+
+
+def test_the_same_rows_are_not_written_twice(tmp_path, monkeypatch):
+    """A run whose last step is a checkpoint's asks its shards for the rows of that step twice
+    (the checkpoint, then the end): with no pull or push served in between the file holds
+    them already and is not written again; after one, or for another step, it is."""
+    from mpi4py import MPI
+
+    from hpcps.ps.rows import RowShard
+    shard = RowShard(MPI.COMM_SELF, 1, DIM, seed=0, optimizer="adagrad", lr=0.1)
+    shard.tables[0].pull(np.arange(50, dtype=np.int64))
+    writes = []
+    real = tables.write
+    monkeypatch.setattr(tables, "write", lambda path, *a: writes.append(path) or real(path, *a))
+    path = tables.shard_file(tmp_path, 0, 1, 20)
+    assert shard.write(path, 0, 1, 20) == path and shard.write(path, 0, 1, 20) == path
+    assert writes == [path]
+    shard.pushes += 1  # a push served (its rows changed)
+    shard.write(path, 0, 1, 20)
+    later = tables.shard_file(tmp_path, 0, 1, 30)
+    shard.write(later, 0, 1, 30)
+    assert writes == [path, path, later]
+    path.unlink()  # gone (pruned): written again
+    shard.write(path, 0, 1, 20)
+    assert writes == [path, path, later, path] and path.exists()

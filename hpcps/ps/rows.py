@@ -87,6 +87,7 @@ class RowShard:
         self._header = np.empty(HEADER_BYTES, dtype=np.uint8)
         self.pulls = self.pushes = self.rows_out = self.rows_in = 0
         self.bytes_in = self.bytes_out = 0
+        self._written: tuple | None = None  # (path, pulls, pushes) of the last file written
 
     def handlers(self) -> dict:
         """``{tag: handler(source, status)}`` for :func:`hpcps.ps.serve.serve`."""
@@ -208,8 +209,16 @@ class RowShard:
         return taken
 
     def write(self, path: Path, shard: int, n_shards: int, step: int) -> Path:
-        """This shard's rows of every table as one HDF5 file (:mod:`hpcps.io.tables`)."""
-        return tables.write(path, self.tables, shard, n_shards, step)
+        """This shard's rows of every table as one HDF5 file (:mod:`hpcps.io.tables`).
+
+        The same file again with no pull or push served since is not written twice: it holds
+        these rows already (a run whose last step is a checkpoint's asks for both)."""
+        mark = (Path(path), self.pulls, self.pushes)
+        if mark == self._written and mark[0].exists():
+            return mark[0]
+        written = tables.write(path, self.tables, shard, n_shards, step)
+        self._written = mark
+        return written
 
 
 class RowClient:

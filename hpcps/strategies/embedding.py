@@ -21,9 +21,10 @@ def write_rows(ctx: Context, rows: RowShard, step: int) -> Path:
     """This server shard's rows at global ``step`` in their table file (:func:`tables_path`).
 
     A shard writes while it serves nobody, and every rank waiting on it (replicas pulling
-    rows, the other shards gathering, the chief waiting for the file) fails after --timeout:
-    a write that took over half of it is warned about, on the terminal, while raising
-    --timeout still saves the next one (tables grow as rows are admitted)."""
+    rows, the other shards gathering, the chief waiting for the file, and the ranks waiting on
+    those) fails after --timeout: a write that took over half of it is warned about, on the
+    terminal, while raising --timeout still saves the next one (tables grow as rows are
+    admitted)."""
     shard = ctx.grid.role.shard
     started = time.monotonic()
     path = rows.write(tables_path(ctx, shard, step), shard, ctx.grid.layout.servers, step)
@@ -32,8 +33,8 @@ def write_rows(ctx: Context, rows: RowShard, step: int) -> Path:
         size = path.stat().st_size / 2**30
         print(f"[hpcps] warning: server shard {shard} took {took:.1f} s to write its embedding "
               f"table file ({size:.1f} GiB, step {step}), over half of --timeout "
-              f"{ctx.cfg.timeout:g} s; the ranks waiting on it fail once a write takes longer "
-              "than --timeout: raise it", flush=True)
+              f"{ctx.cfg.timeout:g} s; a rank whose wait on it (or on a rank waiting on it) "
+              "passes --timeout fails the run: raise --timeout", flush=True)
     return path
 
 
