@@ -23,6 +23,7 @@ or dies writing it leaves that checkpoint usable. :func:`prune` then removes the
 """
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 from typing import Sequence
@@ -152,39 +153,42 @@ def read(files: Sequence[Path], table: int
     """Table ``table``'s rows from every file: (ids, rows, accum or None, optimizer). The whole
     table in memory: a tool's (``hpcps.evaluate``); a shard reads only its own rows, a part
     at a time (:func:`read_parts`)."""
-    parts = list(read_parts(files, table, whole=True))
+    parts = list(read_parts(files, table))
     have = [a for _, _, a, _ in parts if a is not None]
     return (np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]),
             np.concatenate(have) if len(have) == len(parts) and have else None,
             parts[-1][3] if parts else None)
 
 
-def read_parts(files: Sequence[Path], table: int, whole: bool = False):
+def read_parts(files: Sequence[Path], table: int):
     """Table ``table``'s rows from every file in turn, a part of at most :data:`PART_BYTES`
-    of rows and optimizer state at a time (``whole``: each file's as one part, even an empty
-    one): yields (ids, rows, accum or None, optimizer) in the files' order."""
+    of rows and optimizer state at a time (at least one part a file, perhaps empty): yields
+    (ids, rows, accum or None, optimizer) in the files' order."""
     for path in files:
-        try:
-            with h5py.File(path, "r") as f:
-                g = f[f"table{table}"]
-                n, optimizer = g["ids"].shape[0], str(g.attrs.get("optimizer", ""))
-                step = max(1, n) if whole else part_rows(g["rows"].shape[1])
-                for a in range(0, max(n, 1) if whole else n, step):
-                    yield (g["ids"][a:a + step], g["rows"][a:a + step],
-                           g["accum"][a:a + step] if "accum" in g else None, optimizer)
-        except (OSError, KeyError) as exc:
-            raise CheckpointError(f"cannot read table {table} from {path}: {exc}") from None
+        with _table(path, table) as g:
+            n, optimizer = g["ids"].shape[0], str(g.attrs.get("optimizer", ""))
+            step = part_rows(g["rows"].shape[1])
+            for a in range(0, max(n, 1), step):
+                yield (g["ids"][a:a + step], g["rows"][a:a + step],
+                       g["accum"][a:a + step] if "accum" in g else None, optimizer)
 
 
 def count(files: Sequence[Path], table: int) -> tuple[int, str | None]:
     """Table ``table``'s rows in every file, and its optimizer, without reading the rows."""
     n, optimizer = 0, None
     for path in files:
-        try:
-            with h5py.File(path, "r") as f:
-                g = f[f"table{table}"]
-                n += int(g["ids"].shape[0])
-                optimizer = str(g.attrs.get("optimizer", ""))
-        except (OSError, KeyError) as exc:
-            raise CheckpointError(f"cannot read table {table} from {path}: {exc}") from None
+        with _table(path, table) as g:
+            n += int(g["ids"].shape[0])
+            optimizer = str(g.attrs.get("optimizer", ""))
     return n, optimizer
+
+
+@contextlib.contextmanager
+def _table(path: Path, table: int):
+    """The group of table ``table`` in the file ``path``, open for reading; a file or table
+    that cannot be read is a CheckpointError naming both."""
+    try:
+        with h5py.File(path, "r") as f:
+            yield f[f"table{table}"]
+    except (OSError, KeyError) as exc:
+        raise CheckpointError(f"cannot read table {table} from {path}: {exc}") from None
