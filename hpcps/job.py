@@ -613,6 +613,7 @@ def main(argv: list[str] | None = None, early=()) -> int:
     stream = _agree(world, _plan_feed, cfg, info, layout, budgets)
     ctx = _agree(world, _setup, cfg, world, layout, info, ckpt, run_dir, stream)
     may_lose = cfg.heartbeat_timeout is not None  # replicas may die (hpcps.runtime.faults)
+    verdict = None  # what the launcher does when a rank ends (faults.launcher_verdict)
     if may_lose:  # no world-wide stop vote with ranks that may die
         if cfg.spec.stops_alone:  # rank 0's SIGTERM stops the run by the strategy's messages
             flag.without_vote(hydra=keeper.under_hydra())
@@ -664,7 +665,8 @@ def main(argv: list[str] | None = None, early=()) -> int:
                 _summary(ctx, results, time.perf_counter() - t_start, stopped)
 
             lost = faults.finish(world, ctx.reporter, result, ctx.grid.layout, cfg.timeout,
-                                 summarize, grace=faults.ending_grace(cfg.heartbeat_timeout))
+                                 summarize, grace=faults.ending_grace(cfg.heartbeat_timeout),
+                                 leave_early=verdict is None)
             m.close()
             if lost:  # MPI_Finalize would wait for the dead ranks
                 faults.leave(code)

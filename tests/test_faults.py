@@ -132,14 +132,16 @@ def output(proc, timeout=None) -> str:
     return "".join(proc.parts)
 
 
-def launch(run_dir, data_h5, n=4, extra=(), run=RUN, ulfm=False):
+def launch(run_dir, data_h5, n=4, extra=(), run=RUN, ulfm=False, survive=True):
     """The job, started, its output drained (:func:`drained`, read by :func:`output` or
     :func:`finish`); its launch tag is ``proc.tag`` (for :func:`mpirun.end_launch`).
-    ``ulfm``: under Open MPI, ``mpirun --with-ft ulfm`` (deaths reported by MPI)."""
+    ``ulfm``: under Open MPI, ``mpirun --with-ft ulfm`` (deaths reported by MPI).
+    ``survive`` False: a plain launch (``mpiexec -n N python -m hpcps.train``), whose
+    launcher ends the job when a rank ends."""
     path = str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")
     env, tag = tagged_env(dict(os.environ, OPENBLAS_NUM_THREADS="1", PYTHONPATH=path))
-    cmd = [*mpiexec_cmd(n, survive_rank_death=True, ulfm=ulfm), sys.executable, "-m",
-           rank_module(survive_rank_death=True), *run, *extra, "--data", str(data_h5),
+    cmd = [*mpiexec_cmd(n, survive_rank_death=survive, ulfm=ulfm), sys.executable, "-m",
+           rank_module(survive_rank_death=survive), *run, *extra, "--data", str(data_h5),
            "--run-dir", str(run_dir)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=env, start_new_session=True, preexec_fn=below_the_watcher)
@@ -202,12 +204,13 @@ class Job:
     (a wait ran out), the failure carries where every rank was and the job's last output,
     and every launch is ended."""
 
-    def __init__(self, run_dir, data_h5, n=4, extra=(), run=RUN, what="the job"):
+    def __init__(self, run_dir, data_h5, n=4, extra=(), run=RUN, what="the job",
+                 survive=True):
         self.run_dir, self.what = run_dir, what
         self.joins: list = []
         self.outs: dict = {}
         self.out = ""
-        self.proc = launch(run_dir, data_h5, n=n, extra=extra, run=run)
+        self.proc = launch(run_dir, data_h5, n=n, extra=extra, run=run, survive=survive)
 
     def __enter__(self):
         return self
@@ -380,6 +383,35 @@ def test_sigterm_stops_a_run_that_survives_deaths_with_its_checkpoint_and_75(
         assert again.returncode == 0, out[-3000:]
         assert records(job.run_dir, "start")[-1]["start_step"] == s["step"]
         assert summary_last(job.run_dir)["step"] >= 6000
+
+
+@pytest.mark.parametrize("who", ["every rank", "replica 1"])
+def test_sigterm_under_a_launcher_that_ends_the_job_when_a_rank_exits(mnist_h5, tmp_path, who):
+    """A run whose ranks may die (--ps-copies 2 brings --heartbeat-timeout) started the plain
+    way, ``mpiexec -n 4 python -m hpcps.train``: Hydra kills every rank as soon as one exits,
+    even with status 0. A replica that leaves on SIGTERM so stays, idle, until the run ends.
+    SIGTERM to mpiexec: exit code 75 and the final checkpoint at the summary's step (a replica
+    that ended its process at once had every rank killed, exit code 9, and the checkpoint
+    left at the last periodic step). SIGTERM to replica 1 alone: the run completes, exit 0,
+    the summary says rank 1 left."""
+    steps = 6000
+    extra = ["--steps", str(steps), "--servers", "2", "--ps-copies", "2"]
+    with Job(tmp_path / "run", mnist_h5, n=4, extra=extra, what=who, survive=False) as job:
+        job.at_step(1000)
+        if who == "every rank":
+            os.kill(job.proc.pid, signal.SIGTERM)  # mpiexec: it forwards it to every rank
+        else:
+            job.signal(1, signal.SIGTERM)
+    s = job.summary
+    assert "without -disable-auto-cleanup" in job.out, job.out[-3000:]
+    assert s["lost_ranks"] == [] and s.get("left_ranks") in ([1], None), s
+    if who == "every rank":
+        assert job.proc.returncode == 75, job.out[-3000:]
+        assert s["stopped_early"] and s["step"] < steps, s
+        assert checkpoint.peek_step(s["checkpoint"]) == s["step"]
+    else:
+        assert job.proc.returncode == 0, job.out[-3000:]
+        assert s["left_ranks"] == [1] and not s["stopped_early"] and s["step"] >= steps, s
 
 
 # -- a primary server shard killed mid-run (--ps-copies) -----------------------------------------

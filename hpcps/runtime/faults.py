@@ -24,6 +24,7 @@ Two things differ from a run in which one failure ends the job (``docs/fault-tol
 """
 from __future__ import annotations
 
+import math
 import os
 import sys
 import time
@@ -151,7 +152,7 @@ def ending_grace(heartbeat_timeout: float) -> float:
 
 
 def finish(world, reporter: int, result: dict, layout, timeout: float,
-           summarize, grace: float | None = None) -> bool:
+           summarize, grace: float | None = None, leave_early: bool = True) -> bool:
     """End a run without world collectives. Returns whether ranks were lost.
 
     Parameters
@@ -175,17 +176,26 @@ def finish(world, reporter: int, result: dict, layout, timeout: float,
         coordinator: a replica may still compute a portion it was given twice, for as long
         as ``--replica-timeout`` lets a busy replica be silent); that
         figure replaces ``grace`` and is not passed on to ``summarize``.
+    leave_early : whether a rank that left the run (on SIGTERM, ``result["left"]``) may end
+        its process now: where the launcher keeps the others running when one ends
+        (:func:`launcher_verdict` None). Elsewhere (a plain ``mpiexec``, which kills every
+        rank when one exits, even with status 0) it waits for the run's end as the others
+        do, with no deadline (the run may go on for long without it; a launcher that ends
+        the job on an exit also ends it, and this rank, on a death), and the end counts it
+        among the survivors: a run stopped by SIGTERM to every rank then ends as usual.
     """
     rank = world.Get_rank()
     size = world.Get_size() + len(joins.joined(world))  # ranks that joined come after the world
     net = Transport(world)
-    if rank != reporter and result.get("left"):  # left the run on SIGTERM: nothing to wait for
+    left = rank != reporter and bool(result.get("left"))
+    if left and leave_early:  # left the run on SIGTERM: nothing to wait for
         net.send_obj(result, reporter, Tag.RESULT)
         return True
     if rank != reporter:
-        net.send_obj(result, reporter, Tag.RESULT)
+        net.send_obj({**result, "stays": True} if left else result, reporter, Tag.RESULT)
         req = net.post_recv_obj(reporter, Tag.RESULT)
-        deadline = time.monotonic() + 2 * timeout + 10  # the reporter may wait `timeout`
+        # the reporter may wait `timeout`; a rank that left waits for the whole run
+        deadline = math.inf if left else time.monotonic() + 2 * timeout + 10
         poll = Poller()
         while True:
             done, lost = test_obj(req)
@@ -234,7 +244,8 @@ def finish(world, reporter: int, result: dict, layout, timeout: float,
     for r in lost:
         results[r] = results[r] if results[r] is not None else {"lost": True}
     summarize(results)
-    left = [r for r in range(size) if results[r] is not None and results[r].get("left")]
+    left = [r for r in range(size) if results[r] is not None and results[r].get("left")
+            and not results[r].get("stays")]  # gone: those that stayed wait for the end
     gone = sorted(set(lost) | set(left))  # the survivors skip MPI_Finalize if any rank is gone
     for r in range(size):
         if r != reporter and r not in gone:
