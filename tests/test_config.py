@@ -20,6 +20,25 @@ def test_defaults_fill_by_strategy():
     assert config.parse([]).compress == "none" and config.parse([]).tau is None
 
 
+def test_every_strategy_with_the_linear_rule_has_a_warm_up():
+    """--lr-rule linear reads --lr-warmup-steps: every strategy that takes the rule gives the
+    warm-up a default (hybrid had none, and its replicas failed with a TypeError)."""
+    from hpcps.model.spec import is_embedding_spec
+    from hpcps.strategies.registry import strategies
+    taking = []
+    for name, spec in strategies().items():
+        model = ["--model", "embed8,fc16,fc1"] if spec.embeddings and not spec.dense_models \
+            else []
+        try:
+            cfg = config.parse(["--strategy", name, "--lr-rule", "linear", *model])
+        except ConfigError:
+            continue  # the strategy does not take the rule
+        assert is_embedding_spec(cfg.model) == bool(model)
+        assert isinstance(cfg.lr_warmup_steps, int) and cfg.lr_warmup_steps >= 0, name
+        taking.append(name)
+    assert {"sync", "averaging", "hybrid"} <= set(taking), taking
+
+
 def test_cli_values_and_layers():
     cfg = config.parse(["--layers", "64,32,10", "--lr", "0.5", "--batch-size", "7",
                         "--activation", "tanh", "--steps", "9"])

@@ -317,7 +317,8 @@ EMBEDDING_DIMS = [
      ["--warmup-steps", "0", "--row-optimizer", "sgd", "--row-lr", "1"],
      ["--row-optimizer", "adagrad", "--row-l2", "1e-4"],
      ["--optimizer", "momentum", "--model", "embed4:mean,dot,fc8,fc1"],
-     ["--table-capacity", "128", "--admit-after", "2"]],  # 2 threads x 64 rows: the least
+     ["--table-capacity", "128", "--admit-after", "2"],  # 2 threads x 64 rows: the least
+     ["--lr-rule", "linear"]],  # hybrid's dense rate for R replicas, its default warm-up
 ]
 # what no embedding run takes, each with a message of its own (the options downpour refuses
 # with embeddings are listed in _validate_embeddings; tests/test_config.py-style checks below)

@@ -21,7 +21,7 @@ from hpcps.model.spec import is_embedding_spec
 from hpcps.options import (EMBEDDING_DEFAULTS, EMBEDDING_EPOCHS, EMBEDDING_OPTIONS,
                            LOOP_OPTIONS, check_embedding_options, check_loop_options,
                            describe_rows, parse_augment, varies, WIRE_DTYPE)
-from hpcps.strategies.lr_rule import LR_RULE_OPTIONS, describe_rate
+from hpcps.strategies.lr_rule import DEFAULT_WARMUP_STEPS, LR_RULE_OPTIONS, describe_rate
 from hpcps.strategies.registry import SERVERS, Strategy
 from hpcps.strategies.rows_summary import row_lines
 
@@ -38,7 +38,8 @@ def _validate(cfg) -> None:
 
 
 def _defaults(cfg) -> dict:
-    d = {"servers": 1, "prefetch": 2, "lr_rule": "none", **EMBEDDING_DEFAULTS}
+    d = {"servers": 1, "prefetch": 2, "lr_rule": "none", "lr_warmup_steps": DEFAULT_WARMUP_STEPS,
+         **EMBEDDING_DEFAULTS}
     if cfg.steps is None:
         d["epochs"] = EMBEDDING_EPOCHS
     return d
