@@ -125,7 +125,6 @@ class ReplicaLoop(ABC):
         self.first = self.replica == 0
         self.params: np.ndarray = ctx.params
         R = grid.layout.replicas
-        self.eval_local = per_replica(cfg.eval_every, R)
         self.ckpt_local = per_replica(cfg.checkpoint_every, R) if self.saves_checkpoints else 0
         self.batches = Prefetcher(ctx.train_batches(self.source.batch,
                                                     ctx.batch_seed(self.replica)), cfg.prefetch)
@@ -194,6 +193,18 @@ class ReplicaLoop(ABC):
 
     def run_complete(self) -> bool:
         return False
+
+    def alone_steps(self) -> int:
+        """Mini-batches this replica trains while the others wait (downpour's warm start on
+        replica 0): each moves the global step by one, not by R (default 0)."""
+        return 0
+
+    def _global_estimate(self, done: int) -> int:
+        """The global steps of this run after this replica's first ``done`` mini-batches,
+        were every replica at its pace: the same on every partition of the replica (its
+        own count, not the global step it last heard of), so they gather together."""
+        alone = min(done, self.alone_steps())
+        return alone + (done - alone) * self.ctx.grid.layout.replicas
 
     # -- the loop ------------------------------------------------------------------------------
     def run(self) -> dict:
@@ -379,7 +390,9 @@ class ReplicaLoop(ABC):
         """Replica 0's periodic evaluation and checkpoint (all its partitions gather)."""
         if not self.first:
             return
-        evaluating = crossed(self.done, self.T, self.eval_local)
+        now = self._global_estimate(self.done)
+        evaluating = crossed(now, now - self._global_estimate(self.done - self.T),
+                             self.cfg.eval_every)
         saving = crossed(self.done, self.T, self.ckpt_local)
         if not (evaluating or saving):
             return

@@ -370,6 +370,9 @@ class DownpourReplica(ReplicaLoop):
         if self.epochs is not None:
             self.epochs.drain()
 
+    def alone_steps(self) -> int:
+        return self.warmup if self.replica == 0 and self.layout.replicas > 1 else 0
+
     def finish(self, train_s: float) -> dict:
         c = self.client
         out = {"replica_steps": self.done, "clock_lead_max": self.max_lead,
