@@ -33,7 +33,7 @@ import numpy as np
 
 from hpcps import config, trace
 from hpcps.compress.bf16 import Wire
-from hpcps.io import checkpoint, data, runlog
+from hpcps.io import checkpoint, data, runlog, tables
 from hpcps.model import convnet
 from hpcps.model.spec import is_embedding_spec
 from hpcps.io.tables import TABLES_DIR, table_files
@@ -68,6 +68,11 @@ def _agree(world, fn, *args):
         value = fn(*args)
     except HpcpsError as exc:
         code, text = exc.exit_code, str(exc)
+    except MemoryError as exc:  # the options ask for more than the node has (exit 2)
+        code, text = ConfigError.exit_code, (
+            f"out of memory while setting up the run ({exc or 'MemoryError'}): the model, "
+            "or the data a rank holds, does not fit on its node; use a smaller model, "
+            "more ranks to share it (--partitions, --servers), or a smaller --data-memory")
     except Exception:  # a bug, not bad input: show where
         code, text = 1, traceback.format_exc()
     codes = allgather_obj(world, code)
@@ -159,8 +164,15 @@ def _load_resume(cfg: config.Config, info: data.DatasetInfo):
             f"--strategy {' or '.join(takers) or '(none)'}, or start a new run")
     model = convnet.build(cfg, info)
     if is_embedding_spec(cfg.model):  # its rows: the table files beside it, of its step
-        table_files(Path(cfg.resume).parent / TABLES_DIR, ckpt.step, model.n_tables,
-                    model.dim)
+        files = table_files(Path(cfg.resume).parent / TABLES_DIR, ckpt.step, model.n_tables,
+                            model.dim)
+        _, rows_by = tables.count(files, 0)
+        if rows_by and rows_by != cfg.row_optimizer:  # as the dense layers' optimizer: refused
+            raise CheckpointError(
+                f"checkpoint {cfg.resume}'s embedding rows were trained with --row-optimizer "
+                f"{rows_by} but this run asks for {cfg.row_optimizer}: the rows' optimizer "
+                f"state would not carry over; resume with --row-optimizer {rows_by}, or start "
+                "a new run")
     warnings = checkpoint.check_compatible(ckpt, model.sizes,
                                            optimizer=cfg.optimizer,
                                            dataset=info.to_dict())

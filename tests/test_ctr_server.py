@@ -181,6 +181,13 @@ def test_resume_on_another_shard_count(ctr_h5, tmp_path, strategy):
     assert first.returncode == 0, first.output
     before = read_tables(run_dir, 5, "shard-*-of-2.step-*.h5")
     auc = summary(run_dir)["test_auc"]
+    if strategy == "downpour":  # the rows' optimizer is the checkpoint's, as the layers' is
+        other = mpirun.train(3, "--model", SPEC, "--data", str(ctr_h5), "--run-dir",
+                             str(tmp_path / "other"), "--resume", str(run_dir / "checkpoint.h5"),
+                             "--row-optimizer", "adagrad", timeout=180)
+        assert other.returncode == 4, other.output
+        assert "trained with --row-optimizer rowwise_adagrad but this run asks for adagrad" \
+            in other.stderr and "Traceback" not in other.output, other.output
     again = mpirun.train(5, *args, "--servers", "3", "--steps", "40", "--resume", "auto",
                          timeout=180)
     assert again.returncode == 0 and "resumed from" in again.stdout, again.output

@@ -68,6 +68,21 @@ def test_downpour_learns(n, digits_h5, tmp_path):
     assert evals and evals[-1] >= evals[0] - 0.02
 
 
+def test_downpour_evaluates_every_eval_every_steps_through_the_warm_start(digits_h5, tmp_path):
+    """Replica 0 evaluates when the run's global step passes a multiple of --eval-every.
+    While it trains alone (the warm start) each of its mini-batches is one global step, not
+    R: 3 replicas, a 300-step warm start and --eval-every 100 evaluate at about 100, 200,
+    300 (it evaluated every 34 steps then: 34, 68, ..., 9 times in the warm start)."""
+    run = train(4, "--data", str(digits_h5), "--run-dir", str(tmp_path), "--steps", "600",
+                "--warmup-steps", "300", "--layers", LAYERS, "--eval-every", "100",
+                "--checkpoint-every", "0")
+    assert run.returncode == 0, run.output
+    steps = [r["step"] for r in records(tmp_path, "eval")]
+    assert [round(s, -2) for s in steps[:3]] == [100, 200, 300], steps
+    assert all(abs(s - round(s, -2)) <= 3 for s in steps[:3]), steps
+    assert 5 <= len(steps) <= 7, steps
+
+
 @pytest.mark.parametrize("n", [1, 2, pytest.param(3, marks=pytest.mark.openmpi)])
 def test_sync_learns(n, digits_h5, tmp_path):
     """Also: progress records carry the percent of the run done and the seconds left at the
@@ -266,6 +281,9 @@ def test_bad_inputs_fail_fast_with_one_message(digits_h5, tmp_path):
         (["--resume", str(f["good"]), "--data", str(digits_h5), "--layers", "64,16,10"], 4,
          "64,32,10"),
         (["--resume", str(f["good"]), *d, "--optimizer", "sgd"], 4, "optimizer"),
+        # 7.5e12 parameters (27 TiB): refused in one line, not a MemoryError's traceback
+        (["--data", str(digits_h5), "--layers", "64,100000000000,10"], 2,
+         "out of memory while setting up the run (Unable to allocate 27.3 TiB"),
     ]
     for args, code, needle in cases:
         run = train(3, *args, timeout=60)
