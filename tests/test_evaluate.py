@@ -206,3 +206,122 @@ def test_a_long_evaluation_shows_its_progress_on_stderr(trained, digits_h5, monk
     assert [line for line in err.splitlines() if "scored" in line] == [
         f"hpcps.evaluate: scored {n} of 360 rows ({round(100 * n / 360)}%)"
         for n in (100, 200, 300, 360)]
+
+
+# ---------------------------------------------------------------------------------------------
+# --input on an embedding model's checkpoint: its rows are ids (and dense features), scored as
+# --data scores a split
+
+
+@pytest.fixture(scope="module", params=["ids-only", "dense-multivalued"])
+def embedding_run(request, ctr_h5, tmp_path_factory):
+    """(kind, checkpoint, data file) of a downpour run of an embedding model on 3 ranks: on
+    the synthetic CTR file (5 single-valued fields, no dense features), or on a file with a
+    multi-valued field, padding and 2 dense features."""
+    from test_export import embedding_file
+    root = tmp_path_factory.mktemp(f"evaluate-{request.param}")
+    if request.param == "ids-only":
+        path, model = ctr_h5, "embed8,fc16,fc1"
+    else:
+        path, model = embedding_file(root / "toy.h5"), "embed6,fc12,fc1"
+    run = train(3, "--model", model, "--servers", "1", "--data", str(path), "--steps", "150",
+                "--batch-size", "32", "--run-dir", str(root / "run"), "--timeout", "30",
+                timeout=120)
+    assert run.returncode == 0, run.output[-3000:]
+    return request.param, root / "run" / "checkpoint.h5", path
+
+
+def test_embedding_input_is_scored_as_data_scores_the_same_rows(embedding_run, tmp_path,
+                                                                  capsys):
+    """--input of a split's ids (and dense features) gives each row's P(y = 0), P(y = 1)
+    exactly as --data gives them for the split: from the dataset file itself (/SPLIT/ids),
+    an HDF5 file of /ids (and /dense) in batches of 7, and an .npy of int32 ids."""
+    from hpcps.io.data.categorical import load_block
+    kind, ckpt, path = embedding_run
+    assert main([str(ckpt), "--data", str(path), "--split", "train",
+                 "--predict", str(tmp_path / "data.npy")]) == 0
+    want = np.load(tmp_path / "data.npy")
+    block = load_block(path, "train")
+    rows = h5py.File(tmp_path / "rows.h5", "w")
+    rows["ids"] = block.ids
+    if block.dense is not None:
+        rows["dense"] = block.dense
+    rows.close()
+    inputs = [[str(path), "--split", "train"], [str(tmp_path / "rows.h5"), "--batch", "7"]]
+    if kind == "ids-only":
+        np.save(tmp_path / "ids.npy", block.ids.astype(np.int32))
+        inputs.append([str(tmp_path / "ids.npy")])
+    capsys.readouterr()
+    for i, given in enumerate(inputs):
+        out = tmp_path / f"input{i}.npy"
+        assert main([str(ckpt), "--input", *given, "--predict", str(out)]) == 0, given
+        said = capsys.readouterr().out
+        assert f"{len(want)} rows scored" in said and "model embed" in said, said
+        got = np.load(out)
+        assert got.dtype.names == ("row", "predicted", "probabilities")
+        np.testing.assert_allclose(got["probabilities"], want["probabilities"], rtol=0,
+                                   atol=1e-6)
+        assert np.array_equal(got["predicted"], want["predicted"])
+    assert 0 < want["predicted"].sum() < len(want)  # not the one-output softmax's constant 0
+
+
+def test_embedding_input_refusals(embedding_run, tmp_path, capsys):
+    """Rows that are not the model's ids are refused with one line and exit code 3, nothing
+    written: the 40 floats the first fc layer takes (once scored as an MLP's input), float
+    ids, ids out of a field's range, a CSV, dense features missing or not finite."""
+    kind, ckpt, path = embedding_run
+    with h5py.File(path, "r") as f:
+        ids = f["test/ids"][:50]
+        dense = f["test/dense"][:50] if "test/dense" in f else None
+    cols = ids.shape[1]
+
+    def h5(name, **arrays):
+        with h5py.File(tmp_path / name, "w") as f:
+            for key, value in arrays.items():
+                f[key] = value
+        return tmp_path / name
+
+    def npy(name, array):
+        np.save(tmp_path / name, array)
+        return tmp_path / name
+
+    too_big, negative = ids.copy(), ids.copy()
+    too_big[3, cols - 1] = 10 ** 6
+    negative[4, 0] = -2
+    with_dense = {} if dense is None else {"dense": dense}
+    cases = [
+        ("40 floats", npy("forty.npy", np.random.default_rng(0).random((7, 40), np.float32)),
+         ["shape (7, 40)", f"ids (N, {cols})"] if dense is None else ["2 dense features"]),
+        ("float ids", h5("float.h5", ids=ids.astype(np.float64), **with_dense),
+         ["/ids holds float ids"]),
+        ("id past the vocabulary", h5("big.h5", ids=too_big, **with_dense),
+         ["bad id(s)", f"row 3, column {cols - 1}", "1000000"]),
+        ("id below -1", h5("neg.h5", ids=negative, **with_dense),
+         ["bad id(s)", "row 4, column 0", "-2"]),
+        ("a CSV", tmp_path / "rows.csv", ["a .npy of ids", "HDF5"]),
+        ("no ids", h5("x.h5", x=np.zeros((5, 40), np.float32)), ["neither /ids nor /test/ids"]),
+    ]
+    (tmp_path / "rows.csv").write_text("a,b\n1,2\n")
+    if dense is None:
+        cases.append(("dense the model lacks", h5("dense.h5", ids=ids, dense=np.zeros((50, 2))),
+                      ["takes 0 dense features", "holds /dense"]))
+    else:
+        bad = dense.copy()
+        bad[5, 1] = np.nan
+        cases += [
+            ("no dense", h5("nodense.h5", ids=ids), ["takes 2 dense features", "holds none"]),
+            ("an .npy", npy("ids.npy", ids), ["2 dense features", "HDF5"]),
+            ("NaN dense", h5("nan.h5", ids=ids, dense=bad), ["/dense", "row 5", "NaN"]),
+            ("dense rows", h5("short.h5", ids=ids, dense=dense[:10]), ["(10, 2)"]),
+        ]
+    out = tmp_path / "pred.csv"
+    for label, given, words in cases:
+        assert main([str(ckpt), "--input", str(given), "--predict", str(out)]) == 3, label
+        captured = capsys.readouterr()
+        assert captured.out == "", label
+        assert captured.err.startswith("hpcps.evaluate: error: "), (label, captured.err)
+        assert str(given) in captured.err, (label, captured.err)
+        assert captured.err.count("\n") == 1, (label, captured.err)
+        for w in words:
+            assert w in captured.err, (label, w, captured.err)
+        assert not out.exists(), label

@@ -39,6 +39,12 @@ Unlabelled rows (``--input FILE``, with ``--predict``): a CSV with a header row 
 column is a feature (read in row batches by :mod:`hpcps.io.data.convert`'s reader), an HDF5
 file with a 2-D ``/x`` (or ``/<split>/x``: a dataset file's rows, labels or not), or a
 ``.npy`` (rows, or images flattened C, H, W). Its width must be the model's input width.
+An embedding model's rows are what its dataset's rows hold (:func:`embedding_input_blocks`):
+a ``.npy`` of int ids (N, C), one column per id column of its fields (no dense features), or
+an HDF5 file with ``/ids`` (N, C) and, with dense features, ``/dense`` (N, D) (or
+``/<split>/ids`` and ``/<split>/dense``: a categorical dataset file's rows); ids are checked
+as a dataset's are (integers, -1 or in their field's range). Each row's P(y = 1) is computed
+as for ``--data`` (the same table rows and fc layers) and written as two classes, 0 and 1.
 
 Either file is written atomically (a temporary file renamed onto OUT).
 
@@ -68,7 +74,7 @@ import h5py
 import numpy as np
 
 from hpcps.io import checkpoint, data
-from hpcps.io.data.categorical import Features
+from hpcps.io.data.categorical import Features, Field, check_ids
 from hpcps.io.data.convert import read_unlabelled_csv
 from hpcps.io.data.h5format import check_finite_rows
 from hpcps.io.data.stream import EVAL_ROWS, RowSource, chunks
@@ -393,6 +399,8 @@ def describe(ev: Evaluation, facts: dict[str, Any]) -> str:
 
 def model_words(facts: dict[str, Any]) -> str:
     """"layers 64 -> 32 -> 10", or a conv model's spec and image shape."""
+    if facts.get("model") and not facts.get("image_shape"):
+        return f"model {facts['model']}"  # an embedding model
     if facts.get("model"):
         return f"model {facts['model']} on {'x'.join(map(str, facts['image_shape']))} images"
     return f"layers {' -> '.join(map(str, facts['layer_sizes']))}"
@@ -490,6 +498,96 @@ def _checked_blocks(rows, path: Path, name: str, n_features: int, batch: int):
         yield x
 
 
+def embedding_input_blocks(path: str | os.PathLike, split: str, model: CtrModel, fields,
+                           batch: int):
+    """The rows of an unlabelled file for an embedding model (``--input``), as
+    :class:`Features` of ``batch`` rows, checked as a dataset's rows are: a ``.npy`` of int
+    ids (N, C) (a model without dense features), or an HDF5 file with ``/ids`` (N, C) and,
+    for a model with dense features, ``/dense`` (N, D) (or ``/<split>/ids``, ``/dense``: a
+    categorical dataset file's rows)."""
+    path = Path(path)
+    suffix, cols = path.suffix.lower(), sum(f.width for f in fields)
+    dense_too = f" and /dense (N, {model.n_dense})" if model.n_dense else ""
+    if suffix not in (".npy", ".h5", ".hdf5"):
+        raise DataError(f"--input {path}: an embedding model takes int64 ids, one column per "
+                        f"id column of its fields: give a .npy of ids (N, {cols}) or an HDF5 "
+                        f"file with /ids (N, {cols}){dense_too}, laid out like its dataset")
+    if not path.is_file():
+        raise DataError(f"--input {path} not found")
+    if suffix == ".npy":
+        if model.n_dense:
+            raise DataError(f"--input {path}: the model also takes {model.n_dense} dense "
+                            f"features, which a .npy of ids cannot hold: give an HDF5 file "
+                            f"with /ids (N, {cols}){dense_too}")
+        try:
+            ids = np.load(path, mmap_mode="r", allow_pickle=False)
+        except (OSError, ValueError) as exc:
+            raise DataError(f"cannot read --input {path} as a NumPy array: {exc}") from exc
+        yield from _checked_features(path, fields, cols, batch, ids, "the array")
+        return
+    try:
+        with h5py.File(path, "r") as f:
+            group = "/" if "ids" in f else f"/{split}/"
+            ids, dense = f.get(group + "ids"), f.get(group + "dense")
+            if not isinstance(ids, h5py.Dataset):
+                raise DataError(f"--input {path} has neither /ids nor /{split}/ids: an "
+                                f"embedding model's rows are ids (N, {cols}){dense_too}")
+            if (dense is None) != (model.n_dense == 0):
+                raise DataError(f"--input {path}: the model takes {model.n_dense} dense "
+                                f"features, but {path} " + ("holds none" if dense is None else
+                                                            f"holds {group}dense"))
+            yield from _checked_features(path, fields, cols, batch, ids, group + "ids", dense)
+    except OSError as exc:
+        raise DataError(f"cannot read --input {path}: {exc}") from exc
+
+
+def _checked_features(path: Path, fields, cols: int, batch: int, ids, name: str, dense=None):
+    if ids.ndim != 2 or ids.shape[1] != cols:
+        raise DataError(f"--input {path}: {name} has shape {ids.shape}; the model takes ids "
+                        f"(N, {cols}): its fields' widths {[f.width for f in fields]}")
+    if dense is not None and not (isinstance(dense, h5py.Dataset) and dense.ndim == 2 and
+                                  dense.shape[0] == ids.shape[0] and dense.dtype.kind in "biuf"):
+        have = (f"has shape {dense.shape} and dtype {dense.dtype}"
+                if isinstance(dense, h5py.Dataset) else "is not a dataset")
+        raise DataError(f"--input {path}: {dense.name} {have}; expected numbers "
+                        f"({ids.shape[0]}, D), a row per id row")
+    for lo in range(0, ids.shape[0], batch):
+        block = np.asarray(ids[lo:lo + batch])
+        check_ids(block, fields, path, "", lo, where=f"--input {path}: {name}")
+        x = None
+        if dense is not None:
+            with np.errstate(over="ignore"):
+                x = np.ascontiguousarray(dense[lo:lo + batch], dtype=np.float32)
+            check_finite_rows(x, path, None, lo, dense.dtype, dense.name)
+        yield Features(block.astype(np.int64), x)
+
+
+def score_embedding_input(args: argparse.Namespace, ckpt: checkpoint.Checkpoint
+                          ) -> tuple[dict[str, Any], list[str]]:
+    """``--input FILE --predict OUT`` for an embedding model: each row's P(y = 1), computed
+    as :func:`run_embedding` computes a split's (the fields are the checkpoint's)."""
+    try:
+        fields = tuple(Field(str(n), int(w), int(v)) for n, w, v in ckpt.dataset["fields"])
+        n_dense = int(ckpt.dataset.get("n_dense", 0))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CheckpointError(f"{args.checkpoint}: its dataset record names no categorical "
+                              f"fields ({exc!r}); it was not written by an embedding run"
+                              ) from None
+    model, flat = embedding_net(args.checkpoint, ckpt, fields, n_dense, "its fields")
+    stores, _ = table_stores(args.checkpoint, ckpt, model)
+    z = embedding_logits(model, flat, stores, with_progress(embedding_input_blocks(
+        args.input, args.split, model, fields, args.batch), None), args.batch)
+    if not len(z):
+        raise DataError("the input holds no rows to score")
+    predicted, probs = click_rows(z)
+    facts = {"checkpoint": str(args.checkpoint), "step": ckpt.step, "model": model.spec_text,
+             "input": str(args.input), "n": len(z),
+             "predicted_counts": np.bincount(predicted, minlength=2).tolist()}
+    write_rows(args.predict, predicted, probs, None,
+               {"checkpoint": facts["checkpoint"], "step": ckpt.step, "input": str(args.input)})
+    return facts, [f"wrote predictions for {len(z)} rows to {args.predict}"]
+
+
 def model_facts(args: argparse.Namespace, ckpt: checkpoint.Checkpoint, model) -> dict[str, Any]:
     facts = {
         "checkpoint": str(args.checkpoint), "step": ckpt.step, "layer_sizes": list(model.sizes),
@@ -504,6 +602,8 @@ def model_facts(args: argparse.Namespace, ckpt: checkpoint.Checkpoint, model) ->
 def score_input(args: argparse.Namespace) -> tuple[dict[str, Any], list[str]]:
     """``--input FILE --predict OUT``: predictions of unlabelled rows; (facts, notes)."""
     ckpt = checkpoint.load(args.checkpoint)
+    if is_embedding_spec(ckpt.config.get("model")):
+        return score_embedding_input(args, ckpt)
     model, flat = model_of(ckpt)
     predicted, probs = predict(model, flat, with_progress(
         input_blocks(args.input, args.split, model.sizes[0], args.batch), None))
@@ -548,7 +648,6 @@ def run_embedding(args: argparse.Namespace, ckpt: checkpoint.Checkpoint
     each row's P(y = 1) (as two classes, 0 and 1). A row the table files do not hold reads
     as its initial values, as in training's evaluations, or as zeros when the run admitted
     rows after several sightings (``--admit-after`` > 1: what its shards read too)."""
-    cfg = ckpt.config
     path = data_path(args, ckpt)
     info = data.open_categorical(path)
     trained = [list(f) for f in (ckpt.dataset or {}).get("fields", [])]
@@ -556,13 +655,8 @@ def run_embedding(args: argparse.Namespace, ckpt: checkpoint.Checkpoint
     if trained and trained != fields:
         raise DataError(f"{path}'s fields {fields} are not those the checkpoint was trained "
                         f"on, {trained}: its ids would look up other rows")
-    model = CtrModel.for_fields(cfg["model"], info.fields, info.n_dense,
-                                cfg.get("activation", "relu"))
-    try:
-        flat = model.flatten(ckpt.params)
-    except (KeyError, ValueError) as exc:
-        raise CheckpointError(f"{args.checkpoint}: its parameters are not those of "
-                              f"{model.spec_text} on {path}'s fields: {exc}") from None
+    model, flat = embedding_net(args.checkpoint, ckpt, info.fields, info.n_dense,
+                                f"{path}'s fields")
     stores, files = table_stores(args.checkpoint, ckpt, model)
     # the split in pieces of consecutive rows, each read and checked in turn (a held-out
     # validation split: the rows the run held out of /train): only the table rows and, per
@@ -570,19 +664,16 @@ def run_embedding(args: argparse.Namespace, ckpt: checkpoint.Checkpoint
     source, which = split_source(path, args.split, ckpt, info.n_train, info.row_width,
                                  data.CategoricalRows.of(info),
                                  sizes={"train": info.n_train, "test": info.n_test})
-    ys, zs = [], []
-    for (all_ids, all_dense), y in with_progress(chunks(source, max(args.batch, EVAL_ROWS)),
-                                                 len(source)):
-        piece = Features(all_ids, all_dense)
-        z = np.empty(len(y), dtype=np.float64)
-        for lo in range(0, len(z), args.batch):
-            ids, dense = piece[lo:lo + args.batch]
-            batch = model.lookup(ids)
-            pulled = [s.peek(u) for s, u in zip(stores, batch.uniq)]
-            z[lo:lo + len(ids)] = model.logits(flat, pulled, batch, dense)
-        ys.append(y)
-        zs.append(z)
-    y, z = np.concatenate(ys), np.concatenate(zs)
+    ys = []
+
+    def pieces():
+        for (all_ids, all_dense), y in with_progress(chunks(source, max(args.batch, EVAL_ROWS)),
+                                                     len(source)):
+            ys.append(y)
+            yield Features(all_ids, all_dense)
+
+    z = embedding_logits(model, flat, stores, pieces(), args.batch)
+    y = np.concatenate(ys)
     figures = binary_metrics(y, z)
     facts = {"checkpoint": str(args.checkpoint), "step": ckpt.step, "model": model.spec_text,
              "dataset": str(path), "dataset_name": info.name, "split": which,
@@ -590,13 +681,49 @@ def run_embedding(args: argparse.Namespace, ckpt: checkpoint.Checkpoint
              "rows_held": [len(s) for s in stores], "table_files": len(files)}
     notes = []
     if args.predict is not None:
-        p = 1.0 / (1.0 + np.exp(-z))
-        probs = np.stack([1.0 - p, p], axis=1).astype(np.float32)
-        write_rows(args.predict, (p >= 0.5).astype(np.int64), probs, y,
+        predicted, probs = click_rows(z)
+        write_rows(args.predict, predicted, probs, y,
                    {**{k: facts[k] for k in ("checkpoint", "step", "dataset", "split")},
                     "auc": facts["auc"], "loss": facts["log_loss"]})
         notes.append(f"wrote predictions for {len(z)} rows to {args.predict}")
     return facts, notes
+
+
+def embedding_net(ckpt_path: str | os.PathLike, ckpt: checkpoint.Checkpoint, fields,
+                  n_dense: int, on: str) -> tuple[CtrModel, np.ndarray]:
+    """The embedding model of ``ckpt``'s config on ``fields`` (and ``n_dense`` dense
+    features) and its flat fc parameters; ``on`` says whose fields, for the refusal."""
+    model = CtrModel.for_fields(ckpt.config["model"], fields, n_dense,
+                                ckpt.config.get("activation", "relu"))
+    try:
+        return model, model.flatten(ckpt.params)
+    except (KeyError, ValueError) as exc:
+        raise CheckpointError(f"{ckpt_path}: its parameters are not those of "
+                              f"{model.spec_text} on {on}: {exc}") from None
+
+
+def embedding_logits(model: CtrModel, flat: np.ndarray, stores: list[EmbeddingStore], pieces,
+                     batch: int) -> np.ndarray:
+    """The logit (float64) of every row of ``pieces`` (an iterable of :class:`Features`),
+    ``batch`` rows at a time: the rows of the ids looked up in ``stores``, then the fc
+    layers."""
+    zs = []
+    for piece in pieces:
+        z = np.empty(len(piece), dtype=np.float64)
+        for lo in range(0, len(z), batch):
+            ids, dense = piece[lo:lo + batch]
+            looked_up = model.lookup(ids)
+            pulled = [s.peek(u) for s, u in zip(stores, looked_up.uniq)]
+            z[lo:lo + len(ids)] = model.logits(flat, pulled, looked_up, dense)
+        zs.append(z)
+    return np.concatenate(zs) if zs else np.empty(0, dtype=np.float64)
+
+
+def click_rows(z: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(predicted class int64 (N,), probabilities float32 (N, 2): P(y = 0), P(y = 1)) of
+    logits ``z``, as ``--predict`` writes an embedding model's rows."""
+    p = 1.0 / (1.0 + np.exp(-z))
+    return (p >= 0.5).astype(np.int64), np.stack([1.0 - p, p], axis=1).astype(np.float32)
 
 
 def table_stores(ckpt_path: str | os.PathLike, ckpt: checkpoint.Checkpoint, model: CtrModel
@@ -661,7 +788,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--input", metavar="FILE", default=None,
                         help="score the unlabelled rows of FILE instead of a split (needs "
                         "--predict): a CSV with a header whose every column is a feature, an "
-                        "HDF5 file with /x (or /SPLIT/x), or a .npy")
+                        "HDF5 file with /x (or /SPLIT/x), or a .npy; for an embedding model, "
+                        "a .npy of int ids (N, C) or an HDF5 file with /ids (N, C) and "
+                        "/dense (N, D) when it has dense features (or /SPLIT/ids, /SPLIT/dense)")
     parser.add_argument("--batch", type=int, default=2000,
                         help="rows per forward pass (bounds memory; default 2000)")
     parser.add_argument("--json", action="store_true",

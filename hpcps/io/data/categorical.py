@@ -81,18 +81,20 @@ def _vocab_per_column(fields) -> np.ndarray:
 # Checks shared by the writer and the reader
 
 
-def check_ids(ids: np.ndarray, fields, path, split: str, lo: int = 0) -> None:
+def check_ids(ids: np.ndarray, fields, path, split: str, lo: int = 0,
+              where: str | None = None) -> None:
     """Refuse ids a model cannot look up: not integers, below -1, or past the field's vocab.
 
     ``ids`` holds rows ``lo ..`` of ``/{split}/ids`` as stored (any dtype). Row numbers in the
-    message count from the start of the split, so every rank names the same row.
+    message count from the start of the split, so every rank names the same row. ``where``
+    names the ids in the message instead of ``PATH: /SPLIT/ids``.
 
     Raises
     ------
     DataError
         With the number of bad values and the first bad row, column and field.
     """
-    where = f"{path}: /{split}/ids"
+    where = where or f"{path}: /{split}/ids"
     if not np.issubdtype(ids.dtype, np.integer):
         if np.issubdtype(ids.dtype, np.floating):
             with np.errstate(invalid="ignore"):
