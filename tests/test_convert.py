@@ -391,3 +391,121 @@ def test_a_write_the_file_system_refuses_ends_the_conversion_with_one_line(tmp_p
     assert run.stderr.splitlines() == [
         f"hpcps.data: error: cannot write dataset {tmp_path / 'out' / 'big.h5'}: File too large"]
     assert list((tmp_path / "out").iterdir()) == []
+
+
+def convert_in_a_subprocess(tmp_path, *args):
+    """``python -m hpcps.data convert ARGS`` under a 3 GB address-space limit (``ulimit -v``),
+    so a conversion that tried to hold one entry per class number fails fast instead of
+    taking the machine's memory."""
+    import resource
+    import subprocess
+    import sys
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))
+
+    return subprocess.run([sys.executable, "-m", "hpcps.data", "convert", *map(str, args)],
+                          capture_output=True, text=True, preexec_fn=limit, timeout=120,
+                          cwd=tmp_path)
+
+
+def test_a_csv_whose_class_numbers_are_mostly_gaps_is_refused_and_nothing_written(tmp_path):
+    """Labels 0 and 10**12 (ids, not class numbers) would make 10**12 + 1 classes, all but 2
+    without rows: refused before the file appears, in one line naming the label, its line and
+    what to do, with the exit code of bad data; no file is left behind."""
+    rng = np.random.default_rng(0)
+    with open(tmp_path / "big.csv", "w") as f:
+        f.write("a,b,label\n")
+        for i in range(300):
+            f.write(f"{rng.normal():.3f},{rng.normal():.3f},{[0, 10**12][i % 2]}\n")
+    run = convert_in_a_subprocess(tmp_path, "big.csv", "--out", "big.h5")
+    assert run.returncode == 3, (run.returncode, run.stdout[-2000:], run.stderr[-3000:])
+    err = run.stderr.splitlines()
+    assert len(err) == 1 and err[0].startswith("hpcps.data: error: big.csv, line 3: label "
+                                               "1000000000000 would make 1000000000001 "
+                                               "classes"), err
+    assert "Remap them to 0..1" in err[0] and "class names by a non-numeric prefix " \
+        "('id1000000000000')" in err[0], err
+    assert "wrote" not in run.stdout, run.stdout
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["big.csv"]
+
+
+@pytest.mark.parametrize("dtype, values, shown", [
+    (np.int64, [0, 10**12], "1000000000000"),
+    (np.int64, [3, 2**40, 3, 2**40 + 1], str(2**40 + 1)),
+    (np.uint64, [0, 2**64 - 1], str(2**64 - 1)),  # beyond int64
+    (np.float64, [0.0, 1e20], str(10**20)),
+])
+def test_npy_labels_far_beyond_the_rows_are_refused_naming_the_row(tmp_path, dtype, values,
+                                                                      shown):
+    """The same for a .npy pair (and an .npz): whole numbers >= 0 are class numbers, and one
+    that would leave more class numbers without rows than the input has rows is refused,
+    naming the largest label and the first row (counted from 0) that holds it."""
+    x = np.random.default_rng(0).random((300, 3)).astype(np.float32)
+    y = np.resize(np.array(values, dtype=dtype), 300)
+    row = int(np.flatnonzero(y == y.max())[0])
+    np.save(tmp_path / "x.npy", x)
+    np.save(tmp_path / "y.npy", y)
+    run = convert_in_a_subprocess(tmp_path, "x.npy", "--out", "o.h5")
+    assert run.returncode == 3, (run.returncode, run.stdout[-2000:], run.stderr[-3000:])
+    err = run.stderr.splitlines()
+    assert len(err) == 1 and err[0].startswith(
+        f"hpcps.data: error: y.npy, row {row}: label {shown} would make "
+        f"{int(shown) + 1} classes"), err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["x.npy", "y.npy"]
+    np.savez(tmp_path / "a.npz", x=x, y=y)
+    run = convert_in_a_subprocess(tmp_path, "a.npz", "--out", "a.h5")
+    assert run.returncode == 3, (run.returncode, run.stdout[-2000:], run.stderr[-3000:])
+    assert run.stderr.startswith(f"hpcps.data: error: a.npz['y'], row {row}: label {shown} "
+                                 "would make"), run.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.npz", "x.npy", "y.npy"]
+
+
+def test_class_numbers_without_rows_may_reach_the_row_count(tmp_path):
+    """The bound: as many class numbers without rows as the input has rows is written (with
+    the warning, which names a few and counts the rest), one more is refused."""
+    x = np.random.default_rng(0).random((60, 3)).astype(np.float32)
+    said: list[str] = []
+    np.savez(tmp_path / "edge.npz", x=x, y=np.where(np.arange(60) % 2, 0, 61))
+    out = cv.convert(tmp_path / "edge.npz", tmp_path / "edge.h5", log=said.append)
+    assert open_dataset(out).n_classes == 62
+    assert any("class numbers 0..61, but no row has classes 1, 2, 3, 4, 5 and 55 more:" in s
+               for s in said), said
+    np.savez(tmp_path / "over.npz", x=x, y=np.where(np.arange(60) % 2, 0, 62))
+    with pytest.raises(DataError, match=r"over.npz\['y'\], row 0: label 62 would make 63 "
+                       r"classes .*, 61 of them without a row, more than the input's 60 rows"):
+        cv.convert(tmp_path / "over.npz", tmp_path / "over.h5", log=quiet)
+    assert not (tmp_path / "over.h5").exists() and not list(tmp_path.glob("over.h5.tmp-*"))
+
+
+def test_negative_or_huge_labels_among_names_are_class_names_kept_exactly(tmp_path):
+    """Labels that are not all whole numbers >= 0 are class names, however large: numbered
+    0..K-1 in sorted order, each kept as written (a long number is not rounded through a
+    float)."""
+    x = np.random.default_rng(0).random((90, 3)).astype(np.float32)
+    np.save(tmp_path / "x.npy", x)
+    np.save(tmp_path / "y.npy", np.resize(np.array([-1, 10**12, 2**40]), 90))
+    out = cv.convert(tmp_path / "x.npy", tmp_path / "n.h5", log=quiet)
+    with h5py.File(out, "r") as f:
+        assert [n.decode() for n in f.attrs["class_names"]] == \
+            ["-1", "1000000000000", str(2**40)]
+        assert f.attrs["n_classes"] == 3
+    write_csv(tmp_path / "n.csv", x, np.resize(["-1", "12345678901234567"], 90))
+    out = cv.convert(tmp_path / "n.csv", tmp_path / "c.h5", label="class", log=quiet)
+    with h5py.File(out, "r") as f:
+        assert [n.decode() for n in f.attrs["class_names"]] == ["-1", "12345678901234567"]
+
+
+def test_parquet_labels_far_beyond_the_rows_are_refused(tmp_path):
+    """A Parquet label column of ids is refused as a CSV's is, naming its row."""
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    x = np.random.default_rng(0).random((300, 2))
+    pq.write_table(pa.table({"a": x[:, 0], "b": x[:, 1],
+                             "label": np.resize(np.array([0, 10**12]), 300)}),
+                   tmp_path / "t.parquet")
+    run = convert_in_a_subprocess(tmp_path, "t.parquet", "--out", "t.h5")
+    assert run.returncode == 3, (run.returncode, run.stdout[-2000:], run.stderr[-3000:])
+    assert run.stderr.startswith("hpcps.data: error: t.parquet, row 1: label 1000000000000 "
+                                 "would make"), run.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t.parquet"]

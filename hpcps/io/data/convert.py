@@ -27,7 +27,9 @@ a folder
 
 Labels: when every label is a whole number >= 0 it is the class id; otherwise labels are class
 names (CSV text, folder names, -1/+1), numbered in sorted order and stored in the root
-attribute ``class_names``.
+attribute ``class_names``. Class numbers that leave more numbers without rows than the input
+has rows (ids such as 0 and 10**12, not class numbers) are refused, naming the largest label
+and its row (:meth:`Labels.finish`).
 
 Larger than memory: CSV and Parquet are read in row batches (``chunk_rows``), ``.npy`` through
 a memory map and images a batch of files at a time; each batch is written to the HDF5 file at
@@ -103,38 +105,66 @@ class Labels:
 
     def __init__(self) -> None:
         self.ids: dict[str, int] = {}
+        self.first_rows: list[int] = []  # the input row where each provisional id first shows
+        self.rows = 0  # rows numbered so far
 
-    def number(self, values: np.ndarray, where: str) -> np.ndarray:
-        """Provisional int64 ids of ``values`` (numbers or strings); DataError on an empty or
-        NaN label (``where`` says which rows)."""
+    def number(self, values: np.ndarray, where: str, first: int = 0) -> np.ndarray:
+        """Provisional int64 ids of ``values`` (numbers or strings), the labels of input rows
+        ``first ..``; DataError on an empty or NaN label (``where`` says which rows)."""
         values = np.asarray(values)
         if values.size == 0:
             return np.zeros(0, dtype=np.int64)
         if values.dtype.kind == "f" and not np.all(np.isfinite(values)):
             raise DataError(f"{where}: a label is NaN or infinite")
-        uniq, inverse = np.unique(values, return_inverse=True)
+        uniq, index, inverse = np.unique(values, return_index=True, return_inverse=True)
         local = np.empty(len(uniq), dtype=np.int64)
         for i, u in enumerate(uniq.tolist()):
             key = _label_key(u)
             if key == "":
                 raise DataError(f"{where}: a label is empty")
-            local[i] = self.ids.setdefault(key, len(self.ids))
+            if key not in self.ids:
+                self.ids[key] = len(self.ids)
+                self.first_rows.append(first + int(index[i]))
+            local[i] = self.ids[key]
+        self.rows += values.size
         return local[inverse.reshape(-1)]
 
     def first(self) -> str:
         """The first label seen (for a message about a file of one class)."""
         return next(iter(self.ids))
 
-    def finish(self) -> tuple[int, np.ndarray, list[str] | None]:
-        """(n_classes, lookup from provisional to final ids, class names or None)."""
+    def finish(self, where: str = "the input", locate: Callable[[int], str] | None = None
+               ) -> tuple[int, np.ndarray, list[str] | None]:
+        """(n_classes, lookup from provisional to final ids, class names or None).
+
+        Class numbers (every label a whole number >= 0) make ``largest + 1`` classes; when
+        more of those numbers have no row than the input has rows, the labels are ids rather
+        than class numbers (0 and 10**12 would make a model of 10**12 + 1 outputs) and they
+        are refused: DataError naming the largest label and the first row that holds it
+        (``where`` names the labels' file, ``locate(row)`` the row: ``row R`` by default).
+        """
         keys = list(self.ids)
         if not keys:
             raise DataError("the input holds no rows")
         lut = np.empty(len(keys), dtype=np.int64)
         if all(re.fullmatch(r"\d+", k) for k in keys):
-            for k, i in self.ids.items():
-                lut[i] = int(k)
-            return int(lut.max()) + 1, lut, None
+            numbers = [int(k) for k in keys]  # Python ints: a label may be beyond int64
+            largest = max(numbers)
+            empty = largest + 1 - len(numbers)
+            if empty > self.rows:
+                row = self.first_rows[numbers.index(largest)]
+                at = locate(row) if locate is not None else f"row {row}"
+                last = len(numbers) - 1
+                raise DataError(
+                    f"{where}, {at}: label {largest} would make {largest + 1} classes "
+                    "(whole-number labels >= 0 are class numbers 0..K-1), "
+                    f"{empty} of them without a row, more than the input's {self.rows} "
+                    "rows: these labels look like ids, not class numbers. Remap them to "
+                    f"0..{last} (their rank among the {len(numbers)} distinct labels), or "
+                    f"make them class names by a non-numeric prefix ('id{largest}'), which "
+                    f"convert numbers 0..{last} in sorted order and keeps in class_names")
+            lut[:] = numbers
+            return largest + 1, lut, None
         names = sorted(keys)
         rank = {k: r for r, k in enumerate(names)}
         for k, i in self.ids.items():
@@ -153,6 +183,8 @@ def _label_key(value: object) -> str:
     if isinstance(value, (float, np.floating)):
         return str(int(value)) if float(value).is_integer() else repr(float(value))
     text = str(value).strip()
+    if re.fullmatch(r"[+-]?\d+", text):
+        return str(int(text))  # exactly, not through a float (12345678901234567)
     try:
         number = float(text)
     except ValueError:
@@ -181,6 +213,11 @@ class Source:
     n_rows: int | None = None
     # the share of the input read so far, where its rows are not counted ahead (a CSV)
     read_fraction: Callable[[], float] | None = None
+    # where the labels are, for messages about them (the labels .npy, an .npz's array), when
+    # not ``path``
+    labels_where: str | None = None
+    # input row (from 0) -> where it is, for messages (a CSV's ``line L``); else ``row R``
+    locate: Callable[[int], str] | None = None
 
 
 def _finite(x: np.ndarray, where: str, first_row: int, columns: list[str] | None) -> np.ndarray:
@@ -263,7 +300,22 @@ def open_csv(path: Path, label: str | None = None, chunk_rows: int = DEFAULT_CHU
     def read_fraction() -> float:
         return min(1.0, raw[0].tell() / size) if raw and not raw[0].closed else 1.0
 
-    return Source("CSV", path, len(features), blocks, what, read_fraction=read_fraction)
+    def locate(row: int) -> str:
+        """``line L`` of input row ``row`` (blank lines are no rows): read again, for an error
+        message only."""
+        with open(path, newline="") as f:
+            reader = csv.reader(f)
+            next(reader, None)
+            i = 0
+            for cells in reader:
+                if cells:
+                    if i == row:
+                        return f"line {reader.line_num}"
+                    i += 1
+        return f"row {row}"
+
+    return Source("CSV", path, len(features), blocks, what, read_fraction=read_fraction,
+                  locate=locate)
 
 
 def _is_number(text: str) -> bool:
@@ -330,7 +382,7 @@ def _array_source(kind: str, path: Path, x, y, chunk_rows: int, where_y: str) ->
     shape = _image_shape_of(x.shape)
     what = (f"{'x'.join(map(str, shape))} images flattened C, H, W" if shape
             else f"{d} features") + f" from {path.name}"
-    return Source(kind, path, d, blocks, what, shape, len(x))
+    return Source(kind, path, d, blocks, what, shape, len(x), labels_where=where_y)
 
 
 def _load_npy(path: Path) -> np.ndarray:
@@ -600,7 +652,7 @@ def convert(input_path: str | os.PathLike, out_path: str | os.PathLike, *,
                 largest = max(largest, float(np.abs(x).max()))
             if raw is None:
                 raise DataError(f"{source.path}: no labels")
-            y = labels.number(raw, f"{source.path}, rows {first}..{first + n - 1}")
+            y = labels.number(raw, f"{source.path}, rows {first}..{first + n - 1}", first)
             codes = split_of_rows(first, n, seed, test_fraction, val_fraction)
             for code, split in enumerate(splits):
                 keep = codes == code
@@ -611,10 +663,11 @@ def convert(input_path: str | os.PathLike, out_path: str | os.PathLike, *,
             if time.monotonic() - shown >= PROGRESS_S:
                 log(progress_line(source, first))
                 shown = time.monotonic()
-        n_classes, lut, names = labels.finish()
-        if len(lut) < 2:
+        if len(labels.ids) == 1:
             raise DataError(f"{input_path}: every row has the label {labels.first()!r}: a "
                             "classifier needs rows of at least 2 classes")
+        n_classes, lut, names = labels.finish(source.labels_where or str(source.path),
+                                              source.locate)
         if class_names is not None:
             names = class_names  # every folder is a class, sorted: the lookup keeps that order
         grouped = runs.grouped()
@@ -622,13 +675,13 @@ def convert(input_path: str | os.PathLike, out_path: str | os.PathLike, *,
         out = writer.finish(n_classes, lut, names)
     log(f"wrote {out}: " + " / ".join(f"{rows[s]} {s}" for s in splits) +
         f" rows, {source.n_features} features, {n_classes} classes")
-    unused = sorted(set(range(n_classes)) - set(lut.tolist())) if names is None else []
-    if unused:
+    unused, n_unused = _missing(lut, n_classes) if names is None else ([], 0)
+    if n_unused:
         log(f"warning: the labels of {input_path} are class numbers 0..{n_classes - 1}, but "
-            f"no row has {_some(unused)}: the model keeps an output for every number, and "
-            "those outputs are never the right answer" +
+            f"no row has {_some(unused, n_unused)}: the model keeps an output for every "
+            "number, and those outputs are never the right answer" +
             (" (labels counted from 1? subtract 1 from them before converting)"
-             if unused == [0] else ""))
+             if unused == [0] and n_unused == 1 else ""))
     if grouped:
         log(f"warning: the rows of {input_path} come grouped by class: each rank reads a "
             "contiguous block of rows, so most ranks would see few classes; shuffle the input's "
@@ -655,12 +708,28 @@ def progress_line(source: Source, rows: int) -> str:
     return f"converting {source.path.name}: {rows:,} rows read{done}"
 
 
-def _some(classes: list[int]) -> str:
-    """``class 0``, ``classes 3, 5``, or the first few of many and how many more."""
-    if len(classes) == 1:
+def _missing(present: np.ndarray, n_classes: int, shown: int = 5) -> tuple[list[int], int]:
+    """The first ``shown`` of the numbers 0..n_classes-1 not in ``present``, and how many
+    there are: from the sorted distinct labels, never a set of n_classes numbers."""
+    have = np.unique(np.asarray(present, dtype=np.int64))
+    first: list[int] = []
+    expect = 0  # the smallest number not yet accounted for
+    for v in have.tolist() + [n_classes]:
+        first.extend(range(expect, min(v, expect + shown - len(first))))
+        expect = v + 1
+        if len(first) >= shown:
+            break
+    return first, n_classes - len(have)
+
+
+def _some(classes: list[int], total: int | None = None) -> str:
+    """``class 0``, ``classes 3, 5``, or the first few of many and how many more (of
+    ``total``, the count of which ``classes`` are the first)."""
+    total = len(classes) if total is None else total
+    if total == 1:
         return f"class {classes[0]}"
     shown = ", ".join(map(str, classes[:5]))
-    return f"classes {shown}" + (f" and {len(classes) - 5} more" if len(classes) > 5 else "")
+    return f"classes {shown}" + (f" and {total - 5} more" if total > 5 else "")
 
 
 UNSCALED = 100.0  # convert warns when a feature's magnitude passes this
