@@ -307,6 +307,10 @@ def _read_toml(path: str) -> dict[str, Any]:
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             raise ConfigError(f"unknown key {key!r} in config file {path}{hint}; "
                               f"valid keys: {', '.join(valid)}")
+        if name in out:  # validation-fraction and validation_fraction: one option
+            first = next(k for k in raw if k.replace("-", "_") == name)
+            raise ConfigError(f"config file {path} gives option {name} twice, as {first!r} "
+                              f"and {key!r}: keep one")
         if name == "layers":
             value = tuple(value) if isinstance(value, list) else _layers(value)
         out[name] = value

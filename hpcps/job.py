@@ -653,6 +653,10 @@ def main(argv: list[str] | None = None, early=()) -> int:
     if ckpt is not None:
         m.message(f"resumed from {cfg.resume}{' (--resume auto)' if auto else ''} at step "
                   f"{ckpt.step}")
+        if ckpt.step >= ctx.total_steps:
+            m.message(f"the checkpoint's step {ckpt.step} is at or past this run's length "
+                      f"({ctx.total_steps} steps): nothing is left to train, the run evaluates "
+                      "it and ends (ask for more with --steps or --epochs)")
     m.record("start", echo=False, config=cfg.to_dict(), dataset=info.to_dict(),
              start_step=ctx.start_step, total_steps=ctx.total_steps, ranks=size,
              resume_auto=auto, slurm=slurm.describe(os.environ), **stream.record())

@@ -65,6 +65,9 @@ def test_toml_and_cli_precedence(tmp_path):
     ("bach_size = 3\n", "did you mean 'batch_size'"),
     ("lr = 'fast'\n", "wrong type"),
     ("lr = \n", "not valid TOML"),
+    ("validation-fraction = 0.1\nvalidation_fraction = 0.2\n",
+     "gives option validation_fraction twice, as 'validation-fraction' and "
+     "'validation_fraction'"),
 ])
 def test_bad_toml(tmp_path, text, needle):
     f = tmp_path / "bad.toml"

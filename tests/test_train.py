@@ -222,6 +222,12 @@ def test_checkpoint_and_resume_on_a_different_layout(digits_h5, tmp_path):
                 "--resume", str(second / "checkpoint.h5"), *QUICK)
     assert run.returncode == 0, run.output
     assert records(second, "summary")[-1]["step"] >= 1000  # same run dir: appended
+    # a checkpoint already past the run's length: said, evaluated, nothing trained
+    run = train(2, "--strategy", "sync", "--data", str(digits_h5), "--steps", "500",
+                "--resume", str(second / "checkpoint.h5"), "--run-dir", str(tmp_path / "c"),
+                *QUICK)
+    assert run.returncode == 0, run.output
+    assert "nothing is left to train" in run.stdout, run.output
 
 
 def test_auto_prepares_builtin_dataset(tmp_path):

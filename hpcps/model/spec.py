@@ -189,7 +189,8 @@ def parse_spec(spec: str) -> tuple[LayerSpec, ...]:
             raise ConfigError(
                 f"--model: cannot read layer {tok!r}; layers are convKHxKWxN[sS][pP] (e.g. "
                 "conv5x5x10, conv3x3x16s1p1), poolK[sS] (e.g. pool2), flatten, fcN (e.g. "
-                f"fc400); presets: {', '.join(PRESETS)}")
+                f"fc400); presets: {', '.join(PRESETS)} (conv), {', '.join(CTR_PRESETS)} "
+                "(embedding models, on a categorical dataset)")
         layers.append(layer)
     if layers[-1].kind != "fc":
         raise ConfigError(f"--model {text!r} must end with an fc layer of the dataset's "

@@ -114,7 +114,8 @@ SPLITS = ("train", "test")
 VAL = "val"  # the optional validation split, ignored by the readers of train and test
 
 _FINGERPRINT_ROWS = 8
-_PREPARE_HINT = "prepare it with: python -m hpcps.data prepare mnist"
+_PREPARE_HINT = ("make it with python -m hpcps.data prepare NAME (mnist, digits, movielens, "
+                 "synthetic-ctr) or, from your own files, python -m hpcps.data convert")
 
 
 # --------------------------------------------------------------------------------------------
