@@ -96,8 +96,9 @@ def main(argv: list[str] | None = None) -> int:
                   "first_layer": job._first_layer_chosen(), "train_rows": job._train_rows(ctx)}
         lost = faults.finish(world, ctx.reporter, result, layout, cfg.timeout, None,
                              grace=faults.ending_grace(cfg.heartbeat_timeout),
-                             leave_early=faults.launcher_verdict(faults.ancestry(),
-                                                                 os.environ) is None)
+                             # alone in its launch, its exit ends no one else's rank
+                             leave_early=joins.launch_size() == 1 or faults.launcher_verdict(
+                                 faults.ancestry(), os.environ) is None)
     except HpcpsError as exc:  # this rank ends; the job goes on without it
         _say(f"failed: {exc}", me, err=True)
         faults.leave(exc.exit_code)

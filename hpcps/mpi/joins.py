@@ -402,6 +402,11 @@ def launch_rank() -> int:
     return MPI.COMM_WORLD.Get_rank()
 
 
+def launch_size() -> int:
+    """The ranks of this process's own launch (a newcomer's: K of ``mpiexec -n K``)."""
+    return MPI.COMM_WORLD.Get_size()
+
+
 def connect(run_dir, want: str, timeout: float, comm=None) -> tuple[RoutedComm, dict]:
     """On a newcomer launch: join the job running in ``run_dir``; every rank of ``comm`` (the
     launch's world) returns its communicator to the job and the chief's welcome (the job's
