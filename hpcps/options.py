@@ -80,6 +80,7 @@ class Option:
     choices : the allowed values, if the option is a choice.
     check : ``"positive"`` (> 0), ``"nonneg"`` (>= 0) or ``"fraction"`` (in [0, 1)) for
         numbers.
+    least : ``(smallest value, why)``: a number below it is refused, saying why.
     """
 
     name: str
@@ -88,6 +89,7 @@ class Option:
     default: Any = None
     choices: tuple | None = None
     check: str | None = None
+    least: tuple[float, str] | None = None
 
     def __post_init__(self):
         if self.check not in CHECKS:
@@ -112,6 +114,9 @@ class Option:
             raise ConfigError(f"{self.flag} must be >= 0, got {value}")
         if self.check == "fraction" and not 0 <= value < 1:
             raise ConfigError(f"{self.flag} must be >= 0 and below 1, got {value}")
+        if self.least is not None and value < self.least[0]:
+            raise ConfigError(f"{self.flag} must be at least {self.least[0]:g} "
+                              f"({self.least[1]}), got {value}")
 
 
 def flag(name: str) -> str:
@@ -294,7 +299,7 @@ DEFAULT_CHUNK_BYTES = 1 << 20
 CHUNK_BYTES = Option("chunk_bytes", int, "bytes per chunk of the parameter vector; chunks are "
                      "hashed to the server shards (Project Adam; default 1048576 = 1 MiB); a "
                      "model smaller than one chunk per shard is cut into one chunk per shard",
-                     check="positive")
+                     check="positive", least=(4, "a chunk holds at least one 4-byte parameter"))
 
 # Embedding models (--model embed..., docs/ctr.md): the rows' own optimizer and rate, applied
 # where the rows live; a strategy that trains embedding models lists them.

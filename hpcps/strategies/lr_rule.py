@@ -13,6 +13,7 @@ The strategies that declare these options share the two Option objects below.
 """
 from __future__ import annotations
 
+from hpcps.errors import ConfigError
 from hpcps.options import Option
 
 LR_RULES = ("linear", "none")
@@ -30,6 +31,16 @@ LR_RULE_OPTIONS = (LR_RULE, LR_WARMUP_STEPS)
 # the warm-up when none is given: Goyal et al. warm up over 5 of 90 epochs; a few hundred
 # mini-batches covers the fast first changes of the weights on the small sets hpcps trains
 DEFAULT_WARMUP_STEPS = 500
+
+
+def check_lr_rule(cfg, default_rule: str) -> None:
+    """Refuse ``--lr-warmup-steps`` where the rule is ``none`` (given, or the strategy's
+    ``default_rule``): there is no warm-up then, and the option would do nothing."""
+    rule = getattr(cfg, "lr_rule", None) or default_rule
+    if getattr(cfg, "lr_warmup_steps", None) is not None and rule == "none":
+        raise ConfigError("--lr-warmup-steps is the warm-up of --lr-rule linear; the rule here "
+                          "is none, which has no warm-up: give --lr-rule linear, or drop "
+                          "--lr-warmup-steps")
 
 
 def lr_multiplier(rule: str, replicas: int, threads: int, step: int, warmup: int) -> float:

@@ -19,7 +19,8 @@ Periodic evaluations and checkpoints take replica 0's copy; the last iteration i
 followed by an average, so every replica ends with the same weights.
 """
 from hpcps.options import LOOP_OPTIONS, Option, check_loop_options, WIRE_DTYPE
-from hpcps.strategies.lr_rule import DEFAULT_WARMUP_STEPS, LR_RULE_OPTIONS, describe_rate
+from hpcps.strategies.lr_rule import (DEFAULT_WARMUP_STEPS, LR_RULE_OPTIONS, check_lr_rule,
+                                      describe_rate)
 from hpcps.strategies.registry import Strategy
 
 
@@ -28,6 +29,11 @@ def _describe(cfg, n_train: int, replicas: int | None = None) -> str:
             f"average every {cfg.average_every} iteration(s), state averaged: "
             f"{cfg.average_state}")
 
+
+
+def _validate(cfg) -> None:
+    check_loop_options(cfg)
+    check_lr_rule(cfg, "linear")
 
 STRATEGY = Strategy(
     name="averaging",
@@ -41,7 +47,7 @@ STRATEGY = Strategy(
                "the parameters (default: the replicas then take the same step sizes); off: "
                "each replica keeps its own", choices=("on", "off")),
         *LR_RULE_OPTIONS, *LOOP_OPTIONS, WIRE_DTYPE),
-    validate=check_loop_options,
+    validate=_validate,
     defaults={"lr": 0.01, "batch_size": 32, "prefetch": 2, "average_every": 4,
               "average_state": "on", "lr_rule": "linear",
               "lr_warmup_steps": DEFAULT_WARMUP_STEPS},

@@ -21,7 +21,8 @@ from hpcps.model.spec import is_embedding_spec
 from hpcps.options import (EMBEDDING_DEFAULTS, EMBEDDING_EPOCHS, EMBEDDING_OPTIONS,
                            LOOP_OPTIONS, check_embedding_options, check_loop_options,
                            describe_rows, parse_augment, varies, WIRE_DTYPE)
-from hpcps.strategies.lr_rule import DEFAULT_WARMUP_STEPS, LR_RULE_OPTIONS, describe_rate
+from hpcps.strategies.lr_rule import (DEFAULT_WARMUP_STEPS, LR_RULE_OPTIONS, check_lr_rule,
+                                      describe_rate)
 from hpcps.strategies.registry import SERVERS, Strategy
 from hpcps.strategies.rows_summary import row_lines
 
@@ -35,6 +36,7 @@ def _validate(cfg) -> None:
         "--dropout": bool(cfg.dropout), "--augment": parse_augment(cfg.augment) is not None,
         "--lr-schedule cosine": varies(cfg.lr_schedule)})
     check_loop_options(cfg)
+    check_lr_rule(cfg, "none")
 
 
 def _defaults(cfg) -> dict:

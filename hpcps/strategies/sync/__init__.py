@@ -13,7 +13,8 @@ With P partitions per replica, the allreduce runs over the partition communicato
 partition sums its own slice of the gradient with the same partition of the other replicas.
 """
 from hpcps.options import LOOP_OPTIONS, check_loop_options, WIRE_DTYPE
-from hpcps.strategies.lr_rule import DEFAULT_WARMUP_STEPS, LR_RULE_OPTIONS, describe_rate
+from hpcps.strategies.lr_rule import (DEFAULT_WARMUP_STEPS, LR_RULE_OPTIONS, check_lr_rule,
+                                      describe_rate)
 from hpcps.strategies.registry import Strategy
 
 
@@ -21,13 +22,18 @@ def _describe(cfg, n_train: int, replicas: int | None = None) -> str:
     return f"{cfg.optimizer} {describe_rate(cfg, replicas)}, batch {cfg.batch_size}/replica"
 
 
+
+def _validate(cfg) -> None:
+    check_loop_options(cfg)
+    check_lr_rule(cfg, "linear")
+
 STRATEGY = Strategy(
     name="sync",
     help="replicas allreduce their gradients every step and apply the same update: one "
          "large-batch SGD, no servers, no staleness",
     roles={"replica": "hpcps.strategies.sync.replica:run"},
     options=(*LR_RULE_OPTIONS, *LOOP_OPTIONS, WIRE_DTYPE),
-    validate=check_loop_options,
+    validate=_validate,
     defaults={"lr": 0.01, "batch_size": 32, "prefetch": 2, "lr_rule": "linear",
               "lr_warmup_steps": DEFAULT_WARMUP_STEPS},
     describe=_describe,
