@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from hpcps.compress.codec import HEADER_BYTES
+from hpcps.errors import DataError
 from hpcps.strategies.deadreckon.cost import message_bytes, strom_table2
 from hpcps.tools import scaling
 from hpcps.tools.scaling import Workload, bytes_per_step, predict, ring
@@ -353,8 +354,30 @@ def test_compute_is_measured_on_the_replicas_code_and_the_users_rows(digits_h5):
     dense = scaling.measure_compute([64, 32, 10], 16, repeats=2)
     assert "dense random inputs" in dense["path"]
     assert m["compute_s"] > 0 and dense["compute_s"] > 0
-    with pytest.raises(ValueError, match="first layer takes 784"):
+    with pytest.raises(DataError, match="first layer takes 784"):
         scaling.measure_compute([784, 32, 10], 16, repeats=2, data=str(path))
+
+
+def test_the_command_refuses_bad_data_and_png_paths_in_one_line(digits_h5, tmp_path, capsys):
+    """--data whose rows do not fit --layers, or a file that is not a dataset: one line, exit
+    3 (a traceback, exit 1); --png into a directory that is not there: refused before the
+    calibration, exit 2 (after the whole table, with a traceback)."""
+    from hpcps.tools.scaling.cli import main
+    ckpt = tmp_path / "not-a-dataset.h5"
+    import h5py
+    with h5py.File(ckpt, "w") as f:
+        f.attrs["format"] = "hpcps-checkpoint"
+    for data, words in ((digits_h5, "rows of 64 features, but the model's first layer takes "
+                                    "784"), (ckpt, "expected 'hpcps-dataset'")):
+        assert main(["--data", str(data), "--nodes", "1,2"]) == 3
+        err = capsys.readouterr().err
+        assert err.startswith("hpcps.scaling: error: ") and words in err, err
+        assert err.count("\n") == 1, err
+    with pytest.raises(SystemExit) as exc:
+        main(["--nodes", "1,2", "--png", str(tmp_path / "missing" / "x.png")])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "is not a directory" in err and "Traceback" not in err, err
 
 
 def test_measure_together_runs_processes_at_once():

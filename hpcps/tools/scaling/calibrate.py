@@ -12,6 +12,7 @@ from dataclasses import fields, replace
 
 import numpy as np
 
+from hpcps.errors import DataError
 from hpcps.strategies.cost import Bench, Workload, rng_normal
 from hpcps.strategies.registry import load
 from hpcps.tools.scaling.model import models
@@ -25,8 +26,8 @@ def sample_inputs(layers: list[int], rows: int, data: str | None = None):
         from hpcps.io.data.h5format import load_split, open_dataset
         info = open_dataset(data)
         if info.n_features != layers[0]:
-            raise ValueError(f"{data}: rows of {info.n_features} features, but the model's "
-                             f"first layer takes {layers[0]}")
+            raise DataError(f"{data}: rows of {info.n_features} features, but the model's "
+                            f"first layer takes {layers[0]} (--layers)")
         x, y = load_split(data, "train", 0, max(1, info.n_train // rows))
         x, y = x[:rows], y[:rows] % layers[-1]
         reps = -(-rows // len(x))  # a file of fewer rows: use them again

@@ -4,7 +4,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 
+from hpcps.errors import DataError
 from hpcps.tools.scaling import calibrate
 from hpcps.tools.scaling.model import NETWORKS, NO_COST_MODEL, curve, models
 from hpcps.tools.scaling.validate import published_checks, validate_cluster
@@ -141,9 +143,17 @@ def main(argv: list[str] | None = None) -> int:
                      f"{', '.join(known)}")
     if args.data and not os.path.isfile(args.data):
         parser.error(f"--data {args.data}: no such file")
+    if args.png:  # refused before the calibration, not after it
+        where = os.path.dirname(os.path.abspath(args.png))
+        if not os.path.isdir(where):
+            parser.error(f"--png {args.png}: {where} is not a directory")
     if args.validate_cluster:
         _bench_json(args.validate_cluster, parser)
-    m = calibrate.measure_compute(layers, args.batch_size, data=args.data)
+    try:
+        m = calibrate.measure_compute(layers, args.batch_size, data=args.data)
+    except DataError as exc:  # not a dataset, or its rows do not fit --layers
+        print(f"hpcps.scaling: error: {exc}", file=sys.stderr)
+        return exc.exit_code
     t_c, t_u = m["compute_s"], m["update_s_per_param"]
     n = sum((layers[i] + 1) * layers[i + 1] for i in range(len(layers) - 1))
     bits = 11.0
