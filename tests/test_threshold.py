@@ -169,6 +169,10 @@ def test_residual_watch_fires_once_on_steady_growth_only():
     texts = [f for f in fired if f]
     assert len(texts) == 1 and "keeps growing" in texts[0] and "--residual-clip" in texts[0]
     assert fired.index(texts[0]) == 5  # 1.5**5 = 7.6 > 4 after 5 rises in a row
+    assert "a larger --density" in texts[0]
+    w = ResidualWatch(window=5, factor=4.0, adaptive=False)  # a fixed --tau: no --density
+    (text,) = [f for f in (w.update(1.5 ** k) for k in range(12)) if f]
+    assert "a smaller --tau" in text and "a larger --density" not in text
     w = ResidualWatch(window=5, factor=4.0)  # a residual that grows with tau is healthy
     assert all(w.update(1.5 ** k, tau=1.5 ** k) is None for k in range(12))
 

@@ -241,10 +241,15 @@ class ResidualWatch:
     element's gradient keeps its sign); measured in tau, a residual that grows only because
     an adaptive tau grew does not count."""
 
-    def __init__(self, window: int = 5, factor: float = 4.0):
+    def __init__(self, window: int = 5, factor: float = 4.0, adaptive: bool = True):
+        """``adaptive``: tau follows a --density target (--tau auto); with a fixed tau the
+        advice is a smaller --tau, since --density needs --tau auto."""
         if window < 1 or factor < 1:
             raise ValueError("window must be >= 1 and factor >= 1")
         self.window, self.factor = window, factor
+        self.advice = ("--residual-clip (e.g. 4) or a larger --density" if adaptive else
+                       "--residual-clip (e.g. 4), a smaller --tau, or --tau auto with a "
+                       "--density")
         self.prev = math.nan
         self.low = math.inf
         self.rising = 0
@@ -264,5 +269,5 @@ class ResidualWatch:
             return (f"warning: the compression residual keeps growing (L2 norm {norm:.4g}, "
                     f"{x / self.low:.1f}x its lowest in units of tau, rising for "
                     f"{self.rising} progress records): updates are piling up unsent; set "
-                    "--residual-clip (e.g. 4) or a larger --density")
+                    f"{self.advice}")
         return None

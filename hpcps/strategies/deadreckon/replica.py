@@ -204,7 +204,7 @@ class DeadReckonReplica(ReplicaLoop):
         if self.velocity is not None and "velocity" in ctx.opt_state:
             self.velocity.v[:] = ctx.opt_state["velocity"]  # resumed: replica 0's, saved
         self.grad_clip = (cfg.grad_clip or 0.0) / math.sqrt(self.R)
-        self.residual_watch = ResidualWatch()
+        self.residual_watch = ResidualWatch(adaptive=self.thr.density is not None)
         self.peers = Peers(comm, n, cfg.timeout, ctx.stop_tick)
         self.grad = np.empty(n, dtype=np.float32)
         self.lr = replica_lr(cfg.lr, self.R, cfg.lr_scaling)

@@ -66,7 +66,7 @@ class PackedPusher:
         self.ranges = list(plan.ranges)
         self.bounds = np.array([lo << 1 for lo, _ in self.ranges] + [n << 1], dtype=np.uint64)
         self.words_sent = 0
-        self.watch = ResidualWatch()
+        self.watch = ResidualWatch(adaptive=self.thr.density is not None)
 
     def bodies(self, grad: np.ndarray) -> list[np.ndarray]:
         ordered = self.plan.to_shard_order(grad, self.ordered)
