@@ -83,8 +83,9 @@ COMMON = (
            "below)", check="nonneg"),
     Option("threads", int, "threads per replica rank (default 1). SGD strategies: T Hogwild "
            "threads (Project Adam) each train on their own mini-batch, lock-free, in compiled "
-           "nogil code (with --partitions > 1: NumPy, thread t of every partition exchanging "
-           "over its own communicator); one replica step then covers T mini-batches. Batch "
+           "nogil code (with --partitions > 1: an MLP's partitions in NumPy, a conv model's in "
+           "the compiled engine, thread t of every partition exchanging over its own "
+           "communicator); one replica step then covers T mini-batches. Batch "
            "methods: T threads sum each portion's exact gradient", default=1,
            check="positive"),
     Option("data", str, "HDF5 dataset (layout in docs/formats.md); data/mnist.h5 is prepared "

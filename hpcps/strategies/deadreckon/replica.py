@@ -264,8 +264,10 @@ class DeadReckonReplica(ReplicaLoop):
             clip_norm(self.grad, self.grad_clip)
         if self.velocity is not None:
             self.velocity.accumulate(self.grad)
-        # the SGD steps (T with threads) this replica would take, at the scheduled rate
-        self.grad *= self.step_scale * np.float32(self.lr_factor())
+        # the SGD steps (T with threads) this replica would take, at the scheduled rate (an
+        # overflow is the divergence the loss check reports in one message, not a warning)
+        with np.errstate(over="ignore", invalid="ignore"):
+            self.grad *= self.step_scale * np.float32(self.lr_factor())
         thr = self.thr
         multiple = thr.multiple
         self.comp.tau = thr.tau
