@@ -720,8 +720,10 @@ def main(argv: list[str] | None = None, early=()) -> int:
             with trace.activated(None):
                 path = timeline.finish(live, tl, ctx.grid.role, run_dir, cfg.timeout,
                                        {"strategy": cfg.strategy, "ranks": size})
-            if path is not None:
-                m.message(f"trace: {path} (open it in https://ui.perfetto.dev or "
+            # written by rank 0, said by the reporter (sandblaster's is the coordinator)
+            said = bcast_obj(live, None if path is None else str(path), root=0)
+            if said is not None:
+                m.message(f"trace: {said} (open it in https://ui.perfetto.dev or "
                           "chrome://tracing)")
         results = gather_obj(live, result, root=ctx.reporter)
         code = 0
