@@ -102,6 +102,13 @@ def catch_early(signals=(signal.SIGTERM, signal.SIGUSR1)) -> list[tuple[int, flo
 
     for s in signals:
         signal.signal(s, note)
+    ready = os.environ.pop("HPCPS_KEEPER_READY_FD", None)  # runtime.keeper.READY_ENV
+    if ready is not None and ready.isdigit():  # the keeper holds its signals until this byte
+        try:
+            os.write(int(ready), b"r")
+            os.close(int(ready))
+        except OSError:
+            pass
     return caught
 
 

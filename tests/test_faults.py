@@ -132,14 +132,15 @@ def output(proc, timeout=None) -> str:
     return "".join(proc.parts)
 
 
-def launch(run_dir, data_h5, n=4, extra=(), run=RUN, ulfm=False, survive=True):
+def launch(run_dir, data_h5, n=4, extra=(), run=RUN, ulfm=False, survive=True, env=None):
     """The job, started, its output drained (:func:`drained`, read by :func:`output` or
     :func:`finish`); its launch tag is ``proc.tag`` (for :func:`mpirun.end_launch`).
     ``ulfm``: under Open MPI, ``mpirun --with-ft ulfm`` (deaths reported by MPI).
     ``survive`` False: a plain launch (``mpiexec -n N python -m hpcps.train``), whose
-    launcher ends the job when a rank ends."""
+    launcher ends the job when a rank ends. ``env``: variables added to the ranks'."""
     path = str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")
-    env, tag = tagged_env(dict(os.environ, OPENBLAS_NUM_THREADS="1", PYTHONPATH=path))
+    env, tag = tagged_env({**os.environ, "OPENBLAS_NUM_THREADS": "1", "PYTHONPATH": path,
+                           **(env or {})})
     cmd = [*mpiexec_cmd(n, survive_rank_death=survive, ulfm=ulfm), sys.executable, "-m",
            rank_module(survive_rank_death=survive), *run, *extra, "--data", str(data_h5),
            "--run-dir", str(run_dir)]
@@ -412,6 +413,37 @@ def test_sigterm_under_a_launcher_that_ends_the_job_when_a_rank_exits(mnist_h5, 
     else:
         assert job.proc.returncode == 0, job.out[-3000:]
         assert s["left_ranks"] == [1] and not s["stopped_early"] and s["step"] >= steps, s
+
+
+def test_sigterm_while_the_keepers_ranks_start_stops_the_run_with_75(mnist_h5, tmp_path):
+    """SIGTERM to mpiexec while every rank's Python is still starting under the keeper
+    (held there 2 s by a sitecustomize): the keeper holds the signal until hpcps.train
+    catches it, so the run stops at its first safe point with exit code 75, a stop record
+    and its checkpoint. The keeper forwarded it at once: each rank died of it, the keepers
+    took that for deaths and exited 0, and nothing was saved (or some ranks died before
+    MPI_Init while the others waited in it, for good)."""
+    if mpi_flavor() != "mpich":
+        pytest.skip("the keeper is for MPICH's Hydra (Open MPI: mpirun --enable-recovery)")
+    slow = str(ROOT / "tests" / "scripts" / "slow_start")
+    proc = launch(tmp_path, mnist_h5, 3, ["--steps", "6000"],
+                  env={"PYTHONPATH": slow + os.pathsep + str(ROOT) + os.pathsep +
+                       os.environ.get("PYTHONPATH", ""), "HPCPS_TEST_SLOW_START": "2"})
+    try:
+        for r in range(3):  # every keeper has forked its rank, which sleeps in its start
+            find_rank(proc.pid, r, LIMIT_S)
+    except BaseException:
+        end_launch(proc.pid, proc.tag)
+        output(proc)
+        raise
+    os.kill(proc.pid, signal.SIGTERM)
+    out = finish(proc, "a run signalled while its ranks start")
+    assert proc.returncode == 75, out[-3000:]
+    assert "was killed by SIGTERM" not in out, out[-3000:]
+    s = summary(tmp_path)
+    assert s["stopped_early"] and s["lost_ranks"] == [] and s["step"] < 6000, s
+    (stop,) = records(tmp_path, "stop")
+    assert stop["signal"] == "SIGTERM"
+    assert checkpoint.peek_step(s["checkpoint"]) == s["step"]
 
 
 # -- a primary server shard killed mid-run (--ps-copies) -----------------------------------------

@@ -12,7 +12,9 @@ MPI connection closes: it sends SIGUSR1 to the others and lets them run.
 
 So the keeper is the process Hydra starts: it starts ``python -m hpcps.train`` with the same
 arguments as its child, closes its own copy of the PMI connection (so the child's death
-closes it), forwards SIGTERM and SIGINT to the child, ignores Hydra's SIGUSR1 (its notice
+closes it), forwards SIGTERM and SIGINT to the child (holding them until the child's
+``hpcps.train`` catches them, which it says through a pipe, ``READY_ENV``: a stop during the
+rank's start then stops the run, where the rank died of it), ignores Hydra's SIGUSR1 (its notice
 that a rank died; under another launcher, such as ``srun``, SIGUSR1 is a stop request and is
 forwarded too), waits, and exits with the child's exit code, or with 0 after printing which
 signal killed it (a non-zero exit while other ranks run would make Hydra kill them). The
@@ -25,6 +27,9 @@ import signal
 import sys
 
 KEEPER_ENV = "HPCPS_KEEPER"  # set in the child's environment: "started by hpcps.keeper"
+# the child's end of a pipe: it writes a byte once it catches SIGTERM and SIGUSR1 itself
+# (hpcps.train's catch_early); the keeper holds the signals it would forward until then
+READY_ENV = "HPCPS_KEEPER_READY_FD"
 HYDRA_ENV = "HYDI_CONTROL_FD"  # set by Hydra (MPICH's mpiexec) in every process it starts
 
 
@@ -51,27 +56,52 @@ def main(argv: list[str] | None = None) -> int:
     if argv in (["-h"], ["--help"]):
         print(USAGE)
         return 0
-    # until the child has its own handlers: Hydra's "a rank died", or an early stop request
-    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    # A signal to forward waits until the child catches it: one that came while the child
+    # started (Python, before hpcps.train's first lines) killed it, and a rank killed by a
+    # signal is a lost rank (exit 0): a job stopped in its first half-second ended 0 with
+    # nothing saved, or hung with some ranks dead before MPI_Init and the others in it.
+    held: list[int] = []
+    child = [0]  # the child's pid once it is ready for signals
+
+    def forward(signum, frame):
+        if not child[0]:
+            held.append(signum)
+            return
+        try:
+            os.kill(child[0], signum)
+        except ProcessLookupError:
+            pass
+
+    for s in (signal.SIGTERM, signal.SIGINT) + (() if under_hydra() else (signal.SIGUSR1,)):
+        signal.signal(s, forward)
+    if under_hydra():  # Hydra's "a rank died"
+        signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     env = dict(os.environ, **{KEEPER_ENV: "1"})
+    ready_r, ready_w = os.pipe()
+    env[READY_ENV] = str(ready_w)
     pid = os.fork()
     if pid == 0:
+        os.close(ready_r)
+        os.set_inheritable(ready_w, True)
+        # ignored until the child catches them (an ignored signal stays so through exec):
+        # Hydra's "a rank died", and stop requests their default action would die of (Hydra
+        # signals the child too, not only this keeper, which sends them again once the
+        # child is ready). Not SIGINT: Python would leave it ignored for good.
+        for s in (signal.SIGUSR1, signal.SIGTERM):
+            signal.signal(s, signal.SIG_IGN)
         os.execve(sys.executable, [sys.executable, "-m", "hpcps.train", *argv], env)
+    os.close(ready_w)
     fd = os.environ.get("PMI_FD")
     if fd and fd.isdigit():
         try:
             os.close(int(fd))
         except OSError:
             pass
-
-    def forward(signum, frame):
-        try:
-            os.kill(pid, signum)
-        except ProcessLookupError:
-            pass
-
-    for s in (signal.SIGTERM, signal.SIGINT) + (() if under_hydra() else (signal.SIGUSR1,)):
-        signal.signal(s, forward)
+    os.read(ready_r, 1)  # a byte: ready; nothing: the child ended (or exec failed) first
+    os.close(ready_r)
+    child[0] = pid
+    for signum in held:
+        forward(signum, None)
     while True:
         try:
             _, status = os.waitpid(pid, 0)
