@@ -370,3 +370,26 @@ def test_joined_replicas_killed_while_their_pushes_are_read_do_not_abort_the_sha
     assert job.proc.returncode == 0, job.report()
     assert "Aborted" not in job.out and "process_vm_readv" not in job.out, job.report()
     assert len(job.summary["joins"]) == 4
+
+
+def test_a_joined_spare_that_replaced_a_dead_replica_is_not_called_idle():
+    """A rank that joined idle (--as spare) and later took a dead replica's data shard: its
+    join line says so (it said "idle until the end" while the replacement line and the join
+    launch said it trained); one that joined and stayed idle is still idle."""
+    from hpcps.strategies.downpour.summary import _spare_figures, join_line
+    replaced = {"replica": 2, "rank": 2, "how": "lost", "data_shard": 2, "detected_at": 10.0,
+                "silent_s": 1.0, "detected_by_shard": 0, "spare": 1, "spare_rank": 5,
+                "as_replica": 4, "assigned_at": 10.1, "first_step_at": 10.5}
+
+    def join(rank, spare):
+        return {"rank": rank, "join": spare, "spare": spare, "wants": "spare", "at": 5.0,
+                "unreached": [], "as_replica": None, "data_shard": None, "assigned_at": None,
+                "first_step_at": None}
+
+    chief = {"replacements": [replaced], "joins": [join(5, 1), join(6, 2)], "spares": 0,
+             "spares_idle_at_end": 1}
+    f = _spare_figures([chief, {}, {}, {}, {}, {}, {}])
+    lines = [join_line(j) for j in f["joins"]]
+    assert "rank 5 joined the run as spare 1: replica 4 on data shard 2, in dead replica 2's " \
+        "place" in lines, lines
+    assert "rank 6 joined the run as spare 2, idle until the end" in lines, lines

@@ -191,6 +191,23 @@ def test_a_resumed_run_appends_after_a_record_cut_short_without_losing_its_own(t
     assert [r["kind"] for r in run.records] == ["start", "resume", "summary"]
 
 
+def test_the_layout_names_spares_and_a_coordinator_apart(tmp_path):
+    """A downpour run of 6 ranks with 2 shards, 3 replicas and a spare: its layout names the
+    spare (one extra rank read as a coordinator before); sandblaster's extra rank is its
+    coordinator."""
+    def layout(name, **summary):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "metrics.jsonl").write_text(json.dumps({"kind": "summary", "partitions": 1, "step": 9,
+                                                     **summary}) + "\n")
+        return table_rows([load_run(d)])[0]["layout"]
+
+    assert layout("spare", strategy="downpour", ranks=6, servers=2, replicas=3, spares=1) == \
+        "6 ranks: 2 servers, 3 replicas, 1 spare"
+    assert layout("sb", strategy="sandblaster", ranks=4, servers=1, replicas=2, spares=0) == \
+        "4 ranks: 1 server + coordinator, 2 replicas"
+
+
 def test_resumed_run_counts_time_on_and_adds_up(tmp_path):
     """A resume into the same run directory appends a second start..summary segment."""
     seg = [{"kind": "start", "time_s": 0.0, "ranks": 2, "config": {"strategy": "sync"}},

@@ -235,9 +235,12 @@ def finish(world, reporter: int, result: dict, layout, timeout: float,
             after = (f"within {limit:g} s of the end of training" if graced
                      else f"within {limit:g} s")
             for r in replicas:
+                spare = r >= layout.n_world or layout.role(r).kind == "spare"
                 results[r] = {"lost": True, "after_s": round(waited, 1),
-                              "why": f"it sent no final figures {after}: it died after the "
-                                     "training had stopped waiting for it"}
+                              "why": f"it sent no final figures {after}: " + (
+                                  "a spare rank, it died during the run (an idle spare's "
+                                  "death is found at the end) or after it" if spare else
+                                  "it died after the training had stopped waiting for it")}
             lost = sorted(set(lost or []) | set(replicas))
             continue
         poll.pause()

@@ -136,7 +136,13 @@ def _spare_figures(results: list[dict]) -> dict:
                      "since_last_sign_s": None if again is None
                      else round(again + rec["silent_s"], 3)})
     joins = []
+    took = {r["spare_rank"]: r for r in recs}  # spares that replaced a dead replica
     for rec in chief.get("joins", []):  # ranks that joined from a second launch (--joins)
+        if rec["as_replica"] is None and rec["rank"] in took:  # joined idle, replaced later
+            t = took[rec["rank"]]
+            joins.append({**rec, "as_replica": t["as_replica"], "data_shard": t["data_shard"],
+                          "replaced": t["replica"], "training_after_s": None})
+            continue
         first = rec["first_step_at"] or joined.get(rec["as_replica"], {}).get("first_step_at")
         joins.append({**rec, "training_after_s": None if first is None or rec["as_replica"]
                       is None else round(first - rec["at"], 3)})
@@ -175,6 +181,18 @@ def _copies_figures(copies: int, shards: list[dict], replaced: list[dict]) -> di
     return {"copies_at_end": {h: at_end[h] for h in sorted(at_end)},
             "sets_with_c_copies_at_end": sum(n >= copies for n in at_end.values()),
             "shard_replacements": recs}
+
+
+def join_line(j: dict) -> str:
+    """The summary's line for a rank that joined (a record of ``joins``)."""
+    return f"rank {j['rank']} joined the run as spare {j['spare']}" + (
+        f": replica {j['as_replica']} on data shard {j['data_shard']}"
+        + (f", in dead replica {j['replaced']}'s place" if j.get("replaced") is not None
+           else f", training {j['training_after_s']:.2f} s after it joined"
+           if j["training_after_s"] is not None else ", never trained")
+        if j["as_replica"] is not None else
+        ", released at once (the run was over)" if j["wants"] == "released" else
+        ", idle until the end")
 
 
 def summary_lines(f: dict) -> list[str]:
@@ -223,14 +241,7 @@ def summary_lines(f: dict) -> list[str]:
     if "copies_at_end" in f and f["copies_at_end"]:
         lines.append(f"{f['sets_with_c_copies_at_end']} of {len(f['copies_at_end'])} chunk sets "
                      "ended with all their copies")
-    for j in f.get("joins", []):
-        lines.append(f"rank {j['rank']} joined the run as spare {j['spare']}" + (
-            f": replica {j['as_replica']} on data shard {j['data_shard']}"
-            + (f", training {j['training_after_s']:.2f} s after it joined"
-               if j["training_after_s"] is not None else ", never trained")
-            if j["as_replica"] is not None else
-            ", released at once (the run was over)" if j["wants"] == "released" else
-            ", idle until the end"))
+    lines += [join_line(j) for j in f.get("joins", [])]
     if "spares" in f:
         lines.append(f"{f['spares']} spare(s)"
                      + (f" and {len(f['joins'])} rank(s) that joined" if f.get("joins") else "")

@@ -14,13 +14,17 @@ def _layout(run: Run) -> str:
     s = run.last("summary")
     if s is not None and all(_number(s.get(k)) for k in ("ranks", "replicas", "partitions")):
         parts = []
+        spares = int(s["spares"]) if _number(s.get("spares")) else 0
         if s.get("servers"):
-            # a rank beyond the servers and the replicas' partitions is a coordinator
-            extra = s["ranks"] - s["servers"] - s["replicas"] * s["partitions"]
+            # a rank beyond the servers, the replicas' partitions and the spares is a
+            # coordinator (sandblaster's)
+            extra = s["ranks"] - s["servers"] - s["replicas"] * s["partitions"] - spares
             coordinator = " + coordinator" if extra == 1 else ""
             parts.append(f"{s['servers']} server{'s' if s['servers'] != 1 else ''}{coordinator}")
         parts.append(f"{s['replicas']} replica{'s' if s['replicas'] != 1 else ''}"
                      + (f" x {s['partitions']} partitions" if s["partitions"] > 1 else ""))
+        if spares:
+            parts.append(f"{spares} spare{'s' if spares != 1 else ''}")
         if _number(s.get("threads")) and s["threads"] > 1:
             parts.append(f"{s['threads']} threads")
         return f"{s['ranks']} ranks: " + ", ".join(parts)
