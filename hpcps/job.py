@@ -176,33 +176,34 @@ def _load_resume(cfg: config.Config, info: data.DatasetInfo):
     warnings = checkpoint.check_compatible(ckpt, model.sizes,
                                            optimizer=cfg.optimizer,
                                            dataset=info.to_dict())
-    trained = _validated_but_trained(cfg, ckpt, info)
-    if trained:
-        was = float(ckpt.config.get("validation_fraction") or 0.0)
-        warnings.append(
-            f"this run holds out --validation-fraction {cfg.validation_fraction:g} of /train "
-            f"with --seed {cfg.seed}, the checkpoint's run {was:g} with --seed "
-            f"{int(ckpt.config.get('seed') or 0)}: {trained} of the rows this run validates "
-            "on were trained on before, so its validation figures are optimistic (resume "
-            f"with --validation-fraction {was:g} --seed {int(ckpt.config.get('seed') or 0)} "
-            "to keep the split)")
+    split = _split_warning(cfg, ckpt, info)
+    if split is not None:
+        warnings.append(split)
     return ckpt, warnings
 
 
-def _validated_but_trained(cfg: config.Config, ckpt, info) -> int:
-    """How many of the rows this resumed run holds out of /train for validation the
+def _split_warning(cfg: config.Config, ckpt, info) -> str | None:
+    """What to say when this resumed run holds out of /train, for validation, rows the
     checkpoint's run trained on (another --validation-fraction or --seed draws other rows);
-    0 when it holds none out (no fraction, or the file's own /val) or the sets differ."""
+    None when it holds none out (no fraction, or the file's own /val), the sets differ, or
+    every held-out row was held out before."""
     if cfg.validation_fraction <= 0 or int(ckpt.dataset.get("n_train", -1)) != info.n_train:
-        return 0
+        return None
     if not is_embedding_spec(cfg.model) and data.val_rows(cfg.data):
-        return 0  # the file's /val, not rows of /train
+        return None  # the file's /val, not rows of /train
     was = float(ckpt.config.get("validation_fraction") or 0.0)
     seed = int(ckpt.config.get("seed") or 0)
     if (was, seed) == (cfg.validation_fraction, cfg.seed):
-        return 0
+        return None
     now = data.holdout_rows(info.n_train, cfg.validation_fraction, cfg.seed)
-    return int(np.setdiff1d(now, data.holdout_rows(info.n_train, was, seed)).size)
+    trained = int(np.setdiff1d(now, data.holdout_rows(info.n_train, was, seed)).size)
+    if not trained:
+        return None
+    return (f"this run holds out --validation-fraction {cfg.validation_fraction:g} of /train "
+            f"with --seed {cfg.seed}, the checkpoint's run {was:g} with --seed {seed}: "
+            f"{trained} of the rows this run validates on were trained on before, so its "
+            f"validation figures are optimistic (resume with --validation-fraction {was:g} "
+            f"--seed {seed} to keep the split)")
 
 
 def _resolve_auto(cfg: config.Config, run_dir: Path) -> tuple[config.Config, list[str]]:

@@ -102,7 +102,8 @@ def catch_early(signals=(signal.SIGTERM, signal.SIGUSR1)) -> list[tuple[int, flo
 
     for s in signals:
         signal.signal(s, note)
-    ready = os.environ.pop("HPCPS_KEEPER_READY_FD", None)  # runtime.keeper.READY_ENV
+    from hpcps.runtime.keeper import READY_ENV  # no NumPy, no MPI
+    ready = os.environ.pop(READY_ENV, None)
     if ready is not None and ready.isdigit():  # the keeper holds its signals until this byte
         try:
             os.write(int(ready), b"r")

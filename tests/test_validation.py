@@ -169,25 +169,26 @@ def test_without_a_validation_split_evaluations_stay_on_the_test_set(digits_h5, 
 
 def test_a_resume_that_validates_on_rows_trained_before_is_warned(digits_h5):
     """Another --validation-fraction or --seed on --resume holds out other rows of /train,
-    some of which the checkpoint's run trained on: counted (and warned at start); the same
-    split, no fraction now, or the file's own /val count none."""
+    some of which the checkpoint's run trained on: warned at start with how many; the same
+    split, or no fraction now, says nothing."""
     from types import SimpleNamespace
 
-    from hpcps.job import _validated_but_trained
+    from hpcps.job import _split_warning
     info = open_dataset(digits_h5)
     ckpt = SimpleNamespace(config={"validation_fraction": 0.1, "seed": 0},
                            dataset={"n_train": info.n_train})
 
-    def count(*argv):
-        return _validated_but_trained(config.parse(["--data", str(digits_h5), *argv]), ckpt,
-                                      info)
+    def warning(*argv):
+        return _split_warning(config.parse(["--data", str(digits_h5), *argv]), ckpt, info)
 
     old = set(holdout_rows(info.n_train, 0.1, 0).tolist())
-    wider = holdout_rows(info.n_train, 0.2, 0)
-    assert count("--validation-fraction", "0.2") == len(set(wider.tolist()) - old) > 0
-    other_seed = set(holdout_rows(info.n_train, 0.1, 3).tolist())
-    assert count("--validation-fraction", "0.1", "--seed", "3") == len(other_seed - old) > 0
-    assert count("--validation-fraction", "0.1") == 0
-    assert count() == 0
+    wider = len(set(holdout_rows(info.n_train, 0.2, 0).tolist()) - old)
+    assert wider > 0 and f"{wider} of the rows this run validates on were trained on" in \
+        warning("--validation-fraction", "0.2")
+    other = len(set(holdout_rows(info.n_train, 0.1, 3).tolist()) - old)
+    said = warning("--validation-fraction", "0.1", "--seed", "3")
+    assert other > 0 and f"{other} of the rows" in said and "--seed 0 to keep" in said, said
+    assert warning("--validation-fraction", "0.1") is None
+    assert warning() is None
     ckpt.config = {"seed": 0}  # trained on every row: each one held out now was trained on
-    assert count("--validation-fraction", "0.1") == len(old)
+    assert f"{len(old)} of the rows" in warning("--validation-fraction", "0.1")

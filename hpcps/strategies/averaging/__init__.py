@@ -30,10 +30,10 @@ def _describe(cfg, n_train: int, replicas: int | None = None) -> str:
             f"{cfg.average_state}")
 
 
-
 def _validate(cfg) -> None:
     check_loop_options(cfg)
     check_lr_rule(cfg, "linear")
+
 
 STRATEGY = Strategy(
     name="averaging",

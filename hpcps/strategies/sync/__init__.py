@@ -22,10 +22,10 @@ def _describe(cfg, n_train: int, replicas: int | None = None) -> str:
     return f"{cfg.optimizer} {describe_rate(cfg, replicas)}, batch {cfg.batch_size}/replica"
 
 
-
 def _validate(cfg) -> None:
     check_loop_options(cfg)
     check_lr_rule(cfg, "linear")
+
 
 STRATEGY = Strategy(
     name="sync",
